@@ -1,0 +1,1 @@
+"""Device profiles shipped with rafl (YAML). Installed as package data `rafl.profiles`."""

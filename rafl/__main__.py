@@ -1,0 +1,3 @@
+from rafl.cli import main
+
+main()

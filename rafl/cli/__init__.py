@@ -1,0 +1,61 @@
+"""Command-line interface: ``rafl <command>``.
+
+Thin by design: each command parses its options, loads/validates config and calls one function of
+the library. Commands are loaded lazily (importing torch-heavy modules only for the command that
+runs). Every :class:`rafl.errors.UserInputError` becomes one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from rafl import __version__
+from rafl.errors import UserInputError
+
+# command name -> "module:attribute" of a click.Command. One line per command.
+COMMANDS: dict[str, str] = {
+    "data": "rafl.cli.data:data",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group that imports a command's module only when that command is used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except UserInputError as err:
+            click.echo(f"error: {err}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="rafl")
+def cli() -> None:
+    """rafl: resource-aware heterogeneous federated learning.
+
+    Train a once-for-all supernet, search a subnet per device profile, federate the specialized
+    models (RaFL, FedGH, FedTGP, ...), and read cost/latency reports.
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (``rafl``)."""
+    cli.main(args=argv, prog_name="rafl", standalone_mode=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

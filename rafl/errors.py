@@ -1,0 +1,44 @@
+"""Errors that rafl raises for bad user input.
+
+Every check of user input (a file, a CLI option, a config field, a checkpoint, a payload) raises
+:class:`UserInputError` with one line that names *where* (file and/or field), *what* was found and
+*what is allowed*. The CLI turns it into that one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+
+class RaflError(Exception):
+    """Base class of rafl's own errors."""
+
+
+class UserInputError(RaflError, ValueError):
+    """Bad input from the user: a file, option, config field, checkpoint or payload.
+
+    Args:
+        message: what is wrong and what is allowed.
+        source: the file (path) or object the input came from, if any.
+        field: the field / option / key that is wrong, if any.
+
+    ``str(err)`` is one line: ``"<source>: <field>: <message>"`` (parts that are None are omitted).
+    """
+
+    def __init__(self, message: str, *, source: str | Path | None = None, field: str | None = None):
+        self.message = message
+        self.source = None if source is None else str(source)
+        self.field = field
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:  # one line, always
+        parts = [p for p in (self.source, self.field) if p]
+        text = ": ".join([*parts, self.message])
+        return " ".join(text.split("\n"))
+
+
+def allowed(values: Iterable[object]) -> str:
+    """Format allowed values for an error message: ``"one of 3, 5, 7"``."""
+    vals = list(values)
+    return "one of " + ", ".join(str(v) for v in vals)

@@ -1,0 +1,74 @@
+"""Atomic file and directory writes, and safe checkpoint I/O.
+
+Everything rafl writes (configs, checkpoints, run dirs, reports) goes through a temp name in the
+same directory followed by ``os.replace``, so an interrupted command never leaves a half-written
+file under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Text (UTF-8) version of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_write_yaml(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as YAML (safe dumper), atomically."""
+    atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Build a directory under a temp name; rename it to ``path`` only if the block succeeds.
+
+    Yields the temp directory to write into. On any exception the temp directory is removed and
+    nothing exists under ``path`` (unless it existed before and ``overwrite`` is False, in which
+    case a FileExistsError is raised up front).
+    """
+    path = Path(path)
+    if path.exists() and not overwrite and any(path.iterdir()):
+        raise FileExistsError(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,31 @@
+"""Shared fixtures: fixed seeds, small thread counts, temporary cache dirs, shared CIFAR-10 path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Every test gets its own rafl cache dir (never the user's)."""
+    monkeypatch.setenv("RAFL_CACHE_DIR", str(tmp_path_factory.mktemp("rafl-cache")))
+
+
+@pytest.fixture(scope="session")
+def shared_cifar10_tarball() -> Path:
+    """The real CIFAR-10 JPEG tarball from ../shared/data (present on dev machines and in CI)."""
+    if not SHARED_CIFAR10.is_file():
+        raise FileNotFoundError(f"shared CIFAR-10 not found at {SHARED_CIFAR10}")
+    return SHARED_CIFAR10
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
