@@ -1,0 +1,274 @@
+"""The algorithm interface every FL method implements, the contexts it receives, and the registry.
+
+An FL method is two steps over :class:`~rafl.federation.payload.Payload` s (Flower-style: a
+strategy configures and aggregates, the engine moves messages):
+
+* ``client_update(state, broadcast, client) -> (state, upload)`` on every sampled client;
+* ``server_aggregate(uploads, server_state, server) -> (server_state, broadcast)`` on the server.
+
+Neither step knows about the engine (no algorithm imports ``rafl.federation.engine``), and the
+engine knows no algorithm by name: it asks the registry (:func:`get_algorithm`).
+
+State contract. Client and server *state* are plain nested containers (dict / list / tuple) of
+tensors, Python numbers, strings and None -- exactly what ``torch.save`` writes and
+``torch.load(..., weights_only=True)`` reads back (e.g. ``{"model": model.state_dict(),
+"opt": optimizer.state_dict()}``). The engine stores them on disk between rounds (only sampled
+clients are materialized), so a state must never hold an ``nn.Module``, optimizer object, or
+generator. Models are rebuilt each round from ``client.make_model()`` and the stored weights.
+
+Evaluation contract. :meth:`Algorithm.evaluate` returns, for every model ``m`` it evaluates on the
+client's test split, ``"m.correct"`` and ``"m.total"`` (counts, floats); ``"model"`` is the model
+the client deploys (for RaFL the specialized subnet), other names are extra (RaFL:
+``"knowledge"``). The engine turns them into mean-over-clients accuracy, sample-weighted accuracy
+(sum correct / sum total) and std. Other keys (e.g. ``"model.loss"``) are averaged over clients.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from rafl.errors import UserInputError, allowed
+from rafl.federation.payload import Payload
+from rafl.supernet.arch import ArchConfig, SearchSpace
+
+#: A DataLoader-like iterable of ``(images (B, C, H, W) float32, labels (B,) int64)`` batches.
+Loader = Iterable[tuple[torch.Tensor, torch.Tensor]]
+#: Builds a fresh model: ``make_model()`` -> the client's own model; ``make_model(arch)`` -> the
+#: subnet ``arch`` of the same supernet (e.g. RaFL's knowledge network). Weights come from the
+#: supernet (or the factory's own init when no supernet is used), never from another client.
+ModelFactory = Callable[..., nn.Module]
+#: Weights-only-serializable nested container (see the module docstring).
+State = Any
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """What the server may know about a client (no data): id, profile, architecture, size.
+
+    Attributes:
+        client_id: position in the population (0..n_clients-1).
+        profile: device profile name (e.g. ``"pi4"``), or ``"custom"``.
+        arch: the client's subnet, or None when the model is not a supernet subnet.
+        model_key: a string identifying the model architecture (``arch.to_string()`` by default);
+            clients with equal keys have identical models (FedAvg/FedProx/FedNova require this).
+        n_samples: number of training samples (``n_l`` in RaFL Eq. 7).
+    """
+
+    client_id: int
+    profile: str
+    arch: ArchConfig | None
+    model_key: str
+    n_samples: int
+
+
+@dataclass
+class ClientContext:
+    """Everything a client step may use. Built by the engine for one client and one round.
+
+    Attributes:
+        info: the client's :class:`ClientInfo`.
+        make_model: :data:`ModelFactory` (``make_model()`` = own model, ``make_model(arch)`` = a
+            subnet of the same supernet).
+        train_loader / val_loader / test_loader: the client's own splits (:data:`Loader`); the
+            test split is used only by :meth:`Algorithm.evaluate`.
+        n_classes: number of classes.
+        device: torch device for local computation.
+        seed: per-(run, client, round) seed; ``rng`` and ``torch_generator`` are seeded from it.
+        rng: numpy Generator for this client and round.
+        round: current round (1-based; 0 during ``init_client``).
+        hparams: the algorithm's hyperparameters (the validated config's ``algorithm`` section).
+    """
+
+    info: ClientInfo
+    make_model: ModelFactory
+    train_loader: Loader
+    val_loader: Loader | None
+    test_loader: Loader
+    n_classes: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    round: int = 0
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def client_id(self) -> int:
+        return self.info.client_id
+
+    @property
+    def n_samples(self) -> int:
+        return self.info.n_samples
+
+    @property
+    def arch(self) -> ArchConfig | None:
+        return self.info.arch
+
+    @property
+    def profile(self) -> str:
+        return self.info.profile
+
+    def torch_generator(self) -> torch.Generator:
+        """A CPU torch Generator seeded with :attr:`seed` (for dropout masks, sampling...)."""
+        return torch.Generator().manual_seed(int(self.seed))
+
+
+@dataclass
+class ServerContext:
+    """Everything a server step may use.
+
+    Attributes:
+        clients: every client's :class:`ClientInfo` (the whole population), by id.
+        make_model: ``make_model(arch)`` -> a fresh subnet ``arch`` of the supernet with the
+            supernet's weights; ``make_model(client_id=i)`` -> client ``i``'s own model.
+        public_images: the server's unlabeled public pool, ``(N_pub, C, H, W)`` float32 normalized
+            like client data (labels are withheld), or None when the run has none.
+        n_classes: number of classes.
+        space: the supernet's search space, or None.
+        supernet: the supernet (read-only for algorithms), or None.
+        device: torch device for server computation.
+        seed: run seed; ``rng`` is seeded from it and the round.
+        rng: numpy Generator for this server step.
+        round: the round whose uploads are being aggregated (0 during ``init_server``).
+        hparams: the algorithm's hyperparameters.
+    """
+
+    clients: list[ClientInfo]
+    make_model: ModelFactory
+    public_images: torch.Tensor | None
+    n_classes: int
+    space: SearchSpace | None = None
+    supernet: nn.Module | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    round: int = 0
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+
+class Algorithm(ABC):
+    """One FL method. Subclasses set :attr:`name`, are decorated with :func:`register`, and
+    implement the five abstract methods. Instances hold only hyperparameters (never state).
+
+    Args:
+        **hparams: method hyperparameters (validated by :meth:`check_hparams`).
+
+    Class attributes:
+        name: registry name (lower case, e.g. ``"rafl"``, ``"fedavg"``).
+        defaults: default hyperparameters; keys not listed here are rejected.
+        requires_homogeneous: True for methods that average whole models (FedAvg/FedProx/FedNova);
+            :meth:`check_population` then rejects clients with different ``model_key``.
+        uses_public_pool: True when :meth:`server_aggregate` needs ``ServerContext.public_images``.
+    """
+
+    name: ClassVar[str] = ""
+    defaults: ClassVar[dict[str, Any]] = {}
+    requires_homogeneous: ClassVar[bool] = False
+    uses_public_pool: ClassVar[bool] = False
+
+    def __init__(self, **hparams: Any) -> None:
+        self.hparams = self.check_hparams(hparams)
+
+    @classmethod
+    def check_hparams(cls, hparams: dict[str, Any]) -> dict[str, Any]:
+        """Defaults merged with ``hparams``. Raises UserInputError on an unknown key."""
+        unknown = sorted(set(hparams) - set(cls.defaults))
+        if unknown:
+            raise UserInputError(f"unknown hyperparameter(s) {unknown} for {cls.name!r}; "
+                                 f"allowed: {sorted(cls.defaults)}", field="algorithm")
+        return {**cls.defaults, **hparams}
+
+    def check_population(self, clients: list[ClientInfo]) -> None:
+        """Reject populations this method cannot handle (called once before round 1).
+
+        Raises:
+            UserInputError: ``requires_homogeneous`` and the clients' models differ.
+        """
+        if self.requires_homogeneous:
+            keys = sorted({c.model_key for c in clients})
+            if len(keys) > 1:
+                raise UserInputError(
+                    f"{self.name} averages whole models and needs identical client models, got "
+                    f"{len(keys)} different architectures (e.g. {keys[0]!r} and {keys[1]!r}); use a "
+                    "heterogeneous method (rafl, feddf, standalone) or give every client the same arch",
+                    field="algorithm.name")
+
+    # ------------------------------------------------------------------ the five steps
+    @abstractmethod
+    def init_server(self, server: ServerContext) -> tuple[State, Payload]:
+        """Initial server state and the first broadcast (round 1's download)."""
+
+    @abstractmethod
+    def init_client(self, client: ClientContext) -> State:
+        """Initial state of a client (built when the client is first sampled)."""
+
+    @abstractmethod
+    def client_update(self, state: State, broadcast: Payload, client: ClientContext) -> tuple[State, Payload]:
+        """Local step: consume the broadcast, train locally, return the new state and the upload."""
+
+    @abstractmethod
+    def server_aggregate(self, uploads: list[Payload], server_state: State,
+                         server: ServerContext) -> tuple[State, Payload]:
+        """Aggregate the round's uploads (each carries ``meta["client_id"]`` and
+        ``meta["n_samples"]``) into a new server state and the next broadcast."""
+
+    @abstractmethod
+    def evaluate(self, state: State, client: ClientContext) -> dict[str, float]:
+        """Evaluate on ``client.test_loader``: ``"<model>.correct"``/``"<model>.total"`` per model."""
+
+    # ------------------------------------------------------------------ optional hooks
+    def client_broadcast(self, broadcast: Payload, client: ClientInfo) -> Payload:
+        """What ``client`` actually downloads from the round's broadcast (default: all of it).
+
+        Methods that send different things to different clients (e.g. FedDF's per-architecture
+        models) select here; the engine counts the bytes of what this returns."""
+        return broadcast
+
+    def upload_spec(self, server_state: State, client: ClientInfo) -> dict[str, tuple[int, ...]] | None:
+        """Expected ``name -> shape`` of ``client``'s upload for validation, or None (only
+        finiteness is checked)."""
+        return None
+
+    def prepare_evaluation(self, state: State, broadcast: Payload, client: ClientContext) -> State:
+        """Hook run before :meth:`evaluate` on clients (default: state unchanged). Methods whose
+        evaluated model depends on the latest broadcast (e.g. a global header) apply it here."""
+        return state
+
+
+# ---------------------------------------------------------------------- registry
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: add ``cls`` to :data:`ALGORITHMS` under ``cls.name``."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} has no name")
+    if cls.name in ALGORITHMS and ALGORITHMS[cls.name] is not cls:
+        raise TypeError(f"algorithm name {cls.name!r} registered twice")
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    """The registered class for ``name`` (case-insensitive).
+
+    Raises:
+        UserInputError: unknown name, listing the registered ones.
+    """
+    from rafl.federation import algorithms as _pkg  # noqa: F401  (imports every method module)
+
+    key = name.strip().lower()
+    if key not in ALGORITHMS:
+        raise UserInputError(f"unknown algorithm {name!r}; {allowed(sorted(ALGORITHMS))}",
+                             field="algorithm.name")
+    return ALGORITHMS[key]
+
+
+__all__ = ["Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State", "Loader",
+           "ModelFactory", "ALGORITHMS", "register", "get_algorithm"]

@@ -1,0 +1,165 @@
+"""What crosses the network: :class:`Payload`, a flat mapping of named tensors plus scalar metadata.
+
+A payload is everything one client uploads in one round, or everything the server broadcasts to
+one client. Its serialized size (:meth:`Payload.nbytes`) *is* the communication cost: the engine
+counts every upload and every broadcast through it, and nothing else estimates bytes.
+
+Wire format: one safetensors blob (`safetensors <https://github.com/huggingface/safetensors>`_):
+an 8-byte header length, a JSON header (tensor names, dtypes, shapes, offsets, and a
+``__metadata__`` entry holding this payload's metadata as one JSON string) and the raw tensor
+bytes. A payload with no tensors and no metadata is "nothing sent" and has ``nbytes() == 0``.
+
+Mapping onto Flower (``flwr.app``): ``tensors`` is one ``ArrayRecord`` (name -> ``Array``,
+same keys, ``Array.from_torch_tensor``), ``meta`` is one ``MetricRecord`` for the int/float
+values plus a ``ConfigRecord`` for strings and lists; a Flower ``Message``'s ``RecordDict`` holds
+them as ``{"arrays": ArrayRecord, "metrics": MetricRecord, "config": ConfigRecord}``. Names are
+kept verbatim, so the conversion is 1:1 in both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+from rafl.errors import UserInputError
+
+#: Allowed metadata values: numbers, strings, booleans and flat lists of numbers (e.g. class ids).
+MetaValue = Union[int, float, str, bool, list[int], list[float]]
+
+_META_KEY = "rafl"
+
+
+def _check_meta_value(key: str, value: object) -> None:
+    if isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in value):
+        return
+    raise UserInputError(f"metadata value of type {type(value).__name__} is not allowed; allowed: "
+                         "int, float, str, bool, list of int/float", field=f"payload.meta.{key}")
+
+
+@dataclass
+class Payload:
+    """Named tensors + scalar metadata sent in one direction for one client and one round.
+
+    Attributes:
+        tensors: flat ``name -> Tensor`` (any shape, any dtype safetensors supports). Tensors are
+            detached and moved to CPU on construction. Names are free-form, e.g. ``"knowledge.
+            blocks.0.conv.weight"``, ``"proto.3"``.
+        meta: flat ``name -> int | float | str | bool | list[int|float]``, e.g. ``{"n_samples":
+            123, "class_ids": [0, 3, 7]}``. The engine adds ``"client_id"`` to uploads.
+
+    Raises:
+        UserInputError: a metadata value of a type not listed above.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tensors = {str(k): v.detach().to("cpu") for k, v in self.tensors.items()}
+        for k, v in self.meta.items():
+            _check_meta_value(k, v)
+        self.meta = {str(k): (list(v) if isinstance(v, tuple) else v) for k, v in self.meta.items()}
+
+    # ------------------------------------------------------------------ helpers
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, torch.Tensor], prefix: str = "",
+                        meta: dict[str, MetaValue] | None = None) -> Payload:
+        """Payload holding ``state`` (e.g. ``model.state_dict()``) with names prefixed by ``prefix``."""
+        return cls({prefix + k: v for k, v in state.items()}, dict(meta or {}))
+
+    def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The tensors whose names start with ``prefix``, with the prefix stripped."""
+        return {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+
+    def is_empty(self) -> bool:
+        """True when nothing would be sent (no tensors, no metadata)."""
+        return not self.tensors and not self.meta
+
+    # ------------------------------------------------------------------ wire format
+    def to_bytes(self) -> bytes:
+        """Serialize to one safetensors blob (metadata as JSON in the header); b"" when empty."""
+        if self.is_empty():
+            return b""
+        tensors = {k: v.contiguous() for k, v in self.tensors.items()}
+        return _st_save(tensors, metadata={_META_KEY: json.dumps(self.meta, sort_keys=True)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str | None = None) -> Payload:
+        """Inverse of :meth:`to_bytes`. Raises UserInputError on a truncated/corrupt blob."""
+        if not data:
+            return cls()
+        try:
+            tensors = _st_load(data)
+            header_len = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8:8 + header_len])
+            meta = json.loads(header.get("__metadata__", {}).get(_META_KEY, "{}"))
+        except Exception as err:  # safetensors raises its own error types
+            raise UserInputError(f"corrupt or truncated payload ({err.__class__.__name__})",
+                                 source=source) from None
+        return cls(tensors, meta)
+
+    def nbytes(self) -> int:
+        """Serialized size in bytes: safetensors header (names, shapes, dtypes, metadata JSON) +
+        raw tensor bytes. 0 for an empty payload. This is *the* communication count."""
+        return len(self.to_bytes())
+
+    def num_parameters(self) -> int:
+        """Total number of tensor elements."""
+        return sum(v.numel() for v in self.tensors.values())
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, expected: Mapping[str, tuple[int, ...]] | None = None, *,
+                 sender: str = "client", required_meta: tuple[str, ...] = ()) -> Payload:
+        """Check a received payload; return self.
+
+        Args:
+            expected: ``name -> shape`` the receiver expects (exactly these keys), or None to
+                check only finiteness.
+            sender: who sent it, used in error messages (e.g. ``"client 7"``).
+            required_meta: metadata keys that must be present.
+
+        Raises:
+            UserInputError: a missing/unexpected tensor, a wrong shape, a NaN/Inf value or a
+                missing metadata key, naming the sender and the tensor.
+        """
+        if expected is not None:
+            missing = sorted(set(expected) - set(self.tensors))
+            extra = sorted(set(self.tensors) - set(expected))
+            if missing:
+                raise UserInputError(f"missing tensor(s) {missing[:5]}{'...' if len(missing) > 5 else ''}",
+                                     source=f"payload from {sender}")
+            if extra:
+                raise UserInputError(f"unexpected tensor(s) {extra[:5]}{'...' if len(extra) > 5 else ''}; "
+                                     f"expected {len(expected)} named tensors", source=f"payload from {sender}")
+            for name, shape in expected.items():
+                got = tuple(self.tensors[name].shape)
+                if got != tuple(shape):
+                    raise UserInputError(f"has shape {list(got)}, expected {list(shape)}",
+                                         source=f"payload from {sender}", field=name)
+        for name, t in self.tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise UserInputError("contains NaN or Inf values", source=f"payload from {sender}", field=name)
+        for key in required_meta:
+            if key not in self.meta:
+                raise UserInputError(f"missing metadata key {key!r}", source=f"payload from {sender}")
+        for key, v in self.meta.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UserInputError("is NaN or Inf", source=f"payload from {sender}", field=f"meta.{key}")
+        return self
+
+    def spec(self) -> dict[str, tuple[int, ...]]:
+        """``name -> shape`` of the tensors (what :meth:`validate` takes as ``expected``)."""
+        return {k: tuple(v.shape) for k, v in self.tensors.items()}
+
+
+__all__ = ["Payload", "MetaValue"]

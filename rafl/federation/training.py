@@ -1,0 +1,325 @@
+"""Shared local-training building blocks, written once and used by every FL method.
+
+* :func:`train_ce` -- cross-entropy epochs (optionally FedProx's proximal term);
+* :func:`dml_losses` / :func:`train_dml` -- deep mutual learning of two models (RaFL Eqs. 3-6);
+* :func:`distill_kl` -- KL distillation of a student into given soft targets (RaFL Eq. 9, FedDF);
+* :func:`predict_logits` -- logits of a model on a tensor of images, batched;
+* :func:`evaluate_accuracy` -- ``(correct, total)`` on a loader;
+* :func:`extract_representations` -- ``(features (N, D), labels (N,))`` from ``model.features``
+  (FedGH's LARs, FedProto/FedTGP prototypes).
+
+Conventions: a *loader* yields ``(images (B, C, H, W) float32, labels (B,) int64)``; every function
+moves batches to ``device`` and leaves the model in the mode it found it in only for the eval
+helpers (training helpers leave it in train mode). Losses are batch means. Temperatures follow
+Hinton et al. ("Distilling the Knowledge in a Neural Network", 2015): soft targets at temperature
+``T`` and the KL term multiplied by ``T**2`` so its gradient scale does not depend on ``T``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class TrainStats:
+    """What a local training call did.
+
+    Attributes:
+        loss: mean training loss over the steps (0.0 when no step ran).
+        steps: number of optimizer steps (FedNova's tau).
+        samples: number of training samples seen (summed over epochs).
+        correct: training samples classified correctly (on the fly, before each step).
+    """
+
+    loss: float = 0.0
+    steps: int = 0
+    samples: int = 0
+    correct: int = 0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.samples if self.samples else 0.0
+
+
+def kl_soft(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, mean over the batch.
+
+    Args:
+        student_logits: (B, K) logits of the model being trained.
+        teacher_logits: (B, K) target logits (treated as constants: detached here).
+        temperature: T > 0.
+
+    Returns:
+        scalar tensor. This is the KL term of RaFL Eqs. 4 and 6 (``D_KL(p_k || p_l)`` with
+        ``p_k`` the target) and of Eq. 9.
+    """
+    t = float(temperature)
+    log_p_student = F.log_softmax(student_logits / t, dim=1)
+    p_teacher = F.softmax(teacher_logits.detach() / t, dim=1)
+    return F.kl_div(log_p_student, p_teacher, reduction="batchmean") * (t * t)
+
+
+def dml_losses(logits_l: torch.Tensor, logits_k: torch.Tensor, labels: torch.Tensor,
+               temperature: float = 1.0, alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deep mutual learning losses of RaFL (Yu et al., Eqs. 3-6; Zhang et al., CVPR 2018, Eq. 2).
+
+    ``L(theta_l) = CE(p_l, y) + alpha * KL(p_k || p_l)`` (Eqs. 3-4) and
+    ``L(theta_k) = CE(p_k, y) + alpha * KL(p_l || p_k)`` (Eqs. 5-6), where each KL treats the
+    *other* model's distribution as a constant target (at temperature T, scaled by T^2).
+
+    Args:
+        logits_l: (B, K) logits of the local specialized model theta_l.
+        logits_k: (B, K) logits of the knowledge network theta_k.
+        labels: (B,) int64 class ids.
+        temperature: softmax temperature of the KL terms (RaFL uses 1).
+        alpha: weight of the KL terms.
+
+    Returns:
+        ``(loss_l, loss_k)``, two scalars; ``loss_l`` only has gradients into ``logits_l`` and
+        ``loss_k`` only into ``logits_k``.
+    """
+    loss_l = F.cross_entropy(logits_l, labels) + alpha * kl_soft(logits_l, logits_k, temperature)
+    loss_k = F.cross_entropy(logits_k, labels) + alpha * kl_soft(logits_k, logits_l, temperature)
+    return loss_l, loss_k
+
+
+def _proximal(model: nn.Module, reference: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``sum ||w - w_ref||^2`` over the model's trainable parameters (FedProx, Li et al. 2020, Eq. 2)."""
+    total = torch.zeros(())
+    for name, p in model.named_parameters():
+        if p.requires_grad and name in reference:
+            total = total + (p - reference[name].to(p.device)).pow(2).sum()
+    return total
+
+
+def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.Optimizer, *,
+             epochs: int = 1, device: torch.device | str = "cpu", prox_mu: float = 0.0,
+             prox_reference: Mapping[str, torch.Tensor] | None = None,
+             max_steps: int | None = None) -> TrainStats:
+    """Cross-entropy training for ``epochs`` passes over ``loader``.
+
+    With ``prox_mu > 0`` adds FedProx's proximal term ``mu/2 * ||w - w_global||^2`` (Li et al.,
+    "Federated Optimization in Heterogeneous Networks", MLSys 2020, Eq. 2) against
+    ``prox_reference`` (a ``named_parameters`` mapping of the global model).
+
+    Args:
+        model: maps (B, C, H, W) -> (B, K) logits.
+        loader: yields (images, labels).
+        optimizer: over ``model``'s parameters.
+        epochs: passes over the loader (>= 0).
+        device: where to compute.
+        prox_mu: FedProx mu (0 = plain CE).
+        prox_reference: required when ``prox_mu > 0``.
+        max_steps: stop after this many optimizer steps (None = no limit).
+
+    Returns:
+        :class:`TrainStats` (``steps`` is FedNova's local step count tau).
+
+    Raises:
+        ValueError: ``prox_mu > 0`` without ``prox_reference``.
+    """
+    if prox_mu > 0 and prox_reference is None:
+        raise ValueError("prox_mu > 0 needs prox_reference")
+    model.train()
+    stats = TrainStats()
+    loss_sum = 0.0
+    for _ in range(int(epochs)):
+        for images, labels in loader:
+            if max_steps is not None and stats.steps >= max_steps:
+                break
+            images, labels = images.to(device), labels.to(device)
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)
+            if prox_mu > 0:
+                loss = loss + 0.5 * prox_mu * _proximal(model, prox_reference)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            stats.steps += 1
+            stats.samples += int(labels.numel())
+            stats.correct += int((logits.detach().argmax(1) == labels).sum())
+            loss_sum += float(loss.detach())
+    stats.loss = loss_sum / stats.steps if stats.steps else 0.0
+    return stats
+
+
+def train_dml(model_l: nn.Module, model_k: nn.Module, loader: Iterable[Batch],
+              opt_l: torch.optim.Optimizer, opt_k: torch.optim.Optimizer, *, epochs: int = 1,
+              temperature: float = 1.0, alpha: float = 1.0,
+              device: torch.device | str = "cpu") -> tuple[TrainStats, TrainStats]:
+    """Deep mutual learning of the local model and the knowledge network (RaFL Eqs. 3-6).
+
+    Per batch: both models predict, :func:`dml_losses` gives ``(L(theta_l), L(theta_k))`` (each
+    with the other's prediction as a constant target), and both optimizers step.
+
+    Args:
+        model_l: the specialized local model theta_l, (B, C, H, W) -> (B, K).
+        model_k: the knowledge network theta_k, (B, C, H, W) -> (B, K).
+        loader: yields (images, labels).
+        opt_l / opt_k: optimizers over each model's parameters.
+        epochs: passes over the loader.
+        temperature / alpha: see :func:`dml_losses`.
+        device: where to compute.
+
+    Returns:
+        ``(stats_l, stats_k)``.
+    """
+    model_l.train()
+    model_k.train()
+    st_l, st_k = TrainStats(), TrainStats()
+    sum_l = sum_k = 0.0
+    for _ in range(int(epochs)):
+        for images, labels in loader:
+            images, labels = images.to(device), labels.to(device)
+            logits_l = model_l(images)
+            logits_k = model_k(images)
+            loss_l, loss_k = dml_losses(logits_l, logits_k, labels, temperature, alpha)
+            opt_l.zero_grad(set_to_none=True)
+            opt_k.zero_grad(set_to_none=True)
+            (loss_l + loss_k).backward()  # the losses touch disjoint parameters (targets detached)
+            opt_l.step()
+            opt_k.step()
+            n = int(labels.numel())
+            for st, logits in ((st_l, logits_l), (st_k, logits_k)):
+                st.steps += 1
+                st.samples += n
+                st.correct += int((logits.detach().argmax(1) == labels).sum())
+            sum_l += float(loss_l.detach())
+            sum_k += float(loss_k.detach())
+    st_l.loss = sum_l / st_l.steps if st_l.steps else 0.0
+    st_k.loss = sum_k / st_k.steps if st_k.steps else 0.0
+    return st_l, st_k
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, images: torch.Tensor, *, batch_size: int = 256,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """Logits (N, K) of ``model`` in eval mode on ``images`` (N, C, H, W), on CPU."""
+    was_training = model.training
+    model.eval()
+    out = [model(images[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(images), batch_size)]
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.Tensor,
+               optimizer: torch.optim.Optimizer, *, temperature: float = 1.0, epochs: int = 1,
+               batch_size: int = 64, generator: torch.Generator | None = None,
+               device: torch.device | str = "cpu") -> TrainStats:
+    """Distil soft targets into ``student`` with KL (RaFL Eq. 9; FedDF, Lin et al. NeurIPS 2020).
+
+    Minimizes ``T^2 * KL(softmax(teacher/T) || softmax(student/T))`` over shuffled mini-batches of
+    the unlabeled ``images``.
+
+    Args:
+        student: (B, C, H, W) -> (B, K).
+        images: (N, C, H, W) unlabeled images (the server's public pool).
+        teacher_logits: (N, K) targets (e.g. the ensemble average of RaFL Eq. 8).
+        optimizer: over the student's parameters.
+        temperature, epochs, batch_size: as named.
+        generator: torch Generator for the shuffling (deterministic runs).
+        device: where to compute.
+
+    Returns:
+        :class:`TrainStats` (``correct`` counts agreement with the teacher's argmax).
+
+    Raises:
+        ValueError: ``images`` and ``teacher_logits`` differ in length.
+    """
+    if len(images) != len(teacher_logits):
+        raise ValueError(f"{len(images)} images but {len(teacher_logits)} teacher logits")
+    student.train()
+    stats = TrainStats()
+    loss_sum = 0.0
+    n = len(images)
+    for _ in range(int(epochs)):
+        order = torch.randperm(n, generator=generator)
+        for i in range(0, n, batch_size):
+            idx = order[i:i + batch_size]
+            x, t = images[idx].to(device), teacher_logits[idx].to(device)
+            logits = student(x)
+            loss = kl_soft(logits, t, temperature)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            stats.steps += 1
+            stats.samples += len(idx)
+            stats.correct += int((logits.detach().argmax(1) == t.argmax(1)).sum())
+            loss_sum += float(loss.detach())
+    stats.loss = loss_sum / stats.steps if stats.steps else 0.0
+    return stats
+
+
+@torch.no_grad()
+def evaluate_accuracy(model: nn.Module, loader: Iterable[Batch], *,
+                      device: torch.device | str = "cpu") -> tuple[int, int]:
+    """``(correct, total)`` of ``model`` (eval mode) over ``loader``; the model's mode is restored."""
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        logits = model(images.to(device))
+        correct += int((logits.argmax(1).cpu() == labels).sum())
+        total += int(labels.numel())
+    model.train(was_training)
+    return correct, total
+
+
+@torch.no_grad()
+def extract_representations(model: nn.Module, loader: Iterable[Batch], *,
+                            device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Representations from ``model.features`` (eval mode): ``(features (N, D) float32, labels (N,) int64)``.
+
+    ``model`` must have ``features(x) -> (B, D)`` (every rafl Subnet does; D is the same for all
+    subnets of a supernet), as FedGH's LARs and FedProto/FedTGP's prototypes need.
+    """
+    was_training = model.training
+    model.eval()
+    feats, labs = [], []
+    for images, labels in loader:
+        feats.append(model.features(images.to(device)).float().cpu())
+        labs.append(labels.cpu())
+    model.train(was_training)
+    if not feats:
+        return torch.zeros(0, 0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(feats), torch.cat(labs)
+
+
+def class_means(features: torch.Tensor, labels: torch.Tensor, n_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class mean of ``features`` (N, D): ``(means (n_classes, D), counts (n_classes,) int64)``.
+
+    Classes without samples get a zero row and count 0 (FedGH's LAR, Yi et al. Eq. 3; FedProto's
+    local prototype, Tan et al. AAAI 2022, Eq. 4)."""
+    d = features.shape[1] if features.ndim == 2 else 0
+    sums = torch.zeros(n_classes, d, dtype=features.dtype)
+    counts = torch.bincount(labels, minlength=n_classes)[:n_classes]
+    if len(labels):
+        sums.index_add_(0, labels, features)
+    means = sums / counts.clamp(min=1).unsqueeze(1).to(features.dtype)
+    return means, counts
+
+
+def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, momentum: float = 0.9,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The local optimizer: ``"sgd"`` (with momentum) or ``"adam"``.
+
+    Raises:
+        ValueError: unknown name (configs validate this earlier with a UserInputError).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; allowed: sgd, adam")
+
+
+__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "train_dml", "predict_logits", "distill_kl",
+           "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]
