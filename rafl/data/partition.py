@@ -1,0 +1,573 @@
+"""Federated partitions: which sample indices each client holds, and the server's public pool.
+
+Partitioners (all deterministic for a seed; one ``numpy.random.Generator`` per call):
+
+* ``iid`` -- a uniform random permutation cut into ``n_clients`` near-equal shares.
+* ``pathological`` -- every client holds exactly ``k`` classes (McMahan et al., "Communication-
+  Efficient Learning of Deep Networks from Decentralized Data", AISTATS 2017, Sec. 3; the "2/10"
+  and "10/100" settings of FedGH, Yi et al., ACM MM 2023, Sec. 5.1). The classes are randomly
+  permuted and client ``i`` gets the ``k`` classes at cyclic positions ``i*k .. i*k+k-1``, so each
+  class goes to ``floor`` or ``ceil`` of ``n_clients*k/C`` clients; a class's samples are then cut
+  into near-equal random shares among its holders. When ``n_clients*k < C`` some classes are held
+  by nobody and their samples stay unassigned (``meta["unassigned"]`` counts them).
+* ``dirichlet`` -- label skew (Hsu et al., "Measuring the Effects of Non-Identical Data
+  Distribution for Federated Visual Classification", 2019, Sec. 3): for every class ``c`` draw
+  ``p_c ~ Dir(alpha * 1_n)`` over the clients and cut the class's shuffled samples at the
+  cumulative proportions. As in NIID-Bench (Li et al., ICDE 2022, Sec. 4.1; also FedLab's
+  ``hetero_dir_partition`` and HtFLlib), a client that already holds ``>= N/n`` samples gets no
+  more (``p_{c,j} = 0``). The whole draw is repeated until every client has ``>= min_samples``
+  samples, at most :data:`MAX_DIRICHLET_TRIES` times, then :class:`~rafl.errors.UserInputError`.
+* ``natural`` -- one client per writer (FEMNIST, LEAF; Caldas et al., 2018). Writers with fewer than
+  ``min_samples`` samples are skipped; if ``n_clients`` is smaller than the number of eligible
+  writers, ``n_clients`` of them are drawn at random (the rest stay unassigned). Client order is
+  the sorted writer id order of the chosen writers; ``meta["writers"]`` lists them.
+* ``file:PATH`` -- a saved ``partition.json`` (see below), so that runs -- also of other
+  libraries -- can share one exact split.
+
+The public pool (:func:`carve_public_pool`) is carved FIRST (stratified, its own seed), then the
+remaining indices are partitioned. Each client's share is split train/val/test (default 8:1:1) by
+:func:`split_client`: stratified per class where a class has >= 3 samples on the client, the
+classes with fewer samples pooled as one remainder stratum; a client with >= 3 samples always gets
+>= 1 validation and >= 1 test sample.
+
+``partition.json`` format (version 1), written by :meth:`Partition.save`::
+
+    {
+      "format": "rafl.partition",
+      "version": 1,
+      "meta": {"dataset": "digits", "scheme": "dirichlet", "params": {"alpha": 0.1, ...},
+               "seed": 0, "n_samples": 1797, "n_classes": 10, "n_clients": 20,
+               "public_fraction": 0.0, "public_seed": 0, "split": [0.8, 0.1, 0.1], ...},
+      "public": [3, 17, ...],                       # server's public pool (labels withheld)
+      "clients": {"0": {"train": [...], "val": [...], "test": [...]}, "1": {...}, ...}
+    }
+
+Indices are 0-based positions into the dataset as :func:`rafl.data.load_dataset` returns it
+(the source's train samples first, then its test samples, each in sorted file/record order).
+Client ids are the strings ``"0" .. "n-1"``. Index sets are pairwise disjoint (across clients,
+splits and the public pool). ``meta`` is informational, except ``n_samples`` which is checked
+against the dataset when the file is loaded with ``n_samples``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rafl.errors import UserInputError, allowed
+from rafl.io import atomic_write_json
+
+SCHEMES: tuple[str, ...] = ("iid", "pathological", "dirichlet", "natural")
+MAX_DIRICHLET_TRIES: int = 100
+FORMAT = "rafl.partition"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ClientSplit:
+    """One client's data: int64 index arrays (sorted) into the dataset, shapes (n_train,), (n_val,), (n_test,)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+
+    @property
+    def n_samples(self) -> int:
+        """Total samples of the client over its three splits."""
+        return int(len(self.train) + len(self.val) + len(self.test))
+
+    def all(self) -> np.ndarray:
+        """All of the client's indices, sorted int64 (n_samples,)."""
+        return np.sort(np.concatenate([self.train, self.val, self.test])).astype(np.int64)
+
+
+@dataclass
+class Partition:
+    """A federated partition of one dataset.
+
+    Attributes:
+        clients: one :class:`ClientSplit` per client; list position = client id.
+        public: sorted int64 indices of the server's public pool (labels withheld from FL
+            algorithms; for ensemble distillation and server-side stages), possibly empty.
+        meta: dataset, scheme, params, seed, n_samples, n_classes, n_clients, public_fraction,
+            public_seed, split (and ``writers`` for ``natural``, ``unassigned`` counts).
+    """
+
+    clients: list[ClientSplit]
+    public: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_clients(self) -> int:
+        return len(self.clients)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-ready dict of the documented ``partition.json`` format."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "meta": _jsonable(self.meta),
+            "public": [int(i) for i in self.public],
+            "clients": {
+                str(cid): {
+                    "train": [int(i) for i in c.train],
+                    "val": [int(i) for i in c.val],
+                    "test": [int(i) for i in c.test],
+                }
+                for cid, c in enumerate(self.clients)
+            },
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write ``partition.json`` (format in the module docstring) atomically to ``path``."""
+        atomic_write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path, n_samples: int | None = None) -> Partition:
+        """Read a ``partition.json`` written by :meth:`save` (or by another tool in that format).
+
+        Args:
+            path: the JSON file.
+            n_samples: size of the dataset it will index; when given, every index must be
+                ``< n_samples`` and ``meta.n_samples`` (if present) must equal it.
+
+        Raises:
+            UserInputError: missing/unreadable file, wrong format, non-integer or negative or
+                out-of-range indices, client ids not ``"0".."n-1"``, overlapping index sets.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise UserInputError("partition file not found (expected a partition.json written by "
+                                 "`rafl data --out DIR`)", source=path)
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise UserInputError(f"not valid JSON ({err})", source=path) from None
+        if not isinstance(obj, dict):
+            raise UserInputError("top level must be an object with 'clients' (and 'public', 'meta')",
+                                 source=path)
+        if "format" in obj and obj["format"] != FORMAT:
+            raise UserInputError(f"is {obj['format']!r}, allowed: {FORMAT!r}", source=path, field="format")
+        if "version" in obj and obj["version"] != VERSION:
+            raise UserInputError(f"is {obj['version']!r}, allowed: {VERSION}", source=path, field="version")
+        meta = obj.get("meta", {})
+        if not isinstance(meta, dict):
+            raise UserInputError("must be an object", source=path, field="meta")
+        if n_samples is not None and "n_samples" in meta and meta["n_samples"] != n_samples:
+            raise UserInputError(
+                f"is {meta['n_samples']}, but the dataset has {n_samples} samples "
+                "(the partition was made for another dataset or --limit)", source=path, field="meta.n_samples")
+        raw_clients = obj.get("clients")
+        if isinstance(raw_clients, list):  # tolerate a list of clients (position = id)
+            raw_clients = {str(i): c for i, c in enumerate(raw_clients)}
+        if not isinstance(raw_clients, dict) or not raw_clients:
+            raise UserInputError("must be a non-empty object mapping client id -> {train, val, test}",
+                                 source=path, field="clients")
+        expected = [str(i) for i in range(len(raw_clients))]
+        if sorted(raw_clients, key=lambda s: (len(s), s)) != expected:
+            raise UserInputError(f"client ids must be \"0\"..\"{len(raw_clients) - 1}\"", source=path,
+                                 field="clients")
+        clients = []
+        for cid in expected:
+            entry = raw_clients[cid]
+            if not isinstance(entry, dict):
+                raise UserInputError("must be an object with train, val, test", source=path,
+                                     field=f"clients.{cid}")
+            arrays = {s: _index_array(entry.get(s, []), path, f"clients.{cid}.{s}", n_samples)
+                      for s in ("train", "val", "test")}
+            unknown = set(entry) - {"train", "val", "test"}
+            if unknown:
+                raise UserInputError(f"unknown keys {sorted(unknown)}, allowed: train, val, test",
+                                     source=path, field=f"clients.{cid}")
+            clients.append(ClientSplit(**arrays))
+        public = _index_array(obj.get("public", []), path, "public", n_samples)
+        part = cls(clients=clients, public=public, meta=dict(meta))
+        _check_disjoint(part, path)
+        part.meta.setdefault("n_clients", len(clients))
+        return part
+
+    def class_counts(self, labels: np.ndarray, n_classes: int | None = None) -> np.ndarray:
+        """Samples per (client, class) over all three splits: int64 (n_clients, n_classes)."""
+        labels = np.asarray(labels)
+        if n_classes is None:
+            n_classes = int(self.meta.get("n_classes") or (int(labels.max()) + 1 if len(labels) else 0))
+        out = np.zeros((len(self.clients), n_classes), dtype=np.int64)
+        for cid, c in enumerate(self.clients):
+            idx = c.all()
+            if len(idx):
+                out[cid] = np.bincount(labels[idx], minlength=n_classes)[:n_classes]
+        return out
+
+    def assigned(self) -> np.ndarray:
+        """All indices held by some client (not the public pool), sorted int64."""
+        if not self.clients:
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.concatenate([c.all() for c in self.clients])).astype(np.int64)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return [_jsonable(v) for v in obj.tolist()]
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def _index_array(value: Any, path: Path, fieldname: str, n_samples: int | None) -> np.ndarray:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise UserInputError("must be a list of integer sample indices", source=path, field=fieldname)
+    arr = np.asarray(value, dtype=np.int64)
+    if len(arr) and arr.min() < 0:
+        raise UserInputError(f"has negative index {int(arr.min())}", source=path, field=fieldname)
+    if n_samples is not None and len(arr) and arr.max() >= n_samples:
+        raise UserInputError(f"has index {int(arr.max())}, allowed 0..{n_samples - 1} (dataset size {n_samples})",
+                             source=path, field=fieldname)
+    return np.sort(arr)
+
+
+def _check_disjoint(part: Partition, path: Path | str | None) -> None:
+    arrays = [part.public] + [a for c in part.clients for a in (c.train, c.val, c.test)]
+    allidx = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    uniq, counts = np.unique(allidx, return_counts=True)
+    if (counts > 1).any():
+        dup = int(uniq[counts > 1][0])
+        raise UserInputError(f"index {dup} appears more than once (client splits and the public pool "
+                             "must be disjoint)", source=path, field="clients")
+
+
+# --------------------------------------------------------------------------------------------
+# public pool
+
+
+def carve_public_pool(labels: np.ndarray, fraction: float, seed: int = 0) -> np.ndarray:
+    """Stratified server-side public pool: ``round(fraction * n_c)`` random samples of every class c.
+
+    Args:
+        labels: int (N,) class labels of the whole dataset.
+        fraction: share of every class that goes to the pool, ``0 <= fraction < 1``.
+        seed: seed of the pool's own ``numpy.random.Generator`` (independent of the partition seed).
+
+    Returns:
+        sorted int64 (M,) indices, deterministic for ``(labels, fraction, seed)``; empty if fraction is 0.
+
+    Raises:
+        UserInputError: fraction outside ``[0, 1)``.
+    """
+    labels = np.asarray(labels)
+    fraction = float(fraction)
+    if not (0.0 <= fraction < 1.0) or math.isnan(fraction):
+        raise UserInputError(f"is {fraction}, allowed 0 <= fraction < 1", field="public_fraction")
+    if fraction == 0.0 or len(labels) == 0:
+        return np.zeros(0, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    picked = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        n_pub = int(round(fraction * len(idx)))
+        picked.append(rng.permutation(idx)[:n_pub])
+    return np.sort(np.concatenate(picked)).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# per-client train/val/test split
+
+
+def _validate_split(split: Sequence[float]) -> tuple[float, float, float]:
+    try:
+        vals = tuple(float(s) for s in split)
+    except (TypeError, ValueError):
+        raise UserInputError(f"is {split!r}, allowed: three numbers train, val, test summing to 1",
+                             field="split") from None
+    if len(vals) != 3 or any(v < 0 or math.isnan(v) for v in vals) or vals[0] <= 0 or abs(sum(vals) - 1) > 1e-6:
+        raise UserInputError(f"is {split!r}, allowed: three fractions train > 0, val >= 0, test >= 0 "
+                             "summing to 1 (e.g. 0.8, 0.1, 0.1)", field="split")
+    return vals  # type: ignore[return-value]
+
+
+def _allocate(sizes: np.ndarray, total: int) -> np.ndarray:
+    """Split ``total`` draws over strata proportional to ``sizes`` (largest remainder, ties -> larger stratum, then first)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if total <= 0 or sizes.sum() == 0:
+        return np.zeros_like(sizes)
+    exact = sizes * (total / sizes.sum())
+    base = np.minimum(np.floor(exact).astype(np.int64), sizes)
+    rest = total - int(base.sum())
+    order = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - base[i]), -sizes[i], i))
+    for i in order:
+        if rest <= 0:
+            break
+        if base[i] < sizes[i]:
+            base[i] += 1
+            rest -= 1
+    return base
+
+
+def split_client(indices: np.ndarray, labels: np.ndarray, split: Sequence[float] = (0.8, 0.1, 0.1),
+                 rng: np.random.Generator | None = None) -> ClientSplit:
+    """Split one client's indices train/val/test, stratified by class.
+
+    Strata: every class with >= 3 samples on the client is one stratum; the classes with fewer
+    samples are pooled into one remainder stratum. Targets: ``n_test = round(test * n)`` and
+    ``n_val = round(val * n)``, each at least 1 when ``n >= 3`` and its fraction is > 0; they are
+    allocated to the strata proportionally (largest remainder), drawn at random within a stratum.
+
+    Args:
+        indices: int (n,) the client's sample indices.
+        labels: int (N,) labels of the whole dataset.
+        split: (train, val, test) fractions summing to 1.
+        rng: generator for the within-stratum shuffles (default: seed 0).
+
+    Returns:
+        :class:`ClientSplit` with sorted int64 arrays.
+
+    Raises:
+        UserInputError: malformed ``split``.
+    """
+    fr_train, fr_val, fr_test = _validate_split(split)
+    rng = rng if rng is not None else np.random.default_rng(0)
+    indices = np.sort(np.asarray(indices, dtype=np.int64))
+    n = len(indices)
+    if n < 3:
+        empty = np.zeros(0, dtype=np.int64)
+        return ClientSplit(train=indices, val=empty.copy(), test=empty.copy())
+    n_test = int(round(fr_test * n))
+    n_val = int(round(fr_val * n))
+    if fr_test > 0:
+        n_test = max(1, n_test)
+    if fr_val > 0:
+        n_val = max(1, n_val)
+    while n_test + n_val > n - 1:  # keep >= 1 training sample
+        if n_val >= n_test and n_val > 0:
+            n_val -= 1
+        else:
+            n_test -= 1
+    y = np.asarray(labels)[indices]
+    classes, counts = np.unique(y, return_counts=True)
+    strata = [rng.permutation(indices[y == c]) for c, k in zip(classes, counts) if k >= 3]
+    small = [c for c, k in zip(classes, counts) if k < 3]
+    if small:
+        strata.append(rng.permutation(indices[np.isin(y, small)]))
+    sizes = np.array([len(s) for s in strata], dtype=np.int64)
+    take_test = _allocate(sizes, n_test)
+    take_val = _allocate(sizes - take_test, n_val)
+    test, val, train = [], [], []
+    for s, kt, kv in zip(strata, take_test, take_val):
+        test.append(s[:kt])
+        val.append(s[kt:kt + kv])
+        train.append(s[kt + kv:])
+    cat = lambda parts: np.sort(np.concatenate(parts)).astype(np.int64)  # noqa: E731
+    return ClientSplit(train=cat(train), val=cat(val), test=cat(test))
+
+
+# --------------------------------------------------------------------------------------------
+# partitioners (return one index array per client)
+
+
+def _iid(pool: np.ndarray, n_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    return [np.sort(a) for a in np.array_split(rng.permutation(pool), n_clients)]
+
+
+def _pathological(pool: np.ndarray, labels: np.ndarray, n_clients: int, k: int, n_classes: int,
+                  rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    classes = rng.permutation(n_classes)
+    held = [[int(classes[(i * k + j) % n_classes]) for j in range(k)] for i in range(n_clients)]
+    holders: dict[int, list[int]] = {c: [] for c in range(n_classes)}
+    for cid, cls in enumerate(held):
+        for c in cls:
+            holders[c].append(cid)
+    shares: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
+    unassigned = 0
+    pool_labels = labels[pool]
+    for c in range(n_classes):
+        idx = rng.permutation(pool[pool_labels == c])
+        who = holders[c]
+        if not who:
+            unassigned += len(idx)
+            continue
+        if len(idx) < len(who):
+            raise UserInputError(
+                f"class {c} has {len(idx)} samples but {len(who)} clients must hold it "
+                f"(n_clients*k/C = {n_clients}*{k}/{n_classes}); lower --clients or --k",
+                field="k")
+        for cid, part in zip(who, np.array_split(idx, len(who))):
+            shares[cid].append(part)
+    out = [np.sort(np.concatenate(s)).astype(np.int64) for s in shares]
+    return out, {"classes_per_client": held, "unassigned": unassigned}
+
+
+def _dirichlet(pool: np.ndarray, labels: np.ndarray, n_clients: int, alpha: float, min_samples: int,
+               n_classes: int, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    n = len(pool)
+    pool_labels = labels[pool]
+    per_class = [pool[pool_labels == c] for c in range(n_classes)]
+    best = 0
+    for attempt in range(1, MAX_DIRICHLET_TRIES + 1):
+        batches: list[list[int]] = [[] for _ in range(n_clients)]
+        sizes = np.zeros(n_clients, dtype=np.int64)
+        for c in range(n_classes):
+            idx = rng.permutation(per_class[c])
+            if len(idx) == 0:
+                continue
+            p = rng.dirichlet(np.full(n_clients, alpha))
+            p = p * (sizes < n / n_clients)  # NIID-Bench balancing: full clients get no more
+            if p.sum() <= 0:
+                p = np.full(n_clients, 1.0 / n_clients)
+            p = p / p.sum()
+            cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
+            for cid, part in enumerate(np.split(idx, cuts)):
+                batches[cid].extend(part.tolist())
+                sizes[cid] += len(part)
+        best = max(best, int(sizes.min()))
+        if sizes.min() >= min_samples:
+            return [np.sort(np.asarray(b, dtype=np.int64)) for b in batches], {"tries": attempt}
+    raise UserInputError(
+        f"no Dirichlet(alpha={alpha}) draw gave every one of {n_clients} clients >= {min_samples} samples "
+        f"in {MAX_DIRICHLET_TRIES} tries (best smallest client: {best}); raise --alpha, lower "
+        "--min-samples or lower --clients", field="min_samples")
+
+
+def _natural(pool: np.ndarray, writers: np.ndarray, n_clients: int | None, min_samples: int,
+             rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    pool_writers = np.asarray(writers)[pool]
+    ids, inverse = np.unique(pool_writers, return_inverse=True)
+    counts = np.bincount(inverse, minlength=len(ids))
+    eligible = np.flatnonzero(counts >= min_samples)
+    if len(eligible) == 0:
+        raise UserInputError(f"no writer has >= {min_samples} samples; lower --min-samples", field="min_samples")
+    if n_clients is None:
+        n_clients = len(eligible)
+    if n_clients > len(eligible):
+        raise UserInputError(
+            f"is {n_clients}, but only {len(eligible)} writers have >= {min_samples} samples "
+            f"(natural partition: one client per writer); allowed 1..{len(eligible)}", field="n_clients")
+    chosen = eligible if n_clients == len(eligible) else np.sort(rng.choice(eligible, n_clients, replace=False))
+    out = [np.sort(pool[inverse == w]).astype(np.int64) for w in chosen]
+    return out, {"writers": [str(ids[w]) for w in chosen], "unassigned": int(len(pool) - sum(len(o) for o in out))}
+
+
+def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo or (hi is not None and value > hi):
+        rng_txt = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise UserInputError(f"is {value!r}, allowed: an integer {rng_txt}", field=name)
+    return int(value)
+
+
+def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed: int, *, k: int | None = None,
+                   alpha: float | None = None, min_samples: int = 10, public_fraction: float = 0.0,
+                   public_seed: int = 0, writers: np.ndarray | None = None,
+                   split: tuple[float, float, float] = (0.8, 0.1, 0.1), dataset: str | None = None) -> Partition:
+    """Partition a dataset over ``n_clients`` federated clients (scheme details: module docstring).
+
+    Args:
+        labels: int (N,) class labels of the whole dataset.
+        scheme: ``"iid"``, ``"pathological"``, ``"dirichlet"``, ``"natural"`` or ``"file:PATH"``.
+        n_clients: number of clients (>= 1). ``natural`` accepts None = one client per eligible writer.
+        seed: seed of the partition's generator (the split uses an independent child stream).
+        k: classes per client (``pathological``; 1..C).
+        alpha: Dirichlet concentration (``dirichlet``; > 0; small = more skew).
+        min_samples: ``dirichlet``: smallest allowed client (redraws up to
+            :data:`MAX_DIRICHLET_TRIES`); ``natural``: smallest eligible writer.
+        public_fraction: share of every class carved FIRST into the server's public pool
+            (:func:`carve_public_pool` with ``public_seed``).
+        writers: (N,) writer ids, required by ``natural``.
+        split: per-client (train, val, test) fractions, default 8:1:1 (:func:`split_client`).
+        dataset: dataset name recorded in ``meta``.
+
+    Returns:
+        :class:`Partition`; disjoint client index sets, complete over the non-public indices for
+        ``iid`` and ``dirichlet`` (and ``pathological`` when ``n_clients*k >= C``).
+
+    Raises:
+        UserInputError: unknown scheme; n_clients <= 0 or more clients than samples; k missing or
+            not in 1..C; alpha missing, <= 0 or not finite; writers missing for ``natural``;
+            no Dirichlet draw meeting ``min_samples``; a bad ``file:`` partition.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or (len(labels) and not np.issubdtype(labels.dtype, np.integer)):
+        raise UserInputError("must be a 1-D integer array", field="labels")
+    n_total = len(labels)
+    if not isinstance(scheme, str):
+        raise UserInputError(f"is {scheme!r}, allowed: {allowed([*SCHEMES, 'file:PATH'])}", field="partition")
+    if scheme.startswith("file:"):
+        part = Partition.load(scheme[5:], n_samples=n_total)
+        if labels.size and "n_classes" not in part.meta:
+            part.meta["n_classes"] = int(labels.max()) + 1
+        return part
+    if scheme not in SCHEMES:
+        raise UserInputError(f"is {scheme!r}, allowed: {allowed([*SCHEMES, 'file:PATH'])}", field="partition")
+    seed = _check_int(seed, "seed", 0)
+    min_samples = _check_int(min_samples, "min_samples", 1)
+    public_seed = _check_int(public_seed, "public_seed", 0)
+    split = _validate_split(split)
+    if n_clients is not None or scheme != "natural":
+        n_clients = _check_int(n_clients, "n_clients", 1)
+    n_classes = int(labels.max()) + 1 if n_total else 0
+
+    public = carve_public_pool(labels, public_fraction, public_seed)
+    mask = np.ones(n_total, dtype=bool)
+    mask[public] = False
+    pool = np.flatnonzero(mask).astype(np.int64)
+    if n_clients is not None and n_clients > len(pool):
+        raise UserInputError(f"is {n_clients}, but only {len(pool)} samples are left to partition "
+                             f"(after a public pool of {len(public)}); allowed 1..{len(pool)}", field="n_clients")
+
+    ss = np.random.SeedSequence(seed)
+    part_rng, split_rng = (np.random.default_rng(s) for s in ss.spawn(2))
+    params: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if scheme == "iid":
+        shares = _iid(pool, n_clients, part_rng)
+    elif scheme == "pathological":
+        if k is None:
+            raise UserInputError("is required for --partition pathological (classes per client)", field="k")
+        k = _check_int(k, "k", 1, n_classes)
+        params["k"] = k
+        shares, extra = _pathological(pool, labels, n_clients, k, n_classes, part_rng)
+    elif scheme == "dirichlet":
+        if alpha is None:
+            raise UserInputError("is required for --partition dirichlet (concentration > 0)", field="alpha")
+        try:
+            alpha = float(alpha)
+        except (TypeError, ValueError):
+            raise UserInputError(f"is {alpha!r}, allowed: a number > 0", field="alpha") from None
+        if not (alpha > 0) or not math.isfinite(alpha):
+            raise UserInputError(f"is {alpha}, allowed: a finite number > 0", field="alpha")
+        params.update(alpha=alpha, min_samples=min_samples)
+        if n_clients * min_samples > len(pool):
+            raise UserInputError(
+                f"{n_clients} clients x {min_samples} samples > {len(pool)} samples to partition; "
+                "lower --clients or --min-samples", field="min_samples")
+        shares, extra = _dirichlet(pool, labels, n_clients, alpha, min_samples, n_classes, part_rng)
+    else:  # natural
+        if writers is None:
+            raise UserInputError("the natural partition needs writer ids (dataset 'femnist')", field="partition")
+        writers = np.asarray(writers)
+        if writers.shape != labels.shape:
+            raise UserInputError(f"has shape {writers.shape}, needs {labels.shape} like labels", field="writers")
+        params["min_samples"] = min_samples
+        shares, extra = _natural(pool, writers, n_clients, min_samples, part_rng)
+        n_clients = len(shares)
+
+    clients = [split_client(s, labels, split, split_rng) for s in shares]
+    meta = {
+        "dataset": dataset, "scheme": scheme, "params": params, "seed": seed,
+        "n_samples": n_total, "n_classes": n_classes, "n_clients": n_clients,
+        "public_fraction": float(public_fraction), "public_seed": public_seed, "split": list(split),
+        **extra,
+    }
+    meta.setdefault("unassigned", int(len(pool) - sum(len(s) for s in shares)))
+    return Partition(clients=clients, public=public, meta=meta)
