@@ -1,0 +1,204 @@
+"""Saving and loading supernets: safetensors weights + a JSON description, written atomically.
+
+A supernet directory holds:
+
+- ``supernet.safetensors``: every parameter and buffer (no pickles; loads without executing code);
+- ``supernet.json``: format version, the :class:`SearchSpace`, the resolved training config, the
+  metrics, the feature width ``D`` and the SHA-256 of the weights file (to detect truncation).
+
+Both files are written via a temp name + rename, weights first, so a reader never sees a JSON that
+describes weights that are not completely on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from rafl.errors import UserInputError
+from rafl.io import atomic_write_bytes, atomic_write_json
+from rafl.supernet.arch import SearchSpace
+from rafl.supernet.model import Supernet, build_supernet
+
+FORMAT = "rafl-supernet/1"
+WEIGHTS_NAME = "supernet.safetensors"
+META_NAME = "supernet.json"
+
+
+def _state_dict_bytes(supernet: Supernet) -> bytes:
+    state = {k: v.detach().cpu().contiguous() for k, v in supernet.state_dict().items()}
+    return st_save(state, metadata={"format": FORMAT})
+
+
+def save_supernet(directory: str | Path, supernet: Supernet, config: dict[str, Any] | None = None,
+                  metrics: dict[str, Any] | None = None) -> Path:
+    """Write ``supernet`` to ``directory`` (created if needed) as safetensors + JSON, atomically.
+
+    Args:
+        directory: output directory; existing supernet files in it are replaced.
+        supernet: the model.
+        config: resolved training config (JSON-serialisable), stored verbatim.
+        metrics: metrics (JSON-serialisable), stored verbatim.
+
+    Returns:
+        The path of the JSON file.
+    """
+    directory = Path(directory)
+    data = _state_dict_bytes(supernet)
+    atomic_write_bytes(directory / WEIGHTS_NAME, data)
+    meta = {
+        "format": FORMAT,
+        "search_space": supernet.space.to_dict(),
+        "feature_dim": supernet.feature_dim,
+        "weights": WEIGHTS_NAME,
+        "weights_sha256": hashlib.sha256(data).hexdigest(),
+        "weights_bytes": len(data),
+        "config": config or {},
+        "metrics": metrics or {},
+    }
+    atomic_write_json(directory / META_NAME, meta)
+    return directory / META_NAME
+
+
+def _space_mismatch(found: SearchSpace, expected: SearchSpace) -> str | None:
+    a, b = found.to_dict(), expected.to_dict()
+    diffs = [f"{k}={a[k]}" + f", expected {b[k]}" for k in b if a.get(k) != b[k]]
+    return "; ".join(f"checkpoint has {d}" for d in diffs) or None
+
+
+def _describe_shape_mismatch(key: str, found: tuple[int, ...], want: tuple[int, ...]) -> str:
+    if key.startswith("classifier.linear.weight"):
+        return (f"checkpoint has n_classes={found[0]}, expected {want[0]} "
+                f"(classifier feature width {found[1]} vs {want[1]})")
+    if key.startswith("classifier.linear.bias"):
+        return f"checkpoint has n_classes={found[0]}, expected {want[0]}"
+    return (f"tensor {key!r} has shape {list(found)}, expected {list(want)} "
+            "(another width multiplier or search space)")
+
+
+def load_state_into(supernet: Supernet, state: dict[str, torch.Tensor], source: str | Path) -> Supernet:
+    """Copy ``state`` into ``supernet`` after checking every key and shape.
+
+    ofa's original checkpoints (``.mobile_inverted_conv.`` naming) are mapped to the current names.
+
+    Raises:
+        UserInputError: missing/unexpected tensors or a shape mismatch, named (n_classes, width...).
+    """
+    state = {k.replace(".mobile_inverted_conv.", ".conv."): v for k, v in state.items()}
+    own = supernet.state_dict()
+    for key, want in own.items():
+        if key not in state:
+            raise UserInputError(f"tensor {key!r} is missing (not a checkpoint of this supernet)",
+                                 source=source)
+        if tuple(state[key].shape) != tuple(want.shape):
+            raise UserInputError(_describe_shape_mismatch(key, tuple(state[key].shape), tuple(want.shape)),
+                                 source=source)
+    extra = sorted(set(state) - set(own))
+    if extra:
+        raise UserInputError(f"unexpected tensor(s) {extra[:3]} (not a checkpoint of this supernet)",
+                             source=source)
+    supernet.load_state_dict({k: state[k] for k in own})
+    return supernet
+
+
+def load_supernet(path: str | Path, space: SearchSpace | None = None) -> Supernet:
+    """Load a supernet saved by :func:`save_supernet`.
+
+    Args:
+        path: the supernet directory, its ``supernet.json``, or a bare weights file
+            (``.safetensors``, or a ``.pt``/``.pth`` state dict read with ``weights_only=True``,
+            e.g. an ofa checkpoint; then ``space`` is required).
+        space: the expected search space; ``None`` accepts the saved one.
+
+    Returns:
+        The supernet in eval mode, on CPU.
+
+    Raises:
+        UserInputError: missing, truncated or corrupted files; a checkpoint of another search
+            space / width multiplier / number of classes (e.g. "checkpoint has n_classes=1000,
+            expected 10").
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / META_NAME
+    if not path.is_file():
+        raise UserInputError(f"no such file (expected a supernet directory with {META_NAME} and "
+                             f"{WEIGHTS_NAME})", source=path)
+    if path.suffix in (".safetensors", ".pt", ".pth"):
+        if space is None:
+            raise UserInputError("a bare weights file needs the search space to build the supernet",
+                                 source=path, field="space")
+        return load_state_into(build_supernet(space), _read_weights(path), path).eval()
+
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserInputError("not valid JSON (truncated or corrupted?)", source=path) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserInputError(f"format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                             f"expected {FORMAT!r}", source=path, field="format")
+    saved_space = SearchSpace.from_dict(meta["search_space"], source=path)
+    if space is not None:
+        mismatch = _space_mismatch(saved_space, space)
+        if mismatch:
+            raise UserInputError(mismatch, source=path, field="search_space")
+    weights = path.parent / meta.get("weights", WEIGHTS_NAME)
+    if not weights.is_file():
+        raise UserInputError("weights file is missing", source=weights)
+    data = weights.read_bytes()
+    if len(data) != meta.get("weights_bytes", len(data)) or \
+            hashlib.sha256(data).hexdigest() != meta.get("weights_sha256", hashlib.sha256(data).hexdigest()):
+        raise UserInputError(f"has {len(data)} bytes and a checksum that does not match "
+                             f"{META_NAME} ({meta.get('weights_bytes')} bytes): truncated or corrupted",
+                             source=weights)
+    state = _parse_safetensors(data, weights)
+    return load_state_into(build_supernet(saved_space), state, weights).eval()
+
+
+def load_meta(path: str | Path) -> dict[str, Any]:
+    """The ``supernet.json`` content of a supernet directory (config, metrics, search space).
+
+    Raises:
+        UserInputError: missing or malformed file.
+    """
+    path = Path(path)
+    path = path / META_NAME if path.is_dir() else path
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserInputError("no such file", source=path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserInputError("not valid JSON (truncated or corrupted?)", source=path) from None
+
+
+def _parse_safetensors(data: bytes, source: Path) -> dict[str, torch.Tensor]:
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as err:
+        raise UserInputError(f"not a valid safetensors file (truncated?): {err}", source=source) from None
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return _parse_safetensors(path.read_bytes(), path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise UserInputError(f"cannot read as a weights-only torch checkpoint "
+                             f"({err.__class__.__name__}; truncated?)", source=path) from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserInputError("expected a state dict (name -> tensor)", source=path)
+    return state
+
+
+__all__ = ["save_supernet", "load_supernet", "load_meta", "load_state_into", "FORMAT", "WEIGHTS_NAME",
+           "META_NAME"]

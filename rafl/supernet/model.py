@@ -1,0 +1,340 @@
+"""The once-for-all MobileNet-V3 supernet for small images, and standalone subnets cut from it.
+
+Built on the ``ofa`` package's elastic layers (Cai et al., "Once-for-All: Train One Network and
+Specialize it for Efficient Deployment", ICLR 2020, Sec. 3): :class:`Supernet` subclasses
+``ofa``'s ``OFAMobileNetV3`` and reuses its ``DynamicMBConvLayer`` blocks (elastic kernel via the
+kernel transformation matrices of Sec. 3.2, elastic expand ratio by channel slicing, elastic depth
+by skipping the last blocks of a stage) and its ``get_active_subnet`` extraction.
+
+Adaptation to small (CIFAR-sized, 32 px) inputs
+-----------------------------------------------
+OFA's ImageNet network has a stride-2 stem and stage strides (2, 2, 2, 1, 2) (total stride 32
+for 224 px). Here the stem stride is ``SearchSpace.stem_stride`` (default 1) and the stage strides
+are ``SearchSpace.stage_strides`` (default OFA's (2, 2, 2, 1, 2)), so a 32 px input goes
+32 (stem) -> 32 (first block, stride 1) -> 16 -> 8 -> 4 -> 4 -> 2 px (total stride 16).
+
+Widths (before the width multiplier ``w``, rounded with ``make_divisible(., 8)`` as in OFA):
+stem 16, first block 16, stages (24, 40, 80, 112, 160), final expand 960, feature mix 1280.
+
+Representation and classifier
+-----------------------------
+``features(x)`` is the output of OFA's feature-mix layer after global average pooling:
+``(B, D)`` with ``D = make_divisible(1280 * w)`` (e.g. 1280 at ``w=1``, 448 at ``w=0.35``), the
+same for every subnet. This is the representation FedGH / FedTGP / FedProto exchange. The
+classifier ("header" in FedGH) is OFA's ``LinearLayer``: dropout, then ``Linear(D, n_classes)``.
+
+Active-subnet state
+-------------------
+``ofa`` keeps the active subnet as mutable module attributes. Here every public call takes an
+:class:`~rafl.supernet.arch.ArchConfig` and restores the previous state afterwards
+(:meth:`Supernet.active`), so callers never see that state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from ofa.imagenet_classification.elastic_nn.modules.dynamic_layers import DynamicMBConvLayer
+from ofa.imagenet_classification.elastic_nn.networks import OFAMobileNetV3
+from ofa.imagenet_classification.networks import MobileNetV3
+from ofa.utils.my_modules import init_models
+from ofa.utils.layers import ConvLayer, IdentityLayer, LinearLayer, MBConvLayer, ResidualBlock
+from torch import Tensor, nn
+
+from rafl.errors import UserInputError
+from rafl.supernet.arch import (
+    OFA_STAGE_ACTS,
+    OFA_STAGE_SE,
+    OFA_STAGE_WIDTHS,
+    ArchConfig,
+    SearchSpace,
+    make_divisible,
+)
+
+# OFA's widths outside the elastic stages (ofa_mbv3.py: base_stage_width[0, 1, -2, -1]).
+STEM_WIDTH = 16
+FIRST_BLOCK_WIDTH = 16
+FINAL_EXPAND_WIDTH = 960
+FEATURE_MIX_WIDTH = 1280
+DROPOUT_RATE = 0.1
+BN_MOMENTUM, BN_EPS = 0.1, 1e-5
+
+
+def feature_dim_of(space: SearchSpace) -> int:
+    """``D``, the width of the representation of every subnet of ``space``."""
+    return make_divisible(FEATURE_MIX_WIDTH * space.width_mult, 8)
+
+
+def resize_input(x: Tensor, r: int) -> Tensor:
+    """Resize a ``(B, C, H, W)`` batch to ``(B, C, r, r)`` (bilinear; unchanged if already r x r)."""
+    if x.dim() != 4:
+        raise UserInputError(f"expected a (B, C, H, W) image batch, got shape {tuple(x.shape)}",
+                             field="input")
+    if x.shape[-1] == r and x.shape[-2] == r:
+        return x
+    return F.interpolate(x, size=(r, r), mode="bilinear", align_corners=False)
+
+
+def prepare_input(x: Tensor, r: int) -> Tensor:
+    """``(B, C, H, W)`` with C in {1, 3} -> ``(B, 3, r, r)`` (grayscale repeated to 3 channels)."""
+    if x.dim() != 4 or x.shape[1] not in (1, 3):
+        raise UserInputError(
+            f"expected a (B, 3, H, W) or (B, 1, H, W) image batch, got shape {tuple(x.shape)}",
+            field="input")
+    if x.shape[1] == 1:
+        x = x.expand(-1, 3, -1, -1)
+    return resize_input(x, r)
+
+
+class Supernet(OFAMobileNetV3):
+    """OFA MobileNet-V3 supernet with elastic kernel, expand ratio, depth and resolution.
+
+    Build it with :func:`build_supernet`. ``forward(x, arch)`` maps an image batch
+    ``(B, 3, H, W)`` (any H, W; resized to ``arch.r``) to logits ``(B, n_classes)`` of subnet
+    ``arch`` (``None``: the largest subnet). ``features(x, arch)`` gives the ``(B, D)``
+    representation. Neither leaves any active-subnet state behind.
+
+    Attributes:
+        space: the :class:`SearchSpace` it was built for.
+        feature_dim: ``D`` (see the module docstring).
+
+    Raises:
+        UserInputError: an arch that does not belong to ``space`` (named field and allowed values).
+    """
+
+    def __init__(self, space: SearchSpace):  # noqa: D107 - documented on the class
+        if space.n_stages != len(OFA_STAGE_WIDTHS):
+            raise UserInputError(
+                f"is {space.n_stages}; the OFA MobileNet-V3 supernet has {len(OFA_STAGE_WIDTHS)} "
+                "elastic stages", field="search_space.n_stages")
+        w = space.width_mult
+        self.width_mult = w
+        self.ks_list = list(space.ks_choices)
+        self.expand_ratio_list = list(space.e_choices)
+        self.depth_list = list(space.d_choices)
+
+        stem_width = make_divisible(STEM_WIDTH * w, 8)
+        first_width = make_divisible(FIRST_BLOCK_WIDTH * w, 8)
+        first_conv = ConvLayer(3, stem_width, kernel_size=3, stride=space.stem_stride, act_func="h_swish")
+        first_block = ResidualBlock(
+            MBConvLayer(stem_width, first_width, kernel_size=3, stride=1, expand_ratio=1,
+                        act_func="relu", use_se=False),
+            IdentityLayer(first_width, first_width) if stem_width == first_width else None,
+        )
+        blocks: list[nn.Module] = [first_block]
+        self.block_group_info = []
+        in_width = first_width
+        index = 1
+        for base, act, se, stride in zip(OFA_STAGE_WIDTHS, OFA_STAGE_ACTS, OFA_STAGE_SE,
+                                         space.stage_strides):
+            out_width = make_divisible(base * w, 8)
+            self.block_group_info.append(list(range(index, index + space.max_depth)))
+            index += space.max_depth
+            for j in range(space.max_depth):
+                s = stride if j == 0 else 1
+                layer = DynamicMBConvLayer([in_width], [out_width], kernel_size_list=self.ks_list,
+                                           expand_ratio_list=self.expand_ratio_list, stride=s,
+                                           act_func=act, use_se=se)
+                shortcut = IdentityLayer(in_width, in_width) if s == 1 and in_width == out_width else None
+                blocks.append(ResidualBlock(layer, shortcut))
+                in_width = out_width
+        final_expand_width = make_divisible(FINAL_EXPAND_WIDTH * w, 8)
+        feature_dim = feature_dim_of(space)
+        final_expand_layer = ConvLayer(in_width, final_expand_width, kernel_size=1, act_func="h_swish")
+        feature_mix_layer = ConvLayer(final_expand_width, feature_dim, kernel_size=1, bias=False,
+                                      use_bn=False, act_func="h_swish")
+        classifier = LinearLayer(feature_dim, space.n_classes, dropout_rate=DROPOUT_RATE)
+        # Skip OFAMobileNetV3.__init__ (ImageNet strides hard-coded); build the same module tree.
+        MobileNetV3.__init__(self, first_conv, blocks, final_expand_layer, feature_mix_layer, classifier)
+        self.set_bn_param(momentum=BN_MOMENTUM, eps=BN_EPS)
+        self.runtime_depth = [len(idx) for idx in self.block_group_info]
+        self.space = space
+        self.feature_dim = feature_dim
+
+    # ----------------------------------------------------------------- active-subnet state
+    def _get_state(self) -> tuple[list[int], list[int], list[int]]:
+        ks = [blk.conv.active_kernel_size for blk in self.blocks[1:]]
+        e = [blk.conv.active_expand_ratio for blk in self.blocks[1:]]
+        return ks, e, list(self.runtime_depth)
+
+    def _set_state(self, ks: list[int], e: list[int], d: list[int]) -> None:
+        for blk, k, ratio in zip(self.blocks[1:], ks, e):
+            blk.conv.active_kernel_size = k
+            blk.conv.active_expand_ratio = ratio
+        self.runtime_depth = list(d)
+
+    @contextlib.contextmanager
+    def active(self, arch: ArchConfig | None) -> Iterator[ArchConfig]:
+        """Context in which ``arch`` (validated; ``None`` = largest) is ofa's active subnet.
+
+        The previous active state is restored on exit, also on error.
+        """
+        arch = self.space.largest() if arch is None else arch.validate(self.space)
+        saved = self._get_state()
+        self._set_state(list(arch.ks), list(arch.e), list(arch.d))
+        try:
+            yield arch
+        finally:
+            self._set_state(*saved)
+
+    # ----------------------------------------------------------------- forward
+    def _features_active(self, x: Tensor) -> Tensor:
+        x = self.first_conv(x)
+        x = self.blocks[0](x)
+        for stage, block_idx in enumerate(self.block_group_info):
+            for idx in block_idx[: self.runtime_depth[stage]]:
+                x = self.blocks[idx](x)
+        x = self.final_expand_layer(x)
+        x = x.mean((2, 3), keepdim=True)
+        x = self.feature_mix_layer(x)
+        return x.flatten(1)
+
+    def features(self, x: Tensor, arch: ArchConfig | None = None) -> Tensor:
+        """Representation ``(B, D)`` of subnet ``arch`` for images ``(B, 3, H, W)``."""
+        with self.active(arch) as a:
+            return self._features_active(prepare_input(x, a.r))
+
+    def forward(self, x: Tensor, arch: ArchConfig | None = None) -> Tensor:  # type: ignore[override]
+        """Logits ``(B, n_classes)`` of subnet ``arch`` (None: largest) for ``(B, 3, H, W)`` images."""
+        with self.active(arch) as a:
+            return self.classifier(self._features_active(prepare_input(x, a.r)))
+
+    @property
+    def head(self) -> nn.Module:
+        """The classifier ``(B, D) -> (B, n_classes)`` shared by all subnets."""
+        return self.classifier
+
+    def sample_active_subnet(self):  # type: ignore[override]
+        raise RuntimeError("rafl's Supernet has no mutable active subnet; use space.sample(rng) "
+                           "and forward(x, arch)")
+
+
+class Subnet(nn.Module):
+    """A standalone, static subnet (copied weights; no elastic layers), from :func:`extract_subnet`.
+
+    ``features(x)``: images ``(B, C, H, W)`` (any H, W; resized to ``arch.r``) -> ``(B, D)``.
+    ``head``: the classifier ``(B, D) -> (B, n_classes)`` (dropout + linear; FedGH's "header").
+    ``forward(x) = head(features(x))``: ``(B, n_classes)`` logits.
+
+    Attributes:
+        arch: the subnet's :class:`ArchConfig`.
+        space: the search space it was cut from.
+        feature_dim: ``D``.
+    """
+
+    def __init__(self, arch: ArchConfig, space: SearchSpace, first_conv: nn.Module,
+                 blocks: Iterable[nn.Module], final_expand_layer: nn.Module,
+                 feature_mix_layer: nn.Module, head: nn.Module):  # noqa: D107
+        super().__init__()
+        self.arch = arch
+        self.space = space
+        self.feature_dim = feature_dim_of(space)
+        self.first_conv = first_conv
+        self.blocks = nn.ModuleList(blocks)
+        self.final_expand_layer = final_expand_layer
+        self.feature_mix_layer = feature_mix_layer
+        self.head = head
+
+    def features(self, x: Tensor) -> Tensor:
+        """Representation ``(B, D)`` of images ``(B, 3, H, W)``."""
+        x = self.first_conv(prepare_input(x, self.arch.r))
+        for block in self.blocks:
+            x = block(x)
+        x = self.final_expand_layer(x)
+        x = x.mean((2, 3), keepdim=True)
+        return self.feature_mix_layer(x).flatten(1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``(B, n_classes)``."""
+        return self.head(self.features(x))
+
+    def extra_repr(self) -> str:
+        return f"arch={self.arch.to_string(self.space)}, feature_dim={self.feature_dim}"
+
+
+def build_supernet(space: SearchSpace) -> Supernet:
+    """A freshly initialised :class:`Supernet` for ``space`` (ofa's weight init: He-normal convs).
+
+    Raises:
+        UserInputError: ``space.n_stages`` is not 5 (the OFA MobileNet-V3 macro-architecture).
+    """
+    net = Supernet(space)
+    init_models(net, "he_fout")
+    return net
+
+
+def extract_subnet(supernet: Supernet, arch: ArchConfig) -> Subnet:
+    """Cut subnet ``arch`` out of ``supernet`` as a standalone :class:`Subnet` with copied weights.
+
+    Uses ofa's ``get_active_subnet`` (OFA Sec. 3.2: the kernel-transformed depthwise filters, the
+    first ``round(e * C_in)`` channels of each expansion, the first ``d`` blocks of each stage). In
+    eval mode its outputs equal ``supernet(x, arch)`` (tested: max abs difference <= 1e-5). The
+    subnet is in the supernet's train/eval mode, on its device; the supernet is left unchanged.
+
+    Raises:
+        UserInputError: ``arch`` does not belong to ``supernet.space``.
+    """
+    with supernet.active(arch) as a, torch.no_grad():
+        static = supernet.get_active_subnet(preserve_weight=True)
+    sub = Subnet(a, supernet.space, static.first_conv, static.blocks, static.final_expand_layer,
+                 static.feature_mix_layer, static.classifier)
+    sub.train(supernet.training)
+    return sub.to(next(supernet.parameters()).device)
+
+
+def subnet_from_arch(space: SearchSpace, arch: ArchConfig) -> Subnet:
+    """A freshly initialised :class:`Subnet` of shape ``arch`` (e.g. to load a saved state dict into)."""
+    return extract_subnet(build_supernet(space), arch)
+
+
+class _ArchForward(nn.Module):
+    """``x -> supernet(x, arch)`` as a module, for BN recalibration of one subnet in the supernet."""
+
+    def __init__(self, supernet: Supernet, arch: ArchConfig):
+        super().__init__()
+        self.supernet = supernet
+        self.arch = arch
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.supernet(x, self.arch)
+
+
+def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int = 20,
+                   arch: ArchConfig | None = None) -> nn.Module:
+    """BN recalibration: reset every BatchNorm's running statistics, then re-estimate them.
+
+    The statistics are the exact averages over the first ``n_batches`` batches of ``loader``
+    (cumulative moving average, ``momentum=None``), computed in train mode without gradients; the
+    model's train/eval mode and BN momenta are restored afterwards. This is OFA's
+    ``set_running_statistics`` (Cai et al. 2020, Sec. 3.2), here via ``torch.optim.swa_utils.update_bn``.
+
+    Args:
+        model: a :class:`Subnet` (or any module); a :class:`Supernet` recalibrates the slices that
+            subnet ``arch`` (None: largest) uses.
+        loader: yields ``(images, labels)`` pairs or image tensors ``(B, 3, H, W)``.
+        n_batches: number of batches to use (>= 1).
+
+    Returns:
+        ``model`` (modified in place).
+
+    Raises:
+        UserInputError: ``n_batches < 1`` or an empty loader.
+    """
+    if n_batches < 1:
+        raise UserInputError(f"must be >= 1, got {n_batches}", field="n_batches")
+    batches = list(itertools.islice(iter(loader), n_batches))
+    if not batches:
+        raise UserInputError("the calibration loader yielded no batch", field="loader")
+    device = next(model.parameters()).device
+    target: nn.Module = _ArchForward(model, arch) if isinstance(model, Supernet) else model
+    with torch.no_grad():
+        torch.optim.swa_utils.update_bn(batches, target, device=device)
+    return model
+
+
+__all__ = ["Supernet", "Subnet", "build_supernet", "extract_subnet", "subnet_from_arch",
+           "recalibrate_bn", "feature_dim_of", "resize_input", "prepare_input"]
