@@ -84,6 +84,8 @@ class ClientContext:
         rng: numpy Generator for this client and round.
         round: current round (1-based; 0 during ``init_client``).
         hparams: the algorithm's hyperparameters (the validated config's ``algorithm`` section).
+        space: the supernet's search space (to resolve archs such as RaFL's knowledge network),
+            or None when the models are not supernet subnets.
     """
 
     info: ClientInfo
@@ -97,6 +99,7 @@ class ClientContext:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
     hparams: dict[str, Any] = field(default_factory=dict)
+    space: SearchSpace | None = None
 
     @property
     def client_id(self) -> int:

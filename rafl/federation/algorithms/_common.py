@@ -1,0 +1,47 @@
+"""Helpers shared by the method modules (not an algorithm; not auto-registered)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from rafl.federation.algorithms.base import ClientContext
+from rafl.federation.training import make_optimizer
+
+#: Local-training hyperparameters every method accepts (defaults of the run config).
+LOCAL_DEFAULTS: dict[str, Any] = {
+    "local_epochs": 1,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "weight_decay": 5e-4,
+    "optimizer": "sgd",
+}
+
+
+def build(client: ClientContext, weights: Mapping[str, torch.Tensor] | None = None, arch: Any = None) -> nn.Module:
+    """A fresh model from the client's factory (own model, or subnet ``arch``) with ``weights``
+    loaded (strict) when given, on ``client.device``, in train mode."""
+    model = client.make_model() if arch is None else client.make_model(arch)
+    if weights is not None:
+        model.load_state_dict(dict(weights), strict=True)
+    return model.to(client.device).train()
+
+
+def optimizer_for(model: nn.Module, hp: Mapping[str, Any], lr: float | None = None) -> torch.optim.Optimizer:
+    """The local optimizer from the hyperparameters (a new one every round: FL methods here keep
+    no optimizer state across rounds, as in FedAvg's Alg. 1)."""
+    return make_optimizer(model, hp["optimizer"], lr=hp["lr"] if lr is None else lr,
+                          momentum=hp["momentum"], weight_decay=hp["weight_decay"])
+
+
+def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` detached, cloned, on CPU (safe to store and send)."""
+    return {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+
+
+def eval_counts(name: str, correct: int, total: int) -> dict[str, float]:
+    """The evaluation contract's keys for model ``name``."""
+    return {f"{name}.correct": float(correct), f"{name}.total": float(total)}

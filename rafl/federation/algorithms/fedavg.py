@@ -1,0 +1,133 @@
+"""Whole-model averaging baselines: FedAvg, FedProx and FedNova.
+
+All three average complete models, so every client must hold the *same* architecture
+(:attr:`Algorithm.requires_homogeneous`; heterogeneous populations are rejected before round 1
+with a UserInputError saying so).
+
+* FedAvg -- McMahan et al., "Communication-Efficient Learning of Deep Networks from
+  Decentralized Data", AISTATS 2017, Alg. 1: ``w <- sum_l (n_l / n) w_l``.
+* FedProx -- Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020, Eq. 2:
+  local objective ``F_l(w) + mu/2 ||w - w^t||^2``; aggregation as FedAvg.
+* FedNova -- Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous
+  Federated Optimization", NeurIPS 2020, Eq. 6/Alg. 1: client ``l`` sends its normalized update
+  ``d_l = (w^t - w_l) / ||a_l||_1`` (for SGD with momentum rho after tau_l steps,
+  ``||a_l||_1 = (tau_l - rho (1 - rho^tau_l) / (1 - rho)) / (1 - rho)``; ``tau_l`` for plain
+  SGD); the server steps ``w^{t+1} = w^t - tau_eff * sum_l p_l d_l`` with
+  ``tau_eff = sum_l p_l ||a_l||_1`` and ``p_l = n_l / n``. Buffers (BatchNorm statistics) are
+  averaged as in FedAvg.
+
+Client state is ``{}`` (the model is the global one); evaluation uses the latest global model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.payload import Payload
+from rafl.federation.training import evaluate_accuracy, train_ce
+
+
+@register
+class FedAvg(Algorithm):
+    """FedAvg (McMahan et al. 2017, Alg. 1). Server state ``{"global": state_dict}``."""
+
+    name: ClassVar[str] = "fedavg"
+    defaults: ClassVar[dict[str, Any]] = dict(LOCAL_DEFAULTS)
+    requires_homogeneous: ClassVar[bool] = True
+
+    def init_server(self, server: ServerContext):
+        first = server.clients[0].client_id if server.clients else 0
+        global_sd = cpu_state(server.make_model(client_id=first))
+        return {"global": global_sd}, Payload.from_state_dict(global_sd)
+
+    def init_client(self, client: ClientContext):
+        return {}
+
+    def _local_train(self, model, broadcast: Payload, client: ClientContext):
+        return train_ce(model, client.train_loader, optimizer_for(model, self.hparams),
+                        epochs=self.hparams["local_epochs"], device=client.device)
+
+    def client_update(self, state, broadcast: Payload, client: ClientContext):
+        model = build(client, broadcast.state_dict())
+        self._local_train(model, broadcast, client)
+        return {}, Payload.from_state_dict(cpu_state(model), meta={"n_samples": client.n_samples})
+
+    def server_aggregate(self, uploads, server_state, server: ServerContext):
+        if not uploads:
+            return server_state, Payload.from_state_dict(server_state["global"])
+        new = weighted_average([u.tensors for u in uploads], payload_weights(uploads))
+        return {"global": new}, Payload.from_state_dict(new)
+
+    def upload_spec(self, server_state, client: ClientInfo):
+        return {k: tuple(v.shape) for k, v in server_state["global"].items()}
+
+    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
+        return {"model": broadcast.state_dict()}
+
+    def evaluate(self, state, client: ClientContext):
+        model = build(client, state["model"])
+        return eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
+
+
+@register
+class FedProx(FedAvg):
+    """FedProx (Li et al. 2020, Eq. 2): FedAvg with the proximal term ``mu/2 ||w - w^t||^2``."""
+
+    name: ClassVar[str] = "fedprox"
+    defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "mu": 0.01}
+
+    def _local_train(self, model, broadcast: Payload, client: ClientContext):
+        reference = {k: v.detach().clone() for k, v in model.named_parameters()}
+        return train_ce(model, client.train_loader, optimizer_for(model, self.hparams),
+                        epochs=self.hparams["local_epochs"], device=client.device,
+                        prox_mu=float(self.hparams["mu"]), prox_reference=reference)
+
+
+def _a_norm(tau: int, rho: float) -> float:
+    """``||a||_1`` of FedNova for tau local steps of SGD with momentum rho (Wang et al. 2020, Sec. 4)."""
+    if tau <= 0:
+        return 0.0
+    if rho <= 0:
+        return float(tau)
+    return (tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho)
+
+
+@register
+class FedNova(FedAvg):
+    """FedNova (Wang et al. 2020): normalized averaging of the clients' updates (see module doc)."""
+
+    name: ClassVar[str] = "fednova"
+
+    def client_update(self, state, broadcast: Payload, client: ClientContext):
+        start = broadcast.state_dict()
+        model = build(client, start)
+        stats = self._local_train(model, broadcast, client)
+        a_norm = _a_norm(stats.steps, float(self.hparams["momentum"]) if self.hparams["optimizer"] == "sgd" else 0.0)
+        params = {k for k, _ in model.named_parameters()}
+        out = {}
+        for k, v in cpu_state(model).items():
+            if k in params:  # normalized update d_l
+                out[k] = (start[k].float() - v.float()) / max(a_norm, 1e-12)
+            else:  # buffers travel as values
+                out[k] = v
+        return {}, Payload(out, {"n_samples": client.n_samples, "tau": int(stats.steps), "a_norm": float(a_norm)})
+
+    def server_aggregate(self, uploads, server_state, server: ServerContext):
+        uploads = [u for u in uploads if float(u.meta.get("a_norm", 0.0)) > 0]
+        if not uploads:
+            return server_state, Payload.from_state_dict(server_state["global"])
+        p = payload_weights(uploads)
+        old = server_state["global"]
+        model = server.make_model(client_id=int(uploads[0].meta["client_id"]))
+        params = {k for k, _ in model.named_parameters()}
+        tau_eff = sum(pi * float(u.meta["a_norm"]) for pi, u in zip(p, uploads))
+        avg = weighted_average([u.tensors for u in uploads], p)
+        new = {}
+        for k, v in old.items():
+            new[k] = (v.float() - tau_eff * avg[k].float()).to(v.dtype) if k in params else avg[k]
+        return {"global": new}, Payload.from_state_dict(new)
