@@ -1,0 +1,527 @@
+"""Multi-constraint evolutionary search of subnets (OFA's regularized evolution, vectorized).
+
+The algorithm is Once-for-All's (Cai et al., ICLR 2020, Sec. 3.4; ``ofa/nas/search_algorithm/
+evolution.py``): a population of ``population`` feasible archs; every generation keeps the best
+``parent_ratio`` as parents and adds ``mutation_ratio * population`` mutated children of random
+parents (per-block / per-stage mutation probability ``mutate_prob``, resolution mutation
+probability ``resolution_mutate_prob``) and the rest as crossovers of two random parents.
+
+What differs from OFA's ``EvolutionFinder``:
+
+- *several constraints at once*: a child is feasible when every budget of the device profile is
+  met (:meth:`DeviceProfile.effective_budgets` against :meth:`CostModel.batch`), not one scalar;
+- *never hangs*: infeasible children are redrawn at most ``max_resample_rounds`` times (then the
+  parent is kept), the initial population is drawn from at most ``max_init_samples`` random archs
+  (then filled with mutants of the feasible ones found), and when no arch of the space meets the
+  budgets the search stops at once with a :class:`UserInputError` naming every violated budget and
+  the smallest value the space reaches for it (OFA's finder loops forever);
+- *vectorized*: a generation is a :class:`~rafl.search.genome.Population` of integer arrays, priced
+  by one cost-table call and scored by one predictor call;
+- a generation budget or a wall-clock budget (``time_budget_s``), deterministic for a seed.
+
+:func:`search_subnets` is the library entry point (the default pipeline's search step): one
+accuracy predictor and one pass over the supernet shared by all profiles, evolution per profile,
+then the final top-k of every profile re-measured and the best measured one returned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm.auto import tqdm
+
+from rafl.errors import UserInputError
+from rafl.search.genome import Population
+from rafl.supernet.arch import ArchConfig, SearchSpace
+
+CostFn = Callable[[Population], dict[str, np.ndarray]]
+ScoreFn = Callable[[Population], np.ndarray]
+
+
+class SearchConfig(BaseModel):
+    """Hyper-parameters of the search (defaults: OFA's evolution, Cai et al. 2020, Sec. 3.4).
+
+    Raises:
+        UserInputError: via :meth:`from_dict` for unknown keys or out-of-range values.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    population: int = Field(100, ge=2, description="an integer >= 2 (archs per generation)")
+    generations: int = Field(500, ge=0, description="an integer >= 0 (OFA's max_time_budget)")
+    time_budget_s: float | None = Field(None, gt=0, description="seconds > 0, or null (no wall-clock limit)")
+    parent_ratio: float = Field(0.25, gt=0, le=1, description="a fraction in (0, 1]")
+    mutation_ratio: float = Field(0.5, ge=0, le=1, description="a fraction in [0, 1]")
+    mutate_prob: float = Field(0.1, ge=0, le=1, description="a probability in [0, 1] (per block / stage)")
+    resolution_mutate_prob: float = Field(0.5, ge=0, le=1, description="a probability in [0, 1]")
+    estimator: Literal["predictor", "measured"] = Field("predictor", description="'predictor' or 'measured'")
+    predictor_samples: int = Field(48, ge=4, description="an integer >= 4 (measured subnets to train the predictor)")
+    predictor_holdout: float = Field(0.25, ge=0, lt=1, description="a fraction in [0, 1)")
+    predictor_hidden: int = Field(128, ge=1, description="an integer >= 1")
+    predictor_epochs: int = Field(400, ge=1, description="an integer >= 1")
+    top_k: int = Field(5, ge=1, description="an integer >= 1 (final archs re-measured per profile)")
+    max_resample_rounds: int = Field(10, ge=0, description="an integer >= 0 (redraws of infeasible children)")
+    max_init_samples: int = Field(20000, ge=1, description="an integer >= 1 (random archs tried for the initial population)")
+    calib_batches: int = Field(4, ge=1, description="an integer >= 1 (BN recalibration batches)")
+    batch_size: int = Field(256, ge=1, description="an integer >= 1 (images per forward pass)")
+    seed: int = Field(0, description="an integer (everything is deterministic for it)")
+    progress: bool = Field(True, description="true/false (progress bars)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> SearchConfig:
+        """Validate a mapping; one :class:`UserInputError` naming the field and allowed values."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            name = ".".join(str(p) for p in first.get("loc", ()))
+            info = cls.model_fields.get(name)
+            allowed_text = info.description if info is not None else f"keys {', '.join(cls.model_fields)}"
+            raise UserInputError(f"{first.get('msg', 'invalid')} (got {first.get('input')!r}); allowed: "
+                                 f"{allowed_text}", source=source, field=f"search.{name}") from None
+
+
+@dataclass
+class EvolutionOutcome:
+    """What one evolution run produced (arrays over the final population, best first).
+
+    Attributes:
+        population: final population (parents + last children), sorted by score, best first.
+        scores: (P,) estimated accuracy (fraction 0..1) of ``population``.
+        costs: cost arrays of ``population`` (keys of the cost function, e.g. ``latency_ms``).
+        history: one dict per generation (see :func:`evolve`).
+        archive: every distinct arch evaluated (a :class:`Population`), with ``archive_scores``
+            (N,) and ``archive_costs`` (key -> (N,)), for the Pareto front.
+        n_cost_queries: archs priced; n_score_queries: archs scored.
+    """
+
+    population: Population
+    scores: np.ndarray
+    costs: dict[str, np.ndarray]
+    history: list[dict[str, Any]]
+    archive: Population
+    archive_scores: np.ndarray
+    archive_costs: dict[str, np.ndarray]
+    n_cost_queries: int = 0
+    n_score_queries: int = 0
+
+
+def feasible_mask(costs: dict[str, np.ndarray], limits: dict[str, float]) -> np.ndarray:
+    """``(P,)`` bool: every budget met (``cost <= limit`` for every key of ``limits``)."""
+    n = len(next(iter(costs.values()))) if costs else 0
+    ok = np.ones(n, dtype=bool)
+    for key, limit in limits.items():
+        ok &= costs[key] <= limit
+    return ok
+
+
+def _take_costs(costs: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v[idx] for k, v in costs.items()}
+
+
+def _cat_costs(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+class _Counter:
+    """Wraps the cost function to count the archs it prices."""
+
+    def __init__(self, fn: CostFn):
+        self.fn, self.n = fn, 0
+
+    def __call__(self, pop: Population) -> dict[str, np.ndarray]:
+        self.n += len(pop)
+        return self.fn(pop)
+
+
+def infeasibility_error(space: SearchSpace, cost_fn: CostFn, limits: dict[str, float], profile_name: str,
+                        probe: tuple[Population, dict[str, np.ndarray]] | None = None) -> UserInputError:
+    """The error raised when no arch meets every budget.
+
+    Names each budget that no probed arch meets, with the smallest value the space reaches for it
+    (the minimum over the smallest arch and the probed random archs: exact for costs that grow
+    with kernel size, expand ratio, depth and resolution, as MACs, parameters, memory, latency and
+    energy do).
+    """
+    small = Population.from_archs(space, [space.smallest()])
+    pops, costs = [small], [cost_fn(small)]
+    if probe is not None:
+        pops.append(probe[0])
+        costs.append(probe[1])
+    allc = _cat_costs(costs)
+    parts = []
+    for key, limit in limits.items():
+        lowest = float(np.min(allc[key]))
+        if lowest > limit:
+            parts.append(f"{key} <= {_fmt(limit)} is unreachable (the smallest value this search space "
+                         f"reaches is {_fmt(lowest)})")
+    if not parts:  # every budget reachable alone, never together
+        parts = [f"{key} <= {_fmt(limit)} (smallest reachable alone: {_fmt(float(np.min(allc[key])))})"
+                 for key, limit in limits.items()]
+        return UserInputError("no subnet of the search space meets all budgets together: " + "; ".join(parts)
+                              + "; relax at least one of them", field=f"{profile_name}.budgets")
+    return UserInputError("no subnet of the search space meets the budgets: " + "; ".join(parts)
+                          + "; relax these budgets (or use a smaller search space)", field=f"{profile_name}.budgets")
+
+
+def _initial_population(space: SearchSpace, n: int, cost_fn: CostFn, limits: dict[str, float],
+                        rng: np.random.Generator, cfg: SearchConfig, profile_name: str
+                        ) -> tuple[Population, dict[str, np.ndarray]]:
+    """``n`` feasible archs: random ones (bounded number of tries), topped up with mutants."""
+    # The smallest arch first: if it fails a budget that only grows with the arch, nothing fits.
+    small = Population.from_archs(space, [space.smallest()])
+    small_cost = cost_fn(small)
+    found: list[Population] = []
+    found_costs: list[dict[str, np.ndarray]] = []
+    n_found, tried = 0, 0
+    batch = max(n, 64)
+    probe: tuple[Population, dict[str, np.ndarray]] | None = None
+    while n_found < n and tried < cfg.max_init_samples:
+        m = min(batch, cfg.max_init_samples - tried)
+        cand = Population.sample(space, m, rng)
+        c = cost_fn(cand)
+        tried += m
+        if probe is None:
+            probe = (cand, c)
+        ok = np.flatnonzero(feasible_mask(c, limits))
+        if len(ok):
+            ok = ok[: n - n_found]
+            found.append(cand.take(ok))
+            found_costs.append(_take_costs(c, ok))
+            n_found += len(ok)
+        if not feasible_mask(small_cost, limits)[0] and n_found == 0 and tried >= batch:
+            # the smallest arch fails: stop at once unless a random arch was luckier (non-monotone cost)
+            break
+    if n_found == 0:
+        if feasible_mask(small_cost, limits)[0]:
+            found, found_costs, n_found = [small], [small_cost], 1
+        else:
+            raise infeasibility_error(space, cost_fn, limits, profile_name, probe)
+    pop, costs = Population.concat(found), _cat_costs(found_costs)
+    if n_found < n:  # top up with mutants of the feasible archs found (bounded)
+        idx = rng.integers(0, n_found, n - n_found)
+        kids, kid_costs = _feasible_children(
+            lambda sel: pop.take(idx[sel]).mutate(rng, max(cfg.mutate_prob, 0.3), cfg.resolution_mutate_prob),
+            lambda sel: (pop.take(idx[sel]), _take_costs(costs, idx[sel])),
+            n - n_found, cost_fn, limits, cfg.max_resample_rounds)
+        pop, costs = Population.concat([pop, kids]), _cat_costs([costs, kid_costs])
+    return pop, costs
+
+
+def _feasible_children(make: Callable[[np.ndarray], Population],
+                       fallback: Callable[[np.ndarray], tuple[Population, dict[str, np.ndarray]]],
+                       n: int, cost_fn: CostFn, limits: dict[str, float], rounds: int
+                       ) -> tuple[Population, dict[str, np.ndarray]]:
+    """``n`` feasible children: ``make(slots)`` draws children for the given slots; infeasible
+    slots are redrawn (same parents) at most ``rounds`` times, then get ``fallback(slots)``
+    (a feasible parent). Returns the children and their costs, in slot order."""
+    slots = np.arange(n)
+    kids = make(slots)
+    costs = cost_fn(kids)
+    bad = np.flatnonzero(~feasible_mask(costs, limits))
+    for _ in range(rounds):
+        if not len(bad):
+            break
+        redo = make(bad)
+        redo_cost = cost_fn(redo)
+        ok = feasible_mask(redo_cost, limits)
+        if ok.any():
+            good = bad[ok]
+            for f in ("ks", "e", "d", "r"):
+                getattr(kids, f)[good] = getattr(redo, f)[ok]
+            for k in costs:
+                costs[k][good] = redo_cost[k][ok]
+        bad = bad[~ok]
+    if len(bad):
+        par, par_cost = fallback(bad)
+        for f in ("ks", "e", "d", "r"):
+            getattr(kids, f)[bad] = getattr(par, f)
+        for k in costs:
+            costs[k][bad] = par_cost[k]
+    return kids, costs
+
+
+def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[str, float],
+           config: SearchConfig, *, profile_name: str = "profile", seed: int | None = None) -> EvolutionOutcome:
+    """Run OFA's evolution under several budgets at once.
+
+    Args:
+        space: the search space.
+        score_fn: ``Population -> (P,)`` estimated accuracy (higher is better).
+        cost_fn: ``Population -> {key: (P,) array}``, with every key of ``limits``
+            (e.g. :meth:`CostModel.batch` keys ``macs_m``, ``latency_ms``...).
+        limits: budget per cost key (``cost <= limit``), e.g. from
+            :meth:`DeviceProfile.effective_budgets`.
+        config: :class:`SearchConfig` (population, generations, time budget, ratios, probs).
+        profile_name: used in messages and the progress bar.
+        seed: overrides ``config.seed``.
+
+    Returns:
+        :class:`EvolutionOutcome`; ``history`` has per generation ``generation``,
+        ``best_accuracy`` (best feasible so far), ``mean_parent_accuracy``, ``best_arch``,
+        ``children_redrawn`` (infeasible children drawn again) and ``elapsed_s``.
+
+    Raises:
+        UserInputError: no arch of the space meets the budgets (names each violated budget and
+            the smallest value the space reaches for it), or a budget key the cost function
+            does not provide.
+    """
+    rng = np.random.default_rng(config.seed if seed is None else seed)
+    counter = _Counter(cost_fn)
+    probe_keys = counter(Population.from_archs(space, [space.smallest()]))
+    missing = [k for k in limits if k not in probe_keys]
+    if missing:
+        raise UserInputError(f"budget(s) {missing} cannot be checked; the cost model provides "
+                             f"{sorted(probe_keys)}", field=f"{profile_name}.budgets")
+    n_pop = config.population
+    n_par = max(1, int(round(config.parent_ratio * n_pop)))
+    n_mut = int(round(config.mutation_ratio * n_pop))
+    n_cross = n_pop - n_mut
+
+    t0 = time.perf_counter()
+    pop, costs = _initial_population(space, n_pop, counter, limits, rng, config, profile_name)
+    scores = np.asarray(score_fn(pop), dtype=np.float64)
+    n_scored = len(pop)
+    arch_pops, arch_scores, arch_costs = [pop], [scores], [costs]
+    history: list[dict[str, Any]] = []
+    best = -math.inf
+    bar = tqdm(total=config.generations, desc=f"search {profile_name}", disable=not config.progress,
+               leave=False)
+    for gen in range(config.generations):
+        order = np.argsort(-scores, kind="stable")[:n_par]
+        pop, scores, costs = pop.take(order), scores[order], _take_costs(costs, order)
+        best = max(best, float(scores[0]))
+        redrawn_before = counter.n
+
+        im = rng.integers(0, n_par, n_mut)
+
+        def mutants(sel: np.ndarray) -> Population:
+            return pop.take(im[sel]).mutate(rng, config.mutate_prob, config.resolution_mutate_prob)
+
+        def mutant_parents(sel: np.ndarray) -> tuple[Population, dict[str, np.ndarray]]:
+            return pop.take(im[sel]), _take_costs(costs, im[sel])
+
+        i1, i2 = rng.integers(0, n_par, n_cross), rng.integers(0, n_par, n_cross)
+
+        def crosses(sel: np.ndarray) -> Population:
+            return Population.crossover(pop.take(i1[sel]), pop.take(i2[sel]), rng)
+
+        def cross_parents(sel: np.ndarray) -> tuple[Population, dict[str, np.ndarray]]:
+            return pop.take(i1[sel]), _take_costs(costs, i1[sel])
+
+        parts, part_costs = [], []
+        if n_mut:
+            k, c = _feasible_children(mutants, mutant_parents, n_mut, counter, limits, config.max_resample_rounds)
+            parts.append(k)
+            part_costs.append(c)
+        if n_cross:
+            k, c = _feasible_children(crosses, cross_parents, n_cross, counter, limits, config.max_resample_rounds)
+            parts.append(k)
+            part_costs.append(c)
+        kids, kid_costs = Population.concat(parts), _cat_costs(part_costs)
+        kid_scores = np.asarray(score_fn(kids), dtype=np.float64)
+        n_scored += len(kids)
+        arch_pops.append(kids)
+        arch_scores.append(kid_scores)
+        arch_costs.append(kid_costs)
+        pop = Population.concat([pop, kids])
+        scores = np.concatenate([scores, kid_scores])
+        costs = _cat_costs([costs, kid_costs])
+        elapsed = time.perf_counter() - t0
+        history.append({
+            "generation": gen,
+            "best_accuracy": best,
+            "mean_parent_accuracy": float(np.mean(scores[:n_par])),
+            "best_arch": pop.arch(0).to_string(),
+            "children_redrawn": int(counter.n - redrawn_before - n_pop),
+            "elapsed_s": round(elapsed, 4),
+        })
+        bar.set_postfix(best_acc=f"{best:.4f}")
+        bar.update(1)
+        if config.time_budget_s is not None and elapsed >= config.time_budget_s:
+            break
+    bar.close()
+    order = np.argsort(-scores, kind="stable")
+    pop, scores, costs = pop.take(order), scores[order], _take_costs(costs, order)
+
+    archive = Population.concat(arch_pops)
+    a_scores = np.concatenate(arch_scores)
+    a_costs = _cat_costs(arch_costs)
+    _, first = np.unique(archive.genes(), axis=0, return_index=True)
+    first = np.sort(first)
+    return EvolutionOutcome(pop, scores, costs, history, archive.take(first), a_scores[first],
+                            _take_costs(a_costs, first), n_cost_queries=counter.n, n_score_queries=n_scored)
+
+
+# ---------------------------------------------------------------------- library entry point
+@dataclass
+class SearchResult:
+    """The subnet found for one device profile.
+
+    Attributes:
+        arch: the chosen subnet.
+        accuracy: its measured top-1 accuracy on the server's validation split (fraction 0..1),
+            after BN recalibration.
+        cost: its :class:`rafl.search.cost.Cost` on the profile's device.
+        profile: the profile's name.
+        predicted_accuracy: the estimator's value for ``arch`` during the evolution.
+        estimator: ``"predictor"`` or ``"measured"``.
+        predictor_fit: Kendall tau / RMSE of the shared predictor on held-out archs (or None).
+        top_k: the re-measured finalists, ``[{"arch", "predicted_accuracy", "accuracy"}]``.
+        history: per-generation records of :func:`evolve`.
+        outcome: the raw :class:`EvolutionOutcome` (archive for the Pareto front).
+        budgets: the limits searched under, ``{key: limit}``.
+    """
+
+    arch: ArchConfig
+    accuracy: float
+    cost: Any
+    profile: str
+    predicted_accuracy: float | None = None
+    estimator: str = "predictor"
+    predictor_fit: dict[str, float | int] | None = None
+    top_k: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    outcome: EvolutionOutcome | None = None
+    budgets: dict[str, float] = field(default_factory=dict)
+
+
+def profile_limits(profile) -> dict[str, float]:
+    """``{cost key: limit}`` of a :class:`DeviceProfile` (its effective budgets)."""
+    return {k: float(v) for k, v in profile.effective_budgets()}
+
+
+def cost_fn_for(cost_model, cache_size: int = 200_000) -> CostFn:
+    """Adapt a :class:`rafl.search.cost.CostModel` to ``Population -> {key: (P,) float64 array}``.
+
+    Prices a whole generation with :meth:`CostModel.batch` (its vectorized table lookup); archs
+    already priced are served from a cache keyed by their genes (evolution revisits archs).
+    """
+    cache: dict[bytes, np.ndarray] = {}
+    names: list[str] = []
+
+    def fn(pop: Population) -> dict[str, np.ndarray]:
+        keys = pop.keys()
+        todo = [i for i, k in enumerate(keys) if k not in cache]
+        local: dict[bytes, np.ndarray] = {}
+        if todo:
+            fresh = cost_model.batch([pop.arch(i) for i in todo])
+            if not names:
+                names.extend(fresh)
+            rows = np.stack([np.asarray(fresh[k], dtype=np.float64) for k in names], axis=1)
+            local = {keys[i]: row for i, row in zip(todo, rows)}
+        table = (np.stack([local[k] if k in local else cache[k] for k in keys]) if keys
+                 else np.zeros((0, len(names))))
+        if len(cache) + len(local) > cache_size:
+            cache.clear()
+        cache.update(local)
+        return {k: table[:, j].copy() for j, k in enumerate(names)}
+
+    return fn
+
+
+def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: SearchConfig | None = None,
+                   *, cost_models: dict[str, Any] | None = None) -> dict[str, SearchResult]:
+    """Find, for every device profile, the subnet of ``supernet`` with the best estimated accuracy
+    that meets every budget of the profile (Once-for-All's specialization step, Cai et al. 2020,
+    Sec. 3.4, with several constraints at once).
+
+    One :class:`MeasuredAccuracy` cache and (for ``estimator="predictor"``) one accuracy predictor
+    trained on ``config.predictor_samples`` measured subnets are shared by all profiles; each
+    profile then runs :func:`evolve`; its final top-k are measured and the best measured one is
+    returned.
+
+    Args:
+        supernet: a trained :class:`rafl.supernet.Supernet`.
+        profiles: :class:`rafl.search.profile.DeviceProfile` objects (or names / paths).
+        val_data: ``(images (N, C, H, W) float32, labels (N,) int64)``, the server's validation split.
+        calib_data: ``(M, C, H, W)`` float32 server images for BN recalibration.
+        config: :class:`SearchConfig` (defaults: OFA's evolution, population 100 x 500 generations).
+        cost_models: optional prebuilt ``{profile name: CostModel}``.
+
+    Returns:
+        ``{profile name: SearchResult}`` in the order of ``profiles``.
+
+    Raises:
+        UserInputError: empty validation split or calibration set, duplicate profile names, or a
+            profile whose budgets no subnet of the space meets (naming each violated budget and
+            the smallest value reachable).
+    """
+    from rafl.search.cost import CostModel
+    from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy
+    from rafl.search.profile import load_profile
+
+    config = config or SearchConfig()
+    profs = [load_profile(p) for p in profiles]
+    if not profs:
+        raise UserInputError("give at least one device profile", field="device_profile")
+    names = [p.name for p in profs]
+    if len(set(names)) != len(names):
+        raise UserInputError(f"duplicate profile names {names}", field="device_profile")
+    space: SearchSpace = supernet.space
+    measured = MeasuredAccuracy(supernet, val_data, calib_data, batch_size=config.batch_size,
+                                calib_batches=config.calib_batches)
+    models = dict(cost_models or {})
+    for p in profs:
+        if p.name not in models:
+            models[p.name] = CostModel(space, p)
+    cost_fns = {p.name: cost_fn_for(models[p.name]) for p in profs}
+    # Fail fast: every profile must be satisfiable before any expensive measurement.
+    check_rng = np.random.default_rng(config.seed)
+    probe = Population.sample(space, 256, check_rng)
+    for p in profs:
+        limits = profile_limits(p)
+        c = cost_fns[p.name](Population.concat([Population.from_archs(space, [space.smallest()]), probe]))
+        if limits and not feasible_mask(c, limits).any():
+            raise infeasibility_error(space, cost_fns[p.name], limits, p.name,
+                                      (probe, {k: v[1:] for k, v in c.items()}))
+
+    fit = None
+    if config.estimator == "predictor":
+        est = PredictedAccuracy.from_measurements(
+            measured, config.predictor_samples, seed=config.seed, holdout=config.predictor_holdout,
+            hidden=config.predictor_hidden, epochs=config.predictor_epochs, progress=config.progress)
+        score_fn: ScoreFn = est
+        fit = est.fit.to_dict() if est.fit is not None else None
+    else:
+        score_fn = measured
+
+    results: dict[str, SearchResult] = {}
+    for p in profs:
+        limits = profile_limits(p)
+        out = evolve(space, score_fn, cost_fns[p.name], limits, config, profile_name=p.name)
+        # the top-k distinct finalists, re-measured; the best measured wins (ties: the estimate)
+        keys, finalists = set(), []
+        for i, key in enumerate(out.population.keys()):
+            if key not in keys:
+                keys.add(key)
+                finalists.append(i)
+            if len(finalists) >= config.top_k:
+                break
+        archs = [out.population.arch(i) for i in finalists]
+        acc = measured.measure(archs, progress=config.progress, desc=f"re-measuring top-{len(archs)} for {p.name}")
+        best_j = max(range(len(archs)), key=lambda j: (acc[j], out.scores[finalists[j]], -j))
+        arch = archs[best_j]
+        cost = models[p.name].cost(arch)
+        results[p.name] = SearchResult(
+            arch=arch, accuracy=float(acc[best_j]), cost=cost, profile=p.name,
+            predicted_accuracy=float(out.scores[finalists[best_j]]), estimator=config.estimator,
+            predictor_fit=fit,
+            top_k=[{"arch": a.to_string(), "predicted_accuracy": float(out.scores[i]), "accuracy": float(m)}
+                   for a, i, m in zip(archs, finalists, acc)],
+            history=out.history, outcome=out, budgets=limits)
+    return results
+
+
+__all__ = ["SearchConfig", "SearchResult", "EvolutionOutcome", "evolve", "search_subnets", "feasible_mask",
+           "infeasibility_error", "profile_limits", "cost_fn_for"]

@@ -1,0 +1,109 @@
+"""Pareto fronts of the search: accuracy (maximized) against a cost (minimized).
+
+An arch is on the front when no other evaluated arch is at least as accurate *and* at most as
+costly with one of the two strictly better (Pareto optimality; the accuracy-vs-latency and
+accuracy-vs-MACs trade-off curves of OFA, Cai et al. 2020, Fig. 1 / Fig. 9).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rafl.io import atomic_write_bytes, atomic_write_json
+
+
+def pareto_front(accuracy: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Indices of the Pareto-optimal points, sorted by increasing cost.
+
+    Args:
+        accuracy: (N,) higher is better. cost: (N,) lower is better.
+    Returns:
+        (K,) int64 indices; of several identical (cost, accuracy) points only the first is kept.
+    """
+    accuracy = np.asarray(accuracy, dtype=np.float64)
+    cost = np.asarray(cost, dtype=np.float64)
+    if accuracy.shape != cost.shape or accuracy.ndim != 1:
+        raise ValueError(f"accuracy {accuracy.shape} and cost {cost.shape} must be equal 1-d shapes")
+    # by cost ascending, then accuracy descending: a point is optimal iff it beats every cheaper one
+    order = np.lexsort((-accuracy, cost))
+    keep, best = [], -np.inf
+    for i in order:
+        if accuracy[i] > best:
+            keep.append(i)
+            best = accuracy[i]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def front_records(accuracy: np.ndarray, costs: dict[str, np.ndarray], arch_strings, cost_key: str
+                  ) -> list[dict[str, Any]]:
+    """The front for ``cost_key`` as JSON-safe records ``{"arch", "accuracy", <every cost key>}``.
+
+    ``arch_strings`` is a sequence or a callable ``index -> str`` (only front members are named).
+    """
+    idx = pareto_front(accuracy, costs[cost_key])
+    name = arch_strings if callable(arch_strings) else arch_strings.__getitem__
+    return [{"arch": name(int(i)), "accuracy": float(accuracy[i]),
+             **{k: float(v[i]) for k, v in costs.items()}} for i in idx]
+
+
+def save_fronts(directory: str | Path, accuracy: np.ndarray, costs: dict[str, np.ndarray], arch_strings,
+                *, chosen: dict[str, Any] | None = None, budgets: dict[str, float] | None = None,
+                accuracy_source: str = "predictor", title: str = "") -> dict[str, Any]:
+    """Write ``pareto.json`` and ``pareto.png`` (accuracy vs ``latency_ms`` and vs ``macs_m``).
+
+    Args:
+        directory: output folder. accuracy: (N,) estimated accuracy (fraction 0..1) of every
+            distinct evaluated arch. costs: ``{key: (N,)}`` with at least ``latency_ms``/``macs_m``.
+        arch_strings: sequence or callable ``index -> arch string``.
+        chosen: the selected subnet's ``{"accuracy", "latency_ms", "macs_m", ...}`` (marked).
+        budgets: ``{key: limit}`` drawn as vertical lines where they apply.
+        accuracy_source: what ``accuracy`` is (``"predictor"`` or ``"measured"``), recorded.
+    Returns the JSON document written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    axes_keys = [k for k in ("latency_ms", "macs_m") if k in costs]
+    doc: dict[str, Any] = {"accuracy_source": accuracy_source, "n_evaluated": int(len(accuracy)),
+                           "macs_unit": "millions of multiply-accumulates (1 MAC = 2 FLOPs)"}
+    for key in axes_keys:
+        doc[f"accuracy_vs_{key}"] = front_records(accuracy, costs, arch_strings, key)
+    if chosen is not None:
+        doc["chosen"] = chosen
+    atomic_write_json(directory / "pareto.json", doc)
+
+    fig, axs = plt.subplots(1, len(axes_keys), figsize=(5.2 * len(axes_keys), 4), squeeze=False)
+    labels = {"latency_ms": "latency (ms / image)", "macs_m": "MACs (millions)"}
+    for ax, key in zip(axs[0], axes_keys):
+        ax.scatter(costs[key], accuracy, s=4, alpha=0.25, color="tab:gray", label="evaluated (feasible)")
+        front = doc[f"accuracy_vs_{key}"]
+        ax.step([r[key] for r in front], [r["accuracy"] for r in front], where="post", color="tab:blue",
+                marker="o", ms=3, label="Pareto front")
+        if budgets and key in budgets:
+            ax.axvline(budgets[key], color="tab:red", ls="--", lw=1, label=f"budget {budgets[key]:g}")
+        if chosen is not None and key in chosen:
+            ax.scatter([chosen[key]], [chosen.get("estimated_accuracy", chosen["accuracy"])], marker="*",
+                       s=160, color="tab:orange", zorder=5, label="chosen subnet")
+        ax.set_xlabel(labels.get(key, key))
+        ax.set_ylabel(f"accuracy ({accuracy_source})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(directory / "pareto.png", buf.getvalue())
+    return doc
+
+
+__all__ = ["pareto_front", "front_records", "save_fronts"]
