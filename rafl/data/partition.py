@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from rafl.errors import UserInputError, allowed
-from rafl.io import atomic_write_json
+from rafl.io import atomic_write_text
 
 SCHEMES: tuple[str, ...] = ("iid", "pathological", "dirichlet", "natural")
 MAX_DIRICHLET_TRIES: int = 100
@@ -125,8 +125,26 @@ class Partition:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write ``partition.json`` (format in the module docstring) atomically to ``path``."""
-        atomic_write_json(path, self.to_json())
+        """Write ``partition.json`` (format in the module docstring) atomically to ``path``.
+
+        ``meta`` is indented; every index list is on one line (one line per client).
+        """
+        obj = self.to_json()
+        meta_items = [f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in obj["meta"].items()]
+        meta = "{\n" + ",\n".join(meta_items) + "\n  }" if meta_items else "{}"
+        lines = [
+            "{",
+            f'  "format": {json.dumps(obj["format"])},',
+            f'  "version": {obj["version"]},',
+            f'  "meta": {meta},',
+            f'  "public": {json.dumps(obj["public"])},',
+            '  "clients": {',
+        ]
+        items = list(obj["clients"].items())
+        for i, (cid, c) in enumerate(items):
+            lines.append(f"    {json.dumps(cid)}: {json.dumps(c)}" + ("," if i < len(items) - 1 else ""))
+        lines += ["  }", "}"]
+        atomic_write_text(path, "\n".join(lines) + "\n")
 
     @classmethod
     def load(cls, path: str | Path, n_samples: int | None = None) -> Partition:
@@ -384,7 +402,7 @@ def _iid(pool: np.ndarray, n_clients: int, rng: np.random.Generator) -> list[np.
 def _pathological(pool: np.ndarray, labels: np.ndarray, n_clients: int, k: int, n_classes: int,
                   rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
     classes = rng.permutation(n_classes)
-    held = [[int(classes[(i * k + j) % n_classes]) for j in range(k)] for i in range(n_clients)]
+    held = [sorted(int(classes[(i * k + j) % n_classes]) for j in range(k)) for i in range(n_clients)]
     holders: dict[int, list[int]] = {c: [] for c in range(n_classes)}
     for cid, cls in enumerate(held):
         for c in cls:
