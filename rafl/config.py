@@ -1,0 +1,253 @@
+"""The validated run configuration of ``rafl federate``: one source of truth for every default.
+
+A run config is YAML (``--config run.yaml``) merged over these defaults, then ``--set key=value``
+dotted overrides (values parsed as YAML: ``--set engine.rounds=5``, ``--set
+clients.profiles=[pi4,phone]``). Validation is pydantic v2 with ``extra="forbid"`` everywhere
+except ``algorithm`` (whose keys are checked against the chosen algorithm's hyperparameters), so
+a misspelt key is an error, never silently ignored. The resolved config (all defaults filled in)
+is saved in the run dir as ``config.yaml`` and reproduces the run.
+
+Example (every key optional)::
+
+    seed: 0
+    data: {dataset: digits, resolution: 32, limit_per_class: null, root: null}
+    partition: {scheme: dirichlet, alpha: 0.5, public_fraction: 0.3, public_seed: 0}
+    clients: {n: 10, profiles: [pi4, jetson-nano, phone]}
+    supernet: {path: null}                # null = the cached quickstart supernet
+    search: {method: evolution, population: 24, generations: 10}
+    algorithm: {name: rafl, local_epochs: 2, temperature: 1.0}
+    engine: {rounds: 5, clients_per_round: 1.0, dropout: 0.0, eval_every: 1}
+    train: {batch_size: 32, device: cpu}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rafl.errors import UserInputError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    """Which dataset (see :func:`rafl.data.load_dataset`)."""
+
+    dataset: Literal["digits", "cifar10", "cifar100", "femnist"] = "digits"
+    root: str | None = Field(None, description="dataset root / archive path, or null (the default location)")
+    resolution: int = Field(32, ge=8, le=224, description="an integer in 8..224 (pixels)")
+    limit_per_class: int | None = Field(None, ge=1, description="an integer >= 1 or null (all samples)")
+
+
+class PartitionConfig(_Strict):
+    """How the data is split over clients (see :func:`rafl.data.make_partition`)."""
+
+    scheme: str = Field("dirichlet", description="iid, pathological, dirichlet, natural or file:PATH")
+    alpha: float | None = Field(0.5, gt=0, description="a number > 0 (dirichlet)")
+    k: int | None = Field(None, ge=1, description="an integer >= 1 (pathological: classes per client)")
+    min_samples: int = Field(10, ge=1, description="an integer >= 1")
+    public_fraction: float = Field(0.3, ge=0, lt=1, description="a fraction in [0, 1)")
+    public_seed: int = Field(0, description="an integer (seed of the public pool)")
+    seed: int | None = Field(None, description="an integer or null (= the run seed)")
+    split: tuple[float, float, float] = Field((0.8, 0.1, 0.1), description="three fractions summing to 1")
+
+    @field_validator("scheme")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if v not in ("iid", "pathological", "dirichlet", "natural") and not v.startswith("file:"):
+            raise ValueError("allowed: iid, pathological, dirichlet, natural, file:PATH")
+        return v
+
+
+class ClientsConfig(_Strict):
+    """The client population: how many, their device profiles, optional fixed archs.
+
+    ``profiles`` are assigned round-robin to clients 0..n-1 (or give exactly ``n`` entries).
+    ``archs`` maps a profile name to a fixed subnet (arch string or arch YAML/JSON path), which
+    then replaces the search for that profile; ``arch`` gives one arch to every client
+    (homogeneous population, e.g. for FedAvg).
+    """
+
+    n: int = Field(10, ge=1, description="an integer >= 1")
+    profiles: list[str] = Field(["pi4", "jetson-nano", "phone"], min_length=1,
+                                description="a non-empty list of profile names or paths")
+    archs: dict[str, str] = Field(default_factory=dict, description="profile name -> arch string or file")
+    arch: str | None = Field(None, description="one arch (string or file) for every client, or null")
+
+
+class SupernetConfig(_Strict):
+    """Which supernet: a checkpoint path, or null for the cached quickstart supernet."""
+
+    path: str | None = Field(None, description="a supernet checkpoint (dir or file), or null (quickstart)")
+
+
+class SearchSection(_Strict):
+    """Per-profile subnet search (:func:`rafl.search.evolution.search_subnets`)."""
+
+    method: Literal["evolution", "largest-feasible"] = Field(
+        "evolution", description="evolution (the search) or largest-feasible (random sampling, by MACs)")
+    population: int = Field(24, ge=2, description="an integer >= 2")
+    generations: int = Field(10, ge=0, description="an integer >= 0")
+    estimator: Literal["predictor", "measured"] = "measured"
+    predictor_samples: int = Field(16, ge=4, description="an integer >= 4")
+    top_k: int = Field(3, ge=1, description="an integer >= 1")
+    val_samples: int = Field(256, ge=8, description="an integer >= 8 (public-pool images for validation)")
+    samples: int = Field(2000, ge=1, description="an integer >= 1 (largest-feasible: random archs tried)")
+
+
+class AlgorithmConfig(BaseModel):
+    """The FL method and its hyperparameters (keys checked against the method's defaults)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field("rafl", description="a registered algorithm name")
+
+    def hparams(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class EngineSection(_Strict):
+    """Rounds, participation and faults (:class:`rafl.federation.engine.EngineConfig`)."""
+
+    rounds: int = Field(6, ge=1, description="an integer >= 1")
+    clients_per_round: float | int = Field(1.0, gt=0, description="a fraction in (0, 1] or a count >= 1")
+    available: float | int = Field(1.0, gt=0, description="a fraction in (0, 1] or a count >= 1")
+    sporadic_rate: float = Field(0.0, ge=0, lt=1, description="a fraction in [0, 1)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="a probability in [0, 1)")
+    eval_every: int = Field(1, ge=1, description="an integer >= 1")
+    eval_clients: Literal["all", "sampled"] = "all"
+    target_accuracy: float | None = Field(0.8, ge=0, le=1, description="a fraction in [0, 1] or null")
+
+
+class TrainSection(_Strict):
+    """Local computation."""
+
+    batch_size: int = Field(32, ge=1, description="an integer >= 1")
+    device: str = Field("cpu", description="a torch device (cpu, cuda, cuda:0 ...)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads, or null (torch's default)")
+
+
+class RunConfig(_Strict):
+    """The whole ``rafl federate`` run (see the module docstring)."""
+
+    seed: int = Field(0, description="an integer")
+    name: str | None = Field(None, description="run dir name under --out, or null (algorithm-timestamp)")
+    data: DataConfig = Field(default_factory=DataConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    clients: ClientsConfig = Field(default_factory=ClientsConfig)
+    supernet: SupernetConfig = Field(default_factory=SupernetConfig)
+    search: SearchSection = Field(default_factory=SearchSection)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+
+    def resolved(self) -> dict[str, Any]:
+        """Plain dict with every default filled in (what ``config.yaml`` holds)."""
+        out = self.model_dump(mode="json")
+        alg = out.pop("algorithm")
+        out["algorithm"] = alg
+        return out
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise UserInputError(f"{'.'.join(parts[:parts.index(p) + 1])} is not a section", source=source,
+                                 field=key)
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
+    """``["engine.rounds=5", ...]`` -> ``[("engine.rounds", 5), ...]`` (values parsed as YAML).
+
+    Raises:
+        UserInputError: an item without ``=`` or with an empty key.
+    """
+    out = []
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise UserInputError(f"{item!r} is not key=value (e.g. engine.rounds=5)", field="--set")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def _error(err: ValidationError, source: str | None) -> UserInputError:
+    first = err.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    # walk the models to find the field's description (its allowed values)
+    model: Any = RunConfig
+    info = None
+    for p in loc:
+        fields = getattr(model, "model_fields", {})
+        if p not in fields:
+            info = None
+            break
+        info = fields[p]
+        model = info.annotation
+    if first.get("type") == "extra_forbidden":
+        parent: Any = RunConfig
+        for p in loc[:-1]:
+            parent = parent.model_fields[p].annotation
+        allowed = ", ".join(parent.model_fields)
+        return UserInputError(f"unknown key; allowed: {allowed}", source=source, field=".".join(loc))
+    hint = f"; allowed: {info.description}" if info is not None and info.description else ""
+    return UserInputError(f"{first.get('msg', 'invalid')} (got {first.get('input')!r}){hint}", source=source,
+                          field=".".join(loc))
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults <- YAML file ``path`` <- ``--set`` overrides, validated; the algorithm name and
+    its hyperparameters are checked against the registry.
+
+    Raises:
+        UserInputError: unreadable/malformed YAML, an unknown key (anywhere, including algorithm
+            hyperparameters), a value out of range, or an unknown algorithm -- naming the file and
+            the dotted field and listing the allowed values.
+    """
+    data: dict[str, Any] = {}
+    source = None
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise UserInputError("no such file (expected a YAML run config)", source=p)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
+        if not isinstance(data, dict):
+            raise UserInputError("expected a mapping at the top level", source=p)
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(data, key, value, source or "--set")
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise _error(err, source) from None
+    from rafl.federation.algorithms import get_algorithm
+
+    cls = get_algorithm(cfg.algorithm.name)
+    try:
+        hp = cls.check_hparams(cfg.algorithm.hparams())
+    except UserInputError as err:
+        raise UserInputError(err.message, source=source, field="algorithm") from None
+    cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
+    return cfg
+
+
+__all__ = ["RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
+           "AlgorithmConfig", "EngineSection", "TrainSection", "load_run_config", "parse_overrides"]

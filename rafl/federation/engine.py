@@ -1,0 +1,486 @@
+"""The in-process federation engine: rounds, sampling, faults, communication counting, checkpoints.
+
+The engine moves :class:`~rafl.federation.payload.Payload` s between an algorithm's client and
+server steps and knows no algorithm by name. One round ``t``:
+
+1. *Sporadic participation* (RaFL's sporadic setting): a share ``sporadic_rate`` of the currently
+   available clients leaves and is replaced by clients drawn from the rest of the population.
+2. *Sampling*: ``clients_per_round`` clients (a count, or a fraction of the available ones) are
+   drawn without replacement, seeded by ``(seed, t)``.
+3. *Dropout*: each sampled client fails with probability ``dropout`` after downloading; it uploads
+   nothing and its state is not updated. The round completes with the rest (failures counted).
+4. Every surviving client: its committed state is loaded from disk (or ``init_client`` on first
+   use), ``client_update`` runs with loaders and torch RNG seeded by ``(seed, client, t)``, the
+   new state is written to disk, the upload is validated (shapes vs ``upload_spec``, finiteness).
+5. ``server_aggregate`` produces the next broadcast.
+6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
+   (``prepare_evaluation`` + ``evaluate``); reported per model ``m``: ``m.acc_mean_over_clients``,
+   ``m.acc_sample_weighted`` (sum correct / sum samples), ``m.acc_std_over_clients``.
+7. Communication: bytes of every download (``client_broadcast(...).nbytes()``) and every upload
+   (``nbytes()`` of what the client returned; the sender id travels in the envelope) per round and
+   cumulative. ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the
+   cumulative MB (up + down) at the first evaluated round whose ``model.acc_mean_over_clients``
+   reaches ``target_accuracy``.
+8. ``metrics.jsonl``/``metrics.csv`` rewritten, then ``checkpoint.pt`` (server state, broadcast,
+   available set, committed client-state versions, counters, metrics so far) written atomically.
+
+``resume`` continues from the last complete round; because every random draw is seeded by
+``(seed, round[, client])`` and client states are versioned (:mod:`rafl.federation.store`), a
+resumed run ends with the same metrics as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rafl.errors import UserInputError
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
+from rafl.federation.payload import Payload
+from rafl.federation.store import ClientStore, load_state, save_state
+from rafl.io import atomic_write_json, atomic_write_text
+
+#: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
+#: loaders shuffle with ``seed``, val/test loaders do not; "val" may return None.
+LoaderFactory = Callable[[int, str, int], Loader | None]
+#: ``client_model(client_id, arch=None) -> nn.Module`` (see ``ClientContext.make_model``).
+ClientModelFactory = Callable[..., torch.nn.Module]
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class EngineConfig:
+    """How rounds run (the run config's ``engine`` section).
+
+    Attributes:
+        rounds: number of communication rounds (>= 1).
+        clients_per_round: float in (0, 1] = fraction of the available clients, int >= 1 = count.
+        sporadic_rate: share of the available clients replaced each round, in [0, 1).
+        available: clients available at once (fraction of the population in (0, 1] or a count);
+            with ``sporadic_rate > 0`` the rest of the population is the pool of newcomers.
+        dropout: probability that a sampled client fails in a round, in [0, 1).
+        eval_every: evaluate every k rounds (the last round always).
+        eval_clients: "all" (every client, default) or "sampled" (those materialized so far).
+        target_accuracy: accuracy in [0, 1] for ``co_mb_to_target``, or None.
+        seed: the run seed.
+    """
+
+    rounds: int = 10
+    clients_per_round: float | int = 1.0
+    sporadic_rate: float = 0.0
+    available: float | int = 1.0
+    dropout: float = 0.0
+    eval_every: int = 1
+    eval_clients: str = "all"
+    target_accuracy: float | None = None
+    seed: int = 0
+
+
+def _count(spec: float | int, n: int, name: str) -> int:
+    if isinstance(spec, float) and 0 < spec <= 1:
+        return max(1, int(math.ceil(spec * n - 1e-9)))
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1:
+        return min(spec, n)
+    raise UserInputError(f"is {spec!r}; allowed: a fraction in (0, 1] or a count >= 1", field=f"engine.{name}")
+
+
+def seed_of(*parts: int) -> int:
+    """A 63-bit seed derived from integers (numpy SeedSequence), stable across runs/platforms."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+def sporadic_update(available: list[int], population: int, rate: float, rng: np.random.Generator) -> list[int]:
+    """Replace ``round(rate * len(available))`` available clients by clients not available now.
+
+    Returns the new sorted list of available ids (same length)."""
+    n_swap = min(int(round(rate * len(available))), population - len(available))
+    if n_swap <= 0:
+        return sorted(available)
+    outside = np.setdiff1d(np.arange(population), np.asarray(available, dtype=np.int64))
+    leave = rng.choice(np.asarray(available), size=n_swap, replace=False)
+    join = rng.choice(outside, size=n_swap, replace=False)
+    return sorted(set(available) - set(int(v) for v in leave) | set(int(v) for v in join))
+
+
+def sample_clients(available: list[int], k: int, rng: np.random.Generator) -> list[int]:
+    """``k`` distinct ids drawn uniformly from ``available`` (sorted)."""
+    return sorted(int(v) for v in rng.choice(np.asarray(available), size=min(k, len(available)), replace=False))
+
+
+@dataclass
+class RoundTimes:
+    """Seconds spent in one round, by part (``engine`` = everything else: state I/O, payload
+    serialization/validation, sampling, metrics, checkpoint)."""
+
+    total: float = 0.0
+    client_update: float = 0.0
+    aggregate: float = 0.0
+    evaluate: float = 0.0
+
+    @property
+    def engine(self) -> float:
+        return max(0.0, self.total - self.client_update - self.aggregate - self.evaluate)
+
+
+@dataclass
+class Federation:
+    """Everything the engine needs for one run (built by :mod:`rafl.federation.pipeline` or tests).
+
+    Attributes:
+        algorithm: the method instance.
+        clients: the population's :class:`ClientInfo` (ids 0..n-1, in order).
+        loaders: :data:`LoaderFactory`.
+        client_model: :data:`ClientModelFactory`.
+        server: the :class:`ServerContext` (its ``round``/``rng`` are set by the engine).
+        n_classes: number of classes.
+        hparams: the algorithm's hyperparameters (copied into every context).
+        device: torch device of local computation.
+    """
+
+    algorithm: Algorithm
+    clients: list[ClientInfo]
+    loaders: LoaderFactory
+    client_model: ClientModelFactory
+    server: ServerContext
+    n_classes: int
+    hparams: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class Engine:
+    """Runs a :class:`Federation` for ``config.rounds`` rounds into ``run_dir``.
+
+    Args:
+        fed: the federation.
+        config: :class:`EngineConfig`.
+        run_dir: an existing directory (the CLI creates it only after validation); the engine
+            writes ``clients/``, ``checkpoint.pt``, ``metrics.jsonl``, ``metrics.csv``,
+            ``summary.json``, ``accuracy_vs_round.png``, ``accuracy_vs_mb.png`` there.
+        progress: show a tqdm bar over rounds.
+
+    Raises:
+        UserInputError: bad engine values, a population the algorithm rejects, or (on resume) a
+            checkpoint that does not belong to this run.
+    """
+
+    def __init__(self, fed: Federation, config: EngineConfig, run_dir: str | Path, progress: bool = True):
+        self.fed = fed
+        self.cfg = config
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        n = len(fed.clients)
+        if n < 1:
+            raise UserInputError("needs at least one client", field="clients")
+        if [c.client_id for c in fed.clients] != list(range(n)):
+            raise UserInputError("client ids must be 0..n-1 in order", field="clients")
+        if not 0 <= config.sporadic_rate < 1:
+            raise UserInputError(f"is {config.sporadic_rate}; allowed: [0, 1)", field="engine.sporadic_rate")
+        if not 0 <= config.dropout < 1:
+            raise UserInputError(f"is {config.dropout}; allowed: [0, 1)", field="engine.dropout")
+        if config.rounds < 1 or config.eval_every < 1:
+            raise UserInputError("rounds and eval_every must be >= 1", field="engine")
+        if config.eval_clients not in ("all", "sampled"):
+            raise UserInputError(f"is {config.eval_clients!r}; allowed: all, sampled", field="engine.eval_clients")
+        self.n_available = _count(config.available, n, "available")
+        self.n_sampled = _count(config.clients_per_round, self.n_available, "clients_per_round")
+        fed.algorithm.check_population(fed.clients)
+        self.store = ClientStore(self.run_dir / "clients")
+        self.times: list[RoundTimes] = []
+
+    # ------------------------------------------------------------------ contexts
+    def _client_ctx(self, cid: int, rnd: int) -> ClientContext:
+        fed = self.fed
+        seed = seed_of(self.cfg.seed, cid, rnd)
+        info = fed.clients[cid]
+        return ClientContext(
+            info=info,
+            make_model=lambda arch=None, _cid=cid: fed.client_model(_cid, arch),
+            train_loader=fed.loaders(cid, "train", seed),
+            val_loader=fed.loaders(cid, "val", seed),
+            test_loader=fed.loaders(cid, "test", seed),
+            n_classes=fed.n_classes, device=fed.device, seed=seed,
+            rng=np.random.default_rng(seed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
+
+    def _server_ctx(self, rnd: int) -> ServerContext:
+        s = self.fed.server
+        s.round = rnd
+        s.seed = self.cfg.seed
+        s.rng = np.random.default_rng(seed_of(self.cfg.seed, rnd, 7))
+        s.hparams = dict(self.fed.hparams)
+        return s
+
+    def _client_state(self, ctx: ClientContext) -> Any:
+        if self.store.has(ctx.client_id):
+            return self.store.load(ctx.client_id)
+        torch.manual_seed(ctx.seed)
+        return self.fed.algorithm.init_client(ctx)
+
+    # ------------------------------------------------------------------ checkpoint
+    def _checkpoint(self, rnd: int, server_state: Any, broadcast: Payload, available: list[int],
+                    history: list[dict], counters: dict) -> None:
+        committed = self.store.commit()
+        save_state(self.run_dir / CHECKPOINT, {
+            "round": rnd,
+            "server_state": server_state,
+            "broadcast_tensors": broadcast.tensors,
+            "broadcast_meta": json.dumps(broadcast.meta),
+            "available": list(available),
+            "committed": {str(k): v for k, v in committed.items()},
+            "history": json.dumps(history),
+            "counters": json.dumps(counters),
+            "config": json.dumps(asdict(self.cfg)),
+            "n_clients": len(self.fed.clients),
+            "algorithm": self.fed.algorithm.name,
+        })
+        self.store.cleanup()
+
+    def _load_checkpoint(self) -> dict:
+        path = self.run_dir / CHECKPOINT
+        if not path.is_file():
+            raise UserInputError("has no checkpoint.pt (not a rafl federate run dir, or it never "
+                                 "completed a round)", source=self.run_dir)
+        ck = load_state(path)
+        if ck.get("algorithm") != self.fed.algorithm.name or ck.get("n_clients") != len(self.fed.clients):
+            raise UserInputError(f"checkpoint is for algorithm {ck.get('algorithm')!r} with "
+                                 f"{ck.get('n_clients')} clients, the config says {self.fed.algorithm.name!r} "
+                                 f"with {len(self.fed.clients)}", source=path)
+        return ck
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+        algo = self.fed.algorithm
+        ids = range(len(self.fed.clients)) if self.cfg.eval_clients == "all" else sorted(self.store.committed)
+        per_client: dict[int, dict[str, float]] = {}
+        for cid in ids:
+            ctx = self._client_ctx(cid, rnd)
+            state = self._client_state(ctx)
+            state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
+            per_client[cid] = algo.evaluate(state, ctx)
+        return summarize_eval(per_client), per_client
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        """Run (or continue) the federation; returns the summary (also in ``summary.json``)."""
+        fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
+        n = len(fed.clients)
+        if resume:
+            ck = self._load_checkpoint()
+            start = int(ck["round"]) + 1
+            server_state = ck["server_state"]
+            broadcast = Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"]))
+            available = [int(v) for v in ck["available"]]
+            self.store.committed = {int(k): int(v) for k, v in ck["committed"].items()}
+            self.store.cleanup()
+            history = json.loads(ck["history"])
+            counters = json.loads(ck["counters"])
+        else:
+            torch.manual_seed(seed_of(cfg.seed, 0, 7))
+            server_state, broadcast = algo.init_server(self._server_ctx(0))
+            rng0 = np.random.default_rng(seed_of(cfg.seed, 0, 3))
+            available = sorted(int(v) for v in rng0.choice(n, size=self.n_available, replace=False))
+            history, counters = [], {"cum_bytes_up": 0, "cum_bytes_down": 0, "failures": 0,
+                                     "co_mb_to_target": None, "co_round": None}
+        bar = tqdm(range(start if resume else 1, cfg.rounds + 1), desc=f"{algo.name} rounds",
+                   disable=not self.progress, initial=(start - 1) if resume else 0, total=cfg.rounds)
+        last_eval: tuple[dict, dict] | None = None
+        for rnd in bar:
+            t0 = time.perf_counter()
+            times = RoundTimes()
+            rng = np.random.default_rng(seed_of(cfg.seed, rnd, 1))
+            if cfg.sporadic_rate > 0 and rnd > 1:
+                available = sporadic_update(available, n, cfg.sporadic_rate, rng)
+            sampled = sample_clients(available, self.n_sampled, rng)
+            failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
+            bytes_up = bytes_down = 0
+            uploads: list[Payload] = []
+            for cid in sampled:
+                ctx = self._client_ctx(cid, rnd)
+                down = algo.client_broadcast(broadcast, ctx.info)
+                bytes_down += down.nbytes()
+                if cid in failed:
+                    continue
+                state = self._client_state(ctx)
+                torch.manual_seed(ctx.seed)
+                tc = time.perf_counter()
+                state, upload = algo.client_update(state, down, ctx)
+                times.client_update += time.perf_counter() - tc
+                self.store.save(cid, rnd, state)
+                del state
+                bytes_up += upload.nbytes()
+                upload.validate(algo.upload_spec(server_state, ctx.info), sender=f"client {cid}")
+                upload.meta["client_id"] = cid
+                uploads.append(upload)
+            torch.manual_seed(seed_of(cfg.seed, rnd, 7))
+            ta = time.perf_counter()
+            server_state, broadcast = algo.server_aggregate(uploads, server_state, self._server_ctx(rnd))
+            times.aggregate = time.perf_counter() - ta
+            del uploads
+            counters["cum_bytes_up"] += bytes_up
+            counters["cum_bytes_down"] += bytes_down
+            counters["failures"] += len(failed)
+            row: dict[str, Any] = {
+                "round": rnd, "sampled": len(sampled), "failed": len(failed),
+                "participated": len(sampled) - len(failed),
+                "bytes_up": bytes_up, "bytes_down": bytes_down,
+                "cum_bytes_up": counters["cum_bytes_up"], "cum_bytes_down": counters["cum_bytes_down"],
+                "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
+                "bytes_up_per_client": bytes_up / max(1, len(sampled) - len(failed)),
+            }
+            if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+                self.store.commit()  # evaluation reads this round's states
+                te = time.perf_counter()
+                last_eval = self._evaluate(rnd, broadcast)
+                times.evaluate = time.perf_counter() - te
+                row.update(last_eval[0])
+                acc = last_eval[0].get("model.acc_mean_over_clients")
+                if (cfg.target_accuracy is not None and counters["co_mb_to_target"] is None
+                        and acc is not None and acc >= cfg.target_accuracy):
+                    counters["co_mb_to_target"] = row["cum_mb"]
+                    counters["co_round"] = rnd
+            times.total = time.perf_counter() - t0
+            row.update({"time_s": times.total, "time_client_update_s": times.client_update,
+                        "time_aggregate_s": times.aggregate, "time_evaluate_s": times.evaluate,
+                        "time_engine_s": times.engine})
+            history.append(row)
+            tw = time.perf_counter()
+            write_metrics(self.run_dir, history)
+            self._checkpoint(rnd, server_state, broadcast, available, history, counters)
+            times.total += time.perf_counter() - tw
+            row["time_s"], row["time_engine_s"] = times.total, times.engine
+            self.times.append(times)
+            if "model.acc_mean_over_clients" in row:
+                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}", MB=f"{row['cum_mb']:.2f}")
+        bar.close()
+        if last_eval is None:  # resumed after the final round: re-evaluate from the checkpoint
+            last_eval = self._evaluate(cfg.rounds, broadcast)
+        summary = make_summary(algo.name, history, counters, last_eval[1], cfg)
+        write_metrics(self.run_dir, history)
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        plot_metrics(self.run_dir, history)
+        return summary
+
+
+# ---------------------------------------------------------------------- metrics
+def summarize_eval(per_client: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Per model ``m`` (keys ``m.correct``/``m.total`` of the evaluation contract):
+    ``m.acc_mean_over_clients`` (unweighted mean of per-client accuracies),
+    ``m.acc_sample_weighted`` (sum correct / sum total) and ``m.acc_std_over_clients``
+    (population std of per-client accuracies). Clients with an empty test split are skipped.
+    Other numeric keys are averaged over clients as ``key.mean``."""
+    out: dict[str, float] = {}
+    models = sorted({k[:-len(".correct")] for r in per_client.values() for k in r if k.endswith(".correct")})
+    for m in models:
+        accs, correct, total = [], 0.0, 0.0
+        for r in per_client.values():
+            tot = r.get(f"{m}.total", 0.0)
+            if tot > 0:
+                accs.append(r[f"{m}.correct"] / tot)
+                correct += r[f"{m}.correct"]
+                total += tot
+        if accs:
+            out[f"{m}.acc_mean_over_clients"] = float(np.mean(accs))
+            out[f"{m}.acc_sample_weighted"] = correct / total
+            out[f"{m}.acc_std_over_clients"] = float(np.std(accs))
+    extra = sorted({k for r in per_client.values() for k in r if not k.endswith((".correct", ".total"))})
+    for k in extra:
+        vals = [r[k] for r in per_client.values() if k in r]
+        out[f"{k}.mean"] = float(np.mean(vals))
+    return out
+
+
+def write_metrics(run_dir: Path, history: list[dict]) -> None:
+    """``metrics.jsonl`` (one JSON object per round) and ``metrics.csv`` (union of columns), atomically."""
+    atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+    cols: list[str] = []
+    for r in history:
+        cols += [k for k in r if k not in cols]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, restval="")
+    w.writeheader()
+    w.writerows(history)
+    atomic_write_text(run_dir / "metrics.csv", buf.getvalue())
+
+
+def make_summary(algorithm: str, history: list[dict], counters: dict, per_client: dict[int, dict[str, float]],
+                 cfg: EngineConfig) -> dict[str, Any]:
+    """The run summary: final-round metrics (not best-round), best-round accuracy (named as such),
+    communication totals, CO to target, failures, per-client final accuracies, timing."""
+    evals = [r for r in history if "model.acc_mean_over_clients" in r]
+    final = evals[-1] if evals else {}
+    clients = {}
+    for cid, r in sorted(per_client.items()):
+        clients[str(cid)] = {k[:-len(".correct")] + ".acc": (r[k] / r[k[:-len(".correct")] + ".total"]
+                                                              if r[k[:-len(".correct")] + ".total"] else None)
+                             for k in r if k.endswith(".correct")}
+        clients[str(cid)]["test_samples"] = next((v for k, v in r.items() if k.endswith(".total")), 0)
+    part = [r["participated"] for r in history]
+    tot = sum(r["time_s"] for r in history)
+    eng = sum(r["time_engine_s"] for r in history)
+    return {
+        "algorithm": algorithm,
+        "rounds": len(history),
+        "final": {k: v for k, v in final.items() if ".acc_" in k},
+        "best_round_model_acc_mean_over_clients": max((r["model.acc_mean_over_clients"] for r in evals), default=None),
+        "cum_bytes_up": counters["cum_bytes_up"],
+        "cum_bytes_down": counters["cum_bytes_down"],
+        "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
+        "mean_bytes_up_per_client_per_round": (counters["cum_bytes_up"] / sum(part)) if sum(part) else 0.0,
+        "target_accuracy": cfg.target_accuracy,
+        "co_mb_to_target": counters["co_mb_to_target"],
+        "co_round": counters["co_round"],
+        "failures": counters["failures"],
+        "clients": clients,
+        "time_s": tot,
+        "engine_overhead_share": eng / tot if tot > 0 else 0.0,
+    }
+
+
+def plot_metrics(run_dir: Path, history: list[dict]) -> None:
+    """``accuracy_vs_round.png`` and ``accuracy_vs_mb.png`` (every evaluated model, mean over
+    clients with a +-std band), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = [r for r in history if any(k.endswith(".acc_mean_over_clients") for k in r)]
+    if not evals:
+        return
+    models = sorted({k.split(".acc_mean_over_clients")[0] for r in evals for k in r
+                     if k.endswith(".acc_mean_over_clients")})
+    for xkey, fname, xlabel in (("round", "accuracy_vs_round.png", "round"),
+                                ("cum_mb", "accuracy_vs_mb.png", "cumulative communication (MB, up + down)")):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for m in models:
+            pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
+                   if f"{m}.acc_mean_over_clients" in r]
+            x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
+            ax.plot(x, y, marker="o", ms=3, label=f"{m} (mean over clients)")
+            ax.fill_between(x, y - s, y + s, alpha=0.15)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        from rafl.io import atomic_write_bytes
+
+        atomic_write_bytes(run_dir / fname, buf.getvalue())
+
+
+__all__ = ["Engine", "EngineConfig", "Federation", "RoundTimes", "LoaderFactory", "summarize_eval",
+           "write_metrics", "make_summary", "plot_metrics", "seed_of", "sample_clients", "sporadic_update"]
