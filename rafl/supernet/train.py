@@ -1,0 +1,453 @@
+"""Progressive-shrinking training of the supernet (Cai et al., "Once-for-All", ICLR 2020, Sec. 3.2).
+
+Phases, in OFA's order, each with its own epochs, learning rate, fresh SGD (Nesterov) optimizer
+and per-step cosine schedule:
+
+1. ``full``: the largest network only (max kernel, expand ratio, depth; random resolution).
+2. ``kernel``: elastic kernel size (``ks`` from all choices; ``e``, ``d`` at max).
+3. ``depth``: elastic depth, widened in two stages as OFA does: the first half of the phase's
+   steps samples the two largest depths, the second half all depths.
+4. ``expand``: elastic expand ratio (two stages likewise: two largest ratios, then all). The
+   phase starts with OFA's channel sorting (``re_organize_middle_weights``, Sec. 3.2).
+
+Every step samples subnets from the phase's allowed choices (optionally the *sandwich rule* of
+BigNAS/US-Nets: the largest + the smallest + ``n_subnets`` random ones) and accumulates their
+gradients before one optimizer step. Loss per subnet (OFA's ``train_one_epoch``): label-smoothed
+cross-entropy + ``kd_ratio`` x soft cross-entropy to the *in-place* teacher, the largest subnet's
+detached output on the same batch (in-place distillation, Yu et al., BigNAS, ECCV 2020, Sec. 3.1).
+
+Resume: after every epoch ``resume.pt`` (model, optimizer, scheduler, RNG states of torch / numpy
+/ Python and of the run's own generators, progress, metrics) is written atomically; a run resumed
+from it ends with the same weights as an uninterrupted one (tested bit-exactly on CPU).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from rafl.errors import UserInputError
+from rafl.io import atomic_write_bytes, atomic_write_json
+from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.supernet.checkpoint import META_NAME, save_supernet
+from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
+from rafl.supernet.server_data import random_crop_flip, server_split
+
+PHASES: tuple[str, ...] = ("full", "kernel", "depth", "expand")
+RESUME_NAME = "resume.pt"
+CONFIG_NAME = "config.json"
+METRICS_NAME = "metrics.json"
+
+
+class TrainConfig(BaseModel):
+    """Resolved configuration of a supernet training run (the one source of truth for defaults).
+
+    Units: learning rates per step of SGD; epochs are passes over pool-train; resolutions in pixels.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dataset: Literal["digits", "cifar10", "cifar100", "femnist"] = "digits"
+    data_root: str | None = None
+    image_size: int = Field(32, ge=8, le=512, description="resolution the dataset is loaded at (px)")
+    limit_per_class: int | None = Field(None, ge=1)
+    public_fraction: float = Field(0.3, gt=0, lt=1)
+    public_seed: int = 0
+    val_fraction: float = Field(0.1, ge=0, lt=1)
+    test_samples: int | None = Field(2000, ge=1)
+
+    width_mult: float = Field(0.35, gt=0, le=2)
+    resolutions: tuple[int, ...] = (24, 28, 32)
+    ks_choices: tuple[int, ...] = (3, 5, 7)
+    e_choices: tuple[int, ...] = (3, 4, 6)
+    d_choices: tuple[int, ...] = (2, 3, 4)
+    stem_stride: int = Field(1, ge=1, le=2)
+
+    epochs_full: int = Field(4, ge=0)
+    epochs_kernel: int = Field(2, ge=0)
+    epochs_depth: int = Field(2, ge=0)
+    epochs_expand: int = Field(2, ge=0)
+    lr_full: float = Field(0.1, gt=0)
+    lr_kernel: float = Field(0.03, gt=0)
+    lr_depth: float = Field(0.03, gt=0)
+    lr_expand: float = Field(0.03, gt=0)
+    batch_size: int = Field(64, ge=2)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-5, ge=0)
+    label_smoothing: float = Field(0.1, ge=0, lt=1)
+    kd_ratio: float = Field(1.0, ge=0)
+    sandwich: bool = True
+    n_subnets: int = Field(1, ge=0, description="random subnets per step besides the sandwich")
+    crop_padding: int = Field(4, ge=0)
+    hflip: bool | None = Field(None, description="horizontal flips; None = on for CIFAR only")
+    recal_batches: int = Field(8, ge=1)
+    eval_batch_size: int = Field(256, ge=1)
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.dataset != "digits" and self.data_root is None:
+            raise ValueError(f"dataset {self.dataset!r} needs data_root")
+        if sum(self.phase_epochs()) == 0:
+            raise ValueError("all phases have 0 epochs")
+        return self
+
+    def phase_epochs(self) -> list[int]:
+        """Epochs of (full, kernel, depth, expand)."""
+        return [self.epochs_full, self.epochs_kernel, self.epochs_depth, self.epochs_expand]
+
+    def phase_lrs(self) -> list[float]:
+        """Learning rates of (full, kernel, depth, expand)."""
+        return [self.lr_full, self.lr_kernel, self.lr_depth, self.lr_expand]
+
+    def space(self, n_classes: int) -> SearchSpace:
+        """The supernet's :class:`SearchSpace` for a dataset with ``n_classes`` classes."""
+        return SearchSpace(ks_choices=self.ks_choices, e_choices=self.e_choices,
+                           d_choices=self.d_choices, resolutions=self.resolutions,
+                           width_mult=self.width_mult, n_classes=n_classes, stem_stride=self.stem_stride)
+
+    def use_hflip(self) -> bool:
+        """Whether horizontal flips are used (default: CIFAR only; digits/letters are not symmetric)."""
+        return self.dataset.startswith("cifar") if self.hflip is None else self.hflip
+
+    @classmethod
+    def from_options(cls, source: str | Path | None = None, **options: Any) -> TrainConfig:
+        """Validate ``options`` (None values = defaults), turning errors into UserInputError.
+
+        ``epochs_per_phase`` sets the epochs of all four phases.
+        """
+        opts = {k: v for k, v in options.items() if v is not None}
+        per_phase = opts.pop("epochs_per_phase", None)
+        if per_phase is not None:
+            for name in PHASES:
+                opts.setdefault(f"epochs_{name}", per_phase)
+        try:
+            return cls(**opts)
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"]) or "config"
+            raise UserInputError(f"{first['msg']} (got {first.get('input')!r})", source=source,
+                                 field=loc) from None
+
+
+# --------------------------------------------------------------------------------------------
+# sampling per phase
+
+
+def phase_choices(space: SearchSpace, phase: str, stage: int) -> dict[str, tuple[int, ...]]:
+    """Allowed (ks, e, d, r) choices in ``phase`` (OFA's progressive shrinking; ``stage`` 0/1 is
+    the first/second half of the depth and expand phases)."""
+    ks, e, d = space.ks_choices, space.e_choices, space.d_choices
+    top = {"ks": (max(ks),), "e": (max(e),), "d": (max(d),)}
+    if phase == "full":
+        return {**top, "r": space.resolutions}
+    if phase == "kernel":
+        return {"ks": ks, "e": top["e"], "d": top["d"], "r": space.resolutions}
+    if phase == "depth":
+        return {"ks": ks, "e": top["e"], "d": d[-2:] if stage == 0 else d, "r": space.resolutions}
+    return {"ks": ks, "e": e[-2:] if stage == 0 else e, "d": d, "r": space.resolutions}
+
+
+def _arch_from(space: SearchSpace, ch: dict[str, tuple[int, ...]], rng: np.random.Generator | None,
+               pick: str = "random") -> ArchConfig:
+    if pick == "max":
+        vals = {k: max(v) for k, v in ch.items()}
+        return ArchConfig((vals["ks"],) * space.n_blocks, (vals["e"],) * space.n_blocks,
+                          (vals["d"],) * space.n_stages, vals["r"])
+    if pick == "min":
+        vals = {k: min(v) for k, v in ch.items()}
+        return ArchConfig((vals["ks"],) * space.n_blocks, (vals["e"],) * space.n_blocks,
+                          (vals["d"],) * space.n_stages, vals["r"]).canonical(space)
+    assert rng is not None
+    return ArchConfig(tuple(int(v) for v in rng.choice(ch["ks"], space.n_blocks)),
+                      tuple(int(v) for v in rng.choice(ch["e"], space.n_blocks)),
+                      tuple(int(v) for v in rng.choice(ch["d"], space.n_stages)),
+                      int(rng.choice(ch["r"]))).canonical(space)
+
+
+def sample_step_archs(space: SearchSpace, phase: str, stage: int, rng: np.random.Generator,
+                      sandwich: bool, n_subnets: int) -> list[ArchConfig]:
+    """The subnets trained in one step; with the sandwich rule the first is the largest (the
+    in-place teacher) and the second the smallest of the phase."""
+    ch = phase_choices(space, phase, stage)
+    if phase == "full":
+        return [_arch_from(space, {**ch, "r": (int(rng.choice(ch["r"])),)}, None, "max")]
+    archs = [_arch_from(space, ch, None, "max"), _arch_from(space, ch, None, "min")] if sandwich else []
+    archs += [_arch_from(space, ch, rng) for _ in range(n_subnets)]
+    return archs
+
+
+def soft_cross_entropy(logits: Tensor, target_probs: Tensor) -> Tensor:
+    """Mean over the batch of ``-sum_c p_c log softmax(logits)_c``; ``(B, C), (B, C) -> ()``.
+
+    OFA's KD loss (``ofa.utils.cross_entropy_loss_with_soft_target``).
+    """
+    return torch.sum(-target_probs * F.log_softmax(logits, dim=1), dim=1).mean()
+
+
+# --------------------------------------------------------------------------------------------
+# training
+
+
+def _rng_state(np_rng: np.random.Generator, aug_gen: torch.Generator) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy_global": _np_global_state(),
+             "python": random.getstate(), "arch_rng": np_rng.bit_generator.state,
+             "aug_gen": aug_gen.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _np_global_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def _set_rng_state(state: dict[str, Any], np_rng: np.random.Generator, aug_gen: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    g = state["numpy_global"]
+    np.random.set_state((g["name"], g["keys"].numpy().astype(np.uint32), g["pos"], g["has_gauss"], g["cached"]))
+    random.setstate(_to_tuple(state["python"]))
+    np_rng.bit_generator.state = state["arch_rng"]
+    aug_gen.set_state(state["aug_gen"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_tuple(obj: Any) -> Any:
+    return tuple(_to_tuple(o) for o in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def _param_groups(net: Supernet, weight_decay: float) -> list[dict[str, Any]]:
+    """OFA's ``no_decay_keys='bn#bias'``: no weight decay on BN parameters and biases."""
+    decay, no_decay = [], []
+    for name, p in net.named_parameters():
+        (no_decay if (p.ndim <= 1 or ".bn." in name or name.endswith("bias")) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _make_optimizer(net: Supernet, cfg: TrainConfig, phase: int, steps: int):
+    opt = torch.optim.SGD(_param_groups(net, cfg.weight_decay), lr=cfg.phase_lrs()[phase],
+                          momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps))
+    return opt, sched
+
+
+@torch.no_grad()
+def evaluate_subnet(net: Supernet, arch: ArchConfig, images: Tensor, labels: Tensor,
+                    calib: list[Tensor], batch_size: int = 256) -> float:
+    """Top-1 accuracy (fraction) of subnet ``arch`` after BN recalibration on ``calib`` batches.
+
+    The subnet is extracted (the supernet is not modified). ``images``: ``(N, C, H, W)``,
+    ``labels``: ``(N,)``.
+    """
+    device = next(net.parameters()).device
+    sub = extract_subnet(net, arch)
+    recalibrate_bn(sub, calib, n_batches=len(calib))
+    sub.eval()
+    correct = 0
+    for i in range(0, len(labels), batch_size):
+        x = images[i:i + batch_size].to(device)
+        correct += int((sub(x).argmax(1).cpu() == labels[i:i + batch_size]).sum())
+    return correct / max(1, len(labels))
+
+
+def _check_out(out: Path, resume: bool) -> None:
+    if resume:
+        if not (out / RESUME_NAME).is_file():
+            raise UserInputError(f"has no {RESUME_NAME} to resume from", source=out, field="resume")
+        return
+    if out.exists() and any((out / n).exists() for n in (RESUME_NAME, META_NAME, CONFIG_NAME)):
+        raise UserInputError("already holds a supernet run; use --resume to continue it or another --out",
+                             source=out, field="out")
+
+
+def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
+                   stop_after_epochs: int | None = None) -> tuple[Supernet, dict[str, Any]]:
+    """Train a supernet by progressive shrinking on the server's public pool; write it to ``out``.
+
+    Writes (atomically) ``out/config.json`` (resolved config), ``out/resume.pt`` (after every
+    epoch), ``out/metrics.json`` (per-phase metrics, then the final test table) and finally
+    ``out/supernet.safetensors`` + ``out/supernet.json`` (:func:`~rafl.supernet.save_supernet`).
+
+    Args:
+        config: the run's configuration.
+        out: run directory.
+        resume: continue from ``out/resume.pt`` (same result as an uninterrupted run).
+        progress: show a tqdm bar (phase, epoch, loss, accuracy, ETA).
+        stop_after_epochs: stop (checkpointed, unfinished) after this many epochs in total; used to
+            test resuming. ``None`` = run to the end.
+
+    Returns:
+        ``(supernet, metrics)``; metrics has ``phases`` (list of per-phase dicts), and when finished
+        ``test`` = {smallest, middle, largest: accuracy} with BN recalibrated on pool-train, and
+        ``test_source`` saying which held-out samples were used.
+
+    Raises:
+        UserInputError: bad data options, an ``out`` that already holds a run (without ``resume``),
+            or ``resume`` without a checkpoint.
+    """
+    from rafl.data import load_dataset
+
+    out = Path(out)
+    _check_out(out, resume)
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise UserInputError("is 'cuda' but no CUDA device is available; allowed here: cpu", field="device")
+    device = torch.device(config.device)
+    cuda = device.type == "cuda"
+
+    ds = load_dataset(config.dataset, config.data_root, resolution=config.image_size,
+                      limit_per_class=config.limit_per_class)
+    split = server_split(ds, config.public_fraction, config.public_seed, config.val_fraction,
+                         config.test_samples)
+    space = config.space(ds.num_classes)
+    images, labels = ds.images, ds.labels
+    train_x, train_y = images[split.pool_train], labels[split.pool_train]
+    n_train = len(train_y)
+    steps_per_epoch = math.ceil(n_train / config.batch_size)
+    calib = [train_x[i:i + config.batch_size] for i in range(0, n_train, config.batch_size)][:config.recal_batches]
+
+    torch.manual_seed(config.seed)
+    np.random.seed(config.seed % 2**32)
+    random.seed(config.seed)
+    arch_rng = np.random.default_rng([config.seed, 1])
+    aug_gen = torch.Generator().manual_seed(config.seed + 2)
+
+    net = build_supernet(space).to(device)
+    if cuda:
+        net = net.to(memory_format=torch.channels_last)
+    metrics: dict[str, Any] = {"phases": [], "test_source": split.test_source,
+                               "n_pool_train": n_train, "n_pool_val": len(split.pool_val),
+                               "n_test": len(split.test), "search_space": space.to_dict()}
+    start_phase, start_epoch = 0, 0
+    opt = sched = None
+    if resume:
+        saved_cfg = json.loads((out / CONFIG_NAME).read_text())
+        if saved_cfg != json.loads(config.model_dump_json()):
+            diff = [k for k in saved_cfg if saved_cfg[k] != json.loads(config.model_dump_json()).get(k)]
+            raise UserInputError(f"the run in this directory has another config (fields {diff}); "
+                                 "resume with the saved config", source=out / CONFIG_NAME, field="resume")
+        ckpt = torch.load(out / RESUME_NAME, map_location=device, weights_only=True)
+        net.load_state_dict(ckpt["model"])
+        start_phase, start_epoch = ckpt["phase"], ckpt["epoch"]
+        metrics = json.loads(ckpt["metrics_json"])
+        if start_epoch > 0:
+            opt, sched = _make_optimizer(net, config, start_phase,
+                                         config.phase_epochs()[start_phase] * steps_per_epoch)
+            opt.load_state_dict(ckpt["optimizer"])
+            sched.load_state_dict(ckpt["scheduler"])
+        _set_rng_state(ckpt["rng"], arch_rng, aug_gen)
+    else:
+        atomic_write_json(out / CONFIG_NAME, json.loads(config.model_dump_json()))
+
+    epochs = config.phase_epochs()
+    total_steps = sum(epochs) * steps_per_epoch
+    done_steps = (sum(epochs[:start_phase]) + start_epoch) * steps_per_epoch
+    bar = tqdm(total=total_steps, initial=done_steps, disable=not progress, unit="step",
+               dynamic_ncols=True)
+    epochs_run = 0
+    hflip = config.use_hflip()
+    for phase in range(start_phase, len(PHASES)):
+        name = PHASES[phase]
+        if epochs[phase] == 0:
+            continue
+        phase_steps = epochs[phase] * steps_per_epoch
+        first_epoch = start_epoch if phase == start_phase else 0
+        if first_epoch == 0:
+            if name == "expand":
+                net.re_organize_middle_weights(expand_ratio_stage=0)
+            opt, sched = _make_optimizer(net, config, phase, phase_steps)
+            metrics["phases"].append({"phase": name, "epochs": [], "lr": config.phase_lrs()[phase]})
+        t0 = time.perf_counter()
+        for epoch in range(first_epoch, epochs[phase]):
+            net.train()
+            order = torch.randperm(n_train, generator=aug_gen)
+            loss_sum, correct, seen = 0.0, 0, 0
+            bar.set_description(f"{name} {epoch + 1}/{epochs[phase]}")
+            for step in range(steps_per_epoch):
+                idx = order[step * config.batch_size:(step + 1) * config.batch_size]
+                x = random_crop_flip(train_x[idx], config.crop_padding, hflip, aug_gen).to(device)
+                y = train_y[idx].to(device)
+                if cuda:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                stage = int(epoch * steps_per_epoch + step >= phase_steps / 2)
+                archs = sample_step_archs(space, name, stage, arch_rng, config.sandwich, config.n_subnets)
+                opt.zero_grad(set_to_none=True)
+                teacher = None
+                if name != "full" and config.kd_ratio > 0 and not config.sandwich:
+                    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+                        teacher = F.softmax(net(x, space.largest()).float(), dim=1)
+                for i, arch in enumerate(archs):
+                    with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+                        logits = net(x, arch).float()
+                    loss = F.cross_entropy(logits, y, label_smoothing=config.label_smoothing)
+                    if teacher is not None:
+                        loss = loss + config.kd_ratio * soft_cross_entropy(logits, teacher)
+                    elif name != "full" and config.kd_ratio > 0 and config.sandwich and i == 0:
+                        teacher = F.softmax(logits.detach(), dim=1)
+                    loss.backward()
+                    loss_sum += float(loss.detach()) * len(y)
+                    correct += int((logits.detach().argmax(1) == y).sum())
+                    seen += len(y)
+                opt.step()
+                sched.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
+            record = {"epoch": epoch + 1, "train_loss": loss_sum / seen, "train_acc": correct / seen,
+                      "seconds": round(time.perf_counter() - t0, 2)}
+            if epoch + 1 == epochs[phase] and len(split.pool_val):
+                val_x, val_y = images[split.pool_val], labels[split.pool_val]
+                for which, arch in (("smallest", space.smallest()), ("largest", space.largest())):
+                    record[f"val_acc_{which}"] = evaluate_subnet(net, arch, val_x, val_y, calib,
+                                                                 config.eval_batch_size)
+            metrics["phases"][-1]["epochs"].append(record)
+            epochs_run += 1
+            _save_resume(out, net, opt, sched, phase, epoch + 1, metrics, arch_rng, aug_gen)
+            atomic_write_json(out / METRICS_NAME, metrics)
+            if stop_after_epochs is not None and epochs_run >= stop_after_epochs \
+                    and not (phase == len(PHASES) - 1 and epoch + 1 == epochs[phase]):
+                bar.close()
+                return net.eval(), metrics
+    bar.close()
+
+    net.eval()
+    test_x, test_y = images[split.test], labels[split.test]
+    metrics["test"] = {which: evaluate_subnet(net, arch, test_x, test_y, calib, config.eval_batch_size)
+                       for which, arch in (("smallest", space.smallest()), ("middle", space.middle()),
+                                           ("largest", space.largest()))}
+    metrics["archs"] = {"smallest": space.smallest().to_string(space), "middle": space.middle().to_string(space),
+                        "largest": space.largest().to_string(space)}
+    atomic_write_json(out / METRICS_NAME, metrics)
+    save_supernet(out, net.to("cpu").to(memory_format=torch.contiguous_format),
+                  json.loads(config.model_dump_json()), metrics)
+    return net, metrics
+
+
+def _save_resume(out: Path, net: Supernet, opt, sched, phase: int, epoch: int, metrics: dict[str, Any],
+                 arch_rng: np.random.Generator, aug_gen: torch.Generator) -> None:
+    """Atomically write everything needed to continue after (phase, epoch) to ``out/resume.pt``."""
+    state = {"model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "phase": phase, "epoch": epoch, "metrics_json": json.dumps(metrics),
+             "rng": _rng_state(arch_rng, aug_gen)}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(out / RESUME_NAME, buf.getvalue())
+
+
+__all__ = ["TrainConfig", "train_supernet", "PHASES", "phase_choices", "sample_step_archs",
+           "soft_cross_entropy", "evaluate_subnet"]
