@@ -50,7 +50,7 @@ def make_loader(dataset: Dataset, indices: np.ndarray, batch_size: int, shuffle:
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         raise UserInputError(f"has index out of range, allowed 0..{n - 1}", field="indices")
     ds = IndexedTensors(dataset.images, dataset.labels, idx)
-    if shuffle:
+    if shuffle and len(ds) > 0:  # RandomSampler rejects an empty dataset
         base = RandomSampler(ds, generator=torch.Generator().manual_seed(int(seed)))
     else:
         base = SequentialSampler(ds)
