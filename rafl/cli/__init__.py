@@ -18,6 +18,7 @@ from rafl.errors import UserInputError
 # command name -> "module:attribute" of a click.Command. One line per command.
 COMMANDS: dict[str, str] = {
     "data": "rafl.cli.data:data",
+    "search": "rafl.cli.search:search",
 }
 
 

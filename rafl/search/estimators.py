@@ -67,7 +67,7 @@ class MeasuredAccuracy:
     """
 
     def __init__(self, supernet, val_data: tuple[Tensor, Tensor], calib_data: Tensor, *,
-                 batch_size: int = 256, calib_batches: int = 4):
+                 batch_size: int = 128, calib_batches: int = 2):
         check_eval_data(val_data, calib_data, supernet.space.n_classes)
         self.supernet = supernet
         self.space: SearchSpace = supernet.space

@@ -68,8 +68,8 @@ class SearchConfig(BaseModel):
     top_k: int = Field(5, ge=1, description="an integer >= 1 (final archs re-measured per profile)")
     max_resample_rounds: int = Field(10, ge=0, description="an integer >= 0 (redraws of infeasible children)")
     max_init_samples: int = Field(20000, ge=1, description="an integer >= 1 (random archs tried for the initial population)")
-    calib_batches: int = Field(4, ge=1, description="an integer >= 1 (BN recalibration batches)")
-    batch_size: int = Field(256, ge=1, description="an integer >= 1 (images per forward pass)")
+    calib_batches: int = Field(2, ge=1, description="an integer >= 1 (BN recalibration batches)")
+    batch_size: int = Field(128, ge=1, description="an integer >= 1 (images per forward pass)")
     seed: int = Field(0, description="an integer (everything is deterministic for it)")
     progress: bool = Field(True, description="true/false (progress bars)")
 
@@ -357,7 +357,8 @@ def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[
     archive = Population.concat(arch_pops)
     a_scores = np.concatenate(arch_scores)
     a_costs = _cat_costs(arch_costs)
-    _, first = np.unique(archive.genes(), axis=0, return_index=True)
+    genes = np.ascontiguousarray(archive.genes())
+    _, first = np.unique(genes.view(np.dtype((np.void, genes.shape[1]))).ravel(), return_index=True)
     first = np.sort(first)
     return EvolutionOutcome(pop, scores, costs, history, archive.take(first), a_scores[first],
                             _take_costs(a_costs, first), n_cost_queries=counter.n, n_score_queries=n_scored)
@@ -405,17 +406,27 @@ def cost_fn_for(cost_model, cache_size: int = 200_000) -> CostFn:
     """Adapt a :class:`rafl.search.cost.CostModel` to ``Population -> {key: (P,) float64 array}``.
 
     Prices a whole generation with :meth:`CostModel.batch` (its vectorized table lookup); archs
-    already priced are served from a cache keyed by their genes (evolution revisits archs).
+    already priced are served from a cache keyed by their genes (evolution revisits archs). Adds
+    ``energy_per_epoch_j`` when the model's profile has that budget.
     """
     cache: dict[bytes, np.ndarray] = {}
     names: list[str] = []
+    profile = getattr(cost_model, "profile", None)
+    extra = None
+    if profile is not None and "energy_per_epoch_j" in dict(profile.effective_budgets()):
+        from rafl.search.cost import energy_per_epoch_j
+
+        def extra(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {"energy_per_epoch_j": energy_per_epoch_j(c["energy_mj"], profile)}
 
     def fn(pop: Population) -> dict[str, np.ndarray]:
         keys = pop.keys()
         todo = [i for i, k in enumerate(keys) if k not in cache]
         local: dict[bytes, np.ndarray] = {}
         if todo:
-            fresh = cost_model.batch([pop.arch(i) for i in todo])
+            fresh = dict(cost_model.batch(pop.take(np.asarray(todo)).archs()))
+            if extra is not None:
+                fresh.update(extra(fresh))
             if not names:
                 names.extend(fresh)
             rows = np.stack([np.asarray(fresh[k], dtype=np.float64) for k in names], axis=1)

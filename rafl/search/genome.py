@@ -173,8 +173,10 @@ class Population:
         )
 
     def archs(self) -> list[ArchConfig]:
-        """All members as ArchConfigs."""
-        return [self.arch(i) for i in range(len(self))]
+        """All members as ArchConfigs (bulk conversion)."""
+        v = self.values()
+        return [ArchConfig(tuple(k), tuple(e), tuple(d), r)
+                for k, e, d, r in zip(v["ks"].tolist(), v["e"].tolist(), v["d"].tolist(), v["r"].tolist())]
 
 
 def smallest_population(space: SearchSpace) -> Population:

@@ -1,0 +1,81 @@
+"""``rafl search``: find the most accurate subnet that meets every budget of each device profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from rafl.errors import UserInputError
+
+
+def _check_out(out: Path, names: list[str]) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserInputError("exists and is not a folder", source=out, field="--out")
+    if out.is_dir():
+        foreign = [p.name for p in out.iterdir()
+                   if not (p.name == "search.json" or (p / "result.json").is_file() or p.name.startswith("."))]
+        if foreign:
+            raise UserInputError(f"is a folder holding files that are not `rafl search` output "
+                                 f"({', '.join(sorted(foreign)[:3])}); choose a new or empty folder",
+                                 source=out, field="--out")
+
+
+@click.command("search")
+@click.option("--device-profile", "profiles", multiple=True, required=True,
+              help="Shipped profile name (pi4, jetson-nano, ...) or a YAML path; repeat for several.")
+@click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
+              help="Supernet folder from `rafl supernet train` [default: the quickstart supernet on "
+                   "digits, trained once and cached].")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/search"), show_default=True,
+              help="Output folder; one subfolder per profile (replaced atomically).")
+@click.option("--generations", type=click.IntRange(min=0), default=500, show_default=True,
+              help="Evolution generations (OFA: 500).")
+@click.option("--population", type=click.IntRange(min=2), default=100, show_default=True,
+              help="Population size (OFA: 100).")
+@click.option("--time-budget", "time_budget_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop each profile's evolution after this many seconds.")
+@click.option("--estimator", type=click.Choice(["predictor", "measured"]), default="predictor",
+              show_default=True, help="Accuracy during the evolution: an MLP predictor trained on "
+                                      "measured subnets, or measuring every subnet (slow).")
+@click.option("--predictor-samples", type=click.IntRange(min=4), default=48, show_default=True,
+              help="Subnets measured to train the predictor.")
+@click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Final candidates re-measured per profile; the best measured wins.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed (the search is deterministic).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, generations: int, population: int,
+           time_budget_s: float | None, estimator: str, predictor_samples: int, top_k: int, seed: int,
+           quiet: bool) -> None:
+    """Search, per device profile, the supernet's subnet with the best estimated accuracy that
+    meets every budget of the profile (OFA's evolutionary search with several constraints).
+
+    Writes OUT/<profile>/: subnet.yaml, subnet.safetensors (BN recalibrated), subnet.onnx
+    (checked), cost.json (+ the cost model's report), history.jsonl, pareto.json/.png,
+    result.json; and OUT/search.json. Prints one line per profile.
+    """
+    from rafl.search.evolution import SearchConfig
+    from rafl.search.profile import load_profile
+    from rafl.search.runner import run_search
+
+    profs = [load_profile(p) for p in profiles]  # unknown / malformed profiles: exit 2 before any work
+    names = [p.name for p in profs]
+    if len(set(names)) != len(names):
+        raise UserInputError(f"profile names repeat: {', '.join(names)}", field="--device-profile")
+    _check_out(out, names)
+    if supernet_dir is not None and not supernet_dir.exists():
+        raise UserInputError("no such supernet folder (train one with `rafl supernet train`, or omit "
+                             "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")
+    config = SearchConfig(population=population, generations=generations, time_budget_s=time_budget_s,
+                          estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
+                          progress=not quiet)
+    results = run_search(profs, out, config, supernet_dir=supernet_dir)
+    fit = next(iter(results.values())).predictor_fit
+    if fit:
+        click.echo(f"predictor: Kendall tau {fit['kendall_tau']:.3f} on {fit['n_holdout']} held-out subnets "
+                   f"(RMSE {fit['rmse']:.3f})")
+    for name, res in results.items():
+        c = res.cost
+        click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} (measured)  "
+                   f"{c.macs_m:.2f} M MACs  {c.latency_ms:.3g} ms  peak {c.peak_memory_mb:.3g} MiB  "
+                   f"-> {out / name}")

@@ -1,0 +1,289 @@
+"""``rafl search`` as a library call: load everything, search, write one folder per profile.
+
+Output per profile, in ``<out>/<profile>/`` (each folder is built under a temp name and renamed
+when complete, so an interrupted run leaves nothing half-written):
+
+- ``subnet.yaml``: the chosen :class:`ArchConfig`;
+- ``subnet.safetensors``: its weights, BN recalibrated on the server's pool-train data, with the
+  arch and search space in the safetensors metadata (load with :func:`load_searched_subnet`);
+- ``subnet.onnx``: an ONNX export for deployment, checked by ``onnx.checker`` and by running it
+  in onnxruntime against the PyTorch output;
+- the profiling report of the cost model (``cost.json`` + ``cost_report.*`` when available);
+- ``history.jsonl``: one line per generation (best feasible accuracy so far, best arch, ...);
+- ``pareto.json`` / ``pareto.png``: accuracy vs latency and vs MACs of every evaluated arch;
+- ``result.json``: the summary (arch, measured and predicted accuracy, cost, budgets, predictor
+  Kendall tau, the re-measured top-k, the resolved search config and the supernet used).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rafl.errors import UserInputError
+from rafl.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
+from rafl.search.evolution import SearchConfig, SearchResult, search_subnets
+from rafl.supernet.arch import ArchConfig, SearchSpace
+
+SUBNET_WEIGHTS = "subnet.safetensors"
+
+
+# ---------------------------------------------------------------------- server data
+def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace
+                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
+    """The server's validation split and BN-calibration images for the search.
+
+    Rebuilds the supernet's own server split (:func:`rafl.supernet.server_data.server_split`)
+    from the dataset settings saved in its training config: accuracy is measured on server-val,
+    BN statistics are re-estimated on pool-train; no client data is touched.
+
+    Returns:
+        ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``.
+    Raises:
+        UserInputError: an empty validation split, or a dataset whose classes do not match the
+            supernet's ``n_classes``.
+    """
+    from rafl.data import load_dataset
+    from rafl.supernet.server_data import server_split
+
+    cfg = dict(meta_config or {})
+    data_cfg = cfg.get("data", cfg) if isinstance(cfg.get("data"), dict) else cfg
+    name = data_cfg.get("dataset", "digits")
+    root = data_cfg.get("root", data_cfg.get("data_root"))
+    resolution = int(data_cfg.get("resolution", max(space.resolutions)))
+    limit = data_cfg.get("limit_per_class")
+    public_fraction = float(data_cfg.get("public_fraction", 0.3))
+    public_seed = int(data_cfg.get("public_seed", 0))
+    val_fraction = float(data_cfg.get("val_fraction", 0.1))
+    ds = load_dataset(name, root=root, resolution=resolution, limit_per_class=limit)
+    if ds.num_classes != space.n_classes:
+        raise UserInputError(f"dataset {name!r} has {ds.num_classes} classes, the supernet "
+                             f"{space.n_classes}", field="supernet.config.dataset")
+    split = server_split(ds, public_fraction=public_fraction, public_seed=public_seed,
+                         val_fraction=val_fraction)
+    if len(split.pool_val) == 0:
+        raise UserInputError(f"the server's validation split is empty (public_fraction="
+                             f"{public_fraction}, val_fraction={val_fraction}); the search needs "
+                             "labelled server data", field="val_fraction")
+    val = (ds.images[split.pool_val], ds.labels[split.pool_val])
+    info = {"dataset": name, "public_fraction": public_fraction, "public_seed": public_seed,
+            "val_fraction": val_fraction, "n_val": int(len(split.pool_val)),
+            "n_calib": int(len(split.pool_train))}
+    return val, ds.images[split.pool_train], info
+
+
+# ---------------------------------------------------------------------- subnet files
+def save_subnet_weights(path: str | Path, subnet, space: SearchSpace) -> None:
+    """Write a subnet's state dict as safetensors with ``arch`` and ``search_space`` metadata."""
+    from safetensors.torch import save
+
+    state = {k: v.detach().cpu().contiguous() for k, v in subnet.state_dict().items()}
+    meta = {"format": "rafl-subnet/1", "arch": json.dumps(subnet.arch.to_dict()),
+            "search_space": json.dumps(space.to_dict())}
+    atomic_write_bytes(path, save(state, metadata=meta))
+
+
+def load_searched_subnet(path: str | Path):
+    """Load ``subnet.safetensors`` (or a profile folder holding one) as a :class:`Subnet` (eval mode).
+
+    Raises:
+        UserInputError: missing or malformed file, or tensors that do not fit the stored arch.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from rafl.supernet import subnet_from_arch
+
+    path = Path(path)
+    path = path / SUBNET_WEIGHTS if path.is_dir() else path
+    if not path.is_file():
+        raise UserInputError(f"no such file (expected {SUBNET_WEIGHTS} written by rafl search)", source=path)
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            state = {k: fh.get_tensor(k) for k in fh.keys()}
+        space = SearchSpace.from_dict(json.loads(meta["search_space"]), source=path)
+        arch = ArchConfig.from_dict(json.loads(meta["arch"]), source=path).validate(space, source=path)
+    except (KeyError, json.JSONDecodeError, SafetensorError, OSError) as err:
+        raise UserInputError(f"not a rafl subnet file ({err.__class__.__name__})", source=path) from None
+    sub = subnet_from_arch(space, arch)
+    try:
+        sub.load_state_dict(state)
+    except RuntimeError as err:
+        raise UserInputError(f"tensors do not fit arch {arch.to_string()} ({str(err).splitlines()[0]})",
+                             source=path) from None
+    return sub.eval()
+
+
+def export_onnx(subnet, path: str | Path, in_channels: int = 3) -> dict[str, Any]:
+    """Export ``subnet`` (eval mode) to ONNX at its resolution with a dynamic batch axis and check it.
+
+    Input ``images``: ``(B, in_channels, r, r)`` float32; output ``logits``: ``(B, n_classes)``.
+    The file is validated with ``onnx.checker.check_model`` after loading it back and run in
+    onnxruntime on a random batch; the largest absolute difference to PyTorch is returned.
+
+    Raises:
+        RuntimeError: the exported model fails the checker or disagrees with PyTorch by > 1e-3.
+    """
+    import onnx
+
+    r = subnet.arch.r
+    subnet = subnet.eval()
+    x = torch.randn(2, in_channels, r, r, generator=torch.Generator().manual_seed(0))
+    buf = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(subnet, (x,), buf, dynamo=False, input_names=["images"], output_names=["logits"],
+                          dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17)
+        want = subnet(x).numpy()
+    data = buf.getvalue()
+    model = onnx.load_from_string(data)
+    onnx.checker.check_model(model, full_check=True)
+    check: dict[str, Any] = {"onnx_checker": "passed", "opset": 17, "input": f"images (B, {in_channels}, {r}, {r})",
+                             "output": "logits (B, n_classes)"}
+    try:
+        import onnxruntime as ort
+    except ImportError:  # pragma: no cover - onnxruntime is a dependency
+        check["onnxruntime"] = "not installed (checked with onnx only)"
+    else:
+        sess = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        got = sess.run(["logits"], {"images": x.numpy()})[0]
+        diff = float(np.max(np.abs(got - want)))
+        if not diff <= 1e-3:
+            raise RuntimeError(f"ONNX export disagrees with PyTorch (max abs diff {diff:.3g})")
+        check["onnxruntime_max_abs_diff"] = diff
+    atomic_write_bytes(path, data)
+    return check
+
+
+def _cost_dict(cost) -> dict[str, float]:
+    if hasattr(cost, "to_dict"):
+        return {k: float(v) for k, v in cost.to_dict().items() if isinstance(v, (int, float))}
+    if hasattr(cost, "__dataclass_fields__"):
+        return {k: float(getattr(cost, k)) for k in cost.__dataclass_fields__
+                if isinstance(getattr(cost, k), (int, float))}
+    return {k: float(v) for k, v in dict(cost).items()}
+
+
+def write_cost_report(directory: Path, arch: ArchConfig, space: SearchSpace, profile, cost) -> list[str]:
+    """Write the cost model's profiling report for ``arch`` on ``profile``; return the file names.
+
+    Uses the cost-model engineer's report writer (``rafl.search.report``) when present; always
+    writes ``cost.json`` (the :class:`Cost`, the budgets and their violations).
+    """
+    from rafl.search.cost import CostModel
+
+    model = CostModel(space, profile)
+    doc = {"arch": arch.to_string(), "profile": profile.name, "cost": _cost_dict(cost),
+           "budgets": dict(profile.effective_budgets()), "violations": model.violations(cost, profile),
+           "macs_unit": "millions of multiply-accumulates (1 MAC = 2 FLOPs)"}
+    atomic_write_json(directory / "cost.json", doc)
+    written = ["cost.json"]
+    try:
+        from rafl.search import report as cost_report
+    except ImportError:
+        return written
+    writer = getattr(cost_report, "write_report", None) or getattr(cost_report, "write_profile_report", None)
+    if writer is not None:
+        before = {p.name for p in directory.iterdir()}
+        writer(arch, profile, directory, space=space)
+        written += sorted({p.name for p in directory.iterdir()} - before)
+    return written
+
+
+# ---------------------------------------------------------------------- the command
+def load_search_supernet(supernet_dir: str | Path | None, progress: bool = True):
+    """``(supernet, meta)``: from ``supernet_dir``, or the cached quickstart supernet on digits."""
+    from rafl.supernet import load_supernet, quickstart_supernet
+    from rafl.supernet.checkpoint import load_meta
+
+    if supernet_dir is None:
+        supernet, path = quickstart_supernet(progress=progress)
+        return supernet, load_meta(path) | {"path": str(path)}
+    supernet = load_supernet(supernet_dir)
+    return supernet, load_meta(supernet_dir) | {"path": str(supernet_dir)}
+
+
+def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchConfig | None = None, *,
+               supernet_dir: str | Path | None = None, supernet=None, meta: dict[str, Any] | None = None
+               ) -> dict[str, SearchResult]:
+    """Search a subnet per device profile and write ``out/<profile>/`` (see the module docstring).
+
+    Args:
+        profiles: shipped profile names or YAML paths (``--device-profile``).
+        out: output folder. config: :class:`SearchConfig`.
+        supernet_dir: a supernet directory (``rafl supernet train`` output); ``None`` with
+            ``supernet=None`` uses :func:`rafl.supernet.quickstart_supernet`.
+        supernet, meta: an in-memory supernet and its ``supernet.json`` content (tests, pipelines).
+
+    Raises:
+        UserInputError: unknown or malformed profile, a supernet checkpoint that does not load or
+            does not match the space, an empty validation split, unreachable budgets. Raised
+            before anything is written.
+    """
+    from rafl.search.profile import load_profile
+
+    config = config or SearchConfig()
+    if not profiles:
+        raise UserInputError("give at least one --device-profile", field="device_profile")
+    profs = [load_profile(p) for p in profiles]  # bad profiles fail before any work
+    if supernet is None:
+        supernet, meta = load_search_supernet(supernet_dir, progress=config.progress)
+    meta = meta or {}
+    space: SearchSpace = supernet.space
+    val, calib, data_info = server_eval_data(meta.get("config"), space)
+    results = search_subnets(supernet, profs, val, calib, config)
+
+    out = Path(out)
+    summary: dict[str, Any] = {"supernet": meta.get("path"), "data": data_info, "config": config.model_dump(),
+                               "profiles": {}}
+    for prof in profs:
+        res = results[prof.name]
+        with atomic_dir(out / prof.name, overwrite=True) as tmp:
+            _write_profile(tmp, res, prof, supernet, calib, config, meta, data_info)
+        summary["profiles"][prof.name] = {"arch": res.arch.to_string(), "accuracy": res.accuracy,
+                                          "cost": _cost_dict(res.cost), "dir": str(out / prof.name)}
+    atomic_write_json(out / "search.json", summary)
+    return results
+
+
+def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tensor, config: SearchConfig,
+                   meta: dict[str, Any], data_info: dict[str, Any]) -> None:
+    from rafl.search.pareto import save_fronts
+    from rafl.supernet import extract_subnet, recalibrate_bn
+
+    space = supernet.space
+    res.arch.save(d / "subnet.yaml")
+    supernet.eval()
+    sub = extract_subnet(supernet, res.arch)
+    batches = [calib[i:i + config.batch_size] for i in range(0, calib.shape[0], config.batch_size)]
+    recalibrate_bn(sub, batches, n_batches=min(config.calib_batches, len(batches)))
+    sub.eval()
+    save_subnet_weights(d / SUBNET_WEIGHTS, sub, space)
+    onnx_check = export_onnx(sub, d / "subnet.onnx", in_channels=int(calib.shape[1]))
+    reports = write_cost_report(d, res.arch, space, prof, res.cost)
+    atomic_write_text(d / "history.jsonl", "".join(json.dumps(h) + "\n" for h in res.history))
+    out = res.outcome
+    chosen = {"arch": res.arch.to_string(), "accuracy": res.accuracy,
+              "estimated_accuracy": res.predicted_accuracy, **_cost_dict(res.cost)}
+    if out is not None:
+        save_fronts(d, out.archive_scores, out.archive_costs, out.archive.arch, chosen=chosen,
+                    budgets=res.budgets, accuracy_source=res.estimator,
+                    title=f"{prof.name}: {len(out.archive_scores)} feasible archs evaluated")
+    atomic_write_json(d / "result.json", {
+        "profile": prof.name, "arch": res.arch.to_dict(), "arch_string": res.arch.to_string(),
+        "accuracy": res.accuracy, "accuracy_note": "measured top-1 (fraction) on the server's validation "
+                                                   "split after BN recalibration",
+        "predicted_accuracy": res.predicted_accuracy, "estimator": res.estimator,
+        "predictor_fit": res.predictor_fit, "cost": _cost_dict(res.cost), "budgets": res.budgets,
+        "top_k": res.top_k, "generations_run": len(res.history), "onnx": onnx_check, "cost_reports": reports,
+        "config": config.model_dump(), "supernet": meta.get("path"), "data": data_info,
+        "search_space": space.to_dict()})
+
+
+__all__ = ["run_search", "server_eval_data", "load_searched_subnet", "save_subnet_weights", "export_onnx",
+           "write_cost_report", "load_search_supernet"]
