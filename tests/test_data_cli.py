@@ -13,6 +13,11 @@ from rafl.data import Partition, load_dataset, make_partition
 from rafl.data.sources import cache_dir
 
 
+@pytest.fixture(autouse=True)
+def _no_default_data_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAFL_DATA_ROOT", str(tmp_path / "no-data-here"))
+
+
 def run(*args: str):
     return CliRunner().invoke(cli, ["data", *args], catch_exceptions=False)
 
@@ -81,7 +86,7 @@ BAD = [
     (["--partition", "natural"], "natural needs writer ids"),
     (["--public-fraction", "1.5"], "--public-fraction: is 1.5"),
     (["--split", "8:1"], "--split"),
-    (["--dataset", "cifar10"], "--data-root: is required for cifar10; expected there: cifar-10-batches-py/"),
+    (["--dataset", "cifar10"], "--data-root: is required for cifar10 (or set $RAFL_DATA_ROOT"),
     (["--dataset", "cifar10", "--data-root", "/nonexistent/cifar"],
      "/nonexistent/cifar: data_root: does not exist; expected cifar-10-batches-py/{data_batch_1..5"),
     (["--dataset", "femnist", "--data-root", "/nonexistent/femnist"], "expected LEAF json shards"),

@@ -262,11 +262,19 @@ def test_missing_or_bad_roots(tmp_path, name, setup, match):
     assert "\n" not in str(err.value)
 
 
+def test_default_data_root_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAFL_DATA_ROOT", str(tmp_path / "missing"))
+    with pytest.raises(UserInputError, match=r"needs a data root \(--data-root, or \$RAFL_DATA_ROOT"):
+        load_dataset("cifar10")
+    write_image_folder(tmp_path / "cifar10", CIFAR10_CLASSES, {"test": 1})  # as `tar xzf` into the root unpacks
+    monkeypatch.setenv("RAFL_DATA_ROOT", str(tmp_path))
+    ds = load_dataset("cifar10")
+    assert len(ds) == 10 and set(ds.origin) == {"test"}
+
+
 def test_bad_dataset_arguments():
     with pytest.raises(UserInputError, match="allowed: one of digits, cifar10, cifar100, femnist"):
         load_dataset("mnist")
-    with pytest.raises(UserInputError, match="data root"):
-        load_dataset("cifar10")
     with pytest.raises(UserInputError, match="resolution"):
         load_dataset("digits", resolution=0)
     with pytest.raises(UserInputError, match="limit_per_class"):

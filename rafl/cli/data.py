@@ -36,7 +36,8 @@ def _parse_split(text: str) -> tuple[float, float, float]:
 @click.option("--dataset", default="digits", show_default=True,
               help="digits (embedded, offline) | cifar10 | cifar100 | femnist.")
 @click.option("--data-root", type=click.Path(path_type=Path), default=None,
-              help="Where cifar10/cifar100/femnist are: a folder or a .tar.gz (see README).")
+              help="Where cifar10/cifar100/femnist are: a folder or a .tar.gz (see README) "
+                   "[default: $RAFL_DATA_ROOT or ~/.cache/rafl-data].")
 @click.option("--clients", type=int, default=None,
               help="Number of clients [default: 20; natural: one per eligible writer].")
 @click.option("--partition", "scheme", default="dirichlet", show_default=True,
@@ -94,9 +95,11 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
         raise UserInputError("seeds must be integers >= 0", field="--seed")
     split = _parse_split(split_text)
     if dataset != "digits" and data_root is None:
-        from rafl.data.sources import EXPECTED
+        from rafl.data.sources import EXPECTED, default_data_root
 
-        raise UserInputError(f"is required for {dataset}; expected there: {EXPECTED[dataset]}", field="--data-root")
+        if not default_data_root().exists():
+            raise UserInputError(f"is required for {dataset} (or set $RAFL_DATA_ROOT; {default_data_root()} "
+                                 f"does not exist); expected there: {EXPECTED[dataset]}", field="--data-root")
     if scheme == "natural" and dataset != "femnist":
         raise UserInputError(f"natural needs writer ids; allowed with --dataset femnist, not {dataset}",
                              field="--partition")

@@ -169,8 +169,8 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
 
     Args:
         name: ``"digits"`` (embedded, offline), ``"cifar10"``, ``"cifar100"`` or ``"femnist"``.
-        root: where the data is (required except for digits); accepted layouts in
-            :mod:`rafl.data.sources`.
+        root: where the data is (not used for digits); accepted layouts in
+            :mod:`rafl.data.sources`. None = ``$RAFL_DATA_ROOT`` or ``~/.cache/rafl-data``.
         resolution: output height = width in pixels (4..1024).
         limit_per_class: keep only the first this-many samples of every class in each of the
             source's splits (for quick runs and tests); None = all.
@@ -195,8 +195,11 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
     from rafl.data import sources
 
     if root is None:
-        raise UserInputError(f"dataset {name!r} needs a data root; expected there: {sources.EXPECTED[name]}",
-                             field="data_root")
+        root = sources.default_data_root()
+        if not root.exists():
+            raise UserInputError(
+                f"dataset {name!r} needs a data root (--data-root, or $RAFL_DATA_ROOT; default {root} does "
+                f"not exist); expected there: {sources.EXPECTED[name]}", field="data_root")
     if name in ("cifar10", "cifar100"):
         raw = sources.load_cifar(name, root, limit_per_class)
         mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)

@@ -76,6 +76,15 @@ class RawImages:
     writers: np.ndarray | None = None
 
 
+def default_data_root() -> Path:
+    """Where datasets are looked for without an explicit root: ``$RAFL_DATA_ROOT`` or ``~/.cache/rafl-data``.
+
+    (``tar xzf cifar10-jpeg.tar.gz -C ~/.cache/rafl-data`` gives ``~/.cache/rafl-data/cifar10/train/...``,
+    which this finds; so does a copy of the tarball itself in that folder.)
+    """
+    return Path(os.environ.get("RAFL_DATA_ROOT") or Path.home() / ".cache" / "rafl-data").expanduser()
+
+
 def cache_dir() -> Path:
     """rafl's cache folder: ``$RAFL_CACHE_DIR`` or ``~/.cache/rafl``."""
     return Path(os.environ.get("RAFL_CACHE_DIR") or Path.home() / ".cache" / "rafl")
