@@ -1,0 +1,384 @@
+"""The cost model: MACs, parameters, memory, latency and energy of a subnet on a device.
+
+Fast path: per-unit lookup tables built once per (search space, resolution) (OFA's latency lookup
+tables generalised to every metric; Cai et al., "Once-for-All", ICLR 2020, Sec. 3.3). Every block
+slot's cost depends only on its kernel size and expand ratio, so a query is a sum (a max for peak
+memory) of table entries over the active slots: microseconds per arch with :meth:`CostModel.cost`,
+and a whole population at once with :meth:`CostModel.batch` (numpy gathers).
+
+Metrics (batch 1, float32 unless said otherwise):
+
+* ``macs_m``: multiply-adds of convolutions and linear layers, millions (FLOPs = 2 x MACs). Bias
+  additions, BN, activations, pooling and the SE gating multiply are not counted (fvcore's
+  ``conv`` + ``linear`` counts; checked against fvcore on extracted subnets in the tests).
+* ``params_m``: trainable parameters, millions (conv/linear weights and biases, BN affine).
+* ``peak_memory_mb``: peak live activation memory of inference, MiB, from the torch.fx +
+  networkx tensor-lifetime analysis (:func:`rafl.search.memory.fx_peak_memory`) of every unit;
+  the caller-owned input stays live for the whole pass. Weights are not included.
+* ``train_memory_mb``: training memory at batch B, MiB: weights + gradients + SGD momentum
+  (3 x params x 4 bytes) + B x the activations autograd saves per sample (measured per unit with
+  ``saved_tensors_hooks``).
+* ``latency_ms``: per-unit roofline (profile throughput/bandwidth + per-layer overhead) or the
+  profile's measured per-unit LUT; NaN without a profile.
+* ``energy_mj``: MACs x pJ/MAC + DRAM bytes x pJ/byte, or average power x latency; NaN without
+  an energy model. Energy per local epoch (a budget) = 3 x energy_mj x epoch_samples
+  (backward ~ 2 x forward; Kaplan et al., "Scaling Laws for Neural Language Models", 2020, Sec. 2.1).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rafl.errors import UserInputError
+from rafl.search.profile import DeviceProfile, load_profile
+from rafl.search.units import (UnitSpec, arch_units, build_unit_module, fixed_units, slot_units,
+                               unit_input_shape)
+from rafl.supernet.arch import ArchConfig, SearchSpace
+
+__all__ = ["Cost", "CostModel", "BudgetCheck", "check_budgets", "unit_tables", "METRICS"]
+
+METRICS = ("macs_m", "params_m", "peak_memory_mb", "train_memory_mb", "latency_ms", "energy_mj")
+MIB = 2**20
+BYTES_PER_ELEMENT = 4  # float32
+TRAIN_STATE_COPIES = 3  # weights + gradients + SGD momentum
+TRAIN_FORWARD_FACTOR = 3.0  # forward + backward ~ 3 x forward (per training sample)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one subnet costs on one device (see the module docstring for exact definitions).
+
+    Attributes:
+        macs_m: conv + linear multiply-adds, millions (batch 1).
+        params_m: parameters, millions.
+        peak_memory_mb: peak inference activation memory at batch 1, MiB.
+        train_memory_mb: training memory at the model's batch size, MiB.
+        latency_ms: predicted device latency per image (batch 1), ms (NaN without a profile).
+        energy_mj: predicted energy per image, mJ (NaN without an energy model).
+    """
+
+    macs_m: float
+    params_m: float
+    peak_memory_mb: float
+    train_memory_mb: float
+    latency_ms: float
+    energy_mj: float
+
+    @property
+    def flops_m(self) -> float:
+        """FLOPs in millions (= 2 x MACs)."""
+        return 2.0 * self.macs_m
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain dict of the six metrics."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BudgetCheck:
+    """One budget of a profile checked against a cost.
+
+    Attributes:
+        budget: budget name (``latency_ms`` ...).
+        value: the subnet's value, in the budget's unit.
+        limit: the budget.
+        passed: ``value <= limit``.
+        margin: ``(limit - value) / limit`` (positive = headroom, negative = overshoot).
+    """
+
+    budget: str
+    value: float
+    limit: float
+    passed: bool
+    margin: float
+
+    def message(self) -> str:
+        """E.g. ``latency_ms: 3.2 > budget 1.5 (over by 113.3%)``."""
+        if self.passed:
+            return f"{self.budget}: {self.value:.4g} <= budget {self.limit:.4g} ({100 * self.margin:.1f}% headroom)"
+        if math.isnan(self.value):
+            return f"{self.budget}: cannot be predicted (no model for it in the profile), budget {self.limit:.4g}"
+        return f"{self.budget}: {self.value:.4g} > budget {self.limit:.4g} (over by {-100 * self.margin:.1f}%)"
+
+
+def energy_per_epoch_j(energy_mj: float, profile: DeviceProfile) -> float:
+    """Energy of one local epoch, J: ``3 x energy_mj x epoch_samples / 1000``."""
+    return TRAIN_FORWARD_FACTOR * energy_mj * profile.epoch_samples / 1000.0
+
+
+def check_budgets(cost: Cost, profile: DeviceProfile) -> list[BudgetCheck]:
+    """Check every budget of ``profile`` (plus ``train_ram_mb`` as the training-memory limit
+    when no explicit budget is set). A NaN value (latency/energy not predictable) fails."""
+    values = cost.to_dict()
+    values["energy_per_epoch_j"] = energy_per_epoch_j(cost.energy_mj, profile)
+    checks = []
+    for name, limit in profile.effective_budgets():
+        v = float(values[name])
+        ok = (not math.isnan(v)) and v <= limit
+        checks.append(BudgetCheck(name, v, float(limit), ok, (limit - v) / limit if not math.isnan(v) else -math.inf))
+    return checks
+
+
+# --------------------------------------------------------------------------- unit tables
+_MEM_CACHE: dict[tuple, tuple[int, int, int]] = {}
+_TABLE_CACHE: dict[tuple[SearchSpace, int], dict] = {}
+_LOCK = threading.Lock()
+
+
+def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
+    """``(peak_free, peak_hold, saved_per_sample)`` bytes of one unit (cached by memory key).
+
+    peak_free / peak_hold: fx lifetime-analysis peak at batch 1 with the unit's input freed after
+    its last use / held for the whole unit. saved_per_sample: bytes autograd saves per sample in
+    train mode (measured at batch 2, halved).
+    """
+    key = spec.memory_key
+    hit = _MEM_CACHE.get(key)
+    if hit is not None:
+        return hit
+    import torch
+
+    from rafl.search.memory import fx_peak_memory, measure_saved_activations
+
+    torch.manual_seed(0)
+    module = build_unit_module(spec)
+    module.eval()
+    free = fx_peak_memory(module, unit_input_shape(spec), hold_input=False).peak_bytes
+    hold = fx_peak_memory(module, unit_input_shape(spec), hold_input=True).peak_bytes
+    module.train()
+    saved = measure_saved_activations(module, torch.randn(unit_input_shape(spec, 2))) // 2
+    _MEM_CACHE[key] = (free, hold, saved)
+    return _MEM_CACHE[key]
+
+
+def unit_tables(space: SearchSpace, r: int) -> dict:
+    """Profile-independent per-unit tables of ``space`` at resolution ``r`` (cached per process).
+
+    Returns:
+        dict with ``slots`` (``[slot][k][e] -> UnitSpec``), ``head``/``tail`` (named fixed units)
+        and arrays of shape ``(n_blocks, n_ks, n_e)``: ``macs``, ``params``, ``saved`` (bytes per
+        sample), ``peak`` (bytes, network input included); plus the fixed part's ``fixed_macs``,
+        ``fixed_params``, ``fixed_saved`` and ``fixed_peak``.
+    """
+    key = (space, int(r))
+    with _LOCK:
+        if key in _TABLE_CACHE:
+            return _TABLE_CACHE[key]
+        slots = slot_units(space, r)
+        head, tail = fixed_units(space, r)
+        shape = (space.n_blocks, len(space.ks_choices), len(space.e_choices))
+        macs, params, saved, peak = (np.zeros(shape) for _ in range(4))
+        input_bytes = 3 * r * r * BYTES_PER_ELEMENT
+        for i, row in enumerate(slots):
+            for k, col in enumerate(row):
+                for e, spec in enumerate(col):
+                    free, _, sv = unit_memory(spec)
+                    macs[i, k, e], params[i, k, e] = spec.macs(), spec.params()
+                    saved[i, k, e], peak[i, k, e] = sv, free + input_bytes
+        fixed = head + tail
+        mems = [unit_memory(s) for _, s in fixed]
+        fixed_peak = max([mems[0][1]] + [m[0] + input_bytes for m in mems[1:]])
+        table = {
+            "slots": slots, "head": head, "tail": tail, "macs": macs, "params": params,
+            "saved": saved, "peak": peak,
+            "fixed_macs": float(sum(s.macs() for _, s in fixed)),
+            "fixed_params": float(sum(s.params() for _, s in fixed)),
+            "fixed_saved": float(sum(m[2] for m in mems)),
+            "fixed_peak": float(fixed_peak),
+        }
+        _TABLE_CACHE[key] = table
+        return table
+
+
+class CostModel:
+    """Cost of subnets of ``space`` on one device, from per-unit lookup tables.
+
+    Args:
+        space: the search space (its width multiplier and strides fix every layer's shape).
+        profile: a :class:`DeviceProfile`, a shipped profile name or a path; None prices only the
+            device-independent metrics (latency and energy are NaN).
+        batch_size: training batch size for ``train_memory_mb`` (default: the profile's
+            ``batch_size``, else 32).
+
+    Tables are built on construction (about a second per resolution on a laptop core, cached per
+    process for the same space). Raises UserInputError for a bad profile or a latency LUT that
+    lacks a layer of this space.
+    """
+
+    def __init__(self, space: SearchSpace, profile: DeviceProfile | str | Path | None = None,
+                 batch_size: int | None = None):
+        self.space = space
+        self.profile = load_profile(profile) if isinstance(profile, (str, Path)) else profile
+        if batch_size is None:
+            batch_size = self.profile.batch_size if self.profile is not None else 32
+        if int(batch_size) < 1:
+            raise UserInputError(f"must be >= 1, got {batch_size}", field="batch_size")
+        self.batch_size = int(batch_size)
+        self._lut: dict[str, float] | None = None
+        if self.profile is not None and self.profile.latency_lut is not None:
+            from rafl.search.latency import load_latency_lut
+
+            self._lut = load_latency_lut(self.profile.latency_lut_path())
+        self._r_index = {r: i for i, r in enumerate(space.resolutions)}
+        self._k_lookup = _lookup(space.ks_choices)
+        self._e_lookup = _lookup(space.e_choices)
+        self._slot_stage = np.repeat(np.arange(space.n_stages), space.max_depth)
+        self._slot_pos = np.tile(np.arange(space.max_depth), space.n_stages)
+        # additive metrics (Q = macs, params, saved bytes, latency, energy) and peak, per resolution
+        n_r = len(space.resolutions)
+        shape = (n_r, space.n_blocks, len(space.ks_choices), len(space.e_choices))
+        self._add = np.zeros(shape + (5,))
+        self._peak = np.zeros(shape)
+        self._fixed_add = np.zeros((n_r, 5))
+        self._fixed_peak = np.zeros(n_r)
+        for ri, r in enumerate(space.resolutions):
+            t = unit_tables(space, r)
+            self._add[ri, ..., 0], self._add[ri, ..., 1], self._add[ri, ..., 2] = t["macs"], t["params"], t["saved"]
+            self._peak[ri] = t["peak"]
+            for i, row in enumerate(t["slots"]):
+                for k, col in enumerate(row):
+                    for e, spec in enumerate(col):
+                        self._add[ri, i, k, e, 3:] = self._latency_energy(spec)
+            fixed = t["head"] + t["tail"]
+            lat_en = np.array([self._latency_energy(s) for _, s in fixed]).sum(axis=0)
+            self._fixed_add[ri] = [t["fixed_macs"], t["fixed_params"], t["fixed_saved"], *lat_en]
+            self._fixed_peak[ri] = t["fixed_peak"]
+
+    # ----------------------------------------------------------------- per unit
+    def unit_latency_ms(self, spec: UnitSpec) -> float:
+        """Predicted latency of one unit (LUT entry or roofline), ms; NaN without a profile.
+
+        Raises:
+            UserInputError: the profile's LUT has no entry for this unit configuration.
+        """
+        if self.profile is None:
+            return float("nan")
+        if self._lut is not None:
+            if spec.key not in self._lut:
+                raise UserInputError(
+                    f"has no entry for layer {spec.key!r} (built for another search space?); rebuild it "
+                    "with `rafl profile --build-lut` for this space", source=self.profile.latency_lut_path(),
+                    field="latency_lut")
+            return self._lut[spec.key]
+        from rafl.search.latency import roofline_latency_ms
+
+        return roofline_latency_ms(spec, self.profile)
+
+    def _latency_energy(self, spec: UnitSpec) -> tuple[float, float]:
+        lat = self.unit_latency_ms(spec)
+        if self.profile is None:
+            return lat, float("nan")
+        from rafl.search.latency import unit_energy_mj
+
+        return lat, unit_energy_mj(spec, self.profile, lat)
+
+    def units(self, arch: ArchConfig) -> list[dict]:
+        """Per-unit breakdown of ``arch``: name, spec, macs, params, output elements, latency_ms,
+        energy_mj, saved bytes per sample and peak bytes (batch 1). For reports."""
+        rows = []
+        for name, spec in arch_units(self.space, arch):
+            free, hold, saved = unit_memory(spec)
+            lat, en = self._latency_energy(spec)
+            rows.append({"name": name, "spec": spec, "macs": spec.macs(), "params": spec.params(),
+                         "out_elements": spec.out_elements(), "latency_ms": lat, "energy_mj": en,
+                         "saved_bytes": saved, "peak_bytes": hold if name == "first_conv" else free})
+        return rows
+
+    # ----------------------------------------------------------------- queries
+    def _indices(self, archs: Sequence[ArchConfig]) -> tuple[np.ndarray, ...]:
+        ks = np.asarray([a.ks for a in archs], dtype=np.int64)
+        es = np.asarray([a.e for a in archs], dtype=np.int64)
+        ds = np.asarray([a.d for a in archs], dtype=np.int64)
+        rs = np.asarray([a.r for a in archs], dtype=np.int64)
+        space = self.space
+        if ks.ndim != 2 or ks.shape[1] != space.n_blocks or es.shape != ks.shape or ds.shape[1:] != (space.n_stages,):
+            raise UserInputError(f"archs must have {space.n_blocks} ks/e entries and {space.n_stages} depths",
+                                 field="arch")
+        try:
+            if (ks < 0).any() or (es < 0).any():
+                raise IndexError
+            k_idx = self._k_lookup[ks]
+            e_idx = self._e_lookup[es]
+            r_idx = np.asarray([self._r_index[r] for r in rs.tolist()], dtype=np.int64)
+        except (IndexError, KeyError):
+            raise UserInputError(f"arch outside the search space (ks in {space.ks_choices}, e in "
+                                 f"{space.e_choices}, r in {space.resolutions})", field="arch") from None
+        if (k_idx < 0).any() or (e_idx < 0).any():
+            bad = next(a for a in archs if any(k not in space.ks_choices for k in a.ks)
+                       or any(e not in space.e_choices for e in a.e))
+            bad.validate(space)
+        if not np.isin(ds, space.d_choices).all():
+            next(a for a in archs if any(d not in space.d_choices for d in a.d)).validate(space)
+        active = self._slot_pos[None, :] < ds[:, self._slot_stage]
+        return k_idx, e_idx, r_idx, active
+
+    def batch(self, archs: Sequence[ArchConfig]) -> dict[str, np.ndarray]:
+        """Costs of a population, vectorized with numpy.
+
+        Args:
+            archs: N archs of this space.
+
+        Returns:
+            dict of float64 arrays of shape ``(N,)`` with keys ``macs_m``, ``params_m``,
+            ``peak_memory_mb``, ``train_memory_mb``, ``latency_ms``, ``energy_mj``.
+
+        Raises:
+            UserInputError: an arch outside the space.
+        """
+        if len(archs) == 0:
+            return {m: np.zeros(0) for m in METRICS}
+        k_idx, e_idx, r_idx, active = self._indices(archs)
+        slots = np.arange(self.space.n_blocks)[None, :]
+        vals = self._add[r_idx[:, None], slots, k_idx, e_idx]          # (N, n_blocks, 5)
+        add = (vals * active[..., None]).sum(axis=1) + self._fixed_add[r_idx]
+        peak = np.where(active, self._peak[r_idx[:, None], slots, k_idx, e_idx], 0.0).max(axis=1)
+        peak = np.maximum(peak, self._fixed_peak[r_idx])
+        params = add[:, 1]
+        train = (TRAIN_STATE_COPIES * params * BYTES_PER_ELEMENT + self.batch_size * add[:, 2]) / MIB
+        return {"macs_m": add[:, 0] / 1e6, "params_m": params / 1e6, "peak_memory_mb": peak / MIB,
+                "train_memory_mb": train, "latency_ms": add[:, 3], "energy_mj": add[:, 4]}
+
+    def cost(self, arch: ArchConfig) -> Cost:
+        """Cost of one arch (a few microseconds: table lookups).
+
+        Raises:
+            UserInputError: ``arch`` is outside the space.
+        """
+        out = self.batch([arch])
+        return Cost(**{m: float(out[m][0]) for m in METRICS})
+
+    def violations(self, cost: Cost, profile: DeviceProfile | None = None) -> list[str]:
+        """Budgets of ``profile`` (default: this model's) that ``cost`` exceeds, one message each
+        naming the budget, the value and the limit; ``[]`` if the subnet fits."""
+        profile = profile if profile is not None else self.profile
+        if profile is None:
+            return []
+        return [c.message() for c in check_budgets(cost, profile) if not c.passed]
+
+    def feasible(self, archs: Sequence[ArchConfig], profile: DeviceProfile | None = None) -> np.ndarray:
+        """Boolean mask ``(N,)``: which archs meet every budget of ``profile`` (vectorized)."""
+        profile = profile if profile is not None else self.profile
+        costs = self.batch(archs)
+        ok = np.ones(len(archs), dtype=bool)
+        if profile is None:
+            return ok
+        for name, limit in profile.effective_budgets():
+            if name == "energy_per_epoch_j":
+                values = TRAIN_FORWARD_FACTOR * costs["energy_mj"] * profile.epoch_samples / 1000.0
+            else:
+                values = costs[name]
+            ok &= values <= limit  # NaN compares False: unpredictable = infeasible
+        return ok
+
+
+def _lookup(choices: Sequence[int]) -> np.ndarray:
+    table = -np.ones(max(choices) + 1, dtype=np.int64)
+    for i, c in enumerate(choices):
+        table[c] = i
+    return table

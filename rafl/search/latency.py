@@ -1,0 +1,157 @@
+"""Latency and energy of one unit (OFA layer): the roofline model and measured lookup tables.
+
+Roofline (Williams, Waterman, Patterson, "Roofline: an insightful visual performance model",
+CACM 52(4), 2009, Eq. 1): an op that does ``W`` MACs and moves ``Q`` bytes takes
+``max(W / P, Q / B)`` on a device with sustained throughput ``P`` (MAC/s) and memory bandwidth
+``B`` (byte/s). A unit's latency is the sum over its ops plus a fixed per-layer overhead (kernel
+launch / framework dispatch).
+
+Measured lookup table (OFA, Cai et al., ICLR 2020, Sec. 3.3, "latency lookup table"): the latency
+of every distinct unit configuration, measured on the device itself with
+:func:`build_latency_lut` (``rafl profile --build-lut``): fixed thread count, inference mode,
+warm-up runs, median of timed repeats. A profile references it with ``latency_lut: <path>``.
+
+Energy (Horowitz, "Computing's energy problem (and what we can do about it)", ISSCC 2014,
+Fig. 1.1.9): ``MACs x E_mac + DRAM bytes x E_byte``, or ``avg_power x latency``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+
+from rafl.errors import UserInputError
+from rafl.search.profile import DeviceProfile
+from rafl.search.units import UnitSpec, build_unit_module, unit_input_shape
+
+__all__ = ["roofline_latency_ms", "unit_energy_mj", "load_latency_lut", "build_latency_lut",
+           "measure_latency_ms", "LUT_FORMAT"]
+
+LUT_FORMAT = "rafl-latency-lut/1"
+
+
+def roofline_latency_ms(spec: UnitSpec, profile: DeviceProfile, bytes_per_element: int = 4) -> float:
+    """Predicted latency of one unit at batch 1, milliseconds.
+
+    ``sum over ops of max(macs / (throughput_gmacs * 1e9), bytes / (mem_bandwidth_gbs * 1e9))``
+    plus ``layer_overhead_us``; bytes = input + output activations + weights of the op (float32).
+    """
+    seconds = 0.0
+    for macs, nbytes in spec.op_bytes(bytes_per_element):
+        seconds += max(macs / (profile.throughput_gmacs * 1e9), nbytes / (profile.mem_bandwidth_gbs * 1e9))
+    return seconds * 1e3 + profile.layer_overhead_us * 1e-3
+
+
+def unit_energy_mj(spec: UnitSpec, profile: DeviceProfile, latency_ms: float,
+                   bytes_per_element: int = 4) -> float:
+    """Predicted energy of one unit at batch 1, millijoules (NaN without an energy model).
+
+    With ``energy_pj_per_mac`` and ``energy_pj_per_dram_byte``: ``MACs * E_mac + bytes * E_byte``
+    (bytes as in the roofline); otherwise ``avg_power_w * latency``.
+    """
+    if profile.energy_pj_per_mac is not None and profile.energy_pj_per_dram_byte is not None:
+        pj = sum(m * profile.energy_pj_per_mac + b * profile.energy_pj_per_dram_byte
+                 for m, b in spec.op_bytes(bytes_per_element))
+        return pj * 1e-9
+    if profile.avg_power_w is not None:
+        return profile.avg_power_w * latency_ms
+    return float("nan")
+
+
+def load_latency_lut(path: str | Path) -> dict[str, float]:
+    """Read a latency LUT written by :func:`build_latency_lut`: unit key -> median latency (ms).
+
+    Raises:
+        UserInputError: missing file, malformed YAML, wrong format tag or non-positive entries.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserInputError("latency LUT not found; build it with `rafl profile --build-lut`",
+                             source=path, field="latency_lut")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=path) from None
+    if not isinstance(data, dict) or data.get("format") != LUT_FORMAT or not isinstance(data.get("entries"), dict):
+        raise UserInputError(f"not a latency LUT: expected keys format: {LUT_FORMAT!r} and entries: "
+                             "{unit key: latency_ms}", source=path)
+    out = {}
+    for key, value in data["entries"].items():
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise UserInputError(f"latency must be a number > 0 (ms), got {value!r}", source=path,
+                                 field=f"entries.{key}")
+        out[str(key)] = float(value)
+    return out
+
+
+def measure_latency_ms(module, x, *, warmup: int = 5, repeats: int = 20) -> list[float]:
+    """Time ``module(x)`` in inference mode: ``warmup`` untimed runs, then ``repeats`` timed runs.
+
+    Returns:
+        the ``repeats`` wall-clock latencies in milliseconds (take the median / p90).
+    """
+    import torch
+
+    module.eval()
+    times = []
+    with torch.inference_mode():
+        for _ in range(warmup):
+            module(x)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            module(x)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: int = 1, warmup: int = 5,
+                      repeats: int = 15, progress: bool = True, meta: dict | None = None) -> dict[str, float]:
+    """Measure every distinct unit configuration on this machine and write the LUT (YAML, atomic).
+
+    Args:
+        specs: unit configurations (duplicates are measured once).
+        out: output YAML path.
+        threads: ``torch.set_num_threads`` during the measurement (restored afterwards).
+        warmup, repeats: untimed warm-up runs and timed repeats per configuration (median kept).
+        progress: show a tqdm bar.
+        meta: extra fields recorded in the file (e.g. the search space).
+
+    Returns:
+        unit key -> median latency (ms), batch 1.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from rafl.io import atomic_write_yaml
+
+    unique: dict[str, UnitSpec] = {}
+    for s in specs:
+        unique.setdefault(s.key, s)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    entries: dict[str, float] = {}
+    try:
+        torch.manual_seed(0)
+        for key, spec in tqdm(unique.items(), desc="latency LUT", unit="layer", disable=not progress):
+            module = build_unit_module(spec)
+            x = torch.randn(unit_input_shape(spec))
+            entries[key] = round(statistics.median(measure_latency_ms(module, x, warmup=warmup, repeats=repeats)), 6)
+    finally:
+        torch.set_num_threads(old_threads)
+    doc = {
+        "format": LUT_FORMAT,
+        "host": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+                 "system": platform.system(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+        "threads": threads, "warmup": warmup, "repeats": repeats, "statistic": "median", "batch_size": 1,
+        "unit": "ms",
+        **(meta or {}),
+        "entries": entries,
+    }
+    atomic_write_yaml(out, doc)
+    return entries
