@@ -124,10 +124,27 @@ def from_uint8(name: str, images_nhwc: np.ndarray, labels: np.ndarray, origin: n
                writers: np.ndarray | None = None) -> Dataset:
     """Build a :class:`Dataset` from uint8 (N, H, W, C) pixels: scale to [0, 1], resize, normalize.
 
-    ``mean``/``std`` None = computed on the resized images.
+    ``mean``/``std`` None = computed on the resized images. With known ``mean``/``std`` the
+    conversion runs in chunks straight into the output (no full-size float temporaries).
     """
-    x = torch.from_numpy(np.ascontiguousarray(images_nhwc)).permute(0, 3, 1, 2).float().div_(255.0)
-    return _finish(name, x, labels, origin, classes, resolution, mean, std, writers)
+    src = torch.from_numpy(np.ascontiguousarray(images_nhwc)).permute(0, 3, 1, 2)  # (N, C, H, W) uint8 view
+    if mean is None or std is None:
+        return _finish(name, src.float().div_(255.0), labels, origin, classes, resolution, mean, std, writers)
+    n, c = src.shape[:2]
+    scale = (1.0 / (255.0 * torch.tensor(std, dtype=torch.float32))).view(1, -1, 1, 1)
+    shift = (-torch.tensor(mean, dtype=torch.float32) / torch.tensor(std, dtype=torch.float32)).view(1, -1, 1, 1)
+    out = torch.empty((n, c, resolution, resolution), dtype=torch.float32)
+    chunk = 1024
+    for s in range(0, n, chunk):
+        block = out[s:s + chunk]
+        if src.shape[-1] == resolution and src.shape[-2] == resolution:
+            block.copy_(src[s:s + chunk])  # uint8 -> float32 and NHWC -> NCHW in one pass
+        else:
+            block.copy_(_resize(src[s:s + chunk].float(), resolution))
+        block.mul_(scale).add_(shift)  # (x/255 - mean) / std
+    return Dataset(name=name, images=out, labels=torch.as_tensor(np.asarray(labels, dtype=np.int64)),
+                   classes=list(classes), writers=writers, origin=np.asarray(origin, dtype=str),
+                   mean=tuple(mean), std=tuple(std))
 
 
 def _finish(name: str, x: torch.Tensor, labels: np.ndarray, origin: np.ndarray, classes: list[str],
