@@ -178,6 +178,14 @@ def test_femnist_leaf_json_and_natural_partition(tmp_path):
     assert make_partition(ds.labels.numpy(), "natural", None, 0, writers=ds.writers, min_samples=16).n_clients == 2
     native = load_dataset("femnist", root, resolution=28)  # the data/ folder itself; 28x28 = native
     assert native.images.shape == (59, 1, 28, 28)
+    cached = load_dataset("femnist", root, resolution=28)  # from the uint8 cache
+    assert torch.equal(cached.images, native.images) and np.array_equal(cached.writers, native.writers)
+    assert len(list(cache_dir().glob("datasets/femnist-*.npz"))) == 2  # one per root
+    first = json.loads(next((root / "train").glob("*_0_*.json")).read_text())["user_data"]["f0000_14"]["x"][0]
+    pix = native.images[0, 0] * native.std[0] + native.mean[0]
+    assert np.allclose(pix.numpy().ravel(), np.rint(np.array(first) * 255) / 255, atol=1e-5)
+    limited = load_dataset("femnist", root, limit_per_class=1)
+    assert all(np.bincount(limited.labels.numpy()[limited.origin == s]).max() == 1 for s in ("train", "test"))
 
 
 def test_shared_cifar10_subset(shared_cifar10_tarball):
@@ -244,6 +252,8 @@ def test_malicious_pickle_is_refused(tmp_path):
     ("cifar10", "file", "not a .tar.gz"),
     ("cifar10", "badtar", "cannot read the archive"),
     ("cifar10", "tenclasses", "found 3 classes"),
+    ("femnist", "leaf-keys", "needs the LEAF keys users, num_samples, user_data"),
+    ("femnist", "leaf-rows", "x must be 2 rows of 784 pixels"),
 ])
 def test_missing_or_bad_roots(tmp_path, name, setup, match):
     root = tmp_path / "data"
@@ -257,6 +267,13 @@ def test_missing_or_bad_roots(tmp_path, name, setup, match):
         root.write_bytes(b"\x1f\x8b\x08\x00garbage")
     elif setup == "tenclasses":
         write_image_folder(root, ["a", "b", "c"], {"train": 1})
+    elif setup == "leaf-keys":
+        (root / "train").mkdir(parents=True)
+        (root / "train" / "shard.json").write_text(json.dumps({"users": ["u"], "x": []}))
+    elif setup == "leaf-rows":
+        (root / "train").mkdir(parents=True)
+        bad = {"users": ["u"], "num_samples": [2], "user_data": {"u": {"x": [[0.5] * 700] * 2, "y": [1, 2]}}}
+        (root / "train" / "shard.json").write_text(json.dumps(bad))
     with pytest.raises(UserInputError, match=match) as err:
         load_dataset(name, root)
     assert "\n" not in str(err.value)

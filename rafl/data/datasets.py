@@ -222,5 +222,4 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
         mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
         return from_uint8(name, raw.images, raw.labels, raw.origin, raw.classes, resolution, mean, std)
     raw = sources.load_femnist(root, limit_per_class)
-    x = torch.from_numpy(raw.images).unsqueeze(1)  # (N, 1, 28, 28) float in [0, 1]
-    return _finish("femnist", x, raw.labels, raw.origin, raw.classes, resolution, None, None, raw.writers)
+    return from_uint8("femnist", raw.images, raw.labels, raw.origin, raw.classes, resolution, writers=raw.writers)

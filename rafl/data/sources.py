@@ -22,7 +22,7 @@ FEMNIST (``load_femnist``) reads a LEAF directory (Caldas et al., "LEAF: A Bench
 Settings", 2018): json shards, each ``{"users": [...], "num_samples": [...], "user_data":
 {user: {"x": [[784 floats in 0..1]], "y": [class ids 0..61]}}}``, found in ``train/`` and
 ``test/`` (origin train/test; also under ``data/``) or directly in the folder / ``all_data/``
-(origin train). Writer ids are kept.
+(origin train). Writer ids are kept; the parsed shards are cached like CIFAR (uint8, plus writers).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ EXPECTED = {
 
 @dataclass
 class RawImages:
-    """Undecorated dataset arrays: images uint8 (N, H, W, C) (FEMNIST: float32 (N, 28, 28) in [0, 1])."""
+    """Raw dataset arrays: images uint8 (N, H, W, C), labels int64 (N,), origin str (N,), writers str (N,) or None."""
 
     images: np.ndarray
     labels: np.ndarray
@@ -271,11 +271,12 @@ def _read_cache(path: Path, source: Path) -> RawImages:
     try:
         with np.load(path, allow_pickle=False) as z:
             raw = RawImages(z["images"], z["labels"].astype(np.int64), z["origin"].astype(str),
-                            [str(c) for c in z["classes"]])
+                            [str(c) for c in z["classes"]], z["writers"].astype(str) if "writers" in z else None)
     except Exception as err:  # noqa: BLE001 - truncated zip, missing key, bad header ...
         raise UserInputError(f"corrupted cache file ({type(err).__name__}: {err}); {hint}", source=path) from None
     n = len(raw.labels)
     if (raw.images.dtype != np.uint8 or raw.images.ndim != 4 or raw.images.shape[0] != n or len(raw.origin) != n
+            or (raw.writers is not None and len(raw.writers) != n)
             or (n and (raw.labels.min() < 0 or raw.labels.max() >= len(raw.classes)))):
         raise UserInputError(f"corrupted cache file (inconsistent arrays); {hint}", source=path)
     return raw
@@ -285,8 +286,11 @@ def _write_cache(path: Path, raw: RawImages) -> None:
     from rafl.io import atomic_write_bytes
 
     buf = io.BytesIO()
-    np.savez(buf, images=raw.images, labels=raw.labels, origin=raw.origin.astype("<U5"),
-             classes=np.array(raw.classes, dtype=str))
+    arrays = {"images": raw.images, "labels": raw.labels, "origin": raw.origin.astype("<U5"),
+              "classes": np.array(raw.classes, dtype=str)}
+    if raw.writers is not None:
+        arrays["writers"] = np.asarray(raw.writers, dtype=str)
+    np.savez(buf, **arrays)
     try:
         atomic_write_bytes(path, buf.getvalue())
     except OSError as err:
@@ -352,14 +356,19 @@ def _leaf_shards(root: Path) -> list[tuple[str, Path]]:
 
 
 def load_femnist(root: str | Path, limit_per_class: int | None = None) -> RawImages:
-    """FEMNIST from LEAF json shards (module docstring).
+    """FEMNIST from LEAF json shards (module docstring), via the uint8 cache.
+
+    Pixels are stored as uint8 ``round(255 * x)`` (LEAF's values are already multiples of 1/255),
+    so a first load and a cached load give the same images.
 
     Returns:
-        :class:`RawImages` with images float32 (N, 28, 28) in [0, 1], labels int64 (N,) in 0..61,
-        origin train/test, writers (N,) str; at most ``limit_per_class`` samples per (split, class).
+        :class:`RawImages` with images uint8 (N, 28, 28, 1), labels int64 (N,) in 0..61, origin
+        train/test (train samples first), writers (N,) str; at most ``limit_per_class`` samples per
+        (split, class).
 
     Raises:
-        UserInputError: missing root, no shards, a shard that is not LEAF json (names file and key).
+        UserInputError: missing root, no shards, a shard that is not LEAF json (names file and key),
+            a corrupted cache file.
     """
     from rafl.data.datasets import FEMNIST_CLASSES, _limit
 
@@ -369,6 +378,10 @@ def load_femnist(root: str | Path, limit_per_class: int | None = None) -> RawIma
     shards = _leaf_shards(root)
     if not shards:
         raise UserInputError(f"holds no json shards; expected {EXPECTED['femnist']}", source=root, field="data_root")
+    key = _cache_key("femnist", root, [f for _, f in shards], limit_per_class)
+    cache = cache_dir() / "datasets" / f"femnist-{key}.npz"
+    if cache.exists():
+        return _read_cache(cache, root)
     xs, ys, ws, origin = [], [], [], []
     for split, f in tqdm(shards, desc="reading LEAF shards", unit="shard", disable=len(shards) < 4, leave=False):
         try:
@@ -383,25 +396,27 @@ def load_femnist(root: str | Path, limit_per_class: int | None = None) -> RawIma
             ud = obj["user_data"].get(user)
             if not isinstance(ud, dict) or "x" not in ud or "y" not in ud:
                 raise UserInputError("needs {x, y}", source=f, field=f"user_data.{user}")
-            x = np.asarray(ud["x"], dtype=np.float32)
-            y = np.asarray(ud["y"], dtype=np.int64)
-            if x.ndim != 2 or x.shape[1] != 784 or len(y) != len(x) or len(y) != n:
+            try:
+                x = np.asarray(ud["x"], dtype=np.float32)
+                y = np.asarray(ud["y"], dtype=np.int64)
+            except (TypeError, ValueError):
+                x = y = np.zeros((0, 0))
+            if x.ndim != 2 or x.shape[1] != 784 or y.ndim != 1 or len(y) != len(x) or len(y) != n:
                 raise UserInputError(f"x must be {n} rows of 784 pixels and y {n} labels (num_samples)",
                                      source=f, field=f"user_data.{user}")
             if len(y) and (y.min() < 0 or y.max() >= len(FEMNIST_CLASSES)):
                 raise UserInputError(f"labels must be 0..{len(FEMNIST_CLASSES) - 1}", source=f,
                                      field=f"user_data.{user}.y")
-            xs.append(x.reshape(-1, 28, 28))
+            if x.size and (x.min() < 0 or x.max() > 1):
+                raise UserInputError("pixels must be in 0..1 (LEAF)", source=f, field=f"user_data.{user}.x")
+            xs.append(np.rint(x * 255.0).astype(np.uint8).reshape(-1, 28, 28, 1))
             ys.append(y)
             ws.append(np.full(len(y), str(user), dtype=object))
             origin.append(np.full(len(y), split))
-    images = np.concatenate(xs)
-    if images.size and images.max() > 1.0:  # some exports store 0..255
-        images = images / 255.0
-    labels, origin_arr = np.concatenate(ys), np.concatenate(origin)
+    images, labels, origin_arr = np.concatenate(xs), np.concatenate(ys), np.concatenate(origin)
     writers = np.concatenate(ws).astype(str)
     order = np.argsort(origin_arr != "train", kind="stable")  # train samples first
-    images, labels, origin_arr, writers = images[order], labels[order], origin_arr[order], writers[order]
-    keep = _limit(labels, origin_arr, limit_per_class)
-    return RawImages(images[keep].astype(np.float32), labels[keep], origin_arr[keep], list(FEMNIST_CLASSES),
-                     writers[keep])
+    keep = order[_limit(labels[order], origin_arr[order], limit_per_class)]
+    raw = RawImages(images[keep], labels[keep], origin_arr[keep], list(FEMNIST_CLASSES), writers[keep])
+    _write_cache(cache, raw)
+    return raw
