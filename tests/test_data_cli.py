@@ -63,6 +63,19 @@ def test_cifar10_shared_subset_cli(tmp_path, shared_cifar10_tarball):
     assert part.meta["dataset"] == "cifar10" and part.n_clients == 5
 
 
+def test_femnist_natural_cli(tmp_path):
+    from test_data_sources import _write_leaf
+
+    _write_leaf(tmp_path / "leaf" / "train", {"f0000_14": 12, "f0001_41": 15, "f0002_07": 4}, seed=0)
+    _write_leaf(tmp_path / "leaf" / "test", {"f0000_14": 2, "f0001_41": 3}, seed=1)
+    res = run("--dataset", "femnist", "--data-root", str(tmp_path / "leaf"), "--partition", "natural",
+              "--out", str(tmp_path / "f"))
+    assert res.exit_code == 0, res.output
+    part = Partition.load(tmp_path / "f" / "partition.json", n_samples=36)
+    assert part.meta["writers"] == ["f0000_14", "f0001_41"]  # f0002_07 has < 10 samples
+    assert [c.n_samples for c in part.clients] == [14, 18]
+
+
 def _corrupt_cache_root(tmp_path):
     from test_data_sources import write_cifar10_batches  # tests/ is on sys.path (rootdir conftest)
 
