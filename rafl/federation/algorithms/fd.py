@@ -1,0 +1,66 @@
+"""FD (Federated Distillation, "FedDistill"): clients share per-class average logits.
+
+Jeong et al., "Communication-Efficient On-Device Machine Learning: Federated Distillation and
+Augmentation under Non-IID Private Data", NeurIPS-W 2018 (Sec. 2). Model-agnostic: nothing but
+K-dimensional logit vectors travels, so any architectures can federate.
+
+* Client ``i`` trains with ``CE(z(x), y) + gamma * MSE(z(x), bar z^y)`` against the global
+  average logit vector of the sample's class (round 1: CE only), then uploads its per-class mean
+  logits ``z_i^c`` (running per-class sum over its training set, eval mode) for the classes it
+  holds: ``logit.values (S, K)`` + ``logit.labels (S,)``.
+* The server averages them per class over the uploading clients (equal weights, as in the paper
+  and HtFLlib's ``serverdistill``), keeping earlier averages of classes absent this round.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.losses import logit_regularizer, train_regularized
+from rafl.federation.payload import Payload
+from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors, weighted_class_average
+from rafl.federation.training import evaluate_accuracy
+
+LOGIT = "logit."
+GLOBAL = "global."
+
+
+@register
+class FD(Algorithm):
+    """FD / FedDistill. Client state ``{"model": state_dict}``; server ``{"values", "labels"}``."""
+
+    name: ClassVar[str] = "fd"
+    defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "gamma": 1.0}
+
+    def init_server(self, server: ServerContext):
+        return {"values": torch.zeros(0, 0), "labels": torch.zeros(0, dtype=torch.int32)}, Payload()
+
+    def init_client(self, client: ClientContext):
+        return {"model": cpu_state(client.make_model())}
+
+    def client_update(self, state, broadcast: Payload, client: ClientContext):
+        hp = self.hparams
+        model = build(client, state["model"])
+        targets = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
+        train_regularized(model, client.train_loader, optimizer_for(model, hp),
+                          logit_regularizer(targets, float(hp["gamma"])), epochs=hp["local_epochs"],
+                          device=client.device)
+        logits, _ = local_class_averages(model, client.train_loader, client.n_classes, output="logits",
+                                         device=client.device)
+        return {"model": cpu_state(model)}, Payload(to_payload_tensors(logits, LOGIT))
+
+    def server_aggregate(self, uploads, server_state, server: ServerContext):
+        merged = (from_payload({GLOBAL + "values": server_state["values"], GLOBAL + "labels": server_state["labels"]},
+                               GLOBAL) if len(server_state["labels"]) else {})
+        merged.update(weighted_class_average((from_payload(u.tensors, LOGIT), None) for u in uploads))
+        tensors = to_payload_tensors(merged, GLOBAL)
+        return ({"values": tensors[GLOBAL + "values"], "labels": tensors[GLOBAL + "labels"]},
+                Payload(tensors) if merged else Payload())
+
+    def evaluate(self, state, client: ClientContext):
+        return eval_counts("model", *evaluate_accuracy(build(client, state["model"]), client.test_loader,
+                                                       device=client.device))

@@ -1,0 +1,148 @@
+"""FedGH: heterogeneous federated learning with a generalized global header.
+
+Yi et al., "FedGH: Heterogeneous Federated Learning with Generalized Global Header", ACM MM 2023.
+Every client ``k`` has its own feature extractor ``f_k`` (any architecture with the same
+representation width ``r``) and uses the global header ``H(theta)``:
+
+1. *Local training*: the client model ``H(f_k(x))`` (the broadcast global header replaces the
+   local one) is trained with cross-entropy (Sec. 4.1).
+2. *LAR*: with the trained extractor the client computes, with a running per-class sum (one
+   O(n) pass), the local averaged representation of every class ``s`` it holds,
+   ``bar R_k^s = 1/|D_k^s| sum_{(x, y=s)} f_k(x)`` (Sec. 4.2), and uploads the S LARs and their
+   S class labels: ``(S + S*r) x 32`` bits (Sec. 4.3). Classes a client does not hold send nothing.
+3. *Global header training*: the server feeds each LAR into the header with cross-entropy and
+   SGD, ``theta <- theta - eta_theta * grad CE(H(bar R_k^s; theta), s)`` with ``eta_theta = 0.01``
+   (Algorithm 1), one client at a time in client-id order (``server_mode: per-lar``, one step per
+   LAR as in the paper) or each client's LARs as one mini-batch (``server_mode: per-client``).
+4. The new header is broadcast and replaces every client's local header (also before
+   evaluation, :meth:`FedGH.prepare_evaluation`).
+
+Wire format: upload tensors ``lar.values (S, r) float32`` and ``lar.labels (S,) int32`` (no
+metadata); broadcast ``head.<key>`` tensors. The safetensors header (names, dtypes, shapes) is
+the only overhead over the formula; ``bench/htfl_bench.py`` prints both.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from rafl.errors import UserInputError
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.headers import common_header, head_state, load_head
+from rafl.federation.payload import Payload
+from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors
+from rafl.federation.training import evaluate_accuracy, train_ce
+
+HEAD = "head."
+LAR = "lar."
+SERVER_MODES = ("per-lar", "per-client")
+
+
+def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, torch.Tensor]], *, lr: float = 0.01,
+                        epochs: int = 1, mode: str = "per-lar", device: torch.device | str = "cpu") -> float:
+    """FedGH's server step (Yi et al., Algorithm 1, lines "server"): SGD on ``CE(H(bar R), s)``.
+
+    Args:
+        header: the global header ``(B, r) -> (B, K)`` (trained in place).
+        client_lars: per uploading client, in client-id order, ``{class s (int): bar R (r,)}``.
+        lr: eta_theta (paper: 0.01).
+        epochs: passes over all clients' LARs.
+        mode: ``"per-lar"`` (one SGD step per LAR, clients and classes in order, the paper) or
+            ``"per-client"`` (one step per client on its LARs as a mini-batch).
+        device: where to compute.
+
+    Returns:
+        the mean CE loss over the steps (0.0 when there was nothing to train on).
+
+    Raises:
+        UserInputError: unknown ``mode``.
+    """
+    if mode not in SERVER_MODES:
+        raise UserInputError(f"is {mode!r}; allowed: {', '.join(SERVER_MODES)}", field="algorithm.server_mode")
+    # eval mode: the header's dropout (if any) stays off on the few LARs, and BN (if any) keeps its
+    # statistics; gradients flow as usual
+    header.to(device).eval()
+    opt = torch.optim.SGD(header.parameters(), lr=float(lr))
+    total, steps = 0.0, 0
+    for _ in range(int(epochs)):
+        for lars in client_lars:
+            if not lars:
+                continue
+            classes = sorted(lars)
+            x = torch.stack([lars[c] for c in classes]).to(device)
+            y = torch.tensor(classes, dtype=torch.long, device=device)
+            batches = [(x[i:i + 1], y[i:i + 1]) for i in range(len(y))] if mode == "per-lar" else [(x, y)]
+            for xb, yb in batches:
+                loss = F.cross_entropy(header(xb), yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach())
+                steps += 1
+    return total / steps if steps else 0.0
+
+
+@register
+class FedGH(Algorithm):
+    """FedGH (Yi et al., MM 2023). Client state ``{"model": state_dict}``; server state
+    ``{"head": header state_dict}``."""
+
+    name: ClassVar[str] = "fedgh"
+    defaults: ClassVar[dict[str, Any]] = {
+        **LOCAL_DEFAULTS,
+        "server_lr": 0.01,         # eta_theta
+        "server_epochs": 1,        # passes over the round's LARs
+        "server_mode": "per-lar",  # per-lar (paper) | per-client (each client's LARs as one mini-batch)
+    }
+
+    def init_server(self, server: ServerContext):
+        if self.hparams["server_mode"] not in SERVER_MODES:
+            raise UserInputError(f"is {self.hparams['server_mode']!r}; allowed: {', '.join(SERVER_MODES)}",
+                                 field="algorithm.server_mode")
+        model = common_header(server.make_model, server.clients, self.name)
+        head = head_state(model)
+        return {"head": head}, Payload.from_state_dict(head, HEAD)
+
+    def init_client(self, client: ClientContext):
+        return {"model": cpu_state(client.make_model())}
+
+    def client_update(self, state, broadcast: Payload, client: ClientContext):
+        hp = self.hparams
+        model = build(client, state["model"])
+        load_head(model, broadcast.state_dict(HEAD), f"client {client.client_id} head")
+        train_ce(model, client.train_loader, optimizer_for(model, hp), epochs=hp["local_epochs"], device=client.device)
+        lars, _ = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
+        return {"model": cpu_state(model)}, Payload(to_payload_tensors(lars, LAR))
+
+    def server_aggregate(self, uploads, server_state, server: ServerContext):
+        hp = self.hparams
+        ordered = sorted(uploads, key=lambda u: int(u.meta.get("client_id", 0)))  # client-id order
+        header = copy.deepcopy(common_header_module(server, server_state["head"]))
+        train_global_header(header, [from_payload(u.tensors, LAR) for u in ordered], lr=hp["server_lr"],
+                            epochs=hp["server_epochs"], mode=hp["server_mode"], device=server.device)
+        head = {k: v.detach().cpu().clone() for k, v in header.state_dict().items()}
+        return {"head": head}, Payload.from_state_dict(head, HEAD)
+
+    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
+        head = broadcast.state_dict(HEAD)
+        if not head:
+            return state
+        model = build(client, state["model"])
+        load_head(model, head, f"client {client.client_id} head")
+        return {"model": cpu_state(model)}
+
+    def evaluate(self, state, client: ClientContext):
+        return eval_counts("model", *evaluate_accuracy(build(client, state["model"]), client.test_loader,
+                                                       device=client.device))
+
+
+def common_header_module(server: ServerContext, head: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A header module of client 0's architecture holding ``head`` (the server-side copy of H)."""
+    model = server.make_model(client_id=server.clients[0].client_id)
+    load_head(model, head, "server header")
+    return model.head

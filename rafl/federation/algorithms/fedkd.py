@@ -1,0 +1,151 @@
+"""FedKD: communication-efficient FL via adaptive mutual knowledge distillation.
+
+Wu et al., "Communication-efficient federated learning via knowledge distillation", Nature
+Communications 2022. Every client has a private *mentor* (its own architecture) and a copy of the
+shared small *mentee*. Locally (Eqs. 1-4, :func:`rafl.federation.losses.train_mutual` with
+``adaptive=True``):
+
+    L_mentor = CE_t + (KL(p_s || p_t) + MSE(h_t, h_s)) / (CE_t + CE_s)
+    L_mentee = CE_s + (KL(p_t || p_s) + MSE(h_s, h_t)) / (CE_t + CE_s)
+
+(adaptive distillation: the better both predict, the more they trust each other; the hidden loss
+uses the representations, which have the same width D for every model here, so no projection).
+Only the mentee's *update* ``Delta = theta_s' - theta_s`` is uploaded, compressed by truncated SVD
+(Sec. "Dynamic gradient approximation"): each matrix (conv kernels reshaped to ``(out, -1)``)
+keeps the smallest rank whose singular values hold an energy share ``>= T`` (``sum s_i^2``),
+with ``T`` growing linearly from ``energy_start`` to ``energy_end`` over ``energy_rounds`` rounds.
+Vectors (biases, BN) travel uncompressed. The server rebuilds the updates, averages them weighted by
+``n_k / sum n`` and adds them to the mentee. The download is the full mentee (uncompressed here).
+
+Reported: ``model`` (the mentor) and ``global`` (the mentee).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.fml import shared_model
+from rafl.federation.losses import train_mutual
+from rafl.federation.payload import Payload
+from rafl.federation.training import evaluate_accuracy
+
+PREFIX = "global."
+UPD = "upd."
+
+
+def svd_rank(singular_values: torch.Tensor, energy: float) -> int:
+    """Smallest r with ``sum_{i<r} s_i^2 >= energy * sum s_i^2`` (at least 1)."""
+    e = singular_values.double().pow(2)
+    total = float(e.sum())
+    if total <= 0:
+        return 1
+    cum = torch.cumsum(e, 0) / total
+    return int(min(len(e), int(torch.searchsorted(cum, torch.tensor(energy - 1e-12, dtype=cum.dtype))) + 1))
+
+
+def compress_update(delta: dict[str, torch.Tensor], energy: float) -> dict[str, torch.Tensor]:
+    """Truncated-SVD compression of a model update (FedKD's dynamic gradient approximation).
+
+    Args:
+        delta: ``name -> update tensor``.
+        energy: T in (0, 1].
+
+    Returns:
+        ``name.u (m, r)`` (= U S) and ``name.v (r, n)`` for floating tensors with ndim >= 2 when that
+        is smaller than the tensor, else ``name`` itself.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for k, d in delta.items():
+        if d.is_floating_point() and d.ndim >= 2:
+            m = d.reshape(d.shape[0], -1).double()
+            u, s, vh = torch.linalg.svd(m, full_matrices=False)
+            r = svd_rank(s, energy)
+            if r * (m.shape[0] + m.shape[1]) < m.numel():
+                out[k + ".u"] = (u[:, :r] * s[:r]).float()
+                out[k + ".v"] = vh[:r].float()
+                continue
+        out[k] = d
+    return out
+
+
+def decompress_update(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`compress_update` given the original ``name -> shape``."""
+    out = {}
+    for k, shape in shapes.items():
+        if k + ".u" in tensors:
+            out[k] = (tensors[k + ".u"].double() @ tensors[k + ".v"].double()).reshape(shape).float()
+        else:
+            out[k] = tensors[k]
+    return out
+
+
+@register
+class FedKD(Algorithm):
+    """FedKD (Wu et al., 2022). Client state ``{"local": state_dict}``; server ``{"global": state_dict}``."""
+
+    name: ClassVar[str] = "fedkd"
+    defaults: ClassVar[dict[str, Any]] = {
+        **LOCAL_DEFAULTS,
+        "temperature": 1.0,
+        "hidden_weight": 1.0,          # weight of the hidden (representation) loss
+        "energy_start": 0.95,          # SVD energy threshold T at round 1
+        "energy_end": 0.98,            # ... reached after energy_rounds rounds
+        "energy_rounds": 10,
+        "knowledge_arch": "smallest",  # the mentee
+    }
+
+    def _energy(self, rnd: int) -> float:
+        hp = self.hparams
+        frac = min(1.0, max(0.0, (rnd - 1) / max(1, int(hp["energy_rounds"]) - 1)))
+        return float(hp["energy_start"]) + frac * (float(hp["energy_end"]) - float(hp["energy_start"]))
+
+    def init_server(self, server: ServerContext):
+        glob = cpu_state(shared_model(server.make_model, server.space, self.hparams["knowledge_arch"]))
+        return {"global": glob}, Payload.from_state_dict(glob, PREFIX)
+
+    def init_client(self, client: ClientContext):
+        return {"local": cpu_state(client.make_model())}
+
+    def client_update(self, state, broadcast: Payload, client: ClientContext):
+        hp = self.hparams
+        local = build(client, state["local"])
+        start = broadcast.state_dict(PREFIX)
+        mentee = shared_model(client.make_model, client.space, hp["knowledge_arch"])
+        mentee.load_state_dict(start, strict=True)
+        mentee.to(client.device).train()
+        train_mutual(local, mentee, client.train_loader, optimizer_for(local, hp), optimizer_for(mentee, hp),
+                     epochs=hp["local_epochs"], temperature=float(hp["temperature"]), adaptive=True,
+                     hidden_weight=float(hp["hidden_weight"]), device=client.device)
+        new = cpu_state(mentee)
+        delta = {k: (new[k] - start[k]) if new[k].is_floating_point() else new[k] for k in new}
+        upload = Payload({UPD + k: v for k, v in compress_update(delta, self._energy(client.round)).items()},
+                         meta={"n_samples": client.n_samples})
+        return {"local": cpu_state(local)}, upload
+
+    def server_aggregate(self, uploads, server_state, server: ServerContext):
+        glob = server_state["global"]
+        if not uploads:
+            return server_state, Payload.from_state_dict(glob, PREFIX)
+        shapes = {k: v.shape for k, v in glob.items()}
+        deltas = [decompress_update(u.state_dict(UPD), shapes) for u in uploads]
+        mean = weighted_average(deltas, payload_weights(uploads))
+        new = {k: (glob[k] + mean[k].to(glob[k].dtype)) if glob[k].is_floating_point() else mean[k] for k in glob}
+        return {"global": new}, Payload.from_state_dict(new, PREFIX)
+
+    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
+        return {**state, "global": broadcast.state_dict(PREFIX)}
+
+    def evaluate(self, state, client: ClientContext):
+        out = eval_counts("model", *evaluate_accuracy(build(client, state["local"]), client.test_loader,
+                                                      device=client.device))
+        if state.get("global"):
+            mentee = shared_model(client.make_model, client.space, self.hparams["knowledge_arch"])
+            mentee.load_state_dict(state["global"], strict=True)
+            out.update(eval_counts("global", *evaluate_accuracy(mentee.to(client.device), client.test_loader,
+                                                                device=client.device)))
+        return out

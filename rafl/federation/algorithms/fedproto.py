@@ -1,0 +1,90 @@
+"""FedProto: federated prototype learning across heterogeneous clients.
+
+Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022.
+
+* Client ``i`` minimizes ``CE(h_i(f_i(x)), y) + lambda * ||f_i(x) - bar C^y||^2`` (Eq. 5; the
+  official code and HtFLlib use ``MSELoss``, i.e. the squared distance over D, ``lambda = 1``),
+  then computes its local prototypes ``C_i^j = 1/|D_i,j| sum f_i(x)`` (Eq. 4) for the classes it
+  holds, uploading ``proto.values (S, D)``, ``proto.labels (S,)`` and ``proto.counts (S,)``.
+* The server aggregates per class, weighted by the clients' per-class sample counts:
+  ``bar C^j = sum_i |D_i,j| / N_j * C_i^j`` (Eq. 6), keeping the last prototype of classes no
+  client of this round holds.
+* Inference: the client's head (``model``) and the nearest global prototype (``proto``, Sec. 4.3).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from rafl.errors import UserInputError
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.losses import prototype_regularizer, train_regularized
+from rafl.federation.payload import Payload
+from rafl.federation.prototypes import (evaluate_prototype_accuracy, from_payload, local_class_averages,
+                                        to_payload_tensors, weighted_class_average)
+from rafl.federation.training import evaluate_accuracy
+
+PROTO = "proto."
+GLOBAL = "global."
+
+
+@register
+class FedProto(Algorithm):
+    """FedProto (Tan et al., AAAI 2022). Client state ``{"model": state_dict}``; server state
+    ``{"values": (G, D), "labels": (G,)}`` (the global prototypes so far)."""
+
+    name: ClassVar[str] = "fedproto"
+    defaults: ClassVar[dict[str, Any]] = {
+        **LOCAL_DEFAULTS,
+        "lambda": 1.0,       # weight of the prototype term (official code: 1)
+        "distance": "mse",   # mse (official code) | squared | euclidean
+    }
+
+    def init_server(self, server: ServerContext):
+        if self.hparams["distance"] not in ("mse", "squared", "euclidean"):
+            raise UserInputError(f"is {self.hparams['distance']!r}; allowed: mse, squared, euclidean",
+                                 field="algorithm.distance")
+        return {"values": torch.zeros(0, 0), "labels": torch.zeros(0, dtype=torch.int32)}, Payload()
+
+    def init_client(self, client: ClientContext):
+        return {"model": cpu_state(client.make_model())}
+
+    def client_update(self, state, broadcast: Payload, client: ClientContext):
+        hp = self.hparams
+        model = build(client, state["model"])
+        protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
+        reg = prototype_regularizer(protos, float(hp["lambda"]), str(hp["distance"]))
+        train_regularized(model, client.train_loader, optimizer_for(model, hp), reg, epochs=hp["local_epochs"],
+                          device=client.device)
+        local, counts = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
+        tensors = to_payload_tensors(local, PROTO)
+        tensors[PROTO + "counts"] = torch.tensor([counts[c] for c in sorted(local)], dtype=torch.int32)
+        return {"model": cpu_state(model)}, Payload(tensors)
+
+    def server_aggregate(self, uploads, server_state, server: ServerContext):
+        items = []
+        for u in uploads:
+            protos = from_payload(u.tensors, PROTO)
+            counts = dict(zip(u.tensors[PROTO + "labels"].tolist(), u.tensors[PROTO + "counts"].tolist()))
+            items.append((protos, counts))
+        merged = from_payload({GLOBAL + "values": server_state["values"], GLOBAL + "labels": server_state["labels"]},
+                              GLOBAL) if len(server_state["labels"]) else {}
+        merged.update(weighted_class_average(items))  # Eq. 6 for the classes held this round
+        tensors = to_payload_tensors(merged, GLOBAL)
+        state = {"values": tensors[GLOBAL + "values"], "labels": tensors[GLOBAL + "labels"]}
+        return state, Payload(tensors) if merged else Payload()
+
+    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
+        return {**state, "global": dict(broadcast.tensors)}
+
+    def evaluate(self, state, client: ClientContext):
+        model = build(client, state["model"])
+        out = eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
+        glob = state.get("global") or {}
+        protos = from_payload(glob, GLOBAL) if glob else {}
+        out.update(eval_counts("proto", *evaluate_prototype_accuracy(model, client.test_loader, protos,
+                                                                     device=client.device)))
+        return out

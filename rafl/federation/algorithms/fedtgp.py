@@ -1,0 +1,192 @@
+"""FedTGP: trainable global prototypes with adaptive-margin-enhanced contrastive learning.
+
+Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive
+Learning for Data and Model Heterogeneity in Federated Learning", AAAI 2024.
+
+Client ``i`` (any architecture; representation ``f_i(x)`` of width D):
+
+* loss ``CE(h_i(f_i(x)), y) + lambda * phi(f_i(x), hat P^y)`` with the global prototype ``hat P^y``
+  of the sample's class and ``phi`` the Euclidean distance, ``lambda = 0.1`` (the paper). The
+  squared-distance variant is ``distance: mse`` (PyTorch ``MSELoss`` as in HtFLlib's client) with
+  its own weight ``lambda_mse``. Round 1 (no global prototypes yet) is plain CE.
+* after training: local prototypes ``P_i^c`` = per-class averaged representations of the classes
+  it holds (running per-class sum), uploaded as ``proto.values (S, D)`` + ``proto.labels (S,)``.
+
+Server: one learnable vector per class ``e_c`` passed through a shared two-layer network ``F``
+(``Linear(D, H) -> ReLU -> Linear(H, D)``), ``hat P^c = F(e_c)``. Each round:
+
+1. ``Q^c`` = average of the uploaded ``P_i^c`` (equal weights); the adaptive margin
+   ``delta(t) = min(max_c min_{c' != c} ||Q^c - Q^c'||_2, tau)``, ``tau = 100``
+   (:func:`rafl.federation.prototypes.adaptive_margin`);
+2. ``server_epochs`` (S, default 100) epochs of SGD over mini-batches of the uploaded ``P_i^c`` on
+   the margin-enhanced contrastive loss ``CE(-(phi(P_i^c, hat P^k) + delta * [k = c])_k, c)``:
+   the prototype of the right class must be nearer than every other by at least ``delta``;
+3. broadcast ``hat P^c`` of every class uploaded so far.
+
+Reported per client: ``model`` (the client's head) and ``proto`` (nearest global prototype).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rafl.errors import UserInputError
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.headers import check_split_model, feature_dim
+from rafl.federation.losses import prototype_regularizer, train_regularized
+from rafl.federation.payload import Payload
+from rafl.federation.prototypes import (adaptive_margin, evaluate_prototype_accuracy, from_payload,
+                                        local_class_averages, pairwise_distances, to_payload_tensors,
+                                        weighted_class_average)
+from rafl.federation.training import evaluate_accuracy
+
+PROTO = "proto."
+GLOBAL = "global."
+
+
+class TrainablePrototypes(nn.Module):
+    """FedTGP's server model: ``hat P = F(E)``, ``E`` (K, D) learnable, ``F`` two layers.
+
+    Args:
+        n_classes: K.
+        dim: D, the clients' representation width.
+        hidden: H, the hidden width of F.
+
+    ``forward(classes (M,) int64) -> (M, D)`` global prototypes.
+    """
+
+    def __init__(self, n_classes: int, dim: int, hidden: int):
+        super().__init__()
+        self.embedding = nn.Embedding(n_classes, dim)
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+
+    def forward(self, classes: torch.Tensor) -> torch.Tensor:
+        return self.net(self.embedding(classes))
+
+
+def margin_contrastive_loss(client_protos: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor,
+                            margin: float) -> torch.Tensor:
+    """FedTGP's adaptive-margin-enhanced contrastive loss (server side), batch mean.
+
+    ``-log( exp(-(phi(P, hat P^y) + delta)) / (exp(-(phi(P, hat P^y) + delta)) + sum_{k != y}
+    exp(-phi(P, hat P^k))) )`` = ``CE(-(D + delta * onehot(y)), y)``.
+
+    Args:
+        client_protos: (B, D) uploaded client prototypes (constants).
+        labels: (B,) int64 their classes.
+        global_protos: (K, D) the current trainable global prototypes.
+        margin: delta >= 0.
+
+    Returns:
+        scalar loss (NaN-free also when a prototype coincides with a global one).
+    """
+    dist = pairwise_distances(client_protos, global_protos)
+    dist = dist + float(margin) * F.one_hot(labels, global_protos.shape[0]).to(dist.dtype)
+    return F.cross_entropy(-dist, labels)
+
+
+@register
+class FedTGP(Algorithm):
+    """FedTGP (Zhang et al., AAAI 2024). Client state ``{"model": state_dict}``; server state
+    ``{"net": TrainablePrototypes state_dict, "seen": [class ids], "margin": float}``."""
+
+    name: ClassVar[str] = "fedtgp"
+    defaults: ClassVar[dict[str, Any]] = {
+        **LOCAL_DEFAULTS,
+        "lambda": 0.1,            # weight of the Euclidean prototype distance (the paper)
+        "distance": "euclidean",  # euclidean (paper) | mse (squared-distance variant, weight lambda_mse)
+        "lambda_mse": 1.0,        # weight of the mse variant (HtFLlib's lamda for MSELoss)
+        "tau": 100.0,             # margin threshold
+        "server_epochs": 100,     # S
+        "server_lr": 0.01,
+        "server_batch_size": 32,
+        "server_hidden_dim": 0,   # H of the prototype network; 0 = D
+    }
+
+    def _check(self) -> None:
+        if self.hparams["distance"] not in ("euclidean", "mse"):
+            raise UserInputError(f"is {self.hparams['distance']!r}; allowed: euclidean, mse",
+                                 field="algorithm.distance")
+
+    def _net(self, n_classes: int, dim: int) -> TrainablePrototypes:
+        hidden = int(self.hparams["server_hidden_dim"]) or dim
+        return TrainablePrototypes(n_classes, dim, hidden)
+
+    def init_server(self, server: ServerContext):
+        self._check()
+        model = server.make_model(client_id=server.clients[0].client_id)
+        check_split_model(model, "client 0 model")
+        net = self._net(server.n_classes, feature_dim(model))
+        return {"net": cpu_state(net), "seen": [], "margin": 0.0}, Payload()
+
+    def init_client(self, client: ClientContext):
+        return {"model": cpu_state(client.make_model())}
+
+    def client_update(self, state, broadcast: Payload, client: ClientContext):
+        self._check()
+        hp = self.hparams
+        model = build(client, state["model"])
+        protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
+        if hp["distance"] == "euclidean":
+            reg = prototype_regularizer(protos, float(hp["lambda"]), "euclidean")
+        else:
+            reg = prototype_regularizer(protos, float(hp["lambda_mse"]), "mse")
+        train_regularized(model, client.train_loader, optimizer_for(model, hp), reg, epochs=hp["local_epochs"],
+                          device=client.device)
+        local, _ = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
+        return {"model": cpu_state(model)}, Payload(to_payload_tensors(local, PROTO))
+
+    def server_aggregate(self, uploads, server_state, server: ServerContext):
+        hp = self.hparams
+        per_client = [from_payload(u.tensors, PROTO) for u in uploads]
+        seen = sorted(set(server_state["seen"]) | {c for p in per_client for c in p})
+        net_state = server_state["net"]
+        dim = net_state["embedding.weight"].shape[1]
+        net = self._net(server.n_classes, dim)
+        net.load_state_dict(net_state)
+        net.to(server.device).train()
+        margin = server_state.get("margin", 0.0)
+        pairs = [(v, c) for p in per_client for c, v in p.items()]
+        if pairs:
+            margin = adaptive_margin(weighted_class_average((p, None) for p in per_client), float(hp["tau"]))
+            x = torch.stack([v for v, _ in pairs]).to(server.device)
+            y = torch.tensor([c for _, c in pairs], dtype=torch.long, device=server.device)
+            all_classes = torch.arange(server.n_classes, device=server.device)
+            opt = torch.optim.SGD(net.parameters(), lr=float(hp["server_lr"]))
+            gen = torch.Generator().manual_seed(int(server.seed) * 100003 + int(server.round))
+            bs = int(hp["server_batch_size"])
+            for _ in range(int(hp["server_epochs"])):
+                order = torch.randperm(len(y), generator=gen)
+                for i in range(0, len(y), bs):
+                    idx = order[i:i + bs].to(server.device)
+                    loss = margin_contrastive_loss(x[idx], y[idx], net(all_classes), margin)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+        new_state = {"net": cpu_state(net), "seen": seen, "margin": float(margin)}
+        return new_state, self._broadcast(net, seen, server.device)
+
+    @staticmethod
+    def _broadcast(net: TrainablePrototypes, seen: list[int], device) -> Payload:
+        if not seen:
+            return Payload()
+        with torch.no_grad():
+            protos = net(torch.tensor(seen, dtype=torch.long, device=device)).cpu()
+        return Payload(to_payload_tensors({c: protos[i] for i, c in enumerate(seen)}, GLOBAL))
+
+    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
+        return {**state, "global": dict(broadcast.tensors)}
+
+    def evaluate(self, state, client: ClientContext):
+        model = build(client, state["model"])
+        out = eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
+        glob = state.get("global") or {}
+        protos = from_payload(glob, GLOBAL) if glob else {}
+        out.update(eval_counts("proto", *evaluate_prototype_accuracy(model, client.test_loader, protos,
+                                                                     device=client.device)))
+        return out

@@ -1,0 +1,375 @@
+"""``rafl compare``: several FL methods on one partition with one seed, one table and one plot.
+
+Every method runs through the same engine (:class:`rafl.federation.engine.Engine`) on the same
+dataset, partition (built once), client models and seed, each in its own run dir
+``OUT/<method>/``. The comparison table (``compare.md``, ``compare.csv``, ``compare.json``) holds,
+per method, the final-round mean and std over clients of the deployed model's test accuracy
+(``model``; plus ``proto`` = nearest-prototype accuracy for FedProto/FedTGP and the shared model's
+accuracy where there is one), MB communicated (up + down, counted from the serialized payloads)
+and wall time; ``compare.png`` plots accuracy (with std bars) and MB.
+
+Client models: ``models="nas"`` uses the resource-aware subnets of the ``rafl federate`` pipeline
+(:func:`rafl.federation.pipeline.prepare`: the quickstart or given supernet, a subnet per device
+profile); any other value is a model group / list for :mod:`rafl.models`, assigned round-robin
+(:func:`build_group_federation`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from rafl.config import RunConfig
+from rafl.errors import UserInputError
+from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
+from rafl.federation.engine import Engine, EngineConfig, Federation
+from rafl.io import atomic_write_json, atomic_write_text
+
+DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
+
+
+# ---------------------------------------------------------------------- federation of a model group
+def build_group_federation(dataset, partition, members: list[str], algorithm, *, feature_dim: int = 128,
+                           knowledge_model: str | None = None, batch_size: int = 32,
+                           device: torch.device | str = "cpu", seed: int = 0,
+                           hparams: dict[str, Any] | None = None) -> tuple[Federation, list[dict[str, Any]]]:
+    """A :class:`Federation` whose clients use models of a heterogeneous group (round-robin).
+
+    Args:
+        dataset: :class:`rafl.data.Dataset` (images ``(N, C, H, W)``).
+        partition: :class:`rafl.data.Partition`; its public pool becomes the server's unlabeled
+            ``public_images``.
+        members: model names / plug-in specs (:func:`rafl.models.resolve_models`); client ``i``
+            gets ``members[i % len(members)]``.
+        algorithm: an Algorithm instance.
+        feature_dim: the common representation width D.
+        knowledge_model: the shared model of RaFL/FML/FedKD (``make_model("knowledge")``);
+            default :data:`rafl.models.KNOWLEDGE_MODEL`.
+        batch_size: local mini-batch size (no drop_last).
+        device, seed: as named.
+        hparams: the algorithm's hyperparameters (default ``algorithm.hparams``).
+
+    Returns:
+        ``(federation, table)``: one row per client (client, model, params_m, n_train, n_test).
+
+    Raises:
+        UserInputError: an unknown member, a plug-in that does not fit, or a population the
+            algorithm rejects (e.g. FedAvg over different models).
+    """
+    from rafl.data import make_loader
+    from rafl.models import KNOWLEDGE_MODEL, make_member
+
+    if not members or "nas" in members:
+        raise UserInputError("needs model-group members (nas goes through the federate pipeline)", field="--models")
+    n = len(partition.clients)
+    device = torch.device(device)
+    n_classes = dataset.num_classes
+    channels, res = int(dataset.images.shape[1]), int(dataset.images.shape[-1])
+    know = knowledge_model or KNOWLEDGE_MODEL
+    names = [members[i % len(members)] for i in range(n)]
+
+    def make(name: str) -> torch.nn.Module:
+        return make_member(name, n_classes, feature_dim, channels, res)
+
+    params: dict[str, float] = {}
+    for name in sorted(set(names)):
+        params[name] = sum(p.numel() for p in make(name).parameters()) / 1e6   # also checks plug-ins now
+    infos = [ClientInfo(client_id=cid, profile="custom", arch=None, model_key=names[cid],
+                        n_samples=len(partition.clients[cid].train)) for cid in range(n)]
+    algorithm.check_population(infos)
+    table = [{"client": cid, "model": names[cid], "params_m": params[names[cid]],
+              "n_train": len(partition.clients[cid].train), "n_test": len(partition.clients[cid].test)}
+             for cid in range(n)]
+
+    def loaders(cid: int, split: str, seed_: int):
+        idx = getattr(partition.clients[cid], split)
+        if split == "val" and len(idx) == 0:
+            return None
+        return make_loader(dataset, idx, batch_size, shuffle=(split == "train"), seed=seed_ % (2**63))
+
+    def client_model(cid: int, arch=None):
+        if arch is None:
+            return make(names[cid]).train()
+        if arch == "knowledge":
+            return make(know).train()
+        raise UserInputError(f"model group clients have no subnet {arch!r}; the shared model is 'knowledge'",
+                             field="algorithm.knowledge_arch")
+
+    def server_model(arch=None, client_id=None):
+        if arch is None:
+            return make(names[0 if client_id is None else client_id]).train()
+        return client_model(0, arch)
+
+    public = np.asarray(partition.public, dtype=np.int64)
+    pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
+    hp = dict(algorithm.hparams if hparams is None else hparams)
+    server = ServerContext(clients=infos, make_model=server_model, public_images=pub_images, n_classes=n_classes,
+                           space=None, supernet=None, device=device, seed=seed, hparams=hp)
+    fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
+                     n_classes=n_classes, hparams=hp, device=device)
+    return fed, table
+
+
+# ---------------------------------------------------------------------- config
+def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
+                        algorithms: list[str]) -> tuple[RunConfig, dict[str, dict[str, Any]]]:
+    """The run config shared by every method plus each method's hyperparameters.
+
+    The ``algorithm`` section (file or ``--set algorithm.key=value``) holds keys shared by the
+    methods (e.g. ``local_epochs``, ``lr``: applied to every method that has them) and optional
+    per-method sub-sections (``algorithm: {fedtgp: {server_epochs: 50}}``). Its ``name`` is ignored.
+
+    Raises:
+        UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
+            no selected method accepts.
+    """
+    from rafl.config import load_run_config, parse_overrides
+
+    data: dict[str, Any] = {}
+    source = str(path) if path is not None else "--set"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserInputError("no such file (expected a YAML run config)", source=p)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
+        if not isinstance(data, dict):
+            raise UserInputError("expected a mapping at the top level", source=p)
+    algo_section = dict(data.pop("algorithm", None) or {})
+    rest: list[str] = []
+    for key, value in parse_overrides(list(overrides)):
+        if key.startswith("algorithm."):
+            parts = key.split(".")[1:]
+            node = algo_section
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise UserInputError(f"{part} is not a section", field=key)
+            node[parts[-1]] = value
+        else:
+            rest.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+    algo_section.pop("name", None)
+    classes = {a: get_algorithm(a) for a in algorithms}
+    names = {cls.name for cls in classes.values()}
+    per_method = {k: algo_section.pop(k) for k in list(algo_section) if k in names or k in classes}
+    for key in algo_section:
+        if not any(key in cls.defaults for cls in classes.values()):
+            raise UserInputError(f"no selected method accepts {key!r}; allowed: "
+                                 f"{sorted(set().union(*(c.defaults for c in classes.values())))}",
+                                 source=source, field=f"algorithm.{key}")
+    hps: dict[str, dict[str, Any]] = {}
+    for a, cls in classes.items():
+        hp = {k: v for k, v in algo_section.items() if k in cls.defaults}
+        own = per_method.get(a, per_method.get(cls.name, {})) or {}
+        if not isinstance(own, dict):
+            raise UserInputError("expected a mapping of hyperparameters", source=source, field=f"algorithm.{a}")
+        hp.update(own)
+        try:
+            hps[cls.name] = cls.check_hparams(hp)
+        except UserInputError as err:
+            raise UserInputError(err.message, source=source, field=f"algorithm.{a}") from None
+    tmp = yaml.safe_dump({**data, "algorithm": {"name": "standalone"}})
+    cfg = _validate(tmp, rest, source)
+    return cfg, hps
+
+
+def _validate(text: str, overrides: list[str], source: str) -> RunConfig:
+    """Validate a config text through :func:`rafl.config.load_run_config` (its errors name ``source``)."""
+    import tempfile
+
+    from rafl.config import load_run_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "run.yaml"
+        p.write_text(text)
+        try:
+            return load_run_config(p, overrides)
+        except UserInputError as err:
+            raise UserInputError(err.message, source=source if err.source == str(p) else err.source,
+                                 field=err.field) from None
+
+
+# ---------------------------------------------------------------------- running
+def _prepare_group(cfg: RunConfig, members: list[str], feature_dim: int):
+    from rafl.data import load_dataset, make_partition
+    from rafl.federation.pipeline import check_disjoint
+
+    ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
+                      limit_per_class=cfg.data.limit_per_class)
+    p = cfg.partition
+    part = make_partition(ds.labels.numpy(), p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
+                          k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
+                          public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
+                          split=tuple(p.split), dataset=ds.name)
+    check_disjoint(part)
+    return ds, part
+
+
+def engine_config(cfg: RunConfig) -> EngineConfig:
+    """The :class:`EngineConfig` of a run config's ``engine`` section and seed."""
+    e = cfg.engine
+    return EngineConfig(rounds=e.rounds, clients_per_round=e.clients_per_round, sporadic_rate=e.sporadic_rate,
+                        available=e.available, dropout=e.dropout, eval_every=e.eval_every,
+                        eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
+
+
+def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_s: float) -> dict[str, Any]:
+    """One row of the comparison table from an engine summary and its metrics history."""
+    last = next((r for r in reversed(history) if "model.acc_mean_over_clients" in r), {})
+    row: dict[str, Any] = {"algorithm": name}
+    for model in ("model", "proto", "global", "knowledge"):
+        if f"{model}.acc_mean_over_clients" in last:
+            row[f"{model}.acc_mean"] = float(last[f"{model}.acc_mean_over_clients"])
+            row[f"{model}.acc_std"] = float(last.get(f"{model}.acc_std_over_clients", float("nan")))
+    up = sum(r["bytes_up"] for r in history)
+    down = sum(r["bytes_down"] for r in history)
+    row.update({"mb_up": up / 1e6, "mb_down": down / 1e6, "mb_total": (up + down) / 1e6,
+                "bytes_up_last_round": history[-1]["bytes_up"] if history else 0,
+                "rounds": len(history), "wall_s": float(wall_s)})
+    return row
+
+
+def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | Path, *, models: str = "htfe-tiny",
+                feature_dim: int = 128, progress: bool = True) -> list[dict[str, Any]]:
+    """Run every method of ``hparams`` (in order) on one partition and seed; write the table and plot.
+
+    Args:
+        cfg: the shared run config (data, partition, clients, engine, train, seed).
+        hparams: ``{method name: hyperparameters}`` (from :func:`load_compare_config`).
+        out: output directory (must not exist or be empty); ``OUT/<method>/`` holds each run.
+        models: ``"nas"`` or a model-group spec (:func:`rafl.models.resolve_models`).
+        feature_dim: D for model groups.
+        progress: tqdm bars.
+
+    Returns:
+        the table rows (also in ``compare.json``).
+
+    Raises:
+        UserInputError: ``out`` not empty, bad models, or any method-specific check (all methods are
+            prepared before the first one runs, so a bad input writes nothing).
+    """
+    from rafl.models import resolve_models
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserInputError("already exists and is not empty; choose another --out", source=out)
+    members = resolve_models(models)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    feds: dict[str, tuple[Federation, list]] = {}
+    if members == ["nas"]:
+        from rafl.federation.pipeline import prepare
+
+        for name, hp in hparams.items():
+            c = cfg.model_copy(deep=True)
+            from rafl.config import AlgorithmConfig
+
+            c.algorithm = AlgorithmConfig(name=name, **hp)
+            prep = prepare(c, progress=progress)
+            feds[name] = (prep.federation, prep.clients_table)
+    else:
+        ds, part = _prepare_group(cfg, members, feature_dim)
+        device = torch.device(cfg.train.device)
+        for name, hp in hparams.items():
+            algo = get_algorithm(name)(**hp)
+            if algo.uses_public_pool and len(part.public) == 0:
+                raise UserInputError(f"{name} needs the server's public pool; set partition.public_fraction > 0",
+                                     field="partition.public_fraction")
+            feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
+                                                batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
+                                                hparams=hp)
+    ecfg = engine_config(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    from rafl.io import atomic_write_yaml
+
+    atomic_write_yaml(out / "config.yaml", {**cfg.resolved(), "algorithm": None, "models": models,
+                                            "feature_dim": feature_dim, "algorithms": hparams})
+    rows = []
+    for name, (fed, table) in feds.items():
+        run_dir = out / name
+        run_dir.mkdir()
+        atomic_write_json(run_dir / "clients.json", {"clients": table})
+        engine = Engine(fed, ecfg, run_dir, progress=progress)
+        t0 = time.perf_counter()
+        summary = engine.run()
+        wall = time.perf_counter() - t0
+        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows.append(summarize_run(name, summary, history, wall))
+        write_table(out, rows, models)
+    plot_compare(out / "compare.png", rows)
+    return rows
+
+
+# ---------------------------------------------------------------------- outputs
+_COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
+         ("proto.acc_mean", "proto acc"), ("global.acc_mean", "shared acc"), ("knowledge.acc_mean", "knowledge acc"),
+         ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s")]
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and np.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
+    """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
+    cols = [c for c in _COLS if any(c[0] in r for r in rows)]
+    lines = [f"Client test accuracy after the last round (mean/std over clients), models: {models}; "
+             "MB = payload bytes up + down / 1e6.", "",
+             "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]
+    atomic_write_text(out / "compare.md", "\n".join(lines) + "\n")
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "algorithm", k))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r.get(k, "") for k in keys})
+    atomic_write_text(out / "compare.csv", buf.getvalue())
+    atomic_write_json(out / "compare.json", {"models": models, "rows": rows})
+
+
+def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Bar chart: accuracy (mean +- std over clients) and MB communicated per method (PNG, atomic)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rafl.io import atomic_write_bytes
+
+    names = [r["algorithm"] for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(6, 1.2 * len(rows) + 4), 3.6))
+    ax1.bar(x, [r.get("model.acc_mean", 0) for r in rows], yerr=[r.get("model.acc_std", 0) for r in rows],
+            capsize=3, color="tab:blue")
+    ax1.set_xticks(x, names, rotation=30, ha="right")
+    ax1.set_ylabel("client test accuracy")
+    ax1.set_ylim(0, 1)
+    ax1.set_title("accuracy (mean ± std over clients)")
+    ax2.bar(x, [r["mb_total"] for r in rows], color="tab:orange")
+    ax2.set_xticks(x, names, rotation=30, ha="right")
+    ax2.set_ylabel("MB (up + down)")
+    ax2.set_title("communication")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+__all__ = ["build_group_federation", "load_compare_config", "run_compare", "summarize_run", "write_table",
+           "plot_compare", "engine_config", "DEFAULT_ALGORITHMS"]

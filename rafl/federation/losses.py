@@ -1,0 +1,195 @@
+"""Local-training loops of the HtFL methods that add a term to cross-entropy.
+
+One loop, :func:`train_regularized`, serves every method whose client loss is
+``CE(model(x), y) + extra(features, logits, labels)``:
+
+* FedProto (Tan et al., AAAI 2022, Eq. 5): ``extra = lambda * ||f(x) - C_y||^2`` (mean squared
+  error to the global prototype, as in the official code) -- :func:`prototype_regularizer`;
+* FedTGP (Zhang et al., AAAI 2024, client loss): ``extra = lambda * ||f(x) - P_y||_2``
+  (Euclidean) or the squared-distance variant -- :func:`prototype_regularizer`;
+* FD / FedDistill (Jeong et al., 2018): ``extra = gamma * MSE(logits, bar z_y)`` with the global
+  per-class mean logits -- :func:`logit_regularizer`.
+
+:func:`train_mutual` is the two-model loop of FML (Shen et al., 2020, Eqs. 1-2) and FedKD (Wu et
+al., Nature Communications 2022, Eqs. 1-4): a private model and a shared model learn from each
+other with per-model CE/KL weights, optional adaptive (loss-normalised) distillation and a hidden
+representation loss.
+
+Conventions are those of :mod:`rafl.federation.training` (loaders yield ``(images (B, C, H, W),
+labels (B,))``; losses are batch means; no ``drop_last``: a client smaller than one batch still
+trains on all its samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rafl.federation.prototypes import safe_distance, stack_targets
+from rafl.federation.training import TrainStats, kl_soft
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+#: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
+Regularizer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Distance names of the prototype regularizer.
+DISTANCES = ("euclidean", "squared", "mse")
+
+
+def prototype_regularizer(protos: Mapping[int, torch.Tensor], lam: float, distance: str = "euclidean") -> Regularizer:
+    """``lam * mean_i d(f(x_i), P_{y_i})`` over the samples whose class has a prototype.
+
+    Args:
+        protos: ``{class id: (r,)}`` global prototypes (constants).
+        lam: the weight lambda.
+        distance: ``"euclidean"`` (``||.||_2``, FedTGP's paper; NaN-free at 0 via
+            :func:`~rafl.federation.prototypes.safe_distance`), ``"squared"`` (``||.||_2^2``) or
+            ``"mse"`` (``||.||_2^2 / r``, PyTorch's ``MSELoss`` as in FedProto's/HtFLlib's code).
+
+    Returns:
+        a :data:`Regularizer` (zero when no prototype exists yet, e.g. round 1).
+
+    Raises:
+        ValueError: unknown distance.
+    """
+    if distance not in DISTANCES:
+        raise ValueError(f"unknown distance {distance!r}; allowed: {', '.join(DISTANCES)}")
+
+    def extra(features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets, mask = stack_targets(protos, labels)
+        if not bool(mask.any()) or lam == 0:
+            return features.sum() * 0.0
+        f, t = features[mask], targets[mask].to(features.dtype)
+        if distance == "euclidean":
+            d = safe_distance(f, t)
+        elif distance == "squared":
+            d = (f - t).pow(2).sum(-1)
+        else:
+            d = (f - t).pow(2).mean(-1)
+        # mean over the whole batch (samples without a prototype contribute 0), as MSELoss over
+        # the batch would for the samples that have one
+        return lam * d.sum() / len(labels)
+
+    return extra
+
+
+def logit_regularizer(class_logits: Mapping[int, torch.Tensor], gamma: float) -> Regularizer:
+    """FD's distillation term ``gamma * MSE(z(x), bar z_y)`` to the global mean logits of the
+    sample's class (Jeong et al., 2018, Sec. 3; the MSE as in HtFLlib's ``clientdistill``)."""
+
+    def extra(features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets, mask = stack_targets(class_logits, labels)
+        if not bool(mask.any()) or gamma == 0:
+            return logits.sum() * 0.0
+        d = (logits[mask] - targets[mask].to(logits.dtype)).pow(2).mean(-1)
+        return gamma * d.sum() / len(labels)
+
+    return extra
+
+
+def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.Optimizer,
+                      extra: Regularizer | None = None, *, epochs: int = 1,
+                      device: torch.device | str = "cpu") -> TrainStats:
+    """``epochs`` passes of ``CE(head(f(x)), y) + extra(f(x), logits, y)``.
+
+    Args:
+        model: has ``features(x) -> (B, r)`` and ``head: (B, r) -> (B, K)``.
+        loader: yields ``(images, labels)``.
+        optimizer: over the trainable parameters.
+        extra: a :data:`Regularizer` or None (plain CE).
+        epochs: passes over the loader.
+        device: where to compute.
+
+    Returns:
+        :class:`~rafl.federation.training.TrainStats` (``loss`` = mean total loss).
+    """
+    model.train()
+    stats = TrainStats()
+    loss_sum = 0.0
+    for _ in range(int(epochs)):
+        for images, labels in loader:
+            images, labels = images.to(device), labels.to(device)
+            feats = model.features(images)
+            logits = model.head(feats)
+            loss = F.cross_entropy(logits, labels)
+            if extra is not None:
+                loss = loss + extra(feats, logits, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            stats.steps += 1
+            stats.samples += int(labels.numel())
+            stats.correct += int((logits.detach().argmax(1) == labels).sum())
+            loss_sum += float(loss.detach())
+    stats.loss = loss_sum / stats.steps if stats.steps else 0.0
+    return stats
+
+
+def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch],
+                 opt_a: torch.optim.Optimizer, opt_b: torch.optim.Optimizer, *, epochs: int = 1,
+                 ce_a: float = 1.0, kl_a: float = 1.0, ce_b: float = 1.0, kl_b: float = 1.0,
+                 temperature: float = 1.0, adaptive: bool = False, hidden_weight: float = 0.0,
+                 device: torch.device | str = "cpu") -> tuple[TrainStats, TrainStats]:
+    """Mutual learning of a private model ``a`` and a shared model ``b``.
+
+    ``L_a = ce_a * CE_a + kl_a * s * KL(p_b || p_a) + hidden_weight * s * MSE(h_a, h_b)`` and
+    ``L_b = ce_b * CE_b + kl_b * s * KL(p_a || p_b) + hidden_weight * s * MSE(h_b, h_a)``, each KL
+    / MSE with the other model's output as a constant target, ``s = 1`` or, with ``adaptive``,
+    ``s = 1 / (CE_a + CE_b)`` (a constant: FedKD's adaptive mutual distillation, Wu et al. Eqs.
+    1-4, which trusts the distillation more when both models predict well). FML (Shen et al. 2020,
+    Eqs. 1-2): ``ce_a = alpha, kl_a = 1 - alpha, ce_b = beta, kl_b = 1 - beta``.
+
+    Args:
+        model_a / model_b: models with ``features`` and ``head`` (the same representation width
+            when ``hidden_weight > 0``).
+        loader: yields ``(images, labels)``.
+        opt_a / opt_b: optimizers of the two models.
+        epochs, temperature: as named.
+
+    Returns:
+        ``(stats_a, stats_b)``.
+
+    Raises:
+        ValueError: ``hidden_weight > 0`` and the two representations differ in width.
+    """
+    model_a.train()
+    model_b.train()
+    st_a, st_b = TrainStats(), TrainStats()
+    sum_a = sum_b = 0.0
+    for _ in range(int(epochs)):
+        for images, labels in loader:
+            images, labels = images.to(device), labels.to(device)
+            h_a, h_b = model_a.features(images), model_b.features(images)
+            z_a, z_b = model_a.head(h_a), model_b.head(h_b)
+            ce_la, ce_lb = F.cross_entropy(z_a, labels), F.cross_entropy(z_b, labels)
+            s = 1.0 / float((ce_la + ce_lb).detach().clamp_min(1e-8)) if adaptive else 1.0
+            loss_a = ce_a * ce_la + kl_a * s * kl_soft(z_a, z_b, temperature)
+            loss_b = ce_b * ce_lb + kl_b * s * kl_soft(z_b, z_a, temperature)
+            if hidden_weight > 0:
+                if h_a.shape != h_b.shape:
+                    raise ValueError(f"hidden loss needs equal representation widths, got {tuple(h_a.shape)} "
+                                     f"and {tuple(h_b.shape)}")
+                loss_a = loss_a + hidden_weight * s * F.mse_loss(h_a, h_b.detach())
+                loss_b = loss_b + hidden_weight * s * F.mse_loss(h_b, h_a.detach())
+            opt_a.zero_grad(set_to_none=True)
+            opt_b.zero_grad(set_to_none=True)
+            (loss_a + loss_b).backward()  # disjoint parameters: each loss's targets are detached
+            opt_a.step()
+            opt_b.step()
+            n = int(labels.numel())
+            for st, z in ((st_a, z_a), (st_b, z_b)):
+                st.steps += 1
+                st.samples += n
+                st.correct += int((z.detach().argmax(1) == labels).sum())
+            sum_a += float(loss_a.detach())
+            sum_b += float(loss_b.detach())
+    st_a.loss = sum_a / st_a.steps if st_a.steps else 0.0
+    st_b.loss = sum_b / st_b.steps if st_b.steps else 0.0
+    return st_a, st_b
+
+
+__all__ = ["Regularizer", "DISTANCES", "prototype_regularizer", "logit_regularizer", "train_regularized",
+           "train_mutual"]

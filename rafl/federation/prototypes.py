@@ -1,0 +1,272 @@
+"""Class-wise representations shared by the prototype family of HtFL methods.
+
+Building blocks of FedGH (Yi et al., ACM MM 2023), FedProto (Tan et al., AAAI 2022), FedTGP
+(Zhang et al., AAAI 2024) and FD (Jeong et al., 2018), written once:
+
+* :func:`class_sums` / :func:`class_averages` -- running per-class sums (O(n), one pass) and
+  the per-class averages of representations: FedGH's *local averaged representation* (LAR, Eq. 3
+  of Yi et al.), FedProto's local prototype (Eq. 4 of Tan et al.), FD's per-class mean logits;
+* :func:`local_class_averages` -- the same straight from a model and a loader (no ``drop_last``:
+  every sample counts, also a client smaller than one batch);
+* :func:`to_payload_tensors` / :func:`from_payload` -- the wire format ``<prefix>values (S, r)
+  float32`` + ``<prefix>labels (S,) int32``: exactly ``(S + S*r) x 32`` bits of tensor data for
+  S classes held and r-dimensional vectors (FedGH Sec. 4.3);
+* :func:`safe_distance` / :func:`pairwise_distances` -- Euclidean distances whose gradient is
+  finite at zero distance;
+* :func:`adaptive_margin` -- FedTGP's adaptive margin delta(t) (Zhang et al., server side);
+* :func:`nearest_prototype` -- prototype-based inference (FedProto Sec. 4.3; FedTGP).
+
+Prototype dictionaries are always keyed by plain Python ``int`` class ids, never by tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from rafl.errors import UserInputError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+#: Squared distances below this are clamped before the square root (value ~1e-6, gradient 0).
+DIST_EPS = 1e-12
+
+
+# ---------------------------------------------------------------------- per-class averages
+def class_sums(features: torch.Tensor, labels: torch.Tensor, n_classes: int,
+               sums: torch.Tensor | None = None, counts: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add one batch into running per-class sums (the O(n) pass of FedGH, Yi et al. Sec. 4.2).
+
+    Args:
+        features: (B, r) float representations (or logits).
+        labels: (B,) int64 class ids in ``[0, n_classes)``.
+        n_classes: number of classes K.
+        sums / counts: the running ``(K, r)`` float64 sums and ``(K,)`` int64 counts so far, or
+            None to start new ones.
+
+    Returns:
+        ``(sums (K, r) float64, counts (K,) int64)`` (updated in place when given).
+
+    Raises:
+        ValueError: a label outside ``[0, n_classes)`` or mismatched lengths.
+    """
+    if features.ndim != 2 or labels.ndim != 1 or len(features) != len(labels):
+        raise ValueError(f"features (B, r) and labels (B,) expected, got {tuple(features.shape)} "
+                         f"and {tuple(labels.shape)}")
+    labels = labels.to(torch.long).cpu()
+    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= n_classes):
+        raise ValueError(f"labels must lie in [0, {n_classes}), got [{int(labels.min())}, {int(labels.max())}]")
+    feats = features.detach().to("cpu", torch.float64)
+    if sums is None:
+        sums = torch.zeros(n_classes, feats.shape[1], dtype=torch.float64)
+    if counts is None:
+        counts = torch.zeros(n_classes, dtype=torch.long)
+    if len(labels):
+        sums.index_add_(0, labels, feats)
+        counts += torch.bincount(labels, minlength=n_classes)
+    return sums, counts
+
+
+def averages_from_sums(sums: torch.Tensor, counts: torch.Tensor) -> dict[int, torch.Tensor]:
+    """``{class id (int): sums[c] / counts[c] (r,) float32}`` for every class with ``counts > 0``.
+
+    Classes a client does not hold get no entry (no division by zero, nothing uploaded for them)."""
+    present = torch.nonzero(counts > 0).flatten().tolist()
+    return {int(c): (sums[c] / counts[c]).to(torch.float32) for c in present}
+
+
+def class_averages(features: torch.Tensor, labels: torch.Tensor, n_classes: int) -> dict[int, torch.Tensor]:
+    """Per-class averages of ``features`` (N, r): FedGH's LAR ``bar R_k^s = 1/|D_k^s| sum R``
+    (Yi et al., Eq. 3), FedProto's local prototype ``C_i^j`` (Tan et al., Eq. 4).
+
+    Returns:
+        ``{class id (int): (r,) float32}``, only for classes present in ``labels``.
+    """
+    return averages_from_sums(*class_sums(features, labels, n_classes))
+
+
+@torch.no_grad()
+def local_class_averages(model: nn.Module, loader: Iterable[Batch], n_classes: int, *,
+                         output: str = "features", device: torch.device | str = "cpu"
+                         ) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+    """Per-class averages over a client's whole loader, in eval mode, with a running sum.
+
+    Args:
+        model: has ``features(x) -> (B, r)`` (``output="features"``) or maps ``x -> (B, K)``
+            logits (``output="logits"``, FD).
+        loader: yields ``(images (B, C, H, W), labels (B,))``; every batch counts (no drop_last).
+        n_classes: K.
+        output: ``"features"`` or ``"logits"``.
+        device: where to compute.
+
+    Returns:
+        ``(averages {class: (r,) float32}, counts {class: n})``, present classes only.
+    """
+    was = model.training
+    model.eval()
+    sums = counts = None
+    for images, labels in loader:
+        x = images.to(device)
+        out = model.features(x) if output == "features" else model(x)
+        sums, counts = class_sums(out, labels, n_classes, sums, counts)
+    model.train(was)
+    if sums is None:
+        return {}, {}
+    return averages_from_sums(sums, counts), {int(c): int(counts[c]) for c in torch.nonzero(counts).flatten()}
+
+
+# ---------------------------------------------------------------------- wire format
+def to_payload_tensors(protos: Mapping[int, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """``{prefix+"values": (S, r) float32, prefix+"labels": (S,) int32}`` in ascending class order.
+
+    The tensor data are exactly ``(S + S*r) * 4`` bytes = ``(S + S*r) x 32`` bits (FedGH Sec. 4.3).
+    An empty dict gives ``(0, 0)`` / ``(0,)`` tensors."""
+    keys = sorted(int(k) for k in protos)
+    if keys:
+        values = torch.stack([protos[k].detach().to("cpu", torch.float32).reshape(-1) for k in keys])
+    else:
+        values = torch.zeros(0, 0, dtype=torch.float32)
+    return {prefix + "values": values, prefix + "labels": torch.tensor(keys, dtype=torch.int32)}
+
+
+def from_payload(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[int, torch.Tensor]:
+    """Inverse of :func:`to_payload_tensors`: ``{class id (plain int): (r,) float32}``.
+
+    Raises:
+        UserInputError: the two tensors are missing or their lengths differ.
+    """
+    try:
+        values, labels = tensors[prefix + "values"], tensors[prefix + "labels"]
+    except KeyError:
+        raise UserInputError(f"payload lacks {prefix}values / {prefix}labels", field=prefix) from None
+    if len(values) != len(labels):
+        raise UserInputError(f"{len(values)} vectors but {len(labels)} labels", field=prefix + "labels")
+    return {int(c): values[i].to(torch.float32) for i, c in enumerate(labels.tolist())}
+
+
+def payload_tensor_bits(n_classes_held: int, dim: int) -> int:
+    """FedGH's upload size formula ``(S + S*r) x 32`` bits (Yi et al., Sec. 4.3)."""
+    return (n_classes_held + n_classes_held * dim) * 32
+
+
+# ---------------------------------------------------------------------- distances
+def safe_distance(a: torch.Tensor, b: torch.Tensor, eps: float = DIST_EPS) -> torch.Tensor:
+    """Row-wise Euclidean distance ``||a - b||_2`` with a finite gradient at zero distance.
+
+    ``sqrt`` has an infinite derivative at 0 (and ``x/||x||`` is 0/0), so the squared distance
+    is clamped at ``eps`` first: the value at zero is ``sqrt(eps)`` (1e-6) and the gradient 0.
+
+    Args:
+        a, b: (N, r) (or broadcastable) tensors.
+
+    Returns:
+        (N,) distances.
+    """
+    sq = (a - b).pow(2).sum(-1)
+    return sq.clamp_min(eps).sqrt()
+
+
+def pairwise_distances(x: torch.Tensor, y: torch.Tensor, eps: float = DIST_EPS) -> torch.Tensor:
+    """Euclidean distance matrix ``D[i, j] = ||x_i - y_j||_2`` ((N, r), (M, r) -> (N, M)),
+    computed from explicit differences (exact, no cancellation) and NaN-free at zero."""
+    return safe_distance(x.unsqueeze(1), y.unsqueeze(0), eps)
+
+
+def adaptive_margin(protos: Mapping[int, torch.Tensor], tau: float = 100.0) -> float:
+    """FedTGP's adaptive margin ``delta(t)`` (Zhang et al., AAAI 2024, "Adaptive-margin-enhanced
+    contrastive learning"; HtFLlib ``servertgp.py`` computes the same quantity).
+
+    ``delta = min(max_c min_{c' != c} ||P_c - P_c'||_2, tau)`` over the classes ``c`` that have an
+    averaged client prototype ``P_c`` this round. Fewer than two classes: there is no inter-class
+    distance, and the margin is 0.
+
+    Args:
+        protos: ``{class id: (r,) averaged client prototype}``.
+        tau: the margin threshold (paper: 100).
+
+    Returns:
+        the margin (float, >= 0).
+    """
+    keys = sorted(protos)
+    if len(keys) < 2:
+        return 0.0
+    p = torch.stack([protos[k].detach().to(torch.float64) for k in keys])
+    d = pairwise_distances(p, p)
+    d.fill_diagonal_(float("inf"))
+    return float(min(float(d.min(1).values.max()), float(tau)))
+
+
+def nearest_prototype(features: torch.Tensor, protos: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """Prototype-based prediction: the class whose prototype is nearest (Euclidean).
+
+    Args:
+        features: (B, r).
+        protos: ``{class id: (r,)}`` (at least one).
+
+    Returns:
+        (B,) int64 class ids.
+    """
+    keys = sorted(protos)
+    bank = torch.stack([protos[k].to(features.device, features.dtype) for k in keys])
+    idx = pairwise_distances(features, bank).argmin(1)
+    return torch.tensor(keys, dtype=torch.long, device=features.device)[idx]
+
+
+@torch.no_grad()
+def evaluate_prototype_accuracy(model: nn.Module, loader: Iterable[Batch], protos: Mapping[int, torch.Tensor], *,
+                                device: torch.device | str = "cpu") -> tuple[int, int]:
+    """``(correct, total)`` of nearest-prototype inference on ``model.features`` (eval mode).
+    With no prototypes every sample counts as wrong."""
+    was = model.training
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        if protos:
+            pred = nearest_prototype(model.features(images.to(device)), protos).cpu()
+            correct += int((pred == labels).sum())
+        total += int(labels.numel())
+    model.train(was)
+    return correct, total
+
+
+def stack_targets(protos: Mapping[int, torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prototype of each sample's class: ``(targets (B, r), mask (B,) bool)``; samples whose
+    class has no prototype get a zero row and ``mask=False`` (they add no prototype loss)."""
+    if not protos:
+        return torch.zeros(len(labels), 0), torch.zeros(len(labels), dtype=torch.bool)
+    dim = next(iter(protos.values())).numel()
+    n_cls = max(max(protos) + 1, int(labels.max()) + 1 if len(labels) else 0)
+    bank = torch.zeros(n_cls, dim)
+    has = torch.zeros(n_cls, dtype=torch.bool)
+    for k, v in protos.items():
+        bank[int(k)] = v.detach().to("cpu", torch.float32).reshape(-1)
+        has[int(k)] = True
+    lab = labels.cpu()
+    return bank[lab].to(labels.device), has[lab].to(labels.device)
+
+
+def weighted_class_average(items: Iterable[tuple[Mapping[int, torch.Tensor], Mapping[int, int] | None]]
+                           ) -> dict[int, torch.Tensor]:
+    """Per-class weighted average of several clients' vectors (FedProto Eq. 6: weights = per-class
+    sample counts; ``None`` counts = equal weights, as FedTGP's "averaged client prototype").
+
+    Returns:
+        ``{class id: (r,) float32}`` over the classes at least one client sent.
+    """
+    sums: dict[int, torch.Tensor] = {}
+    weights: dict[int, float] = {}
+    for protos, counts in items:
+        for k, v in protos.items():
+            w = float(counts[k]) if counts is not None else 1.0
+            sums[int(k)] = sums.get(int(k), 0) + w * v.detach().to(torch.float64)
+            weights[int(k)] = weights.get(int(k), 0.0) + w
+    return {k: (sums[k] / weights[k]).to(torch.float32) for k in sorted(sums) if weights[k] > 0}
+
+
+__all__ = ["class_sums", "averages_from_sums", "class_averages", "local_class_averages", "to_payload_tensors",
+           "from_payload", "payload_tensor_bits", "safe_distance", "pairwise_distances", "adaptive_margin",
+           "nearest_prototype", "evaluate_prototype_accuracy", "stack_targets", "weighted_class_average",
+           "DIST_EPS"]

@@ -1,0 +1,99 @@
+"""User models by import path: ``package.module:factory``.
+
+Any architecture can join a federation: the factory is imported (never ``eval``-ed), called with
+the keyword arguments it accepts among ``n_classes`` and ``feature_dim``, and must return an
+``nn.Module`` with ``features(x) -> (B, D)`` and a ``head`` module (``(B, D) -> (B, K)``); the
+model is checked on a dummy batch before any run starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rafl.errors import UserInputError
+
+_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def is_plugin_spec(text: str) -> bool:
+    """True for ``package.module:factory`` strings."""
+    return bool(_SPEC.match(text.strip()))
+
+
+def load_factory(spec: str) -> Callable[..., nn.Module]:
+    """Import ``package.module:factory`` and return the callable.
+
+    Raises:
+        UserInputError: malformed spec, module not importable, attribute missing or not callable.
+    """
+    spec = spec.strip()
+    if not is_plugin_spec(spec):
+        raise UserInputError(f"{spec!r} is not package.module:factory", field="--models")
+    mod_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise UserInputError(f"cannot import {mod_name!r} ({err.__class__.__name__}: {err})", field="--models") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserInputError(f"{mod_name!r} has no callable {attr!r}", field="--models")
+    return factory
+
+
+def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels: int = 3,
+                       resolution: int = 32) -> nn.Module:
+    """Build and check a user model.
+
+    Args:
+        spec: ``package.module:factory``.
+        n_classes / feature_dim: passed to the factory if its signature accepts them.
+        in_channels / resolution: shape of the dummy batch ``(2, C, R, R)`` used for the check.
+
+    Returns:
+        the model (train mode).
+
+    Raises:
+        UserInputError: the factory fails, returns something that is not an ``nn.Module`` with
+            ``features``/``head``, or ``features`` does not give ``(2, D)`` / ``head`` not ``(2, K)``.
+    """
+    from rafl.federation.headers import check_split_model
+
+    factory = load_factory(spec)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kwargs = {k: v for k, v in (("n_classes", n_classes), ("feature_dim", feature_dim)) if k in params}
+    try:
+        model = factory(**kwargs)
+    except Exception as err:  # the user's code: report, do not crash with a traceback
+        raise UserInputError(f"{spec} raised {err.__class__.__name__}: {err}", field="--models") from None
+    if not isinstance(model, nn.Module):
+        raise UserInputError(f"{spec} returned {type(model).__name__}, expected an nn.Module", field="--models")
+    check_split_model(model, f"--models {spec}")
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            feats = model.features(torch.zeros(2, in_channels, resolution, resolution))
+            logits = model.head(feats)
+    except Exception as err:
+        raise UserInputError(f"{spec}: features/head fail on a (2, {in_channels}, {resolution}, {resolution}) "
+                             f"batch ({err.__class__.__name__}: {err})", field="--models") from None
+    model.train(was)
+    if tuple(feats.shape) != (2, feature_dim):
+        raise UserInputError(f"{spec}: features() gives shape {list(feats.shape)}, expected [2, {feature_dim}] "
+                             "(the group's common width D)", field="--models")
+    if tuple(logits.shape) != (2, n_classes):
+        raise UserInputError(f"{spec}: head gives shape {list(logits.shape)}, expected [2, {n_classes}]",
+                             field="--models")
+    return model
+
+
+__all__ = ["is_plugin_spec", "load_factory", "build_plugin_model"]
