@@ -18,7 +18,9 @@ from rafl.errors import UserInputError
 # command name -> "module:attribute" of a click.Command. One line per command.
 COMMANDS: dict[str, str] = {
     "data": "rafl.cli.data:data",
+    "supernet": "rafl.cli.supernet:supernet",
     "search": "rafl.cli.search:search",
+    "compare": "rafl.cli.compare:compare",
 }
 
 

@@ -202,7 +202,6 @@ def _validate(text: str, overrides: list[str], source: str) -> RunConfig:
 # ---------------------------------------------------------------------- running
 def _prepare_group(cfg: RunConfig, members: list[str], feature_dim: int):
     from rafl.data import load_dataset, make_partition
-    from rafl.federation.pipeline import check_disjoint
 
     ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
                       limit_per_class=cfg.data.limit_per_class)
@@ -211,8 +210,17 @@ def _prepare_group(cfg: RunConfig, members: list[str], feature_dim: int):
                           k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
                           public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
                           split=tuple(p.split), dataset=ds.name)
-    check_disjoint(part)
+    _check_disjoint(part)
     return ds, part
+
+
+def _check_disjoint(partition) -> None:
+    """The public pool and every client's train/val/test index sets are pairwise disjoint."""
+    sets = [np.asarray(partition.public, dtype=np.int64)]
+    sets += [np.asarray(getattr(c, s), dtype=np.int64) for c in partition.clients for s in ("train", "val", "test")]
+    allidx = np.concatenate(sets)
+    if len(np.unique(allidx)) != len(allidx):
+        raise UserInputError("the partition's index sets overlap (leakage)", field="partition")
 
 
 def engine_config(cfg: RunConfig) -> EngineConfig:

@@ -1,0 +1,44 @@
+"""``rafl compare``: several FL methods on one partition with one seed -> one table and one plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("compare")
+@click.option("--algorithms", default="rafl,fedgh,fedtgp,fedproto,lg-fedavg,fd,standalone", show_default=True,
+              help="Comma-separated registered methods (rafl, fedgh, fedtgp, fedproto, lg-fedavg, fd, fml, "
+                   "fedkd, standalone, fedavg, ...).")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="Run config YAML (the `rafl federate` format; its algorithm section holds shared "
+                   "hyperparameters and per-method sub-sections, e.g. algorithm: {fedtgp: {server_epochs: 50}}).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config field, e.g. --set engine.rounds=5 --set algorithm.fedgh.server_lr=0.05.")
+@click.option("--models", default="htfe-tiny", show_default=True,
+              help="nas (resource-aware subnets of the supernet), a model group (htfe4, htfe8, htfe-tiny), "
+                   "or a comma list of model names / package.module:factory plug-ins (round-robin).")
+@click.option("--feature-dim", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Common representation width D of model-group clients.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Output folder (new or empty): compare.md/.csv/.json, compare.png, one run dir per method.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...], models: str, feature_dim: int,
+            out: Path, quiet: bool) -> None:
+    """Run several FL methods on the same data partition, client models and seed, and write a
+    comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
+    from rafl.errors import UserInputError
+    from rafl.federation.compare import load_compare_config, run_compare
+    from rafl.models import resolve_models
+
+    names = [a.strip() for a in algorithms.split(",") if a.strip()]
+    if not names:
+        raise UserInputError("is empty; give comma-separated method names", field="--algorithms")
+    if len(set(names)) != len(names):
+        raise UserInputError(f"lists a method twice ({algorithms})", field="--algorithms")
+    resolve_models(models)
+    cfg, hparams = load_compare_config(config_path, overrides, names)
+    rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
+    click.echo((out / "compare.md").read_text().rstrip())
+    click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")
