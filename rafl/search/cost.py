@@ -128,7 +128,44 @@ def check_budgets(cost: Cost, profile: DeviceProfile) -> list[BudgetCheck]:
 # --------------------------------------------------------------------------- unit tables
 _MEM_CACHE: dict[tuple, tuple[int, int, int]] = {}
 _TABLE_CACHE: dict[tuple[SearchSpace, int], dict] = {}
+_LOADED_FROM: set[Path] = set()
 _LOCK = threading.Lock()
+
+
+def _disk_cache_path() -> Path:
+    import os
+
+    import torch
+
+    root = Path(os.environ.get("RAFL_CACHE_DIR") or Path.home() / ".cache" / "rafl")
+    return root / "cost-model" / f"unit-memory-v1-torch{torch.__version__.split('+')[0]}.json"
+
+
+def _load_disk_cache() -> None:
+    """Merge the on-disk unit-memory cache (``$RAFL_CACHE_DIR/cost-model``) into the process cache."""
+    import json
+
+    path = _disk_cache_path()
+    if path in _LOADED_FROM:
+        return
+    _LOADED_FROM.add(path)
+    try:
+        data = json.loads(path.read_text())
+        for key, value in data.items():
+            _MEM_CACHE.setdefault(tuple(json.loads(key)), tuple(int(v) for v in value))
+    except (OSError, ValueError, TypeError):
+        return  # no cache or a damaged one: rebuild
+
+
+def _save_disk_cache() -> None:
+    import json
+
+    from rafl.io import atomic_write_text
+
+    try:
+        atomic_write_text(_disk_cache_path(), json.dumps({json.dumps(list(k)): list(v) for k, v in _MEM_CACHE.items()}))
+    except OSError:
+        pass  # read-only cache dir: stay in-process
 
 
 def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
@@ -136,7 +173,7 @@ def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
 
     peak_free / peak_hold: fx lifetime-analysis peak at batch 1 with the unit's input freed after
     its last use / held for the whole unit. saved_per_sample: bytes autograd saves per sample in
-    train mode (measured at batch 2, halved).
+    train mode (measured at batch 2, halved). Cached per process and on disk.
     """
     key = spec.memory_key
     hit = _MEM_CACHE.get(key)
@@ -149,11 +186,10 @@ def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
     torch.manual_seed(0)
     module = build_unit_module(spec)
     module.eval()
-    free = fx_peak_memory(module, unit_input_shape(spec), hold_input=False).peak_bytes
-    hold = fx_peak_memory(module, unit_input_shape(spec), hold_input=True).peak_bytes
+    trace = fx_peak_memory(module, unit_input_shape(spec), hold_input=False)
     module.train()
     saved = measure_saved_activations(module, torch.randn(unit_input_shape(spec, 2))) // 2
-    _MEM_CACHE[key] = (free, hold, saved)
+    _MEM_CACHE[key] = (trace.peak_bytes_freed, trace.peak_bytes_held, saved)
     return _MEM_CACHE[key]
 
 
@@ -170,6 +206,8 @@ def unit_tables(space: SearchSpace, r: int) -> dict:
     with _LOCK:
         if key in _TABLE_CACHE:
             return _TABLE_CACHE[key]
+        _load_disk_cache()
+        n_known = len(_MEM_CACHE)
         slots = slot_units(space, r)
         head, tail = fixed_units(space, r)
         shape = (space.n_blocks, len(space.ks_choices), len(space.e_choices))
@@ -193,6 +231,8 @@ def unit_tables(space: SearchSpace, r: int) -> dict:
             "fixed_peak": float(fixed_peak),
         }
         _TABLE_CACHE[key] = table
+        if len(_MEM_CACHE) > n_known:
+            _save_disk_cache()
         return table
 
 

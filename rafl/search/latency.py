@@ -147,7 +147,7 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
     doc = {
         "format": LUT_FORMAT,
         "host": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-                 "system": platform.system(), "cpu_count": os.cpu_count(), "torch": torch.__version__},
+                 "system": platform.system(), "cpu_count": os.cpu_count(), "torch": str(torch.__version__)},
         "threads": threads, "warmup": warmup, "repeats": repeats, "statistic": "median", "batch_size": 1,
         "unit": "ms",
         **(meta or {}),

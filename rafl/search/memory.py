@@ -32,7 +32,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTrace", "fx_peak_memory", "measure_peak_memory", "measure_saved_activations"]
+__all__ = ["MemoryTrace", "fx_peak_memory", "measure_peak_memory", "measure_saved_activations",
+           "SubnetBody"]
 
 _VIEW_METHODS = {"view", "reshape", "flatten", "squeeze", "unsqueeze", "expand", "permute", "transpose",
                  "contiguous", "view_as", "expand_as", "detach"}
@@ -52,6 +53,8 @@ class MemoryTrace:
         live_bytes: live bytes at each step of ``order``.
         out_bytes: bytes newly allocated by each node (0 for views / in-place ops).
         graph: the ``networkx.DiGraph`` of data flow (node attrs: ``bytes``, ``step``, ``alias_of``).
+        peak_bytes_held / peak_bytes_freed: the peak with the input held for the whole pass / freed
+            after its last use (one of them equals ``peak_bytes``).
     """
 
     peak_bytes: int
@@ -60,6 +63,8 @@ class MemoryTrace:
     live_bytes: list[int] = field(default_factory=list)
     out_bytes: dict[str, int] = field(default_factory=dict)
     graph: nx.DiGraph | None = None
+    peak_bytes_held: int = 0
+    peak_bytes_freed: int = 0
 
     @property
     def peak_mb(self) -> float:
@@ -139,7 +144,7 @@ def fx_peak_memory(model: nn.Module, input_shape: tuple[int, ...], *, hold_input
 
     step_of = {n.name: i for i, n in enumerate(nodes)}
     last = len(nodes) - 1
-    intervals: list[tuple[int, int, int]] = []  # (alloc step, free step, bytes)
+    intervals: list[tuple[int, int, int, bool]] = []  # (alloc step, free step, bytes, is input)
     out_bytes: dict[str, int] = {}
     for comp in nx.connected_components(alias):
         comp = sorted(comp, key=step_of.__getitem__)
@@ -152,19 +157,48 @@ def fx_peak_memory(model: nn.Module, input_shape: tuple[int, ...], *, hold_input
         end = max([step_of[root]] + [step_of[s] for name in comp for s in graph.successors(name)])
         if any(graph.nodes[s]["op"] == "output" for name in comp for s in graph.successors(name)):
             end = last
-        if graph.nodes[root]["op"] == "placeholder" and hold_input:
-            end = last
-        intervals.append((step_of[root], end, size))
+        intervals.append((step_of[root], end, size, graph.nodes[root]["op"] == "placeholder"))
 
-    live = [0] * len(nodes)
-    for start, end, size in intervals:
-        for s in range(start, end + 1):
-            live[s] += size
+    def sweep(hold: bool) -> list[int]:
+        live = [0] * len(nodes)
+        for start, end, size, is_input in intervals:
+            for s in range(start, (last if (is_input and hold) else end) + 1):
+                live[s] += size
+        return live
+
+    live = sweep(hold_input)
+    other = sweep(not hold_input)
     peak_step = max(range(len(nodes)), key=live.__getitem__)
     for n, b in zip(nodes, live):
         graph.nodes[n.name]["live_bytes"] = b
     return MemoryTrace(peak_bytes=live[peak_step], peak_node=nodes[peak_step].name,
-                       order=[n.name for n in nodes], live_bytes=live, out_bytes=out_bytes, graph=graph)
+                       order=[n.name for n in nodes], live_bytes=live, out_bytes=out_bytes, graph=graph,
+                       peak_bytes_held=max(live if hold_input else other),
+                       peak_bytes_freed=max(other if hold_input else live))
+
+
+class SubnetBody(nn.Module):
+    """The forward pass of a ``rafl.supernet.Subnet`` on an already prepared ``(B, 3, r, r)`` input,
+    without the input checks/resizing that ``torch.fx`` cannot trace (they are no-ops at size r).
+
+    Shapes: ``(B, 3, r, r) -> (B, n_classes)``; shares the subnet's modules (no copy).
+    """
+
+    def __init__(self, subnet: nn.Module):
+        super().__init__()
+        self.first_conv = subnet.first_conv
+        self.blocks = subnet.blocks
+        self.final_expand_layer = subnet.final_expand_layer
+        self.feature_mix_layer = subnet.feature_mix_layer
+        self.head = subnet.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first_conv(x)
+        for block in self.blocks:
+            x = block(x)
+        x = self.final_expand_layer(x)
+        x = x.mean((2, 3), keepdim=True)
+        return self.head(self.feature_mix_layer(x).flatten(1))
 
 
 class _LiveTensorTracker(TorchDispatchMode):

@@ -292,17 +292,15 @@ def arch_units(space: SearchSpace, arch: ArchConfig) -> list[tuple[str, UnitSpec
 
 
 class GapConv(nn.Module):
-    """OFA's global average pooling (``x.mean(3).mean(2)``) followed by the feature-mix conv.
-
-    Shapes: ``(B, C, H, W) -> (B, C_out, 1, 1)``."""
+    """Global average pooling (``x.mean((2, 3))``, as ``rafl.supernet.Subnet.features``) followed
+    by the feature-mix conv. Shapes: ``(B, C, H, W) -> (B, C_out, 1, 1)``."""
 
     def __init__(self, conv: nn.Module):
         super().__init__()
         self.conv = conv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.mean(3, keepdim=True).mean(2, keepdim=True)  # as OFAMobileNetV3.forward
-        return self.conv(x)
+        return self.conv(x.mean((2, 3), keepdim=True))
 
 
 def build_unit_module(spec: UnitSpec):
