@@ -1,0 +1,192 @@
+"""The in-process engine on a tiny real federation (digits subset, width-0.25 OFA supernet).
+
+Sampling/dropout/sporadic determinism, communication counting, resume equivalence after a crash
+mid-round, state offloading (only sampled clients materialized), FedAvg rejecting heterogeneous
+models, leakage disjointness, metrics files.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rafl.data import load_dataset, make_partition
+from rafl.errors import UserInputError
+from rafl.federation.algorithms import get_algorithm
+from rafl.federation.algorithms.rafl import RaFL
+from rafl.federation.engine import Engine, EngineConfig, sample_clients, seed_of, sporadic_update
+from rafl.federation.pipeline import build_federation, check_disjoint
+from rafl.supernet import SearchSpace, build_supernet
+
+TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    supernet = build_supernet(space).eval()
+    ds = load_dataset("digits", limit_per_class=10)
+    part = make_partition(ds.labels.numpy(), "dirichlet", 3, 0, alpha=1.0, min_samples=5, public_fraction=0.2)
+    return space, supernet, ds, part
+
+
+def _no_times(history):
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
+
+
+def _read_history(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sampling_sporadic_dropout_are_seeded():
+    rng_a, rng_b = np.random.default_rng(seed_of(3, 1, 1)), np.random.default_rng(seed_of(3, 1, 1))
+    assert sample_clients(list(range(50)), 7, rng_a) == sample_clients(list(range(50)), 7, rng_b)
+    avail = list(range(10))
+    new = sporadic_update(avail, 40, 0.3, np.random.default_rng(0))
+    assert len(new) == 10 and len(set(new) - set(avail)) == 3 and new == sorted(new)
+    assert new == sporadic_update(avail, 40, 0.3, np.random.default_rng(0))
+    assert seed_of(1, 2, 3) != seed_of(1, 3, 2)
+
+
+def test_rafl_round_metrics_comm_and_files(tiny, tmp_path):
+    space, supernet, ds, part = tiny
+    archs = [space.smallest(), space.middle(), space.smallest()]
+    fed, table = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16)
+    assert [r["arch"] for r in table] == [a.to_string() for a in archs] and table[1]["macs_m"] > table[0]["macs_m"]
+    summary = Engine(fed, EngineConfig(rounds=2, seed=1, target_accuracy=0.0), tmp_path, progress=False).run()
+    hist = _read_history(tmp_path)
+    assert [r["round"] for r in hist] == [1, 2]
+    know_bytes = fed.server.make_model(space.smallest()).state_dict()
+    raw = sum(v.numel() * v.element_size() for v in know_bytes.values())
+    for r in hist:
+        # 3 uploads and 3 downloads of the knowledge net (uploads add n_samples); small headers
+        assert 3 * raw < r["bytes_down"] < r["bytes_up"] < 3 * raw * 1.2
+        for m in ("model", "knowledge"):
+            for stat in ("acc_mean_over_clients", "acc_sample_weighted", "acc_std_over_clients"):
+                assert 0.0 <= r[f"{m}.{stat}"] <= 1.0
+    assert hist[1]["cum_bytes_up"] == hist[0]["bytes_up"] + hist[1]["bytes_up"]
+    # the sample-weighted accuracy is sum correct / sum samples over the clients
+    per = summary["clients"]
+    n_test = [per[str(i)]["test_samples"] for i in range(3)]
+    acc = [per[str(i)]["model.acc"] for i in range(3)]
+    assert hist[-1]["model.acc_sample_weighted"] == pytest.approx(np.dot(acc, n_test) / sum(n_test))
+    assert hist[-1]["model.acc_mean_over_clients"] == pytest.approx(np.mean(acc))
+    assert summary["co_round"] == 1 and summary["co_mb_to_target"] == pytest.approx(hist[0]["cum_mb"])
+    with open(tmp_path / "metrics.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == 2
+    for f in ("summary.json", "accuracy_vs_round.png", "accuracy_vs_mb.png", "checkpoint.pt"):
+        assert (tmp_path / f).is_file()
+    # only the committed state of each client is on disk
+    assert sorted(p.name for p in (tmp_path / "clients").iterdir()) == [f"{i:07d}.r00002.pt" for i in range(3)]
+
+
+class _CrashingRaFL(RaFL):
+    """RaFL that dies in round 3 after one client has written its new state."""
+
+    calls = 0
+
+    def client_update(self, state, broadcast, client):
+        if client.round == 3:
+            type(self).calls += 1
+            if type(self).calls == 2:
+                raise KeyboardInterrupt("simulated crash")
+        return super().client_update(state, broadcast, client)
+
+
+def test_resume_after_crash_gives_the_same_metrics(tiny, tmp_path):
+    space, supernet, ds, part = tiny
+    archs = [space.smallest(), space.middle(), space.smallest()]
+    cfg = EngineConfig(rounds=3, clients_per_round=2, dropout=0.2, seed=5)
+    fed, _ = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16, count_macs=False)
+    ref = Engine(fed, cfg, tmp_path / "a", progress=False).run()
+    fed_c, _ = build_federation(ds, part, supernet, archs, _CrashingRaFL(), batch_size=16, count_macs=False)
+    with pytest.raises(KeyboardInterrupt):
+        Engine(fed_c, cfg, tmp_path / "b", progress=False).run()
+    assert [r["round"] for r in _read_history(tmp_path / "b")] == [1, 2]
+    fed_r, _ = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16, count_macs=False)
+    resumed = Engine(fed_r, cfg, tmp_path / "b", progress=False).run(resume=True)
+    assert _no_times(_read_history(tmp_path / "b")) == _no_times(_read_history(tmp_path / "a"))
+    assert resumed["final"] == ref["final"] and resumed["cum_bytes_up"] == ref["cum_bytes_up"]
+    assert resumed["failures"] == ref["failures"]
+
+
+def test_only_sampled_clients_are_materialized(tmp_path):
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    supernet = build_supernet(space).eval()
+    ds = load_dataset("digits", limit_per_class=40)
+    part = make_partition(ds.labels.numpy(), "iid", 100, 0, public_fraction=0.1)
+
+    class Counting(get_algorithm("standalone")):
+        inits = 0
+
+        def init_client(self, client):
+            type(self).inits += 1
+            return super().init_client(client)
+
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 100, Counting(local_epochs=1),
+                              batch_size=8, count_macs=False)
+    cfg = EngineConfig(rounds=2, clients_per_round=3, sporadic_rate=0.5, available=10, dropout=0.0,
+                       eval_clients="sampled", seed=0)
+    engine = Engine(fed, cfg, tmp_path, progress=False)
+    engine.run()
+    on_disk = sorted(int(p.name.split(".")[0]) for p in (tmp_path / "clients").iterdir())
+    hist = _read_history(tmp_path)
+    assert len(on_disk) <= 6 and Counting.inits <= 6  # never the 100 clients
+    assert sum(r["sampled"] for r in hist) == 6 and len(engine.store.committed) == len(on_disk)
+
+
+def test_dropout_counts_failures_and_round_completes(tiny, tmp_path):
+    space, supernet, ds, part = tiny
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, get_algorithm("fedavg")(),
+                              batch_size=16, count_macs=False)
+    s = Engine(fed, EngineConfig(rounds=3, dropout=0.5, seed=2), tmp_path, progress=False).run()
+    hist = _read_history(tmp_path)
+    assert s["failures"] == sum(r["failed"] for r in hist) > 0
+    for r in hist:  # failed clients download but never upload
+        assert r["participated"] == r["sampled"] - r["failed"]
+        per_model = r["bytes_down"] / r["sampled"]
+        assert r["bytes_up"] == pytest.approx(per_model * r["participated"], rel=0.01)
+
+
+def test_fedavg_family_rejects_heterogeneous_models(tiny, tmp_path):
+    space, supernet, ds, part = tiny
+    for name in ("fedavg", "fedprox", "fednova"):
+        with pytest.raises(UserInputError, match="needs identical client models"):
+            build_federation(ds, part, supernet, [space.smallest(), space.largest(), space.smallest()],
+                             get_algorithm(name)(), count_macs=False)
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, get_algorithm("fednova")(),
+                              batch_size=16, count_macs=False)
+    s = Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+    assert 0.0 <= s["final"]["model.acc_mean_over_clients"] <= 1.0
+
+
+def test_invalid_upload_is_rejected_naming_client(tiny, tmp_path):
+    space, supernet, ds, part = tiny
+
+    class NaNRaFL(RaFL):
+        def client_update(self, state, broadcast, client):
+            state, up = super().client_update(state, broadcast, client)
+            key = next(iter(up.tensors))
+            up.tensors[key] = up.tensors[key] * float("nan")
+            return state, up
+
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, NaNRaFL(), batch_size=16, count_macs=False)
+    with pytest.raises(UserInputError, match=r"payload from client 0.*NaN or Inf"):
+        Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False).run()
+
+
+def test_partition_indices_are_disjoint_from_public_pool(tiny):
+    _, _, ds, part = tiny
+    check_disjoint(part)  # public pool, and every client's train/val/test, pairwise disjoint
+    sets = [set(part.public.tolist())] + [set(getattr(c, s).tolist()) for c in part.clients
+                                          for s in ("train", "val", "test")]
+    assert sum(len(s) for s in sets) == len(set().union(*sets))
+    bad = type(part)(clients=[part.clients[0], part.clients[0]], public=part.public, meta=part.meta)
+    with pytest.raises(UserInputError, match="leakage"):
+        check_disjoint(bad)

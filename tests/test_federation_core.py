@@ -1,0 +1,133 @@
+"""Payloads, aggregation (RaFL Eq. 7), DML losses (Eqs. 3-6), registry and run config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rafl.config import load_run_config
+from rafl.errors import UserInputError
+from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.algorithms import ALGORITHMS, get_algorithm
+from rafl.federation.payload import Payload
+from rafl.federation.training import dml_losses, kl_soft, train_dml
+
+
+# ---------------------------------------------------------------------- payload
+def test_payload_nbytes_is_safetensors_size_and_round_trips():
+    t = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(4, dtype=torch.float16)}
+    p = Payload(t, {"n_samples": 12, "class_ids": [0, 3, 7]})
+    blob = p.to_bytes()
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + header_len])
+    # exact count: 8-byte length + JSON header + raw tensor bytes (6*4 + 4*2)
+    assert p.nbytes() == len(blob) == 8 + header_len + 24 + 8
+    assert json.loads(header["__metadata__"]["rafl"]) == {"class_ids": [0, 3, 7], "n_samples": 12}
+    q = Payload.from_bytes(blob)
+    assert q.meta == p.meta
+    assert torch.equal(q.tensors["w"], t["w"]) and q.tensors["b"].dtype == torch.float16
+    assert Payload().nbytes() == 0  # nothing sent
+
+
+def test_payload_bytes_grow_with_tensor_size():
+    for n in (10, 1010, 100_000):
+        p = Payload({"x": torch.zeros(n)})
+        blob = p.to_bytes()
+        header_len = int.from_bytes(blob[:8], "little")
+        assert p.nbytes() == 8 + header_len + 4 * n and header_len < 200
+
+
+def test_payload_validation_names_client_and_tensor():
+    ok = Payload({"a": torch.ones(2, 3)}, {"n_samples": 3})
+    assert ok.validate({"a": (2, 3)}, sender="client 4") is ok
+    with pytest.raises(UserInputError, match=r"client 4.*a.*NaN"):
+        Payload({"a": torch.tensor([1.0, float("nan")])}).validate(sender="client 4")
+    with pytest.raises(UserInputError, match=r"client 2.*a.*shape \[2, 2\].*\[2, 3\]"):
+        Payload({"a": torch.ones(2, 2)}).validate({"a": (2, 3)}, sender="client 2")
+    with pytest.raises(UserInputError, match=r"client 1.*missing tensor"):
+        Payload({"b": torch.ones(2, 3)}).validate({"a": (2, 3), "b": (2, 3)}, sender="client 1")
+    with pytest.raises(UserInputError, match=r"unexpected tensor"):
+        Payload({"a": torch.ones(2, 3), "zz": torch.ones(1)}).validate({"a": (2, 3)}, sender="client 1")
+    with pytest.raises(UserInputError, match="Inf"):
+        Payload({"a": torch.tensor([float("inf")])}).validate(sender="client 0")
+    with pytest.raises(UserInputError, match="corrupt or truncated"):
+        Payload.from_bytes(ok.to_bytes()[:-5], source="client 0")
+    with pytest.raises(UserInputError, match="metadata value"):
+        Payload(meta={"bad": {"nested": 1}})
+
+
+# ---------------------------------------------------------------------- aggregation
+def test_weighted_average_is_rafl_eq7_exact():
+    # theta_k = sum_l n_l / N_S theta_k^l, with n = (1, 3): weights 0.25 / 0.75
+    ups = [Payload({"w": torch.tensor([[1.0, 2.0]]), "nbt": torch.tensor(4)}, {"n_samples": 1}),
+           Payload({"w": torch.tensor([[5.0, -2.0]]), "nbt": torch.tensor(8)}, {"n_samples": 3})]
+    w = payload_weights(ups)
+    assert w == [0.25, 0.75]
+    avg = weighted_average([u.tensors for u in ups], w)
+    assert torch.equal(avg["w"], torch.tensor([[4.0, -1.0]]))
+    assert avg["nbt"].dtype == torch.int64 and int(avg["nbt"]) == 7
+    with pytest.raises(UserInputError, match="n_samples"):
+        payload_weights([Payload({"w": torch.ones(1)}, {"n_samples": 0})])
+    with pytest.raises(ValueError, match="shape"):
+        weighted_average([{"w": torch.ones(2)}, {"w": torch.ones(3)}], [1, 1])
+
+
+# ---------------------------------------------------------------------- DML
+def test_dml_loss_terms_match_eqs_3_to_6():
+    torch.manual_seed(0)
+    logits_l = torch.randn(5, 4, requires_grad=True)
+    logits_k = torch.randn(5, 4, requires_grad=True)
+    y = torch.tensor([0, 1, 2, 3, 0])
+    loss_l, loss_k = dml_losses(logits_l, logits_k, y, temperature=1.0)
+    p_l, p_k = F.softmax(logits_l, 1), F.softmax(logits_k, 1)
+    kl_k_l = (p_k * (p_k.log() - p_l.log())).sum(1).mean()  # KL(p_k || p_l)
+    kl_l_k = (p_l * (p_l.log() - p_k.log())).sum(1).mean()
+    assert torch.allclose(loss_l, F.cross_entropy(logits_l, y) + kl_k_l, atol=1e-6)
+    assert torch.allclose(loss_k, F.cross_entropy(logits_k, y) + kl_l_k, atol=1e-6)
+    # each loss reaches only its own model: the partner's prediction is a constant target
+    g_k = torch.autograd.grad(loss_l, logits_k, allow_unused=True)[0]
+    assert g_k is None or torch.count_nonzero(g_k) == 0
+    # temperature: T^2 * KL at T; identical logits -> zero KL
+    assert float(kl_soft(logits_l.detach(), logits_l.detach(), 3.0)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_train_dml_steps_both_models():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+    a0, b0 = a.weight.detach().clone(), b.weight.detach().clone()
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(2)]
+    st_a, st_b = train_dml(a, b, data, torch.optim.SGD(a.parameters(), 0.1), torch.optim.SGD(b.parameters(), 0.1))
+    assert st_a.steps == st_b.steps == 2 and st_a.samples == 16
+    assert not torch.equal(a.weight, a0) and not torch.equal(b.weight, b0)
+
+
+# ---------------------------------------------------------------------- registry & config
+def test_registry_knows_the_methods_and_rejects_unknown():
+    for name in ("rafl", "standalone", "fedavg", "fedprox", "fednova", "feddf"):
+        assert get_algorithm(name).name == name
+    assert get_algorithm("RaFL") is ALGORITHMS["rafl"]
+    with pytest.raises(UserInputError, match=r"algorithm.name.*unknown algorithm 'nope'.*rafl"):
+        get_algorithm("nope")
+    with pytest.raises(UserInputError, match=r"unknown hyperparameter.*'bogus'"):
+        get_algorithm("rafl")(bogus=1)
+
+
+def test_run_config_defaults_overrides_and_errors(tmp_path):
+    cfg = load_run_config(None, ["engine.rounds=3", "algorithm.temperature=2.0", "clients.profiles=[pi4,phone]"])
+    assert cfg.engine.rounds == 3 and cfg.clients.profiles == ["pi4", "phone"]
+    res = cfg.resolved()
+    assert res["algorithm"]["temperature"] == 2.0 and res["algorithm"]["knowledge_arch"] == "smallest"
+    assert res["partition"]["public_fraction"] == 0.3 and res["partition"]["alpha"] == 0.5
+    f = tmp_path / "run.yaml"
+    f.write_text("engine:\n  roundz: 3\n")
+    with pytest.raises(UserInputError, match=r"run.yaml: engine.roundz: unknown key; allowed: rounds"):
+        load_run_config(f)
+    with pytest.raises(UserInputError, match=r"engine.dropout.*allowed: a probability in \[0, 1\)"):
+        load_run_config(None, ["engine.dropout=1.5"])
+    with pytest.raises(UserInputError, match=r"unknown algorithm 'fedx'"):
+        load_run_config(None, ["algorithm.name=fedx"])
+    with pytest.raises(UserInputError, match=r"not key=value"):
+        load_run_config(None, ["engine.rounds"])
