@@ -21,6 +21,8 @@ COMMANDS: dict[str, str] = {
     "supernet": "rafl.cli.supernet:supernet",
     "search": "rafl.cli.search:search",
     "compare": "rafl.cli.compare:compare",
+    "profile": "rafl.cli.profile:profile",
+    "federate": "rafl.cli.federate:federate",
 }
 
 

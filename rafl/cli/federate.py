@@ -1,0 +1,119 @@
+"""``rafl federate``: run a federation (default: RaFL on digits with searched subnets per device)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import click
+
+from rafl.errors import UserInputError
+
+
+def print_table(summary: dict, run_dir: Path) -> None:
+    """The per-client table (profile, subnet MACs/params, accuracies) with means, and the run dir."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = summary["table"]
+    has_k = any(r.get("knowledge.acc") is not None for r in rows)
+    t = Table(title=f"{summary['algorithm']}: final round {summary['rounds']}, accuracy on each client's own test split")
+    for col in ("client", "profile", "subnet", "MACs (M)", "params (M)", "train", "test"):
+        t.add_column(col, justify="right" if col not in ("profile", "subnet") else "left")
+    t.add_column("acc specialized" if has_k else "acc", justify="right")
+    if has_k:
+        t.add_column("acc knowledge net", justify="right")
+
+    def f(v, d=2):
+        return "-" if v is None else f"{v:.{d}f}"
+
+    for r in rows:
+        arch = r["arch"] if len(r["arch"]) <= 28 else r["arch"][:25] + "..."
+        cells = [str(r["client"]), r["profile"], arch, f(r["macs_m"]), f(r["params_m"], 3), str(r["n_train"]),
+                 str(r["n_test"]), f(r.get("model.acc"), 3)]
+        if has_k:
+            cells.append(f(r.get("knowledge.acc"), 3))
+        t.add_row(*cells)
+    m = summary["means"]
+    cells = ["mean", "", "", f(m.get("macs_m")), f(m.get("params_m"), 3), "", "", f(m.get("model.acc"), 3)]
+    if has_k:
+        cells.append(f(m.get("knowledge.acc"), 3))
+    t.add_row(*cells, style="bold")
+    con = Console()
+    con.print(t)
+    fin = summary["final"]
+    if "model.acc_sample_weighted" in fin:
+        con.print(f"model accuracy: mean over clients {fin['model.acc_mean_over_clients']:.3f}, "
+                  f"sample-weighted {fin['model.acc_sample_weighted']:.3f}, std over clients "
+                  f"{fin['model.acc_std_over_clients']:.3f}")
+    co = summary.get("co_mb_to_target")
+    con.print(f"communication: {summary['cum_mb']:.2f} MB total (up {summary['cum_bytes_up'] / 1e6:.2f}, down "
+              f"{summary['cum_bytes_down'] / 1e6:.2f}); upload per client per round "
+              f"{summary['mean_bytes_up_per_client_per_round'] / 1e6:.3f} MB; "
+              + (f"{co:.2f} MB to reach accuracy {summary['target_accuracy']}" if co is not None
+                 else f"target accuracy {summary['target_accuracy']} not reached")
+              + f"; failed clients: {summary['failures']}")
+    con.print(f"run dir: {run_dir}")
+
+
+@click.command("federate")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="Run config YAML (dataset, partition, clients and profiles, algorithm, engine...); "
+                   "missing keys take the defaults.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override one config key (dotted, value parsed as YAML), e.g. --set engine.rounds=3. Repeatable.")
+@click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
+              help="Continue RUN_DIR from its last complete round (same config; --set may extend engine.rounds).")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
+              help="Parent folder of the run dir.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars.")
+def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: Path | None, out: Path,
+             progress: bool) -> None:
+    """Federate specialized subnets across simulated devices.
+
+    With no options: digits, 10 clients (profiles pi4, jetson-nano, phone), Dirichlet alpha 0.5,
+    the cached quickstart supernet (trained on the server's public pool on first use), one
+    searched subnet per profile, RaFL. Prints a per-client table and the run dir, which holds
+    config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
+    """
+    from rafl.config import RunConfig, load_run_config
+    from rafl.federation import pipeline
+
+    if resume_dir is not None:
+        if config_path is not None:
+            raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)",
+                                 field="--config")
+        cfg_file = resume_dir / "config.yaml"
+        if not cfg_file.is_file():
+            raise UserInputError("is not a rafl federate run dir (no config.yaml)", source=resume_dir,
+                                 field="--resume")
+        cfg = load_run_config(cfg_file, overrides)
+        old = load_run_config(cfg_file)
+        changed = {k for k in ("data", "partition", "clients", "supernet", "search", "algorithm", "train", "seed")
+                   if getattr(cfg, k) != getattr(old, k)}
+        if changed:
+            raise UserInputError(f"--resume may change only engine.rounds, not {sorted(changed)}", field="--set")
+        prep = pipeline.prepare(cfg, progress=progress)
+        summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
+        from rafl.io import atomic_write_yaml
+
+        atomic_write_yaml(resume_dir / "config.yaml", cfg.resolved())
+        print_table(summary, resume_dir)
+        return
+
+    cfg: RunConfig = load_run_config(config_path, overrides)
+    name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = out / name
+    if run_dir.exists():
+        raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
+    if out.exists() and not out.is_dir():
+        raise UserInputError("exists and is not a folder", source=out, field="--out")
+    prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; nothing written yet
+    try:
+        summary = pipeline.run(prep, run_dir, progress=progress)
+    except BaseException:
+        if run_dir.exists() and not (run_dir / "checkpoint.pt").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
+        raise
+    print_table(summary, run_dir)
