@@ -244,7 +244,7 @@ def fixed_units(space: SearchSpace, r: int) -> tuple[list[tuple[str, UnitSpec]],
     head: ``first_conv`` (stem, 3x3, ``stem_stride``, BN, h_swish) and ``blocks.0`` (the first
     MBConv: 3x3 depthwise, expand ratio 1, ReLU, identity shortcut when widths match).
     tail: ``final_expand_layer`` (1x1, BN, h_swish), ``feature_mix_layer`` (global average pool,
-    1x1 conv without BN/bias, h_swish) and ``classifier`` (linear with bias).
+    1x1 conv without BN/bias, h_swish) and ``head`` (the classifier: linear with bias).
     """
     stem, first, stages, final_w, mix_w = space_widths(space)
     h0 = out_size(r, space.stem_stride)
@@ -262,7 +262,7 @@ def fixed_units(space: SearchSpace, r: int) -> tuple[list[tuple[str, UnitSpec]],
                                         act="h_swish", use_bn=True)),
         ("feature_mix_layer", UnitSpec(kind="gap_conv", cin=final_w, cout=mix_w, hin=h, act="h_swish",
                                        use_bn=False)),
-        ("classifier", UnitSpec(kind="linear", cin=mix_w, cout=space.n_classes)),
+        ("head", UnitSpec(kind="linear", cin=mix_w, cout=space.n_classes)),
     ]
     return head, tail
 
@@ -275,7 +275,7 @@ def slot_units(space: SearchSpace, r: int) -> list[list[list[UnitSpec]]]:
 
 def arch_units(space: SearchSpace, arch: ArchConfig) -> list[tuple[str, UnitSpec]]:
     """The units of subnet ``arch`` in execution order, named like the ofa/extracted modules
-    (``first_conv``, ``blocks.<n>``, ``final_expand_layer``, ``feature_mix_layer``, ``classifier``).
+    (``first_conv``, ``blocks.<n>``, ``final_expand_layer``, ``feature_mix_layer``, ``head``).
 
     Raises:
         UserInputError: if ``arch`` does not belong to ``space``.

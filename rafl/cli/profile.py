@@ -1,0 +1,171 @@
+"""``rafl profile``: the cost report of one subnet on a device, or a measured latency LUT."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from rafl.errors import UserInputError
+
+REPORT_FILES = ("cost_report.md", "cost_report.json", "cost_report.png")
+
+
+def _space(width_mult: float, n_classes: int, supernet_dir: Path | None):
+    """``(space, supernet or None)`` from --supernet or --width-mult/--n-classes."""
+    from rafl.supernet.arch import SearchSpace
+
+    if supernet_dir is not None:
+        if not supernet_dir.exists():
+            raise UserInputError("no such supernet folder (from `rafl supernet train`)", source=supernet_dir,
+                                 field="--supernet")
+        from rafl.supernet import load_supernet
+
+        supernet = load_supernet(supernet_dir).eval()
+        return supernet.space, supernet
+    return SearchSpace(width_mult=width_mult, n_classes=n_classes), None
+
+
+def _load_arch(text: str, space):
+    from rafl.supernet.arch import ArchConfig
+
+    path = Path(text)
+    if path.is_file() or path.suffix in (".yaml", ".yml", ".json"):
+        return ArchConfig.load(path, space)
+    return ArchConfig.from_string(text, space)
+
+
+def _load_model(path: Path, arch_text: str | None, space):
+    """``(subnet, arch, space)`` from a subnet.safetensors (arch + space in its metadata) or a
+    ``.pt`` state dict (needs --arch; loaded with ``weights_only=True``)."""
+    if not path.exists():
+        raise UserInputError("no such file", source=path, field="--model")
+    if path.suffix in (".pt", ".pth"):
+        import torch
+
+        from rafl.supernet import subnet_from_arch
+
+        if arch_text is None:
+            raise UserInputError("a .pt state dict needs --arch (the subnet's arch file or string)", source=path,
+                                 field="--model")
+        arch = _load_arch(arch_text, space)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any unpickling/format problem is bad input
+            raise UserInputError(f"not a loadable state dict ({err.__class__.__name__})", source=path,
+                                 field="--model") from None
+        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+            state = state["state_dict"]
+        sub = subnet_from_arch(space, arch)
+        try:
+            sub.load_state_dict(state)
+        except (RuntimeError, TypeError, AttributeError) as err:
+            first = str(err).strip().splitlines()[0][:200]
+            raise UserInputError(f"state dict does not fit arch {arch.to_string(space)} at width "
+                                 f"x{space.width_mult}: {first}", source=path, field="--model") from None
+        return sub.eval(), arch, space
+    from rafl.search.runner import load_searched_subnet
+
+    sub = load_searched_subnet(path)
+    return sub.eval(), sub.arch, sub.space
+
+
+@click.command("profile")
+@click.option("--device-profile", "device_profile", required=True,
+              help="Shipped profile name (pi4, jetson-nano, phone, mcu, server-gpu) or a YAML path.")
+@click.option("--arch", "arch_text", default=None,
+              help="Subnet arch: a YAML/JSON file (ks, e, d, r) or an arch string like 'r32_k3e4.k5e6|...'.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="Subnet weights: subnet.safetensors from `rafl search` (arch and space inside), or a "
+                   ".pt state dict together with --arch.")
+@click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
+              help="Supernet folder: its search space (and weights) are used.")
+@click.option("--width-mult", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Search-space width multiplier (without --supernet).")
+@click.option("--n-classes", type=click.IntRange(min=2), default=10, show_default=True,
+              help="Classes of the classifier (without --supernet).")
+@click.option("--build-lut", is_flag=True,
+              help="Measure the latency of every distinct layer of the space on THIS machine and write a "
+                   "LUT (YAML) that a profile can reference with `latency_lut: PATH`.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Report folder (cost_report.md/.json/.png), or the LUT file with --build-lut.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Batch B of training memory and of the host measurement [default: the profile's].")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads while measuring latency.")
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Untimed warm-up runs.")
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Timed repeats (median and p90 reported; the LUT keeps the median).")
+@click.option("--no-measure", is_flag=True, help="Skip the host latency measurement in the report.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def profile(device_profile: str, arch_text: str | None, model_path: Path | None, supernet_dir: Path | None,
+            width_mult: float, n_classes: int, build_lut: bool, out: Path, batch_size: int | None, threads: int,
+            warmup: int, repeats: int, no_measure: bool, quiet: bool) -> None:
+    """Cost report of a subnet on a device, or (--build-lut) a measured per-layer latency table.
+
+    \b
+    rafl profile --arch subnet.yaml --device-profile pi4 --out report/
+    rafl profile --model runs/search/pi4/subnet.safetensors --device-profile pi4 --out report/
+    rafl profile --build-lut --device-profile pi4 --out pi4-lut.yaml
+    """
+    import torch
+
+    from rafl.search.profile import load_profile
+
+    prof = load_profile(device_profile)  # bad profile: exit 2 before any work
+    if build_lut:
+        if arch_text or model_path:
+            raise UserInputError("--build-lut measures every layer of the space; drop --arch/--model",
+                                 field="--build-lut")
+        if out.suffix not in (".yaml", ".yml"):
+            raise UserInputError("with --build-lut, --out is the LUT file and must end in .yaml/.yml",
+                                 source=out, field="--out")
+        space, _ = _space(width_mult, n_classes, supernet_dir)
+        from rafl.search.latency import build_latency_lut
+        from rafl.search.units import fixed_units, slot_units
+
+        specs = []
+        for r in space.resolutions:
+            head, tail = fixed_units(space, r)
+            specs += [s for _, s in head + tail]
+            specs += [s for row in slot_units(space, r) for col in row for s in col]
+        entries = build_latency_lut(specs, out, threads=threads, warmup=warmup, repeats=repeats,
+                                    progress=not quiet,
+                                    meta={"device_profile": prof.name, "search_space": space.to_dict()})
+        click.echo(f"wrote {out}: {len(entries)} layer configurations, median of {repeats} runs each "
+                   f"({threads} thread(s)); reference it from a profile with `latency_lut: {out}`")
+        return
+
+    if arch_text is None and model_path is None:
+        raise UserInputError("give --arch ARCH (file or string) or --model SUBNET", field="--arch/--model")
+    if arch_text is not None and model_path is not None and model_path.suffix not in (".pt", ".pth"):
+        raise UserInputError("a subnet.safetensors carries its own arch; drop --arch (only a .pt state dict "
+                             "takes --arch)", field="--arch/--model")
+    if out.exists() and not out.is_dir():
+        raise UserInputError("exists and is not a folder", source=out, field="--out")
+    if out.is_dir():
+        foreign = [p.name for p in out.iterdir() if p.name not in REPORT_FILES]
+        if foreign:
+            raise UserInputError(f"folder holds other files ({', '.join(sorted(foreign)[:3])}); choose a new "
+                                 "or empty folder", source=out, field="--out")
+    space, supernet = _space(width_mult, n_classes, supernet_dir)
+    model = None
+    if model_path is not None:
+        model, arch, space = _load_model(model_path, arch_text, space)
+        supernet = None
+    else:
+        arch = _load_arch(arch_text, space)
+    from rafl.io import atomic_dir
+    from rafl.reports.profile_report import fmt_cost, write_profile_report
+
+    torch.set_num_threads(threads)
+    with atomic_dir(out, overwrite=True) as tmp:
+        doc = write_profile_report(arch, prof, tmp, space=space, model=model, supernet=supernet,
+                                   batch_size=batch_size, measure=not no_measure, warmup=warmup, repeats=repeats)
+    from rafl.search.cost import Cost
+
+    cost = Cost(**{k: doc["cost"][k] if doc["cost"][k] is not None else float("nan") for k in Cost.__dataclass_fields__})
+    verdict = "feasible" if doc["feasible"] else "INFEASIBLE: " + "; ".join(
+        f"{b['budget']} {b['value']:.4g} > {b['limit']:.4g}" for b in doc["budgets"] if not b["passed"])
+    click.echo(f"{arch.to_string(space)} on {prof.name}: {fmt_cost(cost)} -> {verdict}")
+    click.echo(f"wrote {out}/cost_report.md, .json, .png")

@@ -1,0 +1,55 @@
+"""Markdown tables and number formatting shared by every rafl report."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["markdown_table", "fmt"]
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """Format a cell: ints with thousands separators, floats with ``digits`` significant digits,
+    NaN as ``n/a``, booleans as ``pass`` / ``FAIL``, anything else with ``str``."""
+    if isinstance(value, bool):
+        return "pass" if value else "FAIL"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None,
+                   digits: int = 4) -> str:
+    """A GitHub-flavoured Markdown table.
+
+    Args:
+        headers: column titles.
+        rows: cells (formatted with :func:`fmt`); each row must have ``len(headers)`` cells.
+        align: one character per column, ``l``/``r``/``c`` (default: numbers right, text left,
+            judged from the first row).
+        digits: significant digits for floats.
+
+    Returns:
+        the table text, ending with a newline.
+
+    Raises:
+        ValueError: a row with the wrong number of cells.
+    """
+    if align is None:
+        first = rows[0] if rows else [""] * len(headers)
+        align = "".join("r" if isinstance(c, (int, float)) and not isinstance(c, bool) else "l" for c in first)
+    marks = {"l": ":---", "r": "---:", "c": ":---:"}
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |",
+             "|" + "|".join(marks[a] for a in align) + "|"]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"row has {len(row)} cells, expected {len(headers)}")
+        lines.append("| " + " | ".join(fmt(c, digits).replace("|", "\\|") for c in row) + " |")
+    return "\n".join(lines) + "\n"
