@@ -1,0 +1,133 @@
+"""``rafl profile``: the report (Markdown + JSON + PNG), --model inputs, --build-lut, bad input -> exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from rafl.cli import cli
+from rafl.supernet.arch import SearchSpace
+
+SPACE = SearchSpace(width_mult=0.25)
+ARCH = "r24_k3e3.k5e4|k7e6.k3e3|k3e3.k3e3.k5e3|k3e4.k3e3|k3e3.k3e6"
+
+
+def _run(args):
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def test_report_has_every_section_and_consistent_numbers(tmp_path):
+    out = tmp_path / "report"
+    res = _run(["profile", "--arch", ARCH, "--width-mult", "0.25", "--device-profile", "pi4", "--out", str(out),
+                "--warmup", "1", "--repeats", "3", "--batch-size", "4"])
+    assert res.exit_code == 0, res.output
+    assert "on pi4" in res.output and "feasible" in res.output
+    assert sorted(p.name for p in out.iterdir()) == ["cost_report.json", "cost_report.md", "cost_report.png"]
+    assert (out / "cost_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "cost_report.json").read_text())
+    md = (out / "cost_report.md").read_text()
+    for section in ("## Summary", "## Budgets", "## Per-layer costs", "## Why fvcore and thop differ",
+                    "## Measured latency on this host", "cost_report.png"):
+        assert section in md
+    layers = doc["layers"]
+    assert [d["name"] for d in layers][:2] == ["first_conv", "blocks.0"] and layers[-1]["name"] == "head"
+    assert len(layers) == 2 + 11 + 3  # stem + first block, 11 active blocks, final expand / mix / head
+    total = sum(d["macs_conv_linear"] for d in layers)
+    assert total == pytest.approx(doc["cost"]["macs_m"] * 1e6)
+    # fvcore and thop agree with the LUT on conv + linear and count BN on top of it
+    by_op = doc["totals"]["fvcore_by_operator"]
+    assert by_op["conv"] + by_op["linear"] == pytest.approx(total, rel=0.01)
+    assert doc["totals"]["macs_thop"] > total and doc["totals"]["macs_fvcore"] > total
+    assert sum(d["latency_ms"] for d in layers) == pytest.approx(doc["cost"]["latency_ms"])
+    assert doc["cost"]["flops_m"] == pytest.approx(2 * doc["cost"]["macs_m"])
+    host = doc["host_latency"]
+    assert host["batch_1"]["median_ms"] > 0 and host["batch_4"]["batch_size"] == 4
+    assert host["batch_1"]["p90_ms"] >= host["batch_1"]["median_ms"]
+    budgets = {b["budget"]: b for b in doc["budgets"]}
+    assert set(budgets) == {"macs_m", "latency_ms", "peak_memory_mb", "train_memory_mb", "energy_mj"}
+    assert all(b["passed"] == (b["value"] <= b["limit"]) for b in budgets.values())
+
+
+def test_mcu_is_reported_infeasible_and_model_inputs(tmp_path):
+    from rafl.search.runner import save_subnet_weights
+    from rafl.supernet import subnet_from_arch
+    from rafl.supernet.arch import ArchConfig
+
+    arch = ArchConfig.from_string(ARCH, SPACE)
+    torch.manual_seed(0)
+    sub = subnet_from_arch(SPACE, arch)
+    st = tmp_path / "subnet.safetensors"
+    save_subnet_weights(st, sub, SPACE)
+    res = _run(["profile", "--model", str(st), "--device-profile", "mcu", "--out", str(tmp_path / "a"),
+                "--no-measure"])
+    assert res.exit_code == 0, res.output
+    assert "INFEASIBLE" in res.output and "peak_memory_mb" in res.output
+    doc = json.loads((tmp_path / "a" / "cost_report.json").read_text())
+    assert doc["feasible"] is False and doc["host_latency"] == {}
+    # a .pt state dict with --arch (loaded with weights_only=True)
+    pt = tmp_path / "subnet.pt"
+    torch.save(sub.state_dict(), pt)
+    arch_file = tmp_path / "arch.yaml"
+    arch.save(arch_file)
+    res = _run(["profile", "--model", str(pt), "--arch", str(arch_file), "--width-mult", "0.25",
+                "--device-profile", "phone", "--out", str(tmp_path / "b"), "--no-measure"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "b" / "cost_report.json").read_text())["arch"] == arch.to_dict()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--arch", ARCH, "--device-profile", "pi5"], "shipped profiles"),
+    (["--arch", "missing.yaml", "--device-profile", "pi4"], "no such file"),
+    (["--arch", "r40_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3", "--device-profile", "pi4"], "r: is 40"),
+    (["--device-profile", "pi4"], "--arch"),
+    (["--arch", ARCH, "--model", "x.safetensors", "--device-profile", "pi4"], "drop --arch"),
+    (["--model", "nope.pt", "--device-profile", "pi4"], "no such file"),
+    (["--build-lut", "--device-profile", "pi4"], ".yaml"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, needle):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["profile", *args, "--width-mult", "0.25", "--out", str(out), "--no-measure"])
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.output
+    assert not out.exists()
+
+
+def test_pt_without_arch_and_foreign_out_folder(tmp_path):
+    pt = tmp_path / "w.pt"
+    torch.save({"a": torch.zeros(1)}, pt)
+    res = CliRunner().invoke(cli, ["profile", "--model", str(pt), "--device-profile", "pi4", "--out",
+                                   str(tmp_path / "o")])
+    assert res.exit_code == 2 and "needs --arch" in res.output
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    res = CliRunner().invoke(cli, ["profile", "--arch", ARCH, "--width-mult", "0.25", "--device-profile", "pi4",
+                                   "--out", str(busy)])
+    assert res.exit_code == 2 and "other files" in res.output and (busy / "keep.txt").exists()
+
+
+def test_build_lut_measures_every_layer_and_a_profile_uses_it(tmp_path):
+    space = SearchSpace(width_mult=0.25)
+    lut = tmp_path / "host-lut.yaml"
+    res = _run(["profile", "--build-lut", "--device-profile", "pi4", "--width-mult", "0.25", "--out", str(lut),
+                "--warmup", "0", "--repeats", "1", "--quiet"])
+    assert res.exit_code == 0, res.output
+    doc = yaml.safe_load(lut.read_text())
+    assert doc["device_profile"] == "pi4" and doc["threads"] == 1 and doc["search_space"] == space.to_dict()
+    from rafl.search.cost import CostModel
+    from rafl.search.profile import load_profile
+    from rafl.search.units import arch_units
+
+    prof_path = tmp_path / "host.yaml"
+    prof_path.write_text(yaml.safe_dump({"name": "host", "throughput_gmacs": 1.0, "mem_bandwidth_gbs": 1.0,
+                                         "latency_lut": lut.name, "budgets": {"latency_ms": 1000.0}}))
+    model = CostModel(space, load_profile(prof_path))
+    rng = __import__("numpy").random.default_rng(0)
+    for arch in (space.smallest(), space.largest(), space.sample(rng)):  # every layer of the space is in it
+        expected = sum(doc["entries"][s.key] for _, s in arch_units(space, arch))
+        assert model.cost(arch).latency_ms == pytest.approx(expected)
