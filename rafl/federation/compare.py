@@ -159,9 +159,11 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         else:
             rest.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
     algo_section.pop("name", None)
+    from rafl.federation.algorithms import ALGORITHMS
+
     classes = {a: get_algorithm(a) for a in algorithms}
-    names = {cls.name for cls in classes.values()}
-    per_method = {k: algo_section.pop(k) for k in list(algo_section) if k in names or k in classes}
+    # per-method sections: any registered method (sections of methods not selected are ignored)
+    per_method = {k: algo_section.pop(k) for k in list(algo_section) if k.lower() in ALGORITHMS}
     for key in algo_section:
         if not any(key in cls.defaults for cls in classes.values()):
             raise UserInputError(f"no selected method accepts {key!r}; allowed: "
@@ -170,7 +172,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
     hps: dict[str, dict[str, Any]] = {}
     for a, cls in classes.items():
         hp = {k: v for k, v in algo_section.items() if k in cls.defaults}
-        own = per_method.get(a, per_method.get(cls.name, {})) or {}
+        own = next((v for k, v in per_method.items() if k.lower() == cls.name), None) or {}
         if not isinstance(own, dict):
             raise UserInputError("expected a mapping of hyperparameters", source=source, field=f"algorithm.{a}")
         hp.update(own)
@@ -296,6 +298,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
                                                 batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
                                                 hparams=hp)
+    for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
+        fed.algorithm.init_server(fed.server)
     ecfg = engine_config(cfg)
     out.mkdir(parents=True, exist_ok=True)
     from rafl.io import atomic_write_yaml

@@ -100,10 +100,16 @@ class FedGH(Algorithm):
         "server_mode": "per-lar",  # per-lar (paper) | per-client (each client's LARs as one mini-batch)
     }
 
-    def init_server(self, server: ServerContext):
-        if self.hparams["server_mode"] not in SERVER_MODES:
-            raise UserInputError(f"is {self.hparams['server_mode']!r}; allowed: {', '.join(SERVER_MODES)}",
+    @classmethod
+    def check_hparams(cls, hparams):
+        """Defaults merged with ``hparams``; also rejects an unknown ``server_mode``."""
+        hp = super().check_hparams(hparams)
+        if hp["server_mode"] not in SERVER_MODES:
+            raise UserInputError(f"is {hp['server_mode']!r}; allowed: {', '.join(SERVER_MODES)}",
                                  field="algorithm.server_mode")
+        return hp
+
+    def init_server(self, server: ServerContext):
         model = common_header(server.make_model, server.clients, self.name)
         head = head_state(model)
         return {"head": head}, Payload.from_state_dict(head, HEAD)

@@ -43,10 +43,15 @@ class FedProto(Algorithm):
         "distance": "mse",   # mse (official code) | squared | euclidean
     }
 
+    @classmethod
+    def check_hparams(cls, hparams):
+        """Defaults merged with ``hparams``; also rejects an unknown ``distance``."""
+        hp = super().check_hparams(hparams)
+        if hp["distance"] not in ("mse", "squared", "euclidean"):
+            raise UserInputError(f"is {hp['distance']!r}; allowed: mse, squared, euclidean", field="algorithm.distance")
+        return hp
+
     def init_server(self, server: ServerContext):
-        if self.hparams["distance"] not in ("mse", "squared", "euclidean"):
-            raise UserInputError(f"is {self.hparams['distance']!r}; allowed: mse, squared, euclidean",
-                                 field="algorithm.distance")
         return {"values": torch.zeros(0, 0), "labels": torch.zeros(0, dtype=torch.int32)}, Payload()
 
     def init_client(self, client: ClientContext):

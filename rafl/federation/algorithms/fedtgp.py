@@ -108,17 +108,19 @@ class FedTGP(Algorithm):
         "server_hidden_dim": 0,   # H of the prototype network; 0 = D
     }
 
-    def _check(self) -> None:
-        if self.hparams["distance"] not in ("euclidean", "mse"):
-            raise UserInputError(f"is {self.hparams['distance']!r}; allowed: euclidean, mse",
-                                 field="algorithm.distance")
+    @classmethod
+    def check_hparams(cls, hparams):
+        """Defaults merged with ``hparams``; also rejects an unknown ``distance``."""
+        hp = super().check_hparams(hparams)
+        if hp["distance"] not in ("euclidean", "mse"):
+            raise UserInputError(f"is {hp['distance']!r}; allowed: euclidean, mse", field="algorithm.distance")
+        return hp
 
     def _net(self, n_classes: int, dim: int) -> TrainablePrototypes:
         hidden = int(self.hparams["server_hidden_dim"]) or dim
         return TrainablePrototypes(n_classes, dim, hidden)
 
     def init_server(self, server: ServerContext):
-        self._check()
         model = server.make_model(client_id=server.clients[0].client_id)
         check_split_model(model, "client 0 model")
         net = self._net(server.n_classes, feature_dim(model))
@@ -128,7 +130,6 @@ class FedTGP(Algorithm):
         return {"model": cpu_state(client.make_model())}
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
-        self._check()
         hp = self.hparams
         model = build(client, state["model"])
         protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}

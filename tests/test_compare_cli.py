@@ -1,0 +1,61 @@
+"""``rafl compare``: smoke run on tiny digits, and every bad input exits 2 with one line, writing nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from rafl.cli import cli
+
+TINY = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "partition.scheme=pathological",
+        "--set", "partition.k=2", "--set", "partition.public_fraction=0.0", "--set", "engine.rounds=1",
+        "--set", "algorithm.fedtgp.server_epochs=2", "--set", "train.threads=1", "--set", "train.batch_size=16",
+        "--models", "cnn4-small,cnn3-small", "--feature-dim", "16", "--quiet"]
+
+
+def test_compare_smoke(tmp_path):
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedgh,fedtgp,standalone", *TINY, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    for f in ("compare.md", "compare.csv", "compare.json", "compare.png", "config.yaml"):
+        assert (out / f).is_file()
+    rows = json.loads((out / "compare.json").read_text())["rows"]
+    assert [r["algorithm"] for r in rows] == ["fedgh", "fedtgp", "standalone"]
+    for r in rows:
+        assert 0 <= r["model.acc_mean"] <= 1 and r["wall_s"] > 0
+    assert rows[2]["mb_total"] == 0 and rows[0]["mb_up"] > 0
+    assert "proto.acc_mean" in rows[1]
+    # the same partition for every method
+    parts = {(out / a / "clients.json").read_text() for a in ("fedgh", "fedtgp", "standalone")}
+    assert len(parts) == 1
+    assert "| fedgh |" in res.output
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--algorithms", "fedgh,nope"], "unknown algorithm"),
+    (["--algorithms", "fedgh,fedgh"], "twice"),
+    (["--algorithms", "fedgh", "--set", "algorithm.bogus=1"], "no selected method accepts"),
+    (["--algorithms", "fedgh", "--set", "algorithm.fedgh.server_mode=sideways"], "per-lar"),
+    (["--algorithms", "fedgh", "--set", "engine.rounds=0"], "engine.rounds"),
+    (["--algorithms", "fedgh", "--set", "nosuch.key=1"], "unknown key"),
+    (["--algorithms", "fedgh", "--models", "htfe5"], "unknown model"),
+    (["--algorithms", "fedgh", "--config", "missing.yaml"], "no such file"),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, msg):
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", *args, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and msg in lines[0], res.output
+    assert not out.exists()
+
+
+def test_nonempty_out_is_refused(tmp_path):
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--out", str(out)])
+    assert res.exit_code == 2 and "not empty" in res.output
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]

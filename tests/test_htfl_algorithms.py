@@ -1,0 +1,225 @@
+"""Every HtFL method runs 2 rounds on tiny real data (digits) with heterogeneous models; edge cases."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rafl.data import ClientSplit, Partition, load_dataset
+from rafl.errors import UserInputError
+from rafl.federation.algorithms import ClientContext, ClientInfo, ServerContext, get_algorithm
+from rafl.federation.compare import build_group_federation
+from rafl.federation.engine import Engine, EngineConfig, Federation
+from rafl.federation.payload import Payload
+
+MODELS = ["cnn4-small", "cnn3-small"]
+D = 16
+FAST = {"fedtgp": {"server_epochs": 3}}
+HTFL = ["fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", "fedkd"]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits", limit_per_class=12)
+
+
+def _split(idx: np.ndarray) -> ClientSplit:
+    idx = np.sort(np.asarray(idx, dtype=np.int64))
+    n_test = max(1, len(idx) // 4)
+    return ClientSplit(train=idx[n_test:], val=np.zeros(0, np.int64), test=idx[:n_test])
+
+
+@pytest.fixture(scope="module")
+def edge_partition(digits):
+    """Client 0: classes 0-1; client 1: a single class (5); client 2: 3 train samples (< batch size)
+    of classes 2, 3; client 3: classes 6-9 (classes 4 is held by nobody)."""
+    y = digits.labels.numpy()
+    by = {c: np.flatnonzero(y == c) for c in range(10)}
+    c0 = np.concatenate([by[0][:8], by[1][:8]])
+    c1 = by[5][:10]
+    c2 = np.concatenate([by[2][:3], by[3][:1]])          # 1 test + 3 train
+    c3 = np.concatenate([by[c][:5] for c in (6, 7, 8, 9)])
+    return Partition(clients=[_split(c) for c in (c0, c1, c2, c3)], public=np.zeros(0, np.int64), meta={})
+
+
+def _run(name, digits, part, tmp_path, rounds=2, **hp):
+    algo = get_algorithm(name)(**{**FAST.get(name, {}), **hp})
+    fed, _ = build_group_federation(digits, part, MODELS, algo, feature_dim=D, batch_size=8, seed=0)
+    summary = Engine(fed, EngineConfig(rounds=rounds, seed=0), tmp_path, progress=False).run()
+    history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, history
+
+
+@pytest.mark.parametrize("name", HTFL)
+def test_two_rounds_on_edge_case_clients(name, digits, edge_partition, tmp_path):
+    summary, history = _run(name, digits, edge_partition, tmp_path)
+    assert len(history) == 2
+    last = history[-1]
+    acc = last["model.acc_mean_over_clients"]
+    assert 0.0 <= acc <= 1.0 and np.isfinite(acc)
+    assert last["participated"] == 4 and last["bytes_up"] > 0
+    if name in ("fedtgp", "fedproto"):
+        assert 0.0 <= last["proto.acc_mean_over_clients"] <= 1.0     # nearest-prototype accuracy
+    if name in ("fml", "fedkd"):
+        assert "global.acc_mean_over_clients" in last
+
+
+def test_two_rounds_deterministic(digits, edge_partition, tmp_path):
+    _, h1 = _run("fedtgp", digits, edge_partition, tmp_path / "a")
+    _, h2 = _run("fedtgp", digits, edge_partition, tmp_path / "b")
+    keys = ["model.acc_mean_over_clients", "proto.acc_mean_over_clients", "bytes_up", "bytes_down"]
+    assert [[r[k] for k in keys] for r in h1] == [[r[k] for k in keys] for r in h2]
+
+
+def _ctx(fed: Federation, cid: int, rnd: int = 1) -> ClientContext:
+    return ClientContext(info=fed.clients[cid], make_model=lambda arch=None: fed.client_model(cid, arch),
+                         train_loader=fed.loaders(cid, "train", 1), val_loader=None,
+                         test_loader=fed.loaders(cid, "test", 1), n_classes=fed.n_classes, round=rnd)
+
+
+def test_fedgh_upload_bytes_formula_and_classes(digits, edge_partition):
+    algo = get_algorithm("fedgh")()
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8)
+    server_state, broadcast = algo.init_server(fed.server)
+    held = {0: [0, 1], 1: [5], 2: [2, 3], 3: [6, 7, 8, 9]}
+    held[2] = sorted(set(digits.labels[edge_partition.clients[2].train].tolist()))
+    uploads = []
+    for cid in range(4):
+        ctx = _ctx(fed, cid)
+        _, up = algo.client_update(algo.init_client(ctx), broadcast, ctx)
+        s = len(held[cid])
+        assert up.tensors["lar.labels"].tolist() == held[cid]          # absent classes: no LAR
+        tensor_bits = sum(t.numel() * t.element_size() for t in up.tensors.values()) * 8
+        assert tensor_bits == (s + s * D) * 32                          # (S + S*r) x 32 bits exactly
+        blob = up.to_bytes()
+        assert up.nbytes() == tensor_bits // 8 + 8 + int.from_bytes(blob[:8], "little")  # + safetensors header
+        up.meta["client_id"] = cid
+        uploads.append(up)
+    new_state, new_bc = algo.server_aggregate(uploads, server_state, fed.server)
+    assert not torch.equal(new_state["head"]["weight"], server_state["head"]["weight"])
+    assert set(new_bc.tensors) == {"head.weight", "head.bias"}
+
+
+def test_fedgh_header_replaces_local_header(digits, edge_partition):
+    algo = get_algorithm("fedgh")()
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8)
+    _, broadcast = algo.init_server(fed.server)
+    ctx = _ctx(fed, 3)
+    state, _ = algo.client_update(algo.init_client(ctx), broadcast, ctx)
+    head = {k: torch.full_like(v, 0.5) for k, v in broadcast.state_dict("head.").items()}
+    out = algo.prepare_evaluation(state, Payload.from_state_dict(head, "head."), ctx)
+    assert torch.equal(out["model"]["head.weight"], head["weight"])
+
+
+@pytest.mark.parametrize("name", ["fedgh", "lg-fedavg"])
+def test_headers_of_different_shapes_are_a_clear_error_before_round_1(name, digits, edge_partition, tmp_path,
+                                                                      monkeypatch):
+    mod = tmp_path / "odd_models.py"
+    mod.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Odd(nn.Module):\n"
+        "    def __init__(self, n_classes, feature_dim):\n"
+        "        super().__init__()\n"
+        "        self.body = nn.Linear(3 * 32 * 32, feature_dim)\n"
+        "        self.head = nn.Sequential(nn.Linear(feature_dim, 8), nn.ReLU(), nn.Linear(8, n_classes))\n"
+        "    def features(self, x):\n"
+        "        return self.body(x.flatten(1))\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.features(x))\n"
+        "def factory(n_classes, feature_dim):\n"
+        "    return Odd(n_classes, feature_dim)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    algo = get_algorithm(name)()
+    fed, _ = build_group_federation(digits, edge_partition, ["cnn4-small", "odd_models:factory"], algo,
+                                    feature_dim=D, batch_size=8)
+    with pytest.raises(UserInputError, match="header"):
+        Engine(fed, EngineConfig(rounds=1), tmp_path / "run", progress=False).run()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_fedtgp_server_prototypes_only_for_uploaded_classes_and_margin(digits, edge_partition):
+    algo = get_algorithm("fedtgp")(server_epochs=20, tau=100.0)
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8)
+    state, bc = algo.init_server(fed.server)
+    assert bc.is_empty()                                               # round 1: no global prototypes
+    ups = []
+    for cid, vals in ((0, {0: torch.zeros(D), 1: torch.ones(D)}), (1, {5: 3 * torch.ones(D)})):
+        from rafl.federation.prototypes import to_payload_tensors
+        ups.append(Payload(to_payload_tensors(vals, "proto."), {"client_id": cid}))
+    new_state, bc = algo.server_aggregate(ups, state, fed.server)
+    assert bc.tensors["global.labels"].tolist() == [0, 1, 5]
+    assert new_state["seen"] == [0, 1, 5] and all(type(c) is int for c in new_state["seen"])
+    # averaged protos: 0 at 0, 1 at 1s, 5 at 3s: min distances 4, 4, 8 -> margin = 8 (sqrt(16*4) = 8)
+    assert new_state["margin"] == pytest.approx(8.0, rel=1e-5)
+    assert torch.isfinite(bc.tensors["global.values"]).all()
+
+
+@pytest.mark.parametrize("name, hp, msg", [("fedtgp", {"distance": "cosine"}, "euclidean, mse"),
+                                           ("fedproto", {"distance": "cosine"}, "mse, squared, euclidean"),
+                                           ("fedgh", {"server_mode": "sideways"}, "per-lar, per-client"),
+                                           ("fedgh", {"server_lr_typo": 1}, "unknown hyperparameter")])
+def test_bad_hyperparameters_rejected_at_construction(name, hp, msg):
+    with pytest.raises(UserInputError, match=msg):
+        get_algorithm(name)(**hp)
+
+
+def test_fedproto_weighted_class_average_eq6(digits, edge_partition):
+    algo = get_algorithm("fedproto")()
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8)
+    state, _ = algo.init_server(fed.server)
+    ups = [Payload({"proto.values": torch.tensor([[0.0] * D, [2.0] * D]), "proto.labels": torch.tensor([0, 3], dtype=torch.int32),
+                    "proto.counts": torch.tensor([1, 5], dtype=torch.int32)}),
+           Payload({"proto.values": torch.tensor([[3.0] * D]), "proto.labels": torch.tensor([0], dtype=torch.int32),
+                    "proto.counts": torch.tensor([2], dtype=torch.int32)})]
+    state, bc = algo.server_aggregate(ups, state, fed.server)
+    assert bc.tensors["global.labels"].tolist() == [0, 3]
+    assert torch.allclose(bc.tensors["global.values"][0], torch.full((D,), 2.0))   # (1*0 + 2*3) / 3
+    # next round only class 3 arrives: class 0 keeps its prototype
+    state, bc = algo.server_aggregate([Payload({"proto.values": torch.ones(1, D), "proto.labels": torch.tensor([3], dtype=torch.int32),
+                                                "proto.counts": torch.tensor([4], dtype=torch.int32)})], state, fed.server)
+    assert bc.tensors["global.labels"].tolist() == [0, 3]
+    assert torch.allclose(bc.tensors["global.values"][0], torch.full((D,), 2.0))
+
+
+def test_nas_subnets_federate_with_fedgh_and_fedtgp(tmp_path):
+    """The same methods on resource-aware subnets of a (tiny) OFA supernet."""
+    import copy
+
+    from rafl.data import make_loader
+    from rafl.supernet import build_supernet, extract_subnet, recalibrate_bn
+    from rafl.supernet.arch import SearchSpace
+
+    torch.manual_seed(0)
+    ds = load_dataset("digits", limit_per_class=6)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    sup = build_supernet(space)
+    archs = [space.smallest(), space.largest()]
+    y = ds.labels.numpy()
+    idx = [np.flatnonzero(np.isin(y, [0, 1, 2])), np.flatnonzero(np.isin(y, [2, 3, 4, 5]))]
+    splits = [_split(i) for i in idx]
+    calib = ds.images[torch.as_tensor(np.flatnonzero(np.isin(y, [6, 7, 8, 9])))]  # the "server's" images
+    templates = {}
+
+    def subnet(arch):  # extracted + BN-recalibrated once per arch, as the federate pipeline does
+        key = arch.to_string()
+        if key not in templates:
+            templates[key] = recalibrate_bn(extract_subnet(sup, arch), [calib], n_batches=1).eval()
+        return copy.deepcopy(templates[key]).train()
+
+    infos = [ClientInfo(i, "custom", archs[i], archs[i].to_string(), len(splits[i].train)) for i in range(2)]
+    for name in ("fedgh", "fedtgp"):
+        algo = get_algorithm(name)(**FAST.get(name, {}), lr=0.01)
+        server = ServerContext(clients=infos, make_model=lambda arch=None, client_id=0: subnet(arch or archs[client_id]),
+                               public_images=None, n_classes=10, space=space)
+        fed = Federation(algorithm=algo, clients=infos,
+                         loaders=lambda cid, split, seed: make_loader(ds, getattr(splits[cid], split), 8,
+                                                                      shuffle=split == "train", seed=seed % 2**63),
+                         client_model=lambda cid, arch=None: subnet(arch or archs[cid]),
+                         server=server, n_classes=10)
+        summary = Engine(fed, EngineConfig(rounds=2), tmp_path / name, progress=False).run()
+        hist = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert np.isfinite(hist[-1]["model.acc_mean_over_clients"]) and hist[-1]["bytes_up"] > 0
+        assert summary["algorithm"] == name if "algorithm" in summary else summary

@@ -1,0 +1,78 @@
+"""Heterogeneous model groups and user plug-in models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rafl.errors import UserInputError
+from rafl.models import GROUPS, HeteroModel, build_model, build_plugin_model, make_member, resolve_models
+
+CHEAP = ["cnn4", "cnn4-small", "cnn3-small", "mobilenet_v2-0.25", "shufflenet_v2-0.5", "resnet18"]
+
+
+@pytest.mark.parametrize("name", CHEAP)
+def test_members_give_common_width_at_32px_rgb_and_gray(name):
+    torch.manual_seed(0)
+    m = build_model(name, n_classes=7, feature_dim=24)
+    assert isinstance(m, HeteroModel) and m.feature_dim == 24
+    m.eval()
+    with torch.no_grad():
+        for c in (3, 1):
+            x = torch.randn(3, c, 32, 32)
+            f = m.features(x)
+            assert f.shape == (3, 24) and torch.isfinite(f).all()
+            assert m(x).shape == (3, 7)
+    assert isinstance(m.head, torch.nn.Linear) and m.head.in_features == 24
+
+
+def test_heads_of_a_group_share_one_shape():
+    shapes = {tuple(v.shape) for n in GROUPS["htfe-tiny"] for v in build_model(n, 10, 32).head.state_dict().values()}
+    assert shapes == {(10, 32), (10,)}
+
+
+def test_resolve_models():
+    assert resolve_models("htfe4") == list(GROUPS["htfe4"])
+    assert len(resolve_models("htfe8")) == 8
+    assert resolve_models("cnn4, htfe-tiny") == ["cnn4", *GROUPS["htfe-tiny"]]
+    assert resolve_models("nas") == ["nas"]
+    assert resolve_models("mypkg.models:factory,cnn4") == ["mypkg.models:factory", "cnn4"]
+    for bad in ("", "nas,cnn4", "resnet9000", "htfe5"):
+        with pytest.raises(UserInputError, match="--models"):
+            resolve_models(bad)
+
+
+def _write_plugin(tmp_path, monkeypatch, body: str) -> None:
+    (tmp_path / "my_plugin.py").write_text("import torch\nfrom torch import nn\n" + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_user_plugin_model_joins(tmp_path, monkeypatch):
+    _write_plugin(tmp_path, monkeypatch,
+                  "class Net(nn.Module):\n"
+                  "    def __init__(self, n_classes, feature_dim):\n"
+                  "        super().__init__()\n"
+                  "        self.f = nn.Sequential(nn.Flatten(), nn.LazyLinear(feature_dim))\n"
+                  "        self.head = nn.Linear(feature_dim, n_classes)\n"
+                  "    def features(self, x):\n"
+                  "        return self.f(x)\n"
+                  "    def forward(self, x):\n"
+                  "        return self.head(self.features(x))\n"
+                  "def factory(n_classes, feature_dim):\n"
+                  "    return Net(n_classes, feature_dim)\n"
+                  "def bad_width():\n"
+                  "    return Net(10, 5)\n"
+                  "def not_a_model():\n"
+                  "    return 3\n"
+                  "def no_head():\n"
+                  "    return nn.Linear(3, 3)\n"
+                  "def boom():\n"
+                  "    raise RuntimeError('nope')\n")
+    m = make_member("my_plugin:factory", 10, 16)
+    assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    cases = {"my_plugin:bad_width": "expected \\[2, 16\\]", "my_plugin:not_a_model": "nn.Module",
+             "my_plugin:no_head": "features", "my_plugin:boom": "RuntimeError",
+             "my_plugin:missing": "no callable", "no_such_module_xyz:f": "cannot import", "bad spec": "not package"}
+    for spec, msg in cases.items():
+        with pytest.raises(UserInputError, match=msg):
+            build_plugin_model(spec, 10, 16)
