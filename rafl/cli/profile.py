@@ -96,11 +96,14 @@ def _load_model(path: Path, arch_text: str | None, space):
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Untimed warm-up runs.")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True,
               help="Timed repeats (median and p90 reported; the LUT keeps the median).")
+@click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall", show_default=True,
+              help="LUT timing clock: wall clock (a quiet device), or the thread's CPU time (a shared, "
+                   "loaded host; use with --threads 1).")
 @click.option("--no-measure", is_flag=True, help="Skip the host latency measurement in the report.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile(device_profile: str, arch_text: str | None, model_path: Path | None, supernet_dir: Path | None,
             width_mult: float, n_classes: int, build_lut: bool, out: Path, batch_size: int | None, threads: int,
-            warmup: int, repeats: int, no_measure: bool, quiet: bool) -> None:
+            warmup: int, repeats: int, clock: str, no_measure: bool, quiet: bool) -> None:
     """Cost report of a subnet on a device, or (--build-lut) a measured per-layer latency table.
 
     \b
@@ -130,10 +133,10 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
             specs += [s for _, s in head + tail]
             specs += [s for row in slot_units(space, r) for col in row for s in col]
         entries = build_latency_lut(specs, out, threads=threads, warmup=warmup, repeats=repeats,
-                                    progress=not quiet,
+                                    progress=not quiet, clock=clock,
                                     meta={"device_profile": prof.name, "search_space": space.to_dict()})
         click.echo(f"wrote {out}: {len(entries)} layer configurations, median of {repeats} runs each "
-                   f"({threads} thread(s)); reference it from a profile with `latency_lut: {out}`")
+                   f"({threads} thread(s), {clock} clock); reference it from a profile with `latency_lut: {out}`")
         return
 
     if arch_text is None and model_path is None:

@@ -31,7 +31,7 @@ from rafl.search.profile import DeviceProfile
 from rafl.search.units import UnitSpec, build_unit_module, unit_input_shape
 
 __all__ = ["roofline_latency_ms", "unit_energy_mj", "load_latency_lut", "build_latency_lut",
-           "measure_latency_ms", "LUT_FORMAT"]
+           "measure_latency_ms", "LUT_FORMAT", "CLOCKS"]
 
 LUT_FORMAT = "rafl-latency-lut/1"
 
@@ -90,29 +90,45 @@ def load_latency_lut(path: str | Path) -> dict[str, float]:
     return out
 
 
-def measure_latency_ms(module, x, *, warmup: int = 5, repeats: int = 20) -> list[float]:
+CLOCKS = ("wall", "thread")
+
+
+def measure_latency_ms(module, x, *, warmup: int = 5, repeats: int = 20, clock: str = "wall") -> list[float]:
     """Time ``module(x)`` in inference mode: ``warmup`` untimed runs, then ``repeats`` timed runs.
 
+    Args:
+        clock: ``"wall"`` (``time.perf_counter``: latency on a quiet machine) or ``"thread"``
+            (``time.thread_time``: CPU time of the calling thread; with one torch thread it equals
+            the latency without the time other processes take while this one is preempted, i.e.
+            a robust measurement on a shared, loaded host).
+
     Returns:
-        the ``repeats`` wall-clock latencies in milliseconds (take the median / p90).
+        the ``repeats`` latencies in milliseconds (take the median / p90).
     """
     import torch
 
+    if clock not in CLOCKS:
+        raise UserInputError(f"is {clock!r}, allowed: {', '.join(CLOCKS)}", field="clock")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     module.eval()
     times = []
     with torch.inference_mode():
         for _ in range(warmup):
             module(x)
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = now()
             module(x)
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((now() - t0) * 1e3)
     return times
 
 
 def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: int = 1, warmup: int = 5,
-                      repeats: int = 15, progress: bool = True, meta: dict | None = None) -> dict[str, float]:
+                      repeats: int = 15, progress: bool = True, meta: dict | None = None,
+                      clock: str = "wall") -> dict[str, float]:
     """Measure every distinct unit configuration on this machine and write the LUT (YAML, atomic).
+
+    Layers are timed round-robin (each round runs every layer once) so that caches are in the state
+    a layer meets inside a network, not warmed by its own previous run.
 
     Args:
         specs: unit configurations (duplicates are measured once).
@@ -121,6 +137,7 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
         warmup, repeats: untimed warm-up runs and timed repeats per configuration (median kept).
         progress: show a tqdm bar.
         meta: extra fields recorded in the file (e.g. the search space).
+        clock: ``"wall"`` or ``"thread"`` (see :func:`measure_latency_ms`).
 
     Returns:
         unit key -> median latency (ms), batch 1.
@@ -130,25 +147,39 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
 
     from rafl.io import atomic_write_yaml
 
+    if clock not in CLOCKS:
+        raise UserInputError(f"is {clock!r}, allowed: {', '.join(CLOCKS)}", field="clock")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     unique: dict[str, UnitSpec] = {}
     for s in specs:
         unique.setdefault(s.key, s)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    entries: dict[str, float] = {}
+    times: dict[str, list[float]] = {key: [] for key in unique}
     try:
         torch.manual_seed(0)
-        for key, spec in tqdm(unique.items(), desc="latency LUT", unit="layer", disable=not progress):
-            module = build_unit_module(spec)
-            x = torch.randn(unit_input_shape(spec))
-            entries[key] = round(statistics.median(measure_latency_ms(module, x, warmup=warmup, repeats=repeats)), 6)
+        built = [(key, build_unit_module(spec).eval(), torch.randn(unit_input_shape(spec)))
+                 for key, spec in tqdm(unique.items(), desc="build layers", unit="layer", disable=not progress)]
+        # Round-robin: every round runs each layer once, so between two runs of a layer the others
+        # have run (as inside a network, where a layer's weights are not hot in cache); a layer timed
+        # back-to-back would look faster than it is in a network.
+        with torch.inference_mode():
+            for rnd in tqdm(range(warmup + repeats), desc="latency LUT", unit="round", disable=not progress):
+                for key, module, x in built:
+                    t0 = now()
+                    module(x)
+                    if rnd >= warmup:
+                        times[key].append((now() - t0) * 1e3)
     finally:
         torch.set_num_threads(old_threads)
+    entries = {key: round(statistics.median(ts), 6) for key, ts in times.items()}
     doc = {
         "format": LUT_FORMAT,
         "host": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                  "system": platform.system(), "cpu_count": os.cpu_count(), "torch": str(torch.__version__)},
         "threads": threads, "warmup": warmup, "repeats": repeats, "statistic": "median", "batch_size": 1,
+        "schedule": "round-robin",
+        "clock": clock,
         "unit": "ms",
         **(meta or {}),
         "entries": entries,
