@@ -49,6 +49,8 @@ PHASES: tuple[str, ...] = ("full", "kernel", "depth", "expand")
 RESUME_NAME = "resume.pt"
 CONFIG_NAME = "config.json"
 METRICS_NAME = "metrics.json"
+# digits are 8x8 images: small resolutions lose nothing; 32 px datasets use OFA-like 24..32
+DEFAULT_RESOLUTIONS: dict[str, tuple[int, ...]] = {"digits": (12, 14, 16), "femnist": (20, 24, 28)}
 
 
 class TrainConfig(BaseModel):
@@ -69,21 +71,23 @@ class TrainConfig(BaseModel):
     test_samples: int | None = Field(2000, ge=1)
 
     width_mult: float = Field(0.35, gt=0, le=2)
-    resolutions: tuple[int, ...] = (24, 28, 32)
+    resolutions: tuple[int, ...] = Field(
+        (12, 14, 16), description="elastic input resolutions (px); default per dataset: "
+        "digits (8x8 originals) (12, 14, 16), others (24, 28, 32)")
     ks_choices: tuple[int, ...] = (3, 5, 7)
     e_choices: tuple[int, ...] = (3, 4, 6)
     d_choices: tuple[int, ...] = (2, 3, 4)
     stem_stride: int = Field(1, ge=1, le=2)
 
-    epochs_full: int = Field(4, ge=0)
-    epochs_kernel: int = Field(2, ge=0)
-    epochs_depth: int = Field(2, ge=0)
-    epochs_expand: int = Field(2, ge=0)
-    lr_full: float = Field(0.1, gt=0)
-    lr_kernel: float = Field(0.03, gt=0)
-    lr_depth: float = Field(0.03, gt=0)
-    lr_expand: float = Field(0.03, gt=0)
-    batch_size: int = Field(64, ge=2)
+    epochs_full: int = Field(10, ge=0)
+    epochs_kernel: int = Field(3, ge=0)
+    epochs_depth: int = Field(3, ge=0)
+    epochs_expand: int = Field(4, ge=0)
+    lr_full: float = Field(0.05, gt=0)
+    lr_kernel: float = Field(0.02, gt=0)
+    lr_depth: float = Field(0.02, gt=0)
+    lr_expand: float = Field(0.02, gt=0)
+    batch_size: int = Field(32, ge=2)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(5e-5, ge=0)
     label_smoothing: float = Field(0.1, ge=0, lt=1)
@@ -97,6 +101,13 @@ class TrainConfig(BaseModel):
 
     device: Literal["cpu", "cuda"] = "cpu"
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dataset_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("resolutions") is None:
+            data = {**data, "resolutions": DEFAULT_RESOLUTIONS.get(data.get("dataset", "digits"), (24, 28, 32))}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -338,8 +349,9 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     opt = sched = None
     if resume:
         saved_cfg = json.loads((out / CONFIG_NAME).read_text())
-        if saved_cfg != json.loads(config.model_dump_json()):
-            diff = [k for k in saved_cfg if saved_cfg[k] != json.loads(config.model_dump_json()).get(k)]
+        now_cfg = json.loads(config.model_dump_json())
+        diff = [k for k in set(saved_cfg) | set(now_cfg) if k != "device" and saved_cfg.get(k) != now_cfg.get(k)]
+        if diff:
             raise UserInputError(f"the run in this directory has another config (fields {diff}); "
                                  "resume with the saved config", source=out / CONFIG_NAME, field="resume")
         ckpt = torch.load(out / RESUME_NAME, map_location=device, weights_only=True)

@@ -1,0 +1,119 @@
+"""``rafl supernet train``: progressive-shrinking training of the OFA MobileNet-V3 supernet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from rafl.errors import UserInputError
+
+
+def _parse_ints(text: str | None, option: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        values = ()
+    if not values or any(v < 4 for v in values):
+        raise UserInputError(f"is {text!r}, allowed: comma-separated integers >= 4 like 16,20,24", field=option)
+    return values
+
+
+@click.group("supernet")
+def supernet() -> None:
+    """Train and inspect the once-for-all supernet."""
+
+
+@supernet.command("train")
+@click.option("--dataset", default=None, help="digits | cifar10 | cifar100 | femnist  [default: digits]")
+@click.option("--data-root", type=click.Path(path_type=Path), default=None,
+              help="Where cifar10/cifar100/femnist are (not needed for digits).")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Run folder (checkpoint, config.json, metrics.json). Required unless --resume.")
+@click.option("--epochs-per-phase", type=int, default=None,
+              help="Epochs of each of the 4 phases (full, kernel, depth, expand) [default: 12, 4, 4, 4].")
+@click.option("--device", default=None, help="cpu | cuda  [default: cpu]")
+@click.option("--seed", type=int, default=None, help="Run seed [default: 0].")
+@click.option("--width-mult", type=float, default=None, help="Supernet width multiplier [default: 0.35].")
+@click.option("--resolutions", default=None, help="Elastic input resolutions in px, e.g. 24,28,32.")
+@click.option("--batch-size", type=int, default=None, help="Mini-batch size.")
+@click.option("--limit-per-class", type=int, default=None, help="Use only N samples per class (quick runs).")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), default=None,
+              help="YAML/JSON file with any TrainConfig fields (options given here override it).")
+@click.option("--resume", type=click.Path(path_type=Path), default=None,
+              help="Continue the interrupted run in this folder (same result as an uninterrupted run).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, resolutions, batch_size,
+          limit_per_class, config_file, resume, no_progress) -> None:
+    """Train a supernet by progressive shrinking on the server's public pool.
+
+    Phases full -> elastic kernel -> elastic depth -> elastic expand (OFA's order). Writes
+    OUT/config.json (resolved config), OUT/resume.pt after every epoch, OUT/metrics.json and
+    finally OUT/supernet.safetensors + OUT/supernet.json; ends with a table of test accuracy
+    (BN recalibrated) of the smallest, middle and largest subnets.
+    """
+    import yaml
+
+    from rafl.supernet.train import CONFIG_NAME, TrainConfig, train_supernet
+
+    options = {"dataset": dataset, "data_root": None if data_root is None else str(data_root),
+               "epochs_per_phase": epochs_per_phase, "device": device, "seed": seed, "width_mult": width_mult,
+               "resolutions": _parse_ints(resolutions, "--resolutions"), "batch_size": batch_size,
+               "limit_per_class": limit_per_class}
+    given = {k: v for k, v in options.items() if v is not None}
+    base: dict = {}
+    source: Path | None = None
+    if config_file is not None:
+        if not config_file.is_file():
+            raise UserInputError("no such file", source=config_file, field="--config")
+        try:
+            base = yaml.safe_load(config_file.read_text()) or {}
+        except yaml.YAMLError:
+            raise UserInputError("not valid YAML/JSON", source=config_file, field="--config") from None
+        if not isinstance(base, dict):
+            raise UserInputError("expected a mapping of TrainConfig fields", source=config_file, field="--config")
+        source = config_file
+    if resume is not None:
+        if out is not None and out.resolve() != resume.resolve():
+            raise UserInputError(f"is {out}, but --resume continues the run in {resume}; omit --out",
+                                 field="--out")
+        out = resume
+        saved = resume / CONFIG_NAME
+        if not saved.is_file():
+            raise UserInputError(f"has no {CONFIG_NAME}: not a `rafl supernet train` run folder",
+                                 source=resume, field="--resume")
+        base = json.loads(saved.read_text())
+        source = saved
+        per_phase = given.pop("epochs_per_phase", None)
+        if per_phase is not None:
+            given.update({f"epochs_{p}": per_phase for p in ("full", "kernel", "depth", "expand")})
+        changed = [k for k, v in given.items() if k != "device" and base.get(k) != (list(v) if isinstance(v, tuple) else v)]
+        if changed:
+            raise UserInputError(f"option(s) {changed} differ from the saved run's config; --resume continues "
+                                 "with the saved config (only --device may change)", source=saved, field="--resume")
+    if out is None:
+        raise UserInputError("is required (the run folder to write)", field="--out")
+    if out.exists() and not out.is_dir():
+        raise UserInputError("exists and is not a folder", source=out, field="--out")
+    config = TrainConfig.from_options(source=source, **{**base, **given})
+
+    _, metrics = train_supernet(config, out, resume=resume is not None, progress=not no_progress)
+    _print_table(metrics, out)
+
+
+def _print_table(metrics: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"supernet test accuracy (BN recalibrated on pool-train; {metrics['test_source']})")
+    table.add_column("subnet")
+    table.add_column("arch")
+    table.add_column("test acc", justify="right")
+    for which in ("smallest", "middle", "largest"):
+        table.add_row(which, metrics["archs"][which], f"{100 * metrics['test'][which]:.2f}%")
+    console = Console()
+    console.print(table)
+    console.print(f"wrote {out}/supernet.safetensors, supernet.json, config.json, metrics.json")

@@ -1,0 +1,62 @@
+"""The default supernet of the quickstart pipeline: trained once on the digits public pool, cached."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from rafl.io import atomic_dir
+from rafl.supernet.checkpoint import META_NAME, load_supernet
+from rafl.supernet.model import Supernet
+from rafl.supernet.train import TrainConfig, train_supernet
+
+
+def cache_root() -> Path:
+    """``$RAFL_CACHE_DIR`` if set, else ``~/.cache/rafl``."""
+    env = os.environ.get("RAFL_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "rafl"
+
+
+def quickstart_config() -> TrainConfig:
+    """The quickstart's training config: :class:`TrainConfig` defaults (digits, public pool 0.3, seed 0)."""
+    return TrainConfig()
+
+
+def quickstart_dir(config: TrainConfig | None = None) -> Path:
+    """Cache folder ``<cache_root>/quickstart-supernet-<hash>``; the hash covers the config and the pool."""
+    from rafl.data import carve_public_pool, load_dataset
+
+    config = config or quickstart_config()
+    labels = load_dataset(config.dataset, config.data_root, resolution=8).labels.numpy()
+    pool = carve_public_pool(labels, config.public_fraction, config.public_seed)
+    digest = hashlib.sha256(config.model_dump_json().encode() + pool.tobytes()).hexdigest()[:12]
+    return cache_root() / f"quickstart-supernet-{digest}"
+
+
+def quickstart_supernet(progress: bool = True) -> tuple[Supernet, Path]:
+    """The default supernet (digits), trained once and cached; later calls load it (seconds).
+
+    Trains with :func:`quickstart_config` on the digits server public pool
+    (``carve_public_pool(labels, 0.3, seed=0)``, 90% pool-train) and caches the result under
+    :func:`quickstart_dir`. When it has to train, it says so (stderr) with the cache path. The
+    cache is written atomically: an interrupted training leaves no partial cache.
+
+    Returns:
+        ``(supernet in eval mode on CPU, cache folder)``.
+    """
+    config = quickstart_config()
+    folder = quickstart_dir(config)
+    if not (folder / META_NAME).is_file():
+        print(f"rafl: training the quickstart supernet once on the digits public pool (a few minutes on "
+              f"2 CPU cores); caching it in {folder}", file=sys.stderr, flush=True)
+        with atomic_dir(folder, overwrite=True) as tmp:
+            _, metrics = train_supernet(config, tmp, progress=progress)
+        print("rafl: quickstart supernet test accuracy (held-out digits): "
+              + json.dumps({k: round(v, 4) for k, v in metrics["test"].items()}), file=sys.stderr, flush=True)
+    return load_supernet(folder), folder
+
+
+__all__ = ["quickstart_supernet", "quickstart_config", "quickstart_dir", "cache_root"]

@@ -1,0 +1,134 @@
+"""Progressive-shrinking training: phases, resume equivalence, CLI smoke and bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from rafl.cli import cli
+from rafl.errors import UserInputError
+from rafl.supernet import SearchSpace, load_supernet
+from rafl.supernet.server_data import random_crop_flip, server_split
+from rafl.supernet.train import TrainConfig, phase_choices, sample_step_archs, soft_cross_entropy, train_supernet
+
+TINY = dict(width_mult=0.25, resolutions=(12, 16), image_size=16, limit_per_class=12, batch_size=16,
+            epochs_full=1, epochs_kernel=1, epochs_depth=1, epochs_expand=1, recal_batches=2)
+
+
+def test_phase_choices_follow_progressive_shrinking():
+    space = SearchSpace()
+    assert phase_choices(space, "full", 0)["ks"] == (7,)
+    assert phase_choices(space, "kernel", 0) == {"ks": (3, 5, 7), "e": (6,), "d": (4,), "r": (24, 28, 32)}
+    assert phase_choices(space, "depth", 0)["d"] == (3, 4)
+    assert phase_choices(space, "depth", 1)["d"] == (2, 3, 4)
+    assert phase_choices(space, "expand", 0)["e"] == (4, 6)
+    assert phase_choices(space, "expand", 1)["e"] == (3, 4, 6)
+    rng = np.random.default_rng(0)
+    archs = sample_step_archs(space, "expand", 1, rng, sandwich=True, n_subnets=2)
+    assert archs[0] == space.largest() and archs[1] == space.smallest() and len(archs) == 4
+    kernel = sample_step_archs(space, "kernel", 0, rng, sandwich=True, n_subnets=1)
+    assert all(a.d == (4,) * 5 and set(a.e) == {6} for a in kernel)
+
+
+def test_soft_cross_entropy_matches_definition():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    probs = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    expected = -(torch.log_softmax(logits, 1) * probs).sum(1).mean()
+    assert torch.isclose(soft_cross_entropy(logits, probs), expected)
+    # with a one-hot target it is the ordinary cross-entropy
+    onehot = torch.nn.functional.one_hot(torch.tensor([0, 1]), 2).float()
+    assert torch.isclose(soft_cross_entropy(logits, onehot),
+                         torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1])))
+
+
+def test_server_split_is_the_public_pool_only():
+    from rafl.data import carve_public_pool, load_dataset
+
+    ds = load_dataset("digits", resolution=8)
+    split = server_split(ds, 0.3, 0, 0.1)
+    pool = carve_public_pool(ds.labels.numpy(), 0.3, 0)
+    assert np.array_equal(np.sort(np.concatenate([split.pool_train, split.pool_val])), pool)
+    assert not set(split.test) & set(pool)
+    assert len(split.test) == len(ds) - len(pool)
+    assert abs(len(split.pool_val) - 0.1 * len(pool)) <= 10
+    again = server_split(ds, 0.3, 0, 0.1)
+    assert np.array_equal(again.pool_train, split.pool_train)
+
+
+def test_random_crop_flip_shapes_and_determinism():
+    x = torch.arange(2 * 3 * 6 * 6, dtype=torch.float32).reshape(2, 3, 6, 6)
+    a = random_crop_flip(x, 2, True, torch.Generator().manual_seed(0))
+    b = random_crop_flip(x, 2, True, torch.Generator().manual_seed(0))
+    assert a.shape == x.shape and torch.equal(a, b)
+    assert torch.equal(random_crop_flip(x, 0, False, torch.Generator()), x)
+    # every crop is a shifted window of the zero-padded image
+    shifted = random_crop_flip(x, 1, False, torch.Generator().manual_seed(3))
+    padded = torch.nn.functional.pad(x, (1, 1, 1, 1))
+    windows = [padded[0, :, i:i + 6, j:j + 6] for i in range(3) for j in range(3)]
+    assert any(torch.equal(shifted[0], w) for w in windows)
+
+
+def test_resume_gives_the_same_result(tmp_path):
+    cfg = TrainConfig(**TINY)
+    torch.set_num_threads(1)
+    net_a, metrics_a = train_supernet(cfg, tmp_path / "a", progress=False)
+    _, partial = train_supernet(cfg, tmp_path / "b", progress=False, stop_after_epochs=2)
+    assert "test" not in partial and not (tmp_path / "b" / "supernet.json").exists()
+    net_b, metrics_b = train_supernet(cfg, tmp_path / "b", progress=False, resume=True)
+    sa, sb = net_a.state_dict(), net_b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert metrics_a["test"] == metrics_b["test"]
+    assert [p["phase"] for p in metrics_a["phases"]] == ["full", "kernel", "depth", "expand"]
+    # outputs: the checkpoint loads (also with weights_only torch.load for the resume state)
+    loaded = load_supernet(tmp_path / "a")
+    assert loaded.space == cfg.space(10)
+    state = torch.load(tmp_path / "a" / "resume.pt", weights_only=True)
+    assert state["phase"] == 3
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["width_mult"] == 0.25
+    # an existing run is not overwritten without --resume
+    with pytest.raises(UserInputError, match="already holds"):
+        train_supernet(cfg, tmp_path / "a", progress=False)
+    # resuming with another config is refused, naming the field
+    with pytest.raises(UserInputError, match="seed"):
+        train_supernet(cfg.model_copy(update={"seed": 5}), tmp_path / "b", resume=True, progress=False)
+
+
+def test_cli_smoke_digits(tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["supernet", "train", "--dataset", "digits", "--out", str(out),
+                                   "--epochs-per-phase", "1", "--width-mult", "0.25", "--resolutions", "12,16",
+                                   "--limit-per-class", "10", "--batch-size", "16", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "largest" in res.output and "smallest" in res.output and "%" in res.output
+    for name in ("supernet.safetensors", "supernet.json", "config.json", "metrics.json", "resume.pt"):
+        assert (out / name).is_file(), name
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["test"]) == {"smallest", "middle", "largest"}
+    assert all(0.0 <= v <= 1.0 for v in metrics["test"].values())
+    # resuming a finished run is a no-op that prints the same table
+    res2 = CliRunner().invoke(cli, ["supernet", "train", "--resume", str(out), "--no-progress"])
+    assert res2.exit_code == 0, res2.output
+    assert json.loads((out / "metrics.json").read_text())["test"] == metrics["test"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dataset", "mnist", "--out", "X"], "dataset"),
+    (["--dataset", "cifar10", "--out", "X"], "data_root"),
+    (["--out", "X", "--epochs-per-phase", "-1"], "epochs_"),
+    (["--out", "X", "--width-mult", "0"], "width_mult"),
+    (["--out", "X", "--device", "tpu"], "device"),
+    (["--out", "X", "--resolutions", "a,b"], "--resolutions"),
+    (["--epochs-per-phase", "1"], "--out"),
+    (["--resume", "NOPE"], "--resume"),
+])
+def test_cli_bad_input_exits_2(tmp_path, args, needle):
+    args = [str(tmp_path / a) if a in ("X", "NOPE") else a for a in args]
+    res = CliRunner().invoke(cli, ["supernet", "train", *args, "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert not (tmp_path / "X").exists()
