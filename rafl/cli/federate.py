@@ -19,28 +19,27 @@ def print_table(summary: dict, run_dir: Path) -> None:
     rows = summary["table"]
     has_k = any(r.get("knowledge.acc") is not None for r in rows)
     t = Table(title=f"{summary['algorithm']}: final round {summary['rounds']}, accuracy on each client's own test split")
-    for col in ("client", "profile", "subnet", "MACs (M)", "params (M)", "train", "test"):
-        t.add_column(col, justify="right" if col not in ("profile", "subnet") else "left")
+    for col in ("client", "profile", "MACs (M)", "params (M)", "train", "test"):
+        t.add_column(col, justify="right" if col != "profile" else "left")
     t.add_column("acc specialized" if has_k else "acc", justify="right")
     if has_k:
-        t.add_column("acc knowledge net", justify="right")
+        t.add_column("acc knowledge", justify="right")
 
     def f(v, d=2):
         return "-" if v is None else f"{v:.{d}f}"
 
     for r in rows:
-        arch = r["arch"] if len(r["arch"]) <= 28 else r["arch"][:25] + "..."
-        cells = [str(r["client"]), r["profile"], arch, f(r["macs_m"]), f(r["params_m"], 3), str(r["n_train"]),
+        cells = [str(r["client"]), r["profile"], f(r["macs_m"]), f(r["params_m"], 3), str(r["n_train"]),
                  str(r["n_test"]), f(r.get("model.acc"), 3)]
         if has_k:
             cells.append(f(r.get("knowledge.acc"), 3))
         t.add_row(*cells)
     m = summary["means"]
-    cells = ["mean", "", "", f(m.get("macs_m")), f(m.get("params_m"), 3), "", "", f(m.get("model.acc"), 3)]
+    cells = ["mean", "", f(m.get("macs_m")), f(m.get("params_m"), 3), "", "", f(m.get("model.acc"), 3)]
     if has_k:
         cells.append(f(m.get("knowledge.acc"), 3))
     t.add_row(*cells, style="bold")
-    con = Console()
+    con = Console(width=max(100, Console().width))
     con.print(t)
     fin = summary["final"]
     if "model.acc_sample_weighted" in fin:
@@ -52,9 +51,11 @@ def print_table(summary: dict, run_dir: Path) -> None:
               f"{summary['cum_bytes_down'] / 1e6:.2f}); upload per client per round "
               f"{summary['mean_bytes_up_per_client_per_round'] / 1e6:.3f} MB; "
               + (f"{co:.2f} MB to reach accuracy {summary['target_accuracy']}" if co is not None
-                 else f"target accuracy {summary['target_accuracy']} not reached")
+                 else f"target accuracy {summary['target_accuracy']} not reached"
+                 if summary["target_accuracy"] is not None else "no target accuracy set")
               + f"; failed clients: {summary['failures']}")
-    con.print(f"run dir: {run_dir}")
+    con.print("subnets: " + ", ".join(sorted({f"{r['profile']}={r['arch']}" for r in rows})), soft_wrap=True)
+    con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 
 @click.command("federate")

@@ -377,10 +377,15 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                       limit_per_class=cfg.data.limit_per_class)
     labels = ds.labels.numpy()
     p = cfg.partition
-    part = make_partition(labels, p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
-                          k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
-                          public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
-                          split=tuple(p.split), dataset=ds.name)
+    try:
+        part = make_partition(labels, p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
+                              k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
+                              public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
+                              split=tuple(p.split), dataset=ds.name)
+    except UserInputError as err:
+        raise UserInputError(f"impossible partition of {ds.name} ({len(labels)} samples) over clients.n="
+                             f"{cfg.clients.n} clients: {err} (config keys: clients.n, partition.*)",
+                             field="partition") from None
     if len(part.clients) != cfg.clients.n:
         raise UserInputError(f"the partition has {len(part.clients)} clients, clients.n is {cfg.clients.n}",
                              field="clients.n")

@@ -13,6 +13,9 @@ moves batches to ``device`` and leaves the model in the mode it found it in only
 helpers (training helpers leave it in train mode). Losses are batch means. Temperatures follow
 Hinton et al. ("Distilling the Knowledge in a Neural Network", 2015): soft targets at temperature
 ``T`` and the KL term multiplied by ``T**2`` so its gradient scale does not depend on ``T``.
+Training helpers skip a mini-batch of a single sample (train-mode BatchNorm cannot normalize one
+sample whose feature map is 1x1); loaders keep ``drop_last=False``, so at most one sample per
+epoch is left out, and only when the split size is 1 modulo the batch size.
 """
 
 from __future__ import annotations
@@ -134,6 +137,8 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
         for images, labels in loader:
             if max_steps is not None and stats.steps >= max_steps:
                 break
+            if len(labels) < 2:
+                continue
             images, labels = images.to(device), labels.to(device)
             logits = model(images)
             loss = F.cross_entropy(logits, labels)
@@ -177,6 +182,8 @@ def train_dml(model_l: nn.Module, model_k: nn.Module, loader: Iterable[Batch],
     sum_l = sum_k = 0.0
     for _ in range(int(epochs)):
         for images, labels in loader:
+            if len(labels) < 2:
+                continue
             images, labels = images.to(device), labels.to(device)
             logits_l = model_l(images)
             logits_k = model_k(images)
@@ -243,6 +250,8 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
         order = torch.randperm(n, generator=generator)
         for i in range(0, n, batch_size):
             idx = order[i:i + batch_size]
+            if len(idx) < 2:
+                continue
             x, t = images[idx].to(device), teacher_logits[idx].to(device)
             logits = student(x)
             loss = kl_soft(logits, t, temperature)

@@ -1,0 +1,100 @@
+"""``rafl federate``: bad input exits 2 with one line and no run dir; a tiny end-to-end run + resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from rafl.cli import cli
+from rafl.supernet import SearchSpace, build_supernet, save_supernet
+
+
+@pytest.fixture(scope="module")
+def tiny_supernet(tmp_path_factory):
+    """A width-0.25 supernet saved like `rafl supernet train` does, recording its public pool."""
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    d = tmp_path_factory.mktemp("supernet")
+    save_supernet(d, build_supernet(space).eval(), config={"public_fraction": 0.3, "public_seed": 0}, metrics={})
+    return d, space
+
+
+def _invoke(args):
+    return CliRunner().invoke(cli, ["federate", "--no-progress", *args])
+
+
+def _one_error_line(result):
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--set", "algorithm.name=fedbogus"], "unknown algorithm 'fedbogus'"),
+    (["--set", "engine.roundz=2"], "engine.roundz: unknown key; allowed: rounds"),
+    (["--set", "algorithm.tempreature=2"], "unknown hyperparameter(s) ['tempreature']"),
+    (["--set", "clients.n=5000"], "impossible partition"),  # more clients than samples
+    (["--set", "clients.profiles=[pi5]"], "pi5"),
+    (["--set", "partition.public_fraction=0.2", "--set", "clients.n=3"], "overlap the supernet's training data"),
+])
+def test_bad_input_exits_2_without_run_dir(tmp_path, tiny_supernet, args, expected):
+    path, _ = tiny_supernet
+    out = tmp_path / "runs"
+    line = _one_error_line(_invoke(["--out", str(out), "--set", f"supernet.path={path}",
+                                    "--set", "data.limit_per_class=10", *args]))
+    assert expected in line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_profile_no_subnet_fits_exits_2(tmp_path, tiny_supernet):
+    path, _ = tiny_supernet
+    prof = yaml.safe_load(open("profiles/pi4.yaml"))
+    prof["name"] = "tiny-mcu"
+    prof["budgets"] = {"macs_m": 0.001}
+    pfile = tmp_path / "tiny-mcu.yaml"
+    pfile.write_text(yaml.safe_dump(prof))
+    out = tmp_path / "runs"
+    line = _one_error_line(_invoke(["--out", str(out), "--set", f"supernet.path={path}", "--set",
+                                    "data.limit_per_class=10", "--set", "clients.n=3", "--set",
+                                    f"clients.profiles=[{pfile}]"]))
+    assert "tiny-mcu" in line and "macs_m" in line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_tiny_run_then_resume(tmp_path, tiny_supernet):
+    path, space = tiny_supernet
+    cfg = {
+        "name": "tiny",
+        "data": {"limit_per_class": 10},
+        "partition": {"alpha": 1.0, "min_samples": 5},
+        "clients": {"n": 3, "profiles": ["pi4", "phone"], "arch": space.smallest().to_string()},
+        "supernet": {"path": str(path)},
+        "algorithm": {"name": "rafl", "local_epochs": 1},
+        "engine": {"rounds": 1, "target_accuracy": None},
+        "train": {"batch_size": 16},
+    }
+    cfile = tmp_path / "run.yaml"
+    cfile.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "runs"
+    res = _invoke(["--config", str(cfile), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    run_dir = out / "tiny"
+    assert f"run dir: {run_dir}" in res.output and "acc knowledge" in res.output and "pi4" in res.output
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["engine"]["rounds"] == 1 and saved["algorithm"]["temperature"] == 1.0  # resolved defaults
+    clients = json.loads((run_dir / "clients.json").read_text())["clients"]
+    assert [c["profile"] for c in clients] == ["pi4", "phone", "pi4"]
+    # same name again: refused, nothing overwritten
+    assert "already exists" in _one_error_line(_invoke(["--config", str(cfile), "--out", str(out)]))
+    res = _invoke(["--resume", str(run_dir), "--set", "engine.rounds=2"])
+    assert res.exit_code == 0, res.output
+    rounds = [json.loads(ln)["round"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+    assert "may change only engine.rounds" in _one_error_line(
+        _invoke(["--resume", str(run_dir), "--set", "algorithm.temperature=3.0"]))
