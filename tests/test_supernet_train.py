@@ -132,3 +132,22 @@ def test_cli_bad_input_exits_2(tmp_path, args, needle):
     assert res.exit_code == 2, res.output
     assert needle in res.output
     assert not (tmp_path / "X").exists()
+
+
+def test_quickstart_trains_once_then_loads_from_cache(tmp_path, monkeypatch, capsys):
+    from rafl.supernet import quickstart as qs
+
+    monkeypatch.setenv("RAFL_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = TrainConfig(**{**TINY, "epochs_kernel": 0, "epochs_depth": 0, "epochs_expand": 1})
+    monkeypatch.setattr(qs, "quickstart_config", lambda: tiny)
+    net, path = qs.quickstart_supernet(progress=False)
+    err = capsys.readouterr().err
+    assert "training the quickstart supernet" in err and str(path) in err
+    assert path.parent == tmp_path / "cache" and path.name.startswith("quickstart-supernet-")
+    assert (path / "supernet.json").is_file() and not list(path.parent.glob(".*tmp"))
+    net2, path2 = qs.quickstart_supernet(progress=False)
+    assert path2 == path and "training" not in capsys.readouterr().err
+    sa, sb = net.state_dict(), net2.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # the hash covers the config: another config gets another folder
+    assert qs.quickstart_dir(tiny.model_copy(update={"seed": 1})) != path
