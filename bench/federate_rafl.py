@@ -1,0 +1,164 @@
+"""RaFL bench: accuracy vs Standalone, upload bytes vs FedAvg, engine overhead.
+
+Scenarios (every method on the same clients, partition, subnets and seed, in this process):
+
+* **digits default pipeline** -- exactly what ``rafl federate`` runs with no arguments (10 clients,
+  profiles pi4 / jetson-nano / phone, Dirichlet alpha 0.5, the quickstart supernet, one searched
+  subnet per profile), RaFL and Standalone for ``--rounds`` rounds.
+* **CIFAR-10 subset** -- the shared JPEG set with ``--cifar-limit`` images per class, the public
+  pool carved with ``carve_public_pool(labels, 0.3, seed=0)``; the supernet is a width-0.35 OFA
+  MobileNet-V3 supernet *trained briefly on that public pool only* (``--cifar-supernet-epochs``);
+  subnets per profile by the ``largest-feasible`` rule (cost model, no accuracy search, to keep
+  the bench inside its CPU budget); RaFL and Standalone.
+
+Claims (printed PASS/FAIL; numbers always written):
+
+1. RaFL's specialized models beat Standalone by >= 5 points of mean client test accuracy.
+2. Upload bytes per client per round, RaFL (knowledge network) vs FedAvg with the same local
+   models (each client uploading its specialized subnet; FedAvg run for real, one round, on a
+   homogeneous population per distinct subnet, bytes from the engine): ratio <= 1/4.
+3. Engine overhead (round time outside client_update, server_aggregate and evaluation: state
+   I/O, payload serialization/validation, sampling, metrics, checkpoints) <= 5% of the round.
+
+Run: ``python bench/federate_rafl.py [--rounds 6] [--cifar-limit 60] [--skip-cifar]``; writes
+``bench/results/federate_rafl.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rafl.config import load_run_config
+from rafl.federation import pipeline
+from rafl.io import atomic_write_json, atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+CIFAR = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+
+
+def run_algo(prep, name: str, workdir: Path) -> dict:
+    t0 = time.perf_counter()
+    summary = pipeline.run(prep, workdir / name, progress=False)
+    hist = [json.loads(ln) for ln in (workdir / name / "metrics.jsonl").read_text().splitlines()]
+    tot = sum(r["time_s"] for r in hist)
+    eng = sum(r["time_engine_s"] for r in hist)
+    ev = sum(r["time_evaluate_s"] for r in hist)
+    return {"summary": summary, "wall_s": time.perf_counter() - t0,
+            "engine_share_of_round": eng / tot, "engine_share_excl_eval": eng / max(1e-9, tot - ev),
+            "bytes_up_per_client_per_round": summary["mean_bytes_up_per_client_per_round"],
+            "acc_model": summary["final"].get("model.acc_mean_over_clients"),
+            "acc_model_weighted": summary["final"].get("model.acc_sample_weighted"),
+            "acc_knowledge": summary["final"].get("knowledge.acc_mean_over_clients")}
+
+
+def fedavg_bytes(overrides: list[str], archs: dict[str, int], workdir: Path) -> float:
+    """Client-weighted mean FedAvg upload bytes per client per round with each distinct subnet."""
+    total, n = 0.0, 0
+    for i, (arch, count) in enumerate(sorted(archs.items())):
+        cfg = load_run_config(None, [*overrides, "algorithm.name=fedavg", f"clients.arch={arch}",
+                                     "engine.rounds=1", "engine.clients_per_round=2", "engine.eval_clients=sampled"])
+        prep = pipeline.prepare(cfg, progress=False)
+        s = pipeline.run(prep, workdir / f"fedavg{i}", progress=False)
+        total += s["mean_bytes_up_per_client_per_round"] * count
+        n += count
+    return total / n
+
+
+def scenario(label: str, overrides: list[str], workdir: Path) -> dict:
+    out = {"label": label, "overrides": overrides}
+    prep = pipeline.prepare(load_run_config(None, overrides), progress=True)
+    out["clients"] = prep.clients_table
+    out["rafl"] = run_algo(prep, "rafl", workdir)
+    prep_sa = pipeline.prepare(load_run_config(None, [*overrides, "algorithm.name=standalone"]), progress=False)
+    out["standalone"] = run_algo(prep_sa, "standalone", workdir)
+    counts: dict[str, int] = {}
+    for row in prep.clients_table:
+        counts[row["arch"]] = counts.get(row["arch"], 0) + 1
+    out["fedavg_bytes_up_per_client_per_round"] = fedavg_bytes(overrides, counts, workdir)
+    for k in ("rafl", "standalone"):
+        out[k].pop("summary")
+    return out
+
+
+def cifar_supernet(limit: int, epochs: int, workdir: Path) -> Path:
+    """A width-0.35 supernet trained on the CIFAR-10 subset's public pool only (progressive
+    shrinking with few epochs), saved for ``supernet.path``."""
+    from rafl.supernet import TrainConfig, train_supernet
+
+    cfg = TrainConfig(dataset="cifar10", data_root=str(CIFAR), limit_per_class=limit, public_fraction=0.3,
+                      public_seed=0, width_mult=0.35, resolutions=(32,), epochs_full=epochs, epochs_kernel=1,
+                      epochs_depth=1, epochs_expand=1, test_samples=200)
+    d = workdir / "cifar-supernet"
+    train_supernet(cfg, d, progress=True)
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--local-epochs", type=int, default=2)
+    ap.add_argument("--cifar-limit", type=int, default=60, help="CIFAR-10 images per class and source split")
+    ap.add_argument("--cifar-supernet-epochs", type=int, default=3)
+    ap.add_argument("--cifar-clients", type=int, default=6)
+    ap.add_argument("--skip-cifar", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    results = {"argv": sys.argv, "torch": torch.__version__, "machine": platform.machine(), "threads": args.threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        base = [f"engine.rounds={args.rounds}", f"algorithm.local_epochs={args.local_epochs}",
+                "engine.target_accuracy=0.9"]
+        results["digits"] = scenario("digits default pipeline", base, work / "digits")
+        if not args.skip_cifar:
+            sdir = cifar_supernet(args.cifar_limit, args.cifar_supernet_epochs, work)
+            cif = [*base, "data.dataset=cifar10", f"data.root={CIFAR}", f"data.limit_per_class={args.cifar_limit}",
+                   f"supernet.path={sdir}", f"clients.n={args.cifar_clients}", "search.method=largest-feasible",
+                   "partition.min_samples=5"]
+            results["cifar10"] = scenario(f"CIFAR-10 subset ({args.cifar_limit}/class)", cif, work / "cifar")
+    results["wall_s"] = time.perf_counter() - t0
+
+    lines = [f"# bench/federate_rafl.py  {' '.join(sys.argv[1:])}  torch {torch.__version__}  threads={args.threads}", ""]
+    lines.append("| scenario | RaFL specialized acc | RaFL knowledge acc | Standalone acc | gain (points) | "
+                 "RaFL up B/client/round | FedAvg up B/client/round | ratio | engine overhead (of round / excl. eval) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    verdicts = []
+    for key in ("digits", "cifar10"):
+        if key not in results:
+            continue
+        r = results[key]
+        gain = 100 * (r["rafl"]["acc_model"] - r["standalone"]["acc_model"])
+        ratio = r["rafl"]["bytes_up_per_client_per_round"] / r["fedavg_bytes_up_per_client_per_round"]
+        eng = r["rafl"]["engine_share_of_round"]
+        r.update({"gain_points": gain, "upload_ratio_vs_fedavg": ratio})
+        lines.append(f"| {r['label']} | {r['rafl']['acc_model']:.4f} | {r['rafl']['acc_knowledge']:.4f} | "
+                     f"{r['standalone']['acc_model']:.4f} | {gain:+.2f} | {r['rafl']['bytes_up_per_client_per_round']:.0f} | "
+                     f"{r['fedavg_bytes_up_per_client_per_round']:.0f} | {ratio:.3f} | {100 * eng:.2f}% / "
+                     f"{100 * r['rafl']['engine_share_excl_eval']:.2f}% |")
+        verdicts += [f"{key}: RaFL vs Standalone >= +5 points: {'PASS' if gain >= 5 else 'FAIL'} ({gain:+.2f})",
+                     f"{key}: upload RaFL / FedAvg <= 1/4: {'PASS' if ratio <= 0.25 else 'FAIL'} ({ratio:.3f})",
+                     f"{key}: engine overhead <= 5% of the round: {'PASS' if eng <= 0.05 else 'FAIL'} ({100 * eng:.2f}%)"]
+    lines += ["", *verdicts, "", "Per-client subnets (digits):", ""]
+    for row in results["digits"]["clients"]:
+        lines.append(f"- client {row['client']} {row['profile']}: {row['macs_m']:.2f} M MACs, {row['params_m']:.3f} M "
+                     f"params, {row['n_train']} train samples, {row['arch']}")
+    lines += ["", f"wall {results['wall_s']:.1f} s"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = ROOT / "bench" / "results"
+    atomic_write_text(out / "federate_rafl.md", text)
+    atomic_write_json(out / "federate_rafl.json", results)
+
+
+if __name__ == "__main__":
+    main()
