@@ -93,7 +93,7 @@ class SearchSection(_Strict):
         "evolution", description="evolution (the search) or largest-feasible (random sampling, by MACs)")
     population: int = Field(24, ge=2, description="an integer >= 2")
     generations: int = Field(10, ge=0, description="an integer >= 0")
-    estimator: Literal["predictor", "measured"] = "measured"
+    estimator: Literal["predictor", "measured"] = "predictor"
     predictor_samples: int = Field(16, ge=4, description="an integer >= 4")
     top_k: int = Field(3, ge=1, description="an integer >= 1")
     val_samples: int = Field(256, ge=8, description="an integer >= 8 (public-pool images for validation)")
