@@ -220,28 +220,32 @@ def _initial_population(space: SearchSpace, n: int, cost_fn: CostFn, limits: dic
 
 def _feasible_children(make: Callable[[np.ndarray], Population],
                        fallback: Callable[[np.ndarray], tuple[Population, dict[str, np.ndarray]]],
-                       n: int, cost_fn: CostFn, limits: dict[str, float], rounds: int
+                       n: int, cost_fn: CostFn, limits: dict[str, float], rounds: int, oversample: int = 4
                        ) -> tuple[Population, dict[str, np.ndarray]]:
-    """``n`` feasible children: ``make(slots)`` draws children for the given slots; infeasible
-    slots are redrawn (same parents) at most ``rounds`` times, then get ``fallback(slots)``
-    (a feasible parent). Returns the children and their costs, in slot order."""
-    slots = np.arange(n)
-    kids = make(slots)
+    """``n`` feasible children: ``make(slots)`` draws one child per entry of ``slots`` (same
+    parents for the same slot); infeasible slots are redrawn at most ``rounds`` times, each round
+    drawing ``oversample`` candidates per slot in one batch and keeping the first feasible one
+    (the same distribution as OFA's redraw-until-feasible loop, with fewer cost calls); slots still
+    infeasible get ``fallback(slots)`` (a feasible parent). Returns children and costs in slot order."""
+    kids = make(np.arange(n))
     costs = cost_fn(kids)
     bad = np.flatnonzero(~feasible_mask(costs, limits))
     for _ in range(rounds):
         if not len(bad):
             break
-        redo = make(bad)
+        cand_slots = np.repeat(bad, oversample)
+        redo = make(cand_slots)
         redo_cost = cost_fn(redo)
-        ok = feasible_mask(redo_cost, limits)
-        if ok.any():
-            good = bad[ok]
+        ok = feasible_mask(redo_cost, limits).reshape(len(bad), oversample)
+        hit = ok.any(axis=1)
+        if hit.any():
+            pick = np.flatnonzero(hit) * oversample + ok[hit].argmax(axis=1)  # first feasible candidate
+            good = bad[hit]
             for f in ("ks", "e", "d", "r"):
-                getattr(kids, f)[good] = getattr(redo, f)[ok]
+                getattr(kids, f)[good] = getattr(redo, f)[pick]
             for k in costs:
-                costs[k][good] = redo_cost[k][ok]
-        bad = bad[~ok]
+                costs[k][good] = redo_cost[k][pick]
+        bad = bad[~hit]
     if len(bad):
         par, par_cost = fallback(bad)
         for f in ("ks", "e", "d", "r"):
@@ -269,7 +273,7 @@ def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[
     Returns:
         :class:`EvolutionOutcome`; ``history`` has per generation ``generation``,
         ``best_accuracy`` (best feasible so far), ``mean_parent_accuracy``, ``best_arch``,
-        ``children_redrawn`` (infeasible children drawn again) and ``elapsed_s``.
+        ``candidates_redrawn`` (extra candidates drawn for infeasible children) and ``elapsed_s``.
 
     Raises:
         UserInputError: no arch of the space meets the budgets (names each violated budget and
@@ -303,32 +307,30 @@ def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[
         best = max(best, float(scores[0]))
         redrawn_before = counter.n
 
+        # slots [0, n_mut) are mutants of parent im[slot]; [n_mut, n_pop) crossovers of i1 x i2
         im = rng.integers(0, n_par, n_mut)
-
-        def mutants(sel: np.ndarray) -> Population:
-            return pop.take(im[sel]).mutate(rng, config.mutate_prob, config.resolution_mutate_prob)
-
-        def mutant_parents(sel: np.ndarray) -> tuple[Population, dict[str, np.ndarray]]:
-            return pop.take(im[sel]), _take_costs(costs, im[sel])
-
         i1, i2 = rng.integers(0, n_par, n_cross), rng.integers(0, n_par, n_cross)
+        first_parent = np.concatenate([im, i1])
 
-        def crosses(sel: np.ndarray) -> Population:
-            return Population.crossover(pop.take(i1[sel]), pop.take(i2[sel]), rng)
+        def children(sel: np.ndarray) -> Population:
+            is_mut = sel < n_mut
+            out = pop.take(first_parent[sel])
+            if is_mut.any():
+                m = out.take(np.flatnonzero(is_mut)).mutate(rng, config.mutate_prob, config.resolution_mutate_prob)
+                for f in ("ks", "e", "d", "r"):
+                    getattr(out, f)[is_mut] = getattr(m, f)
+            if (~is_mut).any():
+                c_sel = sel[~is_mut] - n_mut
+                x = Population.crossover(pop.take(i1[c_sel]), pop.take(i2[c_sel]), rng)
+                for f in ("ks", "e", "d", "r"):
+                    getattr(out, f)[~is_mut] = getattr(x, f)
+            return out
 
-        def cross_parents(sel: np.ndarray) -> tuple[Population, dict[str, np.ndarray]]:
-            return pop.take(i1[sel]), _take_costs(costs, i1[sel])
+        def parents_of(sel: np.ndarray) -> tuple[Population, dict[str, np.ndarray]]:
+            return pop.take(first_parent[sel]), _take_costs(costs, first_parent[sel])
 
-        parts, part_costs = [], []
-        if n_mut:
-            k, c = _feasible_children(mutants, mutant_parents, n_mut, counter, limits, config.max_resample_rounds)
-            parts.append(k)
-            part_costs.append(c)
-        if n_cross:
-            k, c = _feasible_children(crosses, cross_parents, n_cross, counter, limits, config.max_resample_rounds)
-            parts.append(k)
-            part_costs.append(c)
-        kids, kid_costs = Population.concat(parts), _cat_costs(part_costs)
+        kids, kid_costs = _feasible_children(children, parents_of, n_pop, counter, limits,
+                                             config.max_resample_rounds)
         kid_scores = np.asarray(score_fn(kids), dtype=np.float64)
         n_scored += len(kids)
         arch_pops.append(kids)
@@ -343,11 +345,12 @@ def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[
             "best_accuracy": best,
             "mean_parent_accuracy": float(np.mean(scores[:n_par])),
             "best_arch": pop.arch(0).to_string(),
-            "children_redrawn": int(counter.n - redrawn_before - n_pop),
+            "candidates_redrawn": int(counter.n - redrawn_before - n_pop),
             "elapsed_s": round(elapsed, 4),
         })
-        bar.set_postfix(best_acc=f"{best:.4f}")
-        bar.update(1)
+        if config.progress:
+            bar.set_postfix(best_acc=f"{best:.4f}", refresh=False)
+            bar.update(1)
         if config.time_budget_s is not None and elapsed >= config.time_budget_s:
             break
     bar.close()
@@ -402,41 +405,47 @@ def profile_limits(profile) -> dict[str, float]:
     return {k: float(v) for k, v in profile.effective_budgets()}
 
 
-def cost_fn_for(cost_model, cache_size: int = 200_000) -> CostFn:
+class _ArchRows:
+    """Read-only ``ks``/``e``/``d``/``r`` views of one population member: what
+    :meth:`CostModel.batch` reads from an arch, without building (and re-validating) an
+    :class:`ArchConfig` per candidate (population members are valid by construction)."""
+
+    __slots__ = ("ks", "e", "d", "r")
+
+    def __init__(self, ks, e, d, r):
+        self.ks, self.e, self.d, self.r = ks, e, d, r
+
+    @classmethod
+    def of(cls, pop: Population) -> list[_ArchRows]:
+        v = pop.values()
+        return [cls(k, e, d, r) for k, e, d, r in zip(v["ks"], v["e"], v["d"], v["r"].tolist())]
+
+
+def cost_fn_for(cost_model) -> CostFn:
     """Adapt a :class:`rafl.search.cost.CostModel` to ``Population -> {key: (P,) float64 array}``.
 
-    Prices a whole generation with :meth:`CostModel.batch` (its vectorized table lookup); archs
-    already priced are served from a cache keyed by their genes (evolution revisits archs). Adds
-    ``energy_per_epoch_j`` when the model's profile has that budget.
+    Prices a whole generation with one :meth:`CostModel.batch` call (its vectorized table lookup).
+    Adds ``energy_per_epoch_j`` when the model's profile has that budget.
     """
-    cache: dict[bytes, np.ndarray] = {}
-    names: list[str] = []
+    fast = [True]
     profile = getattr(cost_model, "profile", None)
-    extra = None
-    if profile is not None and "energy_per_epoch_j" in dict(profile.effective_budgets()):
-        from rafl.search.cost import energy_per_epoch_j
-
-        def extra(c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {"energy_per_epoch_j": energy_per_epoch_j(c["energy_mj"], profile)}
+    per_epoch = profile is not None and "energy_per_epoch_j" in dict(profile.effective_budgets())
 
     def fn(pop: Population) -> dict[str, np.ndarray]:
-        keys = pop.keys()
-        todo = [i for i, k in enumerate(keys) if k not in cache]
-        local: dict[bytes, np.ndarray] = {}
-        if todo:
-            fresh = dict(cost_model.batch(pop.take(np.asarray(todo)).archs()))
-            if extra is not None:
-                fresh.update(extra(fresh))
-            if not names:
-                names.extend(fresh)
-            rows = np.stack([np.asarray(fresh[k], dtype=np.float64) for k in names], axis=1)
-            local = {keys[i]: row for i, row in zip(todo, rows)}
-        table = (np.stack([local[k] if k in local else cache[k] for k in keys]) if keys
-                 else np.zeros((0, len(names))))
-        if len(cache) + len(local) > cache_size:
-            cache.clear()
-        cache.update(local)
-        return {k: table[:, j].copy() for j, k in enumerate(names)}
+        out = None
+        if fast[0]:
+            try:
+                out = cost_model.batch(_ArchRows.of(pop))
+            except (AttributeError, TypeError):  # a cost model that needs real ArchConfigs
+                fast[0] = False
+        if out is None:
+            out = cost_model.batch(pop.archs())
+        out = {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+        if per_epoch:
+            from rafl.search.cost import energy_per_epoch_j
+
+            out["energy_per_epoch_j"] = energy_per_epoch_j(out["energy_mj"], profile)
+        return out
 
     return fn
 

@@ -145,12 +145,16 @@ class Population:
         encoding of OFA's accuracy predictor (``ofa/nas/accuracy_predictor/arch_encoder.py``).
         """
         s, n = self.space, len(self)
-        nk, ne, nr = len(s.ks_choices), len(s.e_choices), len(s.resolutions)
-        act = self.active()[:, :, None].astype(np.float32)
-        ek = np.eye(nk, dtype=np.float32)[self.ks] * act
-        ee = np.eye(ne, dtype=np.float32)[self.e] * act
-        blocks = np.concatenate([ek, ee], axis=2).reshape(n, s.n_blocks * (nk + ne))
-        return np.concatenate([blocks, np.eye(nr, dtype=np.float32)[self.r]], axis=1)
+        nk, ne = len(s.ks_choices), len(s.e_choices)
+        size = s.encoding_size
+        enc = np.zeros(n * size, dtype=np.float32)
+        row = (np.arange(n) * size)[:, None]
+        base = row + (np.arange(s.n_blocks) * (nk + ne))[None, :]
+        act = self.active()
+        enc[(base + self.ks)[act]] = 1.0
+        enc[(base + nk + self.e)[act]] = 1.0
+        enc[row[:, 0] + s.n_blocks * (nk + ne) + self.r] = 1.0
+        return enc.reshape(n, size)
 
     def genes(self) -> np.ndarray:
         """``(P, 2 * n_blocks + n_stages + 1)`` int8: all choice indices side by side."""

@@ -65,7 +65,6 @@ class AccuracyPredictor(nn.Module):
         self.register_buffer("base_acc", torch.zeros(()))
         self.register_buffer("scale", torch.ones(()))
         self.n_inputs, self.hidden, self.n_layers = n_inputs, hidden, n_layers
-        self._np_weights: list[tuple[np.ndarray, np.ndarray | None]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: (N, n_inputs) float32 encodings -> (N,) predicted accuracy."""
@@ -104,32 +103,17 @@ class AccuracyPredictor(nn.Module):
             loss.backward()
             opt.step()
         self.eval()
-        self._np_weights = None
         return self
 
     # ------------------------------------------------------------------ inference
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """(N, n_inputs) encodings -> (N,) float64 predicted accuracy (numpy, no autograd).
+        """(N, n_inputs) encodings -> (N,) float64 predicted accuracy (numpy in and out, no autograd).
 
-        Runs the MLP in numpy (one matmul per layer for a whole generation), which avoids
-        torch's per-call overhead inside the search loop; equal to :meth:`forward` up to float
-        rounding.
+        One batched forward pass in torch (inference mode) for a whole generation.
         """
-        if self._np_weights is None:
-            ws = []
-            for m in self.layers:
-                if isinstance(m, nn.Linear):
-                    ws.append((m.weight.detach().numpy().T.astype(np.float32).copy(),
-                               None if m.bias is None else m.bias.detach().numpy().astype(np.float32).copy()))
-            self._np_weights = ws
-        h = np.asarray(x, dtype=np.float32)
-        for i, (w, b) in enumerate(self._np_weights):
-            h = h @ w
-            if b is not None:
-                h += b
-            if i < len(self._np_weights) - 1:
-                np.maximum(h, 0.0, out=h)
-        return h[:, 0].astype(np.float64) * float(self.scale) + float(self.base_acc)
+        with torch.inference_mode():
+            out = self.forward(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
+        return out.numpy().astype(np.float64)
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path, extra: dict | None = None) -> None:
