@@ -173,7 +173,8 @@ def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
 
     peak_free / peak_hold: fx lifetime-analysis peak at batch 1 with the unit's input freed after
     its last use / held for the whole unit. saved_per_sample: bytes autograd saves per sample in
-    train mode (measured at batch 2, halved). Cached per process and on disk.
+    train mode (at batch 2, halved). Both run on the meta device (shapes only; identical to a CPU
+    run, checked in the tests). Cached per process and on disk.
     """
     key = spec.memory_key
     hit = _MEM_CACHE.get(key)
@@ -183,12 +184,13 @@ def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
 
     from rafl.search.memory import fx_peak_memory, measure_saved_activations
 
-    torch.manual_seed(0)
-    module = build_unit_module(spec)
+    with torch.device("meta"):  # shapes only: nothing is allocated, initialised or computed
+        module = build_unit_module(spec)
+        x = torch.zeros(unit_input_shape(spec, 2))
     module.eval()
-    trace = fx_peak_memory(module, unit_input_shape(spec), hold_input=False)
+    trace = fx_peak_memory(module, unit_input_shape(spec), hold_input=False, device="meta")
     module.train()
-    saved = measure_saved_activations(module, torch.randn(unit_input_shape(spec, 2))) // 2
+    saved = measure_saved_activations(module, x) // 2
     _MEM_CACHE[key] = (trace.peak_bytes_freed, trace.peak_bytes_held, saved)
     return _MEM_CACHE[key]
 
@@ -289,6 +291,14 @@ class CostModel:
             lat_en = np.array([self._latency_energy(s) for _, s in fixed]).sum(axis=0)
             self._fixed_add[ri] = [t["fixed_macs"], t["fixed_params"], t["fixed_saved"], *lat_en]
             self._fixed_peak[ri] = t["fixed_peak"]
+        # flat views for the single-arch fast path
+        self._n_e = len(space.e_choices)
+        self._n_ke = len(space.ks_choices) * self._n_e
+        self._add_flat = self._add.reshape(-1, 5)
+        self._peak_flat = self._peak.reshape(-1)
+        self._k_map = {k: i for i, k in enumerate(space.ks_choices)}
+        self._e_map = {e: i for i, e in enumerate(space.e_choices)}
+        self._d_set = set(space.d_choices)
 
     # ----------------------------------------------------------------- per unit
     def unit_latency_ms(self, spec: UnitSpec) -> float:
@@ -385,13 +395,30 @@ class CostModel:
                 "train_memory_mb": train, "latency_ms": add[:, 3], "energy_mj": add[:, 4]}
 
     def cost(self, arch: ArchConfig) -> Cost:
-        """Cost of one arch (a few microseconds: table lookups).
+        """Cost of one arch: a sum (max for peak memory) of ~20 table entries, ~10-20 us.
 
         Raises:
             UserInputError: ``arch`` is outside the space.
         """
-        out = self.batch([arch])
-        return Cost(**{m: float(out[m][0]) for m in METRICS})
+        space = self.space
+        try:
+            ri = self._r_index[arch.r]
+            if len(arch.d) != space.n_stages or len(arch.ks) != space.n_blocks or len(arch.e) != space.n_blocks:
+                raise KeyError
+            md = space.max_depth
+            idx = [i for s, d in enumerate(arch.d) if d in self._d_set for i in range(s * md, s * md + d)]
+            if len(idx) != sum(arch.d):
+                raise KeyError
+            kmap, emap = self._k_map, self._e_map
+            flat = [(ri * space.n_blocks + i) * self._n_ke + kmap[arch.ks[i]] * self._n_e + emap[arch.e[i]] for i in idx]
+        except (KeyError, TypeError):
+            arch.validate(space)  # raises the precise UserInputError
+            raise
+        add = self._add_flat[flat].sum(axis=0) + self._fixed_add[ri]
+        peak = max(float(self._peak_flat[flat].max()), float(self._fixed_peak[ri]))
+        train = (TRAIN_STATE_COPIES * add[1] * BYTES_PER_ELEMENT + self.batch_size * add[2]) / MIB
+        return Cost(macs_m=float(add[0]) / 1e6, params_m=float(add[1]) / 1e6, peak_memory_mb=peak / MIB,
+                    train_memory_mb=float(train), latency_ms=float(add[3]), energy_mj=float(add[4]))
 
     def violations(self, cost: Cost, profile: DeviceProfile | None = None) -> list[str]:
         """Budgets of ``profile`` (default: this model's) that ``cost`` exceeds, one message each

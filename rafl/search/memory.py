@@ -101,7 +101,7 @@ def _is_alias(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
 
 
 def fx_peak_memory(model: nn.Module, input_shape: tuple[int, ...], *, hold_input: bool = True,
-                   dtype: torch.dtype = torch.float32) -> MemoryTrace:
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MemoryTrace:
     """Peak live activation memory of one forward pass, by tensor-lifetime analysis of the fx graph.
 
     Args:
@@ -111,6 +111,8 @@ def fx_peak_memory(model: nn.Module, input_shape: tuple[int, ...], *, hold_input
         hold_input: count the input as live for the whole pass (the caller owns that buffer);
             False frees it after its last use like any other tensor.
         dtype: input dtype (float32).
+        device: device of the shape-propagation input; ``"meta"`` (with a model built on the meta
+            device) propagates shapes without allocating or computing anything.
 
     Returns:
         :class:`MemoryTrace`; weights and buffers are not counted (they are parameters).
@@ -121,7 +123,7 @@ def fx_peak_memory(model: nn.Module, input_shape: tuple[int, ...], *, hold_input
     gm = torch.fx.symbolic_trace(model)
     was_training = gm.training
     with torch.no_grad():
-        ShapeProp(gm).propagate(torch.zeros(input_shape, dtype=dtype))
+        ShapeProp(gm).propagate(torch.zeros(input_shape, dtype=dtype, device=device))
     gm.train(was_training)
 
     nodes = [n for n in gm.graph.nodes]
@@ -276,18 +278,20 @@ def measure_saved_activations(model: nn.Module, x: torch.Tensor) -> int:
 
     Args:
         model: module in the mode to measure (train mode for training memory).
-        x: input, shape ``(B, ...)``.
+        x: input, shape ``(B, ...)`` (on the model's device; ``meta`` works: nothing is computed).
 
     Returns:
         saved bytes (int).
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # storages are identified by their StorageImpl (works on the meta device too, where every
+    # data_ptr is 0): a view and its base count once
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
         st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
+        if st._cdata not in params:
+            seen[st._cdata] = st.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
