@@ -305,7 +305,10 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
             test resuming. ``None`` = run to the end.
 
     Returns:
-        ``(supernet, metrics)``; metrics has ``phases`` (list of per-phase dicts), and when finished
+        ``(supernet, metrics)``; metrics has ``phases`` (list of per-phase dicts with per-epoch
+        train loss/accuracy; the phase's last epoch adds server-val accuracy ``val_acc_smallest``
+        (the space's smallest subnet), ``val_acc_phase_smallest`` (the smallest subnet trained in
+        that phase) and ``val_acc_largest``, all BN-recalibrated), and when finished
         ``test`` = {smallest, middle, largest: accuracy} with BN recalibrated on pool-train, and
         ``test_source`` saying which held-out samples were used.
 
@@ -354,7 +357,7 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
         if diff:
             raise UserInputError(f"the run in this directory has another config (fields {diff}); "
                                  "resume with the saved config", source=out / CONFIG_NAME, field="resume")
-        ckpt = torch.load(out / RESUME_NAME, map_location=device, weights_only=True)
+        ckpt = torch.load(out / RESUME_NAME, map_location="cpu", weights_only=True)  # RNG states stay on CPU
         net.load_state_dict(ckpt["model"])
         start_phase, start_epoch = ckpt["phase"], ckpt["epoch"]
         metrics = json.loads(ckpt["metrics_json"])
@@ -424,7 +427,9 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
                       "seconds": round(time.perf_counter() - t0, 2)}
             if epoch + 1 == epochs[phase] and len(split.pool_val):
                 val_x, val_y = images[split.pool_val], labels[split.pool_val]
-                for which, arch in (("smallest", space.smallest()), ("largest", space.largest())):
+                phase_min = _arch_from(space, phase_choices(space, name, 1), None, "min")
+                for which, arch in (("smallest", space.smallest()), ("phase_smallest", phase_min),
+                                    ("largest", space.largest())):
                     record[f"val_acc_{which}"] = evaluate_subnet(net, arch, val_x, val_y, calib,
                                                                  config.eval_batch_size)
             metrics["phases"][-1]["epochs"].append(record)
