@@ -194,9 +194,13 @@ def test_nas_subnets_federate_with_fedgh_and_fedtgp(tmp_path):
 
     torch.manual_seed(0)
     ds = load_dataset("digits", limit_per_class=6)
-    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    space = SearchSpace(width_mult=0.25, resolutions=(12,), n_classes=10)
     sup = build_supernet(space)
-    archs = [space.smallest(), space.largest()]
+    import dataclasses
+
+    small = space.smallest()   # two different (cheap) subnets: the smallest, and it with 5x5 kernels in stage 1
+    archs = [small, dataclasses.replace(small, ks=(5,) * space.max_depth + small.ks[space.max_depth:])]
+    assert archs[0].to_string() != archs[1].to_string()
     y = ds.labels.numpy()
     idx = [np.flatnonzero(np.isin(y, [0, 1, 2])), np.flatnonzero(np.isin(y, [2, 3, 4, 5]))]
     splits = [_split(i) for i in idx]
