@@ -131,3 +131,18 @@ def test_build_lut_measures_every_layer_and_a_profile_uses_it(tmp_path):
     for arch in (space.smallest(), space.largest(), space.sample(rng)):  # every layer of the space is in it
         expected = sum(doc["entries"][s.key] for _, s in arch_units(space, arch))
         assert model.cost(arch).latency_ms == pytest.approx(expected)
+
+
+def test_supernet_folder_gives_the_space(tmp_path):
+    from rafl.supernet import build_supernet, save_supernet
+
+    torch.manual_seed(0)
+    save_supernet(tmp_path / "sn", build_supernet(SPACE), {}, {})
+    res = _run(["profile", "--supernet", str(tmp_path / "sn"), "--arch", ARCH, "--device-profile", "server-gpu",
+                "--out", str(tmp_path / "r"), "--no-measure"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "r" / "cost_report.json").read_text())
+    assert doc["search_space"]["width_mult"] == 0.25 and doc["feasible"] is True
+    res = CliRunner().invoke(cli, ["profile", "--supernet", str(tmp_path / "none"), "--arch", ARCH,
+                                   "--device-profile", "pi4", "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "--supernet" in res.output and not (tmp_path / "x").exists()

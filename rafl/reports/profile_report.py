@@ -20,6 +20,7 @@ import copy
 import math
 import platform
 import statistics
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,14 @@ def count_fvcore(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, dict[str,
         ``(per_module, per_operator)``: ``per_module[name][op]`` (submodules included in their
         parents) and the whole model's ``{op: count}``.
     """
-    from fvcore.nn import FlopCountAnalysis
+    with warnings.catch_warnings():  # torch.jit deprecation notices from fvcore's import and tracer
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from fvcore.nn import FlopCountAnalysis
 
-    fca = FlopCountAnalysis(model, x).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
-    per_module = {k: dict(v) for k, v in fca.by_module_and_operator().items()}
-    return per_module, dict(fca.by_operator())
+        fca = FlopCountAnalysis(model, x).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+        per_module = {k: dict(v) for k, v in fca.by_module_and_operator().items()}
+        return per_module, dict(fca.by_operator())
 
 
 def count_thop(model: nn.Module, x: torch.Tensor) -> tuple[float, dict[str, Any]]:
@@ -62,7 +66,9 @@ def count_thop(model: nn.Module, x: torch.Tensor) -> tuple[float, dict[str, Any]
 
     logging.getLogger().setLevel(logging.WARNING)
     clone = copy.deepcopy(model).eval()
-    total, _, tree = profile(clone, inputs=(x,), verbose=False, ret_layer_info=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        total, _, tree = profile(clone, inputs=(x,), verbose=False, ret_layer_info=True)
     return float(total), tree
 
 
