@@ -101,7 +101,7 @@ class _CrashingRaFL(RaFL):
 def test_resume_after_crash_gives_the_same_metrics(tiny, tmp_path):
     space, supernet, ds, part = tiny
     archs = [space.smallest(), space.middle(), space.smallest()]
-    cfg = EngineConfig(rounds=3, clients_per_round=2, dropout=0.2, seed=5)
+    cfg = EngineConfig(rounds=3, clients_per_round=2, dropout=0.2, eval_every=2, seed=5)
     fed, _ = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16, count_macs=False)
     ref = Engine(fed, cfg, tmp_path / "a", progress=False).run()
     fed_c, _ = build_federation(ds, part, supernet, archs, _CrashingRaFL(), batch_size=16, count_macs=False)
@@ -145,7 +145,7 @@ def test_dropout_counts_failures_and_round_completes(tiny, tmp_path):
     space, supernet, ds, part = tiny
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, get_algorithm("fedavg")(),
                               batch_size=16, count_macs=False)
-    s = Engine(fed, EngineConfig(rounds=3, dropout=0.5, seed=2), tmp_path, progress=False).run()
+    s = Engine(fed, EngineConfig(rounds=3, dropout=0.5, eval_every=3, seed=2), tmp_path, progress=False).run()
     hist = _read_history(tmp_path)
     assert s["failures"] == sum(r["failed"] for r in hist) > 0
     for r in hist:  # failed clients download but never upload
