@@ -71,6 +71,7 @@ class SearchConfig(BaseModel):
     calib_batches: int = Field(2, ge=1, description="an integer >= 1 (BN recalibration batches)")
     batch_size: int = Field(128, ge=1, description="an integer >= 1 (images per forward pass)")
     seed: int = Field(0, description="an integer (everything is deterministic for it)")
+    threads: int | None = Field(1, ge=1, description="an integer >= 1 (torch threads during the search), or null (unchanged)")
     progress: bool = Field(True, description="true/false (progress bars)")
 
     @classmethod
@@ -477,11 +478,19 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
             profile whose budgets no subnet of the space meets (naming each violated budget and
             the smallest value reachable).
     """
+    from rafl.search.predictor import torch_threads
+
+    config = config or SearchConfig()
+    with torch_threads(config.threads):
+        return _search_subnets(supernet, profiles, val_data, calib_data, config, cost_models)
+
+
+def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConfig, cost_models
+                    ) -> dict[str, SearchResult]:
     from rafl.search.cost import CostModel
     from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy
     from rafl.search.profile import load_profile
 
-    config = config or SearchConfig()
     profs = [load_profile(p) for p in profiles]
     if not profs:
         raise UserInputError("give at least one device profile", field="device_profile")

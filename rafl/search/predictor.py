@@ -10,7 +10,9 @@ generation in one batched call.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,23 @@ from torch import nn
 
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(n)`` (``None``: unchanged), then restore.
+
+    The search's tensors are small (an MLP on ~100 encodings, subnets at 24-32 px): one thread is
+    fastest, and on a shared machine extra OpenMP threads make them many times slower.
+    """
+    old = torch.get_num_threads()
+    if n is not None and n != old:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
 
 
 @dataclass(frozen=True)
@@ -97,11 +116,12 @@ class AccuracyPredictor(nn.Module):
         target = (y_t - base) / scale
         opt = torch.optim.Adam(self.layers.parameters(), lr=lr, weight_decay=weight_decay)
         self.train()
-        for _ in range(epochs):
-            opt.zero_grad(set_to_none=True)
-            loss = torch.mean((self.layers(x_t).squeeze(-1) - target) ** 2)
-            loss.backward()
-            opt.step()
+        with torch_threads(1):
+            for _ in range(epochs):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.mean((self.layers(x_t).squeeze(-1) - target) ** 2)
+                loss.backward()
+                opt.step()
         self.eval()
         return self
 
@@ -111,7 +131,7 @@ class AccuracyPredictor(nn.Module):
 
         One batched forward pass in torch (inference mode) for a whole generation.
         """
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_threads(1):
             out = self.forward(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)))
         return out.numpy().astype(np.float64)
 
@@ -185,4 +205,4 @@ def train_predictor(x: np.ndarray, y: np.ndarray, *, holdout: float = 0.25, hidd
     return model, PredictorFit(kendall_tau=tau, rmse=rmse, n_train=len(train), n_holdout=n_hold)
 
 
-__all__ = ["AccuracyPredictor", "PredictorFit", "kendall_tau", "train_predictor"]
+__all__ = ["AccuracyPredictor", "PredictorFit", "kendall_tau", "train_predictor", "torch_threads"]

@@ -259,9 +259,11 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     out = Path(out)
     summary: dict[str, Any] = {"supernet": meta.get("path"), "data": data_info, "config": config.model_dump(),
                                "profiles": {}}
+    from rafl.search.predictor import torch_threads
+
     for prof in profs:
         res = results[prof.name]
-        with atomic_dir(out / prof.name, overwrite=True) as tmp:
+        with atomic_dir(out / prof.name, overwrite=True) as tmp, torch_threads(config.threads):
             _write_profile(tmp, res, prof, supernet, calib, config, meta, data_info, models[prof.name])
         summary["profiles"][prof.name] = {"arch": res.arch.to_string(), "accuracy": res.accuracy,
                                           "cost": _cost_dict(res.cost), "dir": str(out / prof.name)}
