@@ -93,9 +93,14 @@ def test_resume_gives_the_same_result(tmp_path):
     # an existing run is not overwritten without --resume
     with pytest.raises(UserInputError, match="already holds"):
         train_supernet(cfg, tmp_path / "a", progress=False)
+    # a truncated resume checkpoint is a clear error
+    data = (tmp_path / "b" / "resume.pt").read_bytes()
+    (tmp_path / "b" / "resume.pt").write_bytes(data[: len(data) // 3])
+    with pytest.raises(UserInputError, match="truncated"):
+        train_supernet(cfg, tmp_path / "b", resume=True, progress=False)
     # resuming with another config is refused, naming the field
     with pytest.raises(UserInputError, match="seed"):
-        train_supernet(cfg.model_copy(update={"seed": 5}), tmp_path / "b", resume=True, progress=False)
+        train_supernet(cfg.model_copy(update={"seed": 5}), tmp_path / "a", resume=True, progress=False)
 
 
 def test_cli_smoke_digits(tmp_path):

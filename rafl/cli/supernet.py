@@ -85,7 +85,10 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
         if not saved.is_file():
             raise UserInputError(f"has no {CONFIG_NAME}: not a `rafl supernet train` run folder",
                                  source=resume, field="--resume")
-        base = json.loads(saved.read_text())
+        try:
+            base = json.loads(saved.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserInputError("not valid JSON (truncated or corrupted?)", source=saved, field="--resume") from None
         source = saved
         per_phase = given.pop("epochs_per_phase", None)
         if per_phase is not None:

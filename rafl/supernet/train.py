@@ -351,13 +351,17 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     start_phase, start_epoch = 0, 0
     opt = sched = None
     if resume:
-        saved_cfg = json.loads((out / CONFIG_NAME).read_text())
+        saved_cfg = _read_json(out / CONFIG_NAME)
         now_cfg = json.loads(config.model_dump_json())
         diff = [k for k in set(saved_cfg) | set(now_cfg) if k != "device" and saved_cfg.get(k) != now_cfg.get(k)]
         if diff:
             raise UserInputError(f"the run in this directory has another config (fields {diff}); "
                                  "resume with the saved config", source=out / CONFIG_NAME, field="resume")
-        ckpt = torch.load(out / RESUME_NAME, map_location="cpu", weights_only=True)  # RNG states stay on CPU
+        try:  # map to CPU: the RNG states must stay CPU tensors
+            ckpt = torch.load(out / RESUME_NAME, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any unpickling failure means a bad file
+            raise UserInputError(f"cannot read the resume checkpoint ({err.__class__.__name__}; truncated "
+                                 "or corrupted?)", source=out / RESUME_NAME) from None
         net.load_state_dict(ckpt["model"])
         start_phase, start_epoch = ckpt["phase"], ckpt["epoch"]
         metrics = json.loads(ckpt["metrics_json"])
@@ -453,6 +457,15 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     save_supernet(out, net.to("cpu").to(memory_format=torch.contiguous_format),
                   json.loads(config.model_dump_json()), metrics)
     return net, metrics
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserInputError("no such file", source=path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserInputError("not valid JSON (truncated or corrupted?)", source=path) from None
 
 
 def _save_resume(out: Path, net: Supernet, opt, sched, phase: int, epoch: int, metrics: dict[str, Any],
