@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tqdm import tqdm
 
     from rafl.search.cost import CostModel
-    from rafl.search.latency import build_latency_lut, measure_latency_ms
+    from rafl.search.latency import build_latency_lut
     from rafl.search.profile import DeviceProfile, load_profile
     from rafl.search.units import fixed_units, slot_units
     from rafl.supernet import build_supernet, extract_subnet
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     space = SearchSpace(width_mult=args.width_mult)
     rng = np.random.default_rng(args.seed)
     lines = [f"# cost model benchmark: width x{space.width_mult}, resolutions {space.resolutions}, "
-             f"1 torch thread, {args.clock} clock, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+             f"1 torch thread, {args.clock} clock, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+             f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared machine: timings are noisy)"]
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -114,12 +115,19 @@ def main(argv: list[str] | None = None) -> dict:
         pred = host_model.batch(lat_archs)["latency_ms"]
     roof = model.batch(lat_archs)["latency_ms"]
     macs = model.batch(lat_archs)["macs_m"]
-    measured = []
-    for arch in tqdm(lat_archs, desc="measure", unit="arch"):
-        sub = extract_subnet(supernet, arch).eval()
-        x = torch.randn(1, 3, arch.r, arch.r)
-        measured.append(statistics.median(measure_latency_ms(sub, x, warmup=3, repeats=args.repeats, clock=args.clock)))
-    measured = np.array(measured)
+    # whole subnets timed round-robin like the LUT (one run of each subnet per round), so that load
+    # fluctuations of the shared host spread over all archs instead of hitting a few
+    subs = [(extract_subnet(supernet, a).eval(), torch.randn(1, 3, a.r, a.r)) for a in lat_archs]
+    now = time.thread_time if args.clock == "thread" else time.perf_counter
+    samples: list[list[float]] = [[] for _ in subs]
+    with torch.inference_mode():
+        for rnd in tqdm(range(3 + args.repeats), desc="measure", unit="round"):
+            for i, (sub, x) in enumerate(subs):
+                t = now()
+                sub(x)
+                if rnd >= 3:
+                    samples[i].append((now() - t) * 1e3)
+    measured = np.array([statistics.median(s) for s in samples])
     err = np.abs(pred - measured) / measured
     rho_lut = spearmanr(pred, measured).statistic
     rho_roof = spearmanr(roof, measured).statistic
