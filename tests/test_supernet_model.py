@@ -181,3 +181,14 @@ def test_truncated_checkpoint(net, tmp_path):
     (tmp_path / "ck" / "supernet.json").write_text('{"format": "rafl-sup')
     with pytest.raises(UserInputError, match="not valid JSON"):
         load_supernet(tmp_path / "ck")
+
+
+def test_recalibrate_bn_leaves_the_global_rng_alone():
+    torch.manual_seed(0)
+    sub = extract_subnet(build_supernet(SPACE), SPACE.smallest())
+    torch.manual_seed(123)
+    recalibrate_bn(sub, [torch.randn(4, 3, 16, 16)], n_batches=1)
+    after = torch.rand(3)
+    torch.manual_seed(123)
+    torch.randn(4, 3, 16, 16)
+    assert torch.equal(torch.rand(3), after)

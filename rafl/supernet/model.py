@@ -317,7 +317,8 @@ def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int = 20,
 
     The statistics are the exact averages over the first ``n_batches`` batches of ``loader``
     (cumulative moving average, ``momentum=None``), computed in train mode without gradients; the
-    model's train/eval mode and BN momenta are restored afterwards. This is OFA's
+    model's train/eval mode and BN momenta are restored afterwards, and the global RNG state is
+    left untouched (forked around the pass). This is OFA's
     ``set_running_statistics`` (Cai et al. 2020, Sec. 3.2), here via ``torch.optim.swa_utils.update_bn``.
 
     Args:
@@ -339,7 +340,8 @@ def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int = 20,
         raise UserInputError("the calibration loader yielded no batch", field="loader")
     device = next(model.parameters()).device
     target: nn.Module = _ArchForward(model, arch) if isinstance(model, Supernet) else model
-    with torch.no_grad():
+    # fork the RNG: the train-mode pass (dropout) must not shift the caller's random stream
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.optim.swa_utils.update_bn(batches, target, device=device)
     return model
 
