@@ -50,6 +50,8 @@ def searched(supernet_dir, tmp_path_factory):
 def test_every_profile_gets_a_complete_folder(searched):
     out, results = searched
     assert list(results) == PROFILES
+    # one predictor (one pass of measurements over the supernet) shared by both profiles
+    assert results[PROFILES[0]].predictor_fit == results[PROFILES[1]].predictor_fit
     summary = json.loads((out / "search.json").read_text())
     assert set(summary["profiles"]) == set(PROFILES) and summary["data"]["n_val"] > 0
     for name in PROFILES:

@@ -175,6 +175,27 @@ def infeasibility_error(space: SearchSpace, cost_fn: CostFn, limits: dict[str, f
                           + "; relax these budgets (or use a smaller search space)", field=f"{profile_name}.budgets")
 
 
+def check_satisfiable(space: SearchSpace, cost_fn: CostFn, limits: dict[str, float], profile_name: str,
+                      n_probe: int = 256, seed: int = 0) -> None:
+    """Raise :func:`infeasibility_error` unless the smallest arch or one of ``n_probe`` random
+    archs meets every budget (milliseconds; no search, no measurement).
+
+    Raises:
+        UserInputError: no probed arch meets the budgets (names each violated budget and the
+            smallest value the space reaches for it).
+    """
+    if not limits:
+        return
+    probe = Population.sample(space, n_probe, np.random.default_rng(seed))
+    c = cost_fn(Population.concat([Population.from_archs(space, [space.smallest()]), probe]))
+    missing = [k for k in limits if k not in c]
+    if missing:
+        raise UserInputError(f"budget(s) {missing} cannot be checked; the cost model provides {sorted(c)}",
+                             field=f"{profile_name}.budgets")
+    if not feasible_mask(c, limits).any():
+        raise infeasibility_error(space, cost_fn, limits, profile_name, (probe, {k: v[1:] for k, v in c.items()}))
+
+
 def _initial_population(space: SearchSpace, n: int, cost_fn: CostFn, limits: dict[str, float],
                         rng: np.random.Generator, cfg: SearchConfig, profile_name: str
                         ) -> tuple[Population, dict[str, np.ndarray]]:
@@ -506,14 +527,8 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
             models[p.name] = CostModel(space, p)
     cost_fns = {p.name: cost_fn_for(models[p.name]) for p in profs}
     # Fail fast: every profile must be satisfiable before any expensive measurement.
-    check_rng = np.random.default_rng(config.seed)
-    probe = Population.sample(space, 256, check_rng)
     for p in profs:
-        limits = profile_limits(p)
-        c = cost_fns[p.name](Population.concat([Population.from_archs(space, [space.smallest()]), probe]))
-        if limits and not feasible_mask(c, limits).any():
-            raise infeasibility_error(space, cost_fns[p.name], limits, p.name,
-                                      (probe, {k: v[1:] for k, v in c.items()}))
+        check_satisfiable(space, cost_fns[p.name], profile_limits(p), p.name, seed=config.seed)
 
     fit = None
     if config.estimator == "predictor":
@@ -553,4 +568,5 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
 
 
 __all__ = ["SearchConfig", "SearchResult", "EvolutionOutcome", "evolve", "search_subnets", "feasible_mask",
+           "check_satisfiable",
            "infeasibility_error", "profile_limits", "cost_fn_for"]
