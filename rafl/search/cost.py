@@ -138,7 +138,7 @@ def _disk_cache_path() -> Path:
     import torch
 
     root = Path(os.environ.get("RAFL_CACHE_DIR") or Path.home() / ".cache" / "rafl")
-    return root / "cost-model" / f"unit-memory-v1-torch{torch.__version__.split('+')[0]}.json"
+    return root / "cost-model" / f"unit-memory-v2-torch{torch.__version__.split('+')[0]}.json"
 
 
 def _load_disk_cache() -> None:
@@ -168,12 +168,13 @@ def _save_disk_cache() -> None:
         pass  # read-only cache dir: stay in-process
 
 
-def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
-    """``(peak_free, peak_hold, saved_per_sample)`` bytes of one unit (cached by memory key).
+def unit_memory(spec: UnitSpec) -> tuple[int, int, int, int]:
+    """``(peak_free, peak_hold, saved_per_sample, saved_fixed)`` bytes of one unit (cached by memory key).
 
     peak_free / peak_hold: fx lifetime-analysis peak at batch 1 with the unit's input freed after
-    its last use / held for the whole unit. saved_per_sample: bytes autograd saves per sample in
-    train mode (at batch 2, halved). Both run on the meta device (shapes only; identical to a CPU
+    its last use / held for the whole unit. saved_per_sample / saved_fixed: bytes autograd saves
+    in train mode per sample / independent of the batch (BN's per-channel batch statistics), from
+    the saved bytes at batch 2 and 4. Both run on the meta device (shapes only; identical to a CPU
     run, checked in the tests). Cached per process and on disk.
     """
     key = spec.memory_key
@@ -186,12 +187,13 @@ def unit_memory(spec: UnitSpec) -> tuple[int, int, int]:
 
     with torch.device("meta"):  # shapes only: nothing is allocated, initialised or computed
         module = build_unit_module(spec)
-        x = torch.zeros(unit_input_shape(spec, 2))
+        x2, x4 = torch.zeros(unit_input_shape(spec, 2)), torch.zeros(unit_input_shape(spec, 4))
     module.eval()
     trace = fx_peak_memory(module, unit_input_shape(spec), hold_input=False, device="meta")
     module.train()
-    saved = measure_saved_activations(module, x) // 2
-    _MEM_CACHE[key] = (trace.peak_bytes_freed, trace.peak_bytes_held, saved)
+    s2, s4 = measure_saved_activations(module, x2), measure_saved_activations(module, x4)
+    per_sample = (s4 - s2) // 2
+    _MEM_CACHE[key] = (trace.peak_bytes_freed, trace.peak_bytes_held, per_sample, s2 - 2 * per_sample)
     return _MEM_CACHE[key]
 
 
@@ -201,8 +203,9 @@ def unit_tables(space: SearchSpace, r: int) -> dict:
     Returns:
         dict with ``slots`` (``[slot][k][e] -> UnitSpec``), ``head``/``tail`` (named fixed units)
         and arrays of shape ``(n_blocks, n_ks, n_e)``: ``macs``, ``params``, ``saved`` (bytes per
-        sample), ``peak`` (bytes, network input included); plus the fixed part's ``fixed_macs``,
-        ``fixed_params``, ``fixed_saved`` and ``fixed_peak``.
+        sample), ``saved_fixed`` (batch-independent saved bytes), ``peak`` (bytes, network input
+        included); plus the fixed part's ``fixed_macs``, ``fixed_params``, ``fixed_saved``,
+        ``fixed_saved_fixed`` and ``fixed_peak``.
     """
     key = (space, int(r))
     with _LOCK:
@@ -213,23 +216,24 @@ def unit_tables(space: SearchSpace, r: int) -> dict:
         slots = slot_units(space, r)
         head, tail = fixed_units(space, r)
         shape = (space.n_blocks, len(space.ks_choices), len(space.e_choices))
-        macs, params, saved, peak = (np.zeros(shape) for _ in range(4))
+        macs, params, saved, saved_fixed, peak = (np.zeros(shape) for _ in range(5))
         input_bytes = 3 * r * r * BYTES_PER_ELEMENT
         for i, row in enumerate(slots):
             for k, col in enumerate(row):
                 for e, spec in enumerate(col):
-                    free, _, sv = unit_memory(spec)
+                    free, _, sv, sf = unit_memory(spec)
                     macs[i, k, e], params[i, k, e] = spec.macs(), spec.params()
-                    saved[i, k, e], peak[i, k, e] = sv, free + input_bytes
+                    saved[i, k, e], saved_fixed[i, k, e], peak[i, k, e] = sv, sf, free + input_bytes
         fixed = head + tail
         mems = [unit_memory(s) for _, s in fixed]
         fixed_peak = max([mems[0][1]] + [m[0] + input_bytes for m in mems[1:]])
         table = {
             "slots": slots, "head": head, "tail": tail, "macs": macs, "params": params,
-            "saved": saved, "peak": peak,
+            "saved": saved, "saved_fixed": saved_fixed, "peak": peak,
             "fixed_macs": float(sum(s.macs() for _, s in fixed)),
             "fixed_params": float(sum(s.params() for _, s in fixed)),
             "fixed_saved": float(sum(m[2] for m in mems)),
+            "fixed_saved_fixed": float(sum(m[3] for m in mems)),
             "fixed_peak": float(fixed_peak),
         }
         _TABLE_CACHE[key] = table
@@ -272,7 +276,7 @@ class CostModel:
         self._e_lookup = _lookup(space.e_choices)
         self._slot_stage = np.repeat(np.arange(space.n_stages), space.max_depth)
         self._slot_pos = np.tile(np.arange(space.max_depth), space.n_stages)
-        # additive metrics (Q = macs, params, saved bytes, latency, energy) and peak, per resolution
+        # additive metrics (macs, params, saved bytes at batch B, latency, energy) and peak, per resolution
         n_r = len(space.resolutions)
         shape = (n_r, space.n_blocks, len(space.ks_choices), len(space.e_choices))
         self._add = np.zeros(shape + (5,))
@@ -281,7 +285,8 @@ class CostModel:
         self._fixed_peak = np.zeros(n_r)
         for ri, r in enumerate(space.resolutions):
             t = unit_tables(space, r)
-            self._add[ri, ..., 0], self._add[ri, ..., 1], self._add[ri, ..., 2] = t["macs"], t["params"], t["saved"]
+            self._add[ri, ..., 0], self._add[ri, ..., 1] = t["macs"], t["params"]
+            self._add[ri, ..., 2] = self.batch_size * t["saved"] + t["saved_fixed"]
             self._peak[ri] = t["peak"]
             for i, row in enumerate(t["slots"]):
                 for k, col in enumerate(row):
@@ -289,7 +294,8 @@ class CostModel:
                         self._add[ri, i, k, e, 3:] = self._latency_energy(spec)
             fixed = t["head"] + t["tail"]
             lat_en = np.array([self._latency_energy(s) for _, s in fixed]).sum(axis=0)
-            self._fixed_add[ri] = [t["fixed_macs"], t["fixed_params"], t["fixed_saved"], *lat_en]
+            self._fixed_add[ri] = [t["fixed_macs"], t["fixed_params"],
+                                   self.batch_size * t["fixed_saved"] + t["fixed_saved_fixed"], *lat_en]
             self._fixed_peak[ri] = t["fixed_peak"]
         # flat views for the single-arch fast path
         self._n_e = len(space.e_choices)
@@ -333,7 +339,7 @@ class CostModel:
         energy_mj, saved bytes per sample and peak bytes (batch 1). For reports."""
         rows = []
         for name, spec in arch_units(self.space, arch):
-            free, hold, saved = unit_memory(spec)
+            free, hold, saved, _ = unit_memory(spec)
             lat, en = self._latency_energy(spec)
             rows.append({"name": name, "spec": spec, "macs": spec.macs(), "params": spec.params(),
                          "out_elements": spec.out_elements(), "latency_ms": lat, "energy_mj": en,
@@ -390,7 +396,7 @@ class CostModel:
         peak = np.where(active, self._peak[r_idx[:, None], slots, k_idx, e_idx], 0.0).max(axis=1)
         peak = np.maximum(peak, self._fixed_peak[r_idx])
         params = add[:, 1]
-        train = (TRAIN_STATE_COPIES * params * BYTES_PER_ELEMENT + self.batch_size * add[:, 2]) / MIB
+        train = (TRAIN_STATE_COPIES * params * BYTES_PER_ELEMENT + add[:, 2]) / MIB
         return {"macs_m": add[:, 0] / 1e6, "params_m": params / 1e6, "peak_memory_mb": peak / MIB,
                 "train_memory_mb": train, "latency_ms": add[:, 3], "energy_mj": add[:, 4]}
 
@@ -416,7 +422,7 @@ class CostModel:
             raise
         add = self._add_flat[flat].sum(axis=0) + self._fixed_add[ri]
         peak = max(float(self._peak_flat[flat].max()), float(self._fixed_peak[ri]))
-        train = (TRAIN_STATE_COPIES * add[1] * BYTES_PER_ELEMENT + self.batch_size * add[2]) / MIB
+        train = (TRAIN_STATE_COPIES * add[1] * BYTES_PER_ELEMENT + add[2]) / MIB
         return Cost(macs_m=float(add[0]) / 1e6, params_m=float(add[1]) / 1e6, peak_memory_mb=peak / MIB,
                     train_memory_mb=float(train), latency_ms=float(add[3]), energy_mj=float(add[4]))
 
