@@ -27,10 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from rafl.config import RunConfig
 from rafl.federation.compare import _prepare_group, load_compare_config, run_compare
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import to_payload_tensors
@@ -55,8 +53,9 @@ def expected_upload(method: str, held: list[int], dim: int) -> tuple[int, int]:
 
 
 def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int) -> dict:
-    sets = overrides + [f"engine.rounds={rounds}", "engine.target_accuracy=null", "train.threads=2",
-                        "partition.public_fraction=0.0", "algorithm.local_epochs=1"]
+    sets = overrides + [f"engine.rounds={rounds}", "engine.target_accuracy=null", "train.threads=1",
+                        "train.batch_size=10", "partition.public_fraction=0.0", "algorithm.local_epochs=1",
+                        "algorithm.lr=0.01"]
     cfg, hps = load_compare_config(None, sets, METHODS)
     t0 = time.perf_counter()
     rows = run_compare(cfg, hps, out / name, models="htfe-tiny", feature_dim=dim, progress=False)
@@ -86,8 +85,8 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--limit-per-class", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--limit-per-class", type=int, default=200)
     ap.add_argument("--feature-dim", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("/tmp") / f"htfl-bench-{int(time.time())}")
     ap.add_argument("--only", default="", help="comma list of scenario names to run")
@@ -117,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in res["checks"].items():
             print(f"  {'PASS' if v else 'FAIL'} {k}", flush=True)
     lines = ["# HtFL bench (`python bench/htfl_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`)",
-             "", f"Models: htfe-tiny round-robin, D = {args.feature_dim}; {args.rounds} rounds, 1 local epoch, "
+             "", f"Models: htfe-tiny round-robin, D = {args.feature_dim}; {args.rounds} rounds, 1 local epoch (SGD lr 0.01, "
+             "momentum 0.9, batch 10), "
              "all 20 clients every round; accuracy = mean over clients of the deployed model's test accuracy "
              "after the last round (ratio = method / Standalone).", ""]
     for res in results:

@@ -180,3 +180,27 @@ def test_fedkd_svd_compression_roundtrip():
     back = decompress_update(comp, {k: v.shape for k, v in delta.items()})
     assert torch.allclose(back["conv.weight"], delta["conv.weight"], atol=1e-4)
     assert svd_rank(torch.tensor([3.0, 1.0, 0.0]), 0.9) == 1 and svd_rank(torch.tensor([1.0, 1.0]), 1.0) == 2
+
+
+def test_singleton_batches_are_merged_and_bn_models_train():
+    from rafl.federation.losses import NoSingletonBatches, no_singleton_batches, train_regularized
+
+    x, y = torch.randn(9, 3), torch.arange(9) % 2
+    batches = [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])]        # n % B == 1
+    out = list(no_singleton_batches(batches))
+    assert [len(b[1]) for b in out] == [4, 5] and torch.equal(torch.cat([b[0] for b in out]), x)
+    one = list(no_singleton_batches([(x[:1], y[:1])]))                     # a one-sample client
+    assert len(one) == 1 and len(one[0][1]) == 2
+
+    class BNNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+            self.head = nn.Linear(4, 2)
+
+        def features(self, v):
+            return self.body(v)
+
+    net = BNNet()
+    stats = train_regularized(net, NoSingletonBatches(batches), torch.optim.SGD(net.parameters(), lr=0.1), epochs=2)
+    assert stats.samples == 18 and stats.steps == 4

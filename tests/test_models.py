@@ -76,3 +76,18 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
     for spec, msg in cases.items():
         with pytest.raises(UserInputError, match=msg):
             build_plugin_model(spec, 10, 16)
+
+
+def test_small_image_variants_keep_spatial_resolution():
+    from rafl.models.zoo import BACKBONES
+
+    torch.manual_seed(0)
+    for name, size in (("resnet18", 4), ("shufflenet_v2-0.5", 2), ("mobilenet_v2-0.25", 2)):
+        backbone, _ = BACKBONES[name]()
+        backbone.eval()
+        seen = []
+        last_bn = [m for m in backbone.modules() if isinstance(m, torch.nn.BatchNorm2d)][-1]
+        last_bn.register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
+        with torch.no_grad():
+            backbone(torch.randn(2, 3, 32, 32))
+        assert seen[-1] == size, name

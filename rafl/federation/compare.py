@@ -131,7 +131,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
             no selected method accepts.
     """
-    from rafl.config import load_run_config, parse_overrides
+    from rafl.config import parse_overrides
 
     data: dict[str, Any] = {}
     source = str(path) if path is not None else "--set"

@@ -17,7 +17,8 @@ representation loss.
 
 Conventions are those of :mod:`rafl.federation.training` (loaders yield ``(images (B, C, H, W),
 labels (B,))``; losses are batch means; no ``drop_last``: a client smaller than one batch still
-trains on all its samples).
+trains on all its samples; a trailing 1-sample batch is merged into the previous one,
+:func:`no_singleton_batches`, so BatchNorm never sees one value per channel).
 """
 
 from __future__ import annotations
@@ -37,6 +38,39 @@ Regularizer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Distance names of the prototype regularizer.
 DISTANCES = ("euclidean", "squared", "mse")
+
+
+def no_singleton_batches(loader: Iterable[Batch]) -> Iterable[Batch]:
+    """The batches of ``loader``, except that a 1-sample batch is merged into the previous one
+    (and a client with a single sample gets it twice in its one batch).
+
+    BatchNorm in training mode cannot normalize one value per channel (a 1-sample batch whose
+    feature map is 1x1, as in the last stages of OFA subnets and small-image networks), so the last
+    batch of a client with ``n % batch_size == 1`` would crash. Merging keeps every sample (no
+    ``drop_last``) and the CE mean of a duplicated single sample equals its own loss."""
+    prev: Batch | None = None
+    for images, labels in loader:
+        if prev is not None and len(labels) == 1:
+            yield torch.cat([prev[0], images]), torch.cat([prev[1], labels])
+            prev = None
+            continue
+        if prev is not None:
+            yield prev
+        prev = (images, labels)
+    if prev is not None:
+        if len(prev[1]) == 1:
+            prev = (prev[0].repeat(2, *([1] * (prev[0].ndim - 1))), prev[1].repeat(2))
+        yield prev
+
+
+class NoSingletonBatches:
+    """A re-iterable view of a loader through :func:`no_singleton_batches` (use it once per epoch)."""
+
+    def __init__(self, loader: Iterable[Batch]):
+        self.loader = loader
+
+    def __iter__(self):
+        return no_singleton_batches(self.loader)
 
 
 def prototype_regularizer(protos: Mapping[int, torch.Tensor], lam: float, distance: str = "euclidean") -> Regularizer:
@@ -110,7 +144,7 @@ def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torc
     stats = TrainStats()
     loss_sum = 0.0
     for _ in range(int(epochs)):
-        for images, labels in loader:
+        for images, labels in no_singleton_batches(loader):
             images, labels = images.to(device), labels.to(device)
             feats = model.features(images)
             logits = model.head(feats)
@@ -160,7 +194,7 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     st_a, st_b = TrainStats(), TrainStats()
     sum_a = sum_b = 0.0
     for _ in range(int(epochs)):
-        for images, labels in loader:
+        for images, labels in no_singleton_batches(loader):
             images, labels = images.to(device), labels.to(device)
             h_a, h_b = model_a.features(images), model_b.features(images)
             z_a, z_b = model_a.head(h_a), model_b.head(h_b)
@@ -191,5 +225,5 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     return st_a, st_b
 
 
-__all__ = ["Regularizer", "DISTANCES", "prototype_regularizer", "logit_regularizer", "train_regularized",
+__all__ = ["Regularizer", "DISTANCES", "no_singleton_batches", "NoSingletonBatches", "prototype_regularizer", "logit_regularizer", "train_regularized",
            "train_mutual"]

@@ -3,10 +3,11 @@
 FedTGP (Zhang et al., AAAI 2024, Sec. "Experimental Setup") federates groups of unrelated
 architectures, e.g. HtFE8 = {4-layer CNN, GoogLeNet, MobileNetV2, ResNet-18/34/50/101/152}. Here
 every member is a :class:`HeteroModel`: a backbone (torchvision's model with its classifier
-removed, ``weights=None`` -- nothing downloads -- or a small CNN), a projection ``Linear(C, D) +
+removed, ``weights=None`` -- nothing downloads --, adapted to small images by
+:func:`small_image_variant`, or a small CNN), a projection ``Linear(C, D) +
 ReLU`` to the common width ``D`` (the representation ``features(x) -> (B, D)`` of FedGH / FedProto
-/ FedTGP) and the header ``head = Linear(D, K)``. Members work on 32x32 inputs (the torchvision
-networks' total stride 32 ends at 1x1) and on 1-channel images (repeated to 3 channels).
+/ FedTGP) and the header ``head = Linear(D, K)``. Members work on 32x32 inputs and on 1-channel images
+(repeated to 3 channels).
 
 Groups (assigned to clients round-robin, client ``i`` gets ``group[i % len(group)]``):
 
@@ -88,11 +89,33 @@ class SmallCNN(nn.Module):
         return self.fc(torch.flatten(self.pool(self.conv(x)), 1))
 
 
+def small_image_variant(model: nn.Module) -> nn.Module:
+    """Adapt a torchvision ImageNet network to 32x32 inputs by removing the first 4x of
+    downsampling (as the usual CIFAR variants do): ResNet: 3x3 stride-1 stem and no max-pool
+    (He et al. 2016, Sec. 4.2's CIFAR networks keep full resolution in the first stage);
+    GoogLeNet / ShuffleNetV2: no first max-pool, stride-1 stem for GoogLeNet; MobileNetV2:
+    stride-1 first conv and second stage. The last feature map is then 4x4 (ResNet), 2x2
+    (others) instead of 1x1, so BatchNorm's statistics are estimated over more than one value per
+    sample and eval-mode (running-statistics) representations stay close to training ones."""
+    name = type(model).__name__
+    if name == "ResNet":
+        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    elif name == "GoogLeNet":
+        model.conv1.conv.stride = (1, 1)
+        model.maxpool1 = nn.Identity()
+    elif name == "ShuffleNetV2":
+        model.maxpool = nn.Identity()
+    elif name == "MobileNetV2":
+        model.features[0][0].stride = (1, 1)
+    return model
+
+
 def _torchvision(builder: str, **kwargs) -> Callable[[], tuple[nn.Module, int]]:
     def make() -> tuple[nn.Module, int]:
         import torchvision.models as tvm
 
-        model = getattr(tvm, builder)(weights=None, **kwargs)
+        model = small_image_variant(getattr(tvm, builder)(weights=None, **kwargs))
         if hasattr(model, "fc") and isinstance(model.fc, nn.Linear):        # resnet, googlenet, shufflenet
             dim = model.fc.in_features
             model.fc = nn.Identity()

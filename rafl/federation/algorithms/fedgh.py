@@ -34,6 +34,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.headers import common_header, head_state, load_head
+from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors
 from rafl.federation.training import evaluate_accuracy, train_ce
@@ -121,7 +122,8 @@ class FedGH(Algorithm):
         hp = self.hparams
         model = build(client, state["model"])
         load_head(model, broadcast.state_dict(HEAD), f"client {client.client_id} head")
-        train_ce(model, client.train_loader, optimizer_for(model, hp), epochs=hp["local_epochs"], device=client.device)
+        train_ce(model, NoSingletonBatches(client.train_loader), optimizer_for(model, hp), epochs=hp["local_epochs"],
+                 device=client.device)
         lars, _ = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
         return {"model": cpu_state(model)}, Payload(to_payload_tensors(lars, LAR))
 

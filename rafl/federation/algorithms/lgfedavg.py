@@ -18,6 +18,7 @@ from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.headers import common_header, head_state, load_head
+from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
 
@@ -41,8 +42,8 @@ class LGFedAvg(Algorithm):
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         model = build(client, state["model"])
         load_head(model, broadcast.state_dict(HEAD), f"client {client.client_id} head")
-        train_ce(model, client.train_loader, optimizer_for(model, self.hparams), epochs=self.hparams["local_epochs"],
-                 device=client.device)
+        train_ce(model, NoSingletonBatches(client.train_loader), optimizer_for(model, self.hparams),
+                 epochs=self.hparams["local_epochs"], device=client.device)
         return {"model": cpu_state(model)}, Payload.from_state_dict(head_state(model), HEAD,
                                                                      meta={"n_samples": client.n_samples})
 
