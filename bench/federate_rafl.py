@@ -20,7 +20,7 @@ Claims (printed PASS/FAIL; numbers always written):
 3. Engine overhead (round time outside client_update, server_aggregate and evaluation: state
    I/O, payload serialization/validation, sampling, metrics, checkpoints) <= 5% of the round.
 
-Run: ``python bench/federate_rafl.py [--rounds 6] [--cifar-limit 60] [--skip-cifar]``; writes
+Run: ``python bench/federate_rafl.py [--rounds 3] [--cifar-limit 40] [--skip-cifar]``; writes
 ``bench/results/federate_rafl.md`` and ``.json``.
 """
 
@@ -95,7 +95,7 @@ def cifar_supernet(limit: int, epochs: int, workdir: Path) -> Path:
     from rafl.supernet import TrainConfig, train_supernet
 
     cfg = TrainConfig(dataset="cifar10", data_root=str(CIFAR), limit_per_class=limit, public_fraction=0.3,
-                      public_seed=0, width_mult=0.35, resolutions=(32,), epochs_full=epochs, epochs_kernel=1,
+                      public_seed=0, width_mult=0.35, resolutions=(24,), epochs_full=epochs, epochs_kernel=1,
                       epochs_depth=1, epochs_expand=1, test_samples=200)
     d = workdir / "cifar-supernet"
     train_supernet(cfg, d, progress=True)
@@ -104,13 +104,15 @@ def cifar_supernet(limit: int, epochs: int, workdir: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--local-epochs", type=int, default=2)
-    ap.add_argument("--cifar-limit", type=int, default=60, help="CIFAR-10 images per class and source split")
-    ap.add_argument("--cifar-supernet-epochs", type=int, default=3)
-    ap.add_argument("--cifar-clients", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--local-epochs", type=int, default=1)
+    ap.add_argument("--cifar-limit", type=int, default=40, help="CIFAR-10 images per class and source split")
+    ap.add_argument("--cifar-supernet-epochs", type=int, default=2)
+    ap.add_argument("--cifar-clients", type=int, default=4)
     ap.add_argument("--skip-cifar", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-digits", action="store_true")
+    ap.add_argument("--digits-supernet", default=None, help="a digits supernet dir (default: the quickstart)")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -119,7 +121,9 @@ def main() -> None:
         work = Path(tmp)
         base = [f"engine.rounds={args.rounds}", f"algorithm.local_epochs={args.local_epochs}",
                 "engine.target_accuracy=0.9"]
-        results["digits"] = scenario("digits default pipeline", base, work / "digits")
+        if not args.skip_digits:
+            dig = base + ([f"supernet.path={args.digits_supernet}"] if args.digits_supernet else [])
+            results["digits"] = scenario("digits default pipeline", dig, work / "digits")
         if not args.skip_cifar:
             sdir = cifar_supernet(args.cifar_limit, args.cifar_supernet_epochs, work)
             cif = [*base, "data.dataset=cifar10", f"data.root={CIFAR}", f"data.limit_per_class={args.cifar_limit}",
@@ -148,10 +152,14 @@ def main() -> None:
         verdicts += [f"{key}: RaFL vs Standalone >= +5 points: {'PASS' if gain >= 5 else 'FAIL'} ({gain:+.2f})",
                      f"{key}: upload RaFL / FedAvg <= 1/4: {'PASS' if ratio <= 0.25 else 'FAIL'} ({ratio:.3f})",
                      f"{key}: engine overhead <= 5% of the round: {'PASS' if eng <= 0.05 else 'FAIL'} ({100 * eng:.2f}%)"]
-    lines += ["", *verdicts, "", "Per-client subnets (digits):", ""]
-    for row in results["digits"]["clients"]:
-        lines.append(f"- client {row['client']} {row['profile']}: {row['macs_m']:.2f} M MACs, {row['params_m']:.3f} M "
-                     f"params, {row['n_train']} train samples, {row['arch']}")
+    lines += ["", *verdicts]
+    for key in ("digits", "cifar10"):
+        if key not in results:
+            continue
+        lines += ["", f"Per-client subnets ({key}):", ""]
+        for row in results[key]["clients"]:
+            lines.append(f"- client {row['client']} {row['profile']}: {row['macs_m']:.2f} M MACs, {row['params_m']:.3f} M "
+                         f"params, {row['n_train']} train samples, {row['arch']}")
     lines += ["", f"wall {results['wall_s']:.1f} s"]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -95,7 +95,7 @@ class SearchSection(_Strict):
     generations: int = Field(10, ge=0, description="an integer >= 0")
     estimator: Literal["predictor", "measured"] = "predictor"
     predictor_samples: int = Field(16, ge=4, description="an integer >= 4")
-    top_k: int = Field(3, ge=1, description="an integer >= 1")
+    top_k: int = Field(2, ge=1, description="an integer >= 1")
     val_samples: int = Field(256, ge=8, description="an integer >= 8 (public-pool images for validation)")
     samples: int = Field(2000, ge=1, description="an integer >= 1 (largest-feasible: random archs tried)")
 
@@ -113,7 +113,7 @@ class AlgorithmConfig(BaseModel):
 class EngineSection(_Strict):
     """Rounds, participation and faults (:class:`rafl.federation.engine.EngineConfig`)."""
 
-    rounds: int = Field(6, ge=1, description="an integer >= 1")
+    rounds: int = Field(5, ge=1, description="an integer >= 1")
     clients_per_round: float | int = Field(1.0, gt=0, description="a fraction in (0, 1] or a count >= 1")
     available: float | int = Field(1.0, gt=0, description="a fraction in (0, 1] or a count >= 1")
     sporadic_rate: float = Field(0.0, ge=0, lt=1, description="a fraction in [0, 1)")

@@ -214,7 +214,7 @@ def subnets_for_profiles(cfg: RunConfig, supernet, profiles: list, val: tuple[to
 
         scfg = SearchConfig(population=s.population, generations=s.generations, estimator=s.estimator,
                             predictor_samples=s.predictor_samples, top_k=s.top_k, seed=cfg.seed, progress=progress,
-                            batch_size=128)
+                            batch_size=64)
         res = search_subnets(supernet, todo, val, calib, scfg)
         for name, r in res.items():
             found[name] = {"arch": r.arch, "source": f"search (evolution, {s.estimator})",
