@@ -274,7 +274,8 @@ def measure_peak_memory(model: nn.Module, x: torch.Tensor) -> int:
 
 def measure_saved_activations(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes autograd saves for the backward pass of ``model(x)`` (train mode, unique storages,
-    parameters excluded). Training memory at batch B ~ B x this value at batch 1.
+    parameters excluded). It grows linearly with the batch (plus a small batch-independent part:
+    BatchNorm's per-channel batch statistics).
 
     Args:
         model: module in the mode to measure (train mode for training memory).
