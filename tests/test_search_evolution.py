@@ -161,9 +161,9 @@ def test_predictor_ranks_held_out_archs(tmp_path):
     rng = np.random.default_rng(0)
     pop = Population.sample(SPACE, 120, rng)
     y = synthetic_accuracy(pop)
-    model, fit = train_predictor(pop.encode(), y, holdout=0.25, epochs=300, seed=0)
-    assert fit.n_holdout == 30 and fit.kendall_tau > 0.6
-    again, fit2 = train_predictor(pop.encode(), y, holdout=0.25, epochs=300, seed=0)
+    model, fit = train_predictor(pop.encode(), y, folds=4, epochs=300, seed=0)
+    assert fit.n_holdout == 120 and fit.n_train == 90 and fit.folds == 4 and fit.kendall_tau > 0.6
+    again, fit2 = train_predictor(pop.encode(), y, folds=4, epochs=300, seed=0)
     assert fit2 == fit
     test = Population.sample(SPACE, 200, np.random.default_rng(9))
     assert kendall_tau(model.predict(test.encode()), synthetic_accuracy(test)) > 0.6

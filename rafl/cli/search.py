@@ -72,8 +72,8 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     results = run_search(profs, out, config, supernet_dir=supernet_dir)
     fit = next(iter(results.values())).predictor_fit
     if fit:
-        click.echo(f"predictor: Kendall tau {fit['kendall_tau']:.3f} on {fit['n_holdout']} held-out subnets "
-                   f"(RMSE {fit['rmse']:.3f})")
+        click.echo(f"predictor: Kendall tau {fit['kendall_tau']:.3f} ({fit['folds']}-fold cross-validation over "
+                   f"{fit['n_holdout']} measured subnets, RMSE {fit['rmse']:.3f})")
     for name, res in results.items():
         c = res.cost
         click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} (measured)  "

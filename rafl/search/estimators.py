@@ -128,10 +128,10 @@ class PredictedAccuracy:
 
     @classmethod
     def from_measurements(cls, measured: MeasuredAccuracy, n_samples: int, seed: int = 0, *,
-                          holdout: float = 0.25, hidden: int = 128, epochs: int = 400,
+                          folds: int = 4, hidden: int = 128, epochs: int = 400,
                           progress: bool = True) -> PredictedAccuracy:
         """Measure ``n_samples`` distinct random archs (always including the smallest and the
-        largest) and train the predictor on them (OFA Sec. 3.4); Kendall tau on the held-out part.
+        largest) and train the predictor on them (OFA Sec. 3.4); Kendall tau by ``folds``-fold CV.
 
         Raises:
             UserInputError: ``n_samples < 4``.
@@ -152,7 +152,7 @@ class PredictedAccuracy:
         arch_list = list(archs.values())
         acc = measured.measure(arch_list, progress=progress, desc="measuring subnets for the predictor")
         x = Population.from_archs(space, arch_list).encode()
-        model, fit = train_predictor(x, acc, holdout=holdout, hidden=hidden, epochs=epochs, seed=seed)
+        model, fit = train_predictor(x, acc, folds=folds, hidden=hidden, epochs=epochs, seed=seed)
         return cls(model, fit)
 
 

@@ -62,7 +62,7 @@ class SearchConfig(BaseModel):
     resolution_mutate_prob: float = Field(0.5, ge=0, le=1, description="a probability in [0, 1]")
     estimator: Literal["predictor", "measured"] = Field("predictor", description="'predictor' or 'measured'")
     predictor_samples: int = Field(48, ge=4, description="an integer >= 4 (measured subnets to train the predictor)")
-    predictor_holdout: float = Field(0.25, ge=0, lt=1, description="a fraction in [0, 1)")
+    predictor_folds: int = Field(4, ge=0, description="an integer >= 0 (cross-validation folds for the predictor's Kendall tau; 0/1 = none)")
     predictor_hidden: int = Field(128, ge=1, description="an integer >= 1")
     predictor_epochs: int = Field(400, ge=1, description="an integer >= 1")
     top_k: int = Field(5, ge=1, description="an integer >= 1 (final archs re-measured per profile)")
@@ -402,7 +402,7 @@ class SearchResult:
         profile: the profile's name.
         predicted_accuracy: the estimator's value for ``arch`` during the evolution.
         estimator: ``"predictor"`` or ``"measured"``.
-        predictor_fit: Kendall tau / RMSE of the shared predictor on held-out archs (or None).
+        predictor_fit: cross-validated Kendall tau / RMSE of the shared predictor (or None).
         top_k: the re-measured finalists, ``[{"arch", "predicted_accuracy", "accuracy"}]``.
         history: per-generation records of :func:`evolve`.
         outcome: the raw :class:`EvolutionOutcome` (archive for the Pareto front).
@@ -533,7 +533,7 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     fit = None
     if config.estimator == "predictor":
         est = PredictedAccuracy.from_measurements(
-            measured, config.predictor_samples, seed=config.seed, holdout=config.predictor_holdout,
+            measured, config.predictor_samples, seed=config.seed, folds=config.predictor_folds,
             hidden=config.predictor_hidden, epochs=config.predictor_epochs, progress=config.progress)
         score_fn: ScoreFn = est
         fit = est.fit.to_dict() if est.fit is not None else None

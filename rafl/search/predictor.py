@@ -4,7 +4,7 @@ Once-for-All (Cai et al., ICLR 2020, Sec. 3.4) trains a 3-layer MLP (400 hidden 
 [arch encoding, measured accuracy] pairs of subnets sampled from the trained supernet, then lets
 the evolutionary search query it instead of evaluating subnets. rafl does the same on
 :meth:`ArchConfig.encode` / :meth:`rafl.search.genome.Population.encode`, reports the ranking
-quality as Kendall's tau on held-out archs (``scipy.stats.kendalltau``), and evaluates a whole
+quality as Kendall's tau of k-fold out-of-fold predictions (``scipy.stats.kendalltau``), and evaluates a whole
 generation in one batched call.
 """
 
@@ -44,25 +44,27 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class PredictorFit:
-    """How well a predictor ranks held-out archs.
+    """How well a predictor ranks archs it was not trained on (k-fold cross-validation).
 
     Attributes:
-        kendall_tau: Kendall's tau-b between predicted and measured accuracy of the held-out
-            archs (``nan`` when fewer than 3 were held out or all measured values are equal).
-        rmse: root-mean-square error on the held-out archs (accuracy as a fraction 0..1).
-        n_train: archs used to fit the probe model scored on the held-out archs (the returned
-            model is refit on all ``n_train + n_holdout``).
-        n_holdout: archs held out for ``kendall_tau`` / ``rmse``.
+        kendall_tau: Kendall's tau-b between the out-of-fold predictions and the measured accuracy,
+            pooled over all ``n_holdout`` archs (``nan`` if undefined: < 3 archs or all equal).
+        rmse: root-mean-square error of the out-of-fold predictions (accuracy as a fraction 0..1).
+        n_train: archs each fold's model was trained on (about ``n_holdout * (folds - 1) / folds``).
+        n_holdout: archs with an out-of-fold prediction (all measured archs; 0 without CV).
+        folds: number of folds (0: no cross-validation).
+    The returned predictor itself is refit on all measured archs.
     """
 
     kendall_tau: float
     rmse: float
     n_train: int
     n_holdout: int
+    folds: int = 0
 
     def to_dict(self) -> dict[str, float | int]:
         return {"kendall_tau": self.kendall_tau, "rmse": self.rmse, "n_train": self.n_train,
-                "n_holdout": self.n_holdout}
+                "n_holdout": self.n_holdout, "folds": self.folds}
 
 
 class AccuracyPredictor(nn.Module):
@@ -171,17 +173,18 @@ def kendall_tau(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(kendalltau(predicted, measured).statistic)
 
 
-def train_predictor(x: np.ndarray, y: np.ndarray, *, holdout: float = 0.25, hidden: int = 128,
-                    n_layers: int = 3, epochs: int = 400, lr: float = 1e-3, seed: int = 0
-                    ) -> tuple[AccuracyPredictor, PredictorFit]:
-    """Train an :class:`AccuracyPredictor` on measured archs and report its held-out ranking.
+def train_predictor(x: np.ndarray, y: np.ndarray, *, folds: int = 4, hidden: int = 128, n_layers: int = 3,
+                    epochs: int = 400, lr: float = 1e-3, seed: int = 0) -> tuple[AccuracyPredictor, PredictorFit]:
+    """Train an :class:`AccuracyPredictor` on measured archs and report how it ranks unseen ones.
 
-    A random ``holdout`` fraction (at least 3 archs when there are >= 8) is held out; the model
-    fit on the rest is scored there (Kendall tau, RMSE); the returned model is then refit on all
-    archs with the same seed and hyper-parameters (the held-out score estimates its quality).
+    ``folds``-fold cross-validation (random folds from ``seed``): every arch gets a prediction
+    from the model trained on the other folds; Kendall's tau and the RMSE are computed over all
+    these out-of-fold predictions (more stable than one small held-out set). The returned model
+    is then fit on all archs with the same seed and hyper-parameters.
 
     Args:
         x: (N, encoding_size) float32 encodings. y: (N,) measured accuracy, fraction 0..1.
+        folds: >= 2 for cross-validation, 0 or 1 to skip it (then tau is nan).
     Raises:
         UserInputError: fewer than 2 measured archs.
     """
@@ -190,19 +193,23 @@ def train_predictor(x: np.ndarray, y: np.ndarray, *, holdout: float = 0.25, hidd
     n = len(y)
     if n < 2:
         raise UserInputError(f"needs >= 2 measured archs, got {n}", field="search.predictor_samples")
-    rng = np.random.default_rng(seed)
-    n_hold = int(round(holdout * n)) if n >= 8 else 0
-    n_hold = max(n_hold, 3) if n >= 8 and holdout > 0 else n_hold
-    perm = rng.permutation(n)
-    hold, train = perm[:n_hold], perm[n_hold:]
-    tau, rmse = float("nan"), float("nan")
-    if n_hold:
-        probe = AccuracyPredictor(x.shape[1], hidden, n_layers).fit(x[train], y[train], epochs=epochs, lr=lr, seed=seed)
-        pred = probe.predict(x[hold])
-        tau = kendall_tau(pred, y[hold])
-        rmse = float(np.sqrt(np.mean((pred - y[hold]) ** 2)))
+    folds = min(int(folds), n) if folds >= 2 else 0
+    tau, rmse, n_train = float("nan"), float("nan"), n
+    if folds:
+        perm = np.random.default_rng(seed).permutation(n)
+        oof = np.empty(n)
+        for f in range(folds):
+            test = perm[f::folds]
+            train = np.setdiff1d(perm, test)
+            probe = AccuracyPredictor(x.shape[1], hidden, n_layers).fit(x[train], y[train], epochs=epochs,
+                                                                        lr=lr, seed=seed)
+            oof[test] = probe.predict(x[test])
+        tau = kendall_tau(oof, y)
+        rmse = float(np.sqrt(np.mean((oof - y) ** 2)))
+        n_train = n - int(np.ceil(n / folds))
     model = AccuracyPredictor(x.shape[1], hidden, n_layers).fit(x, y, epochs=epochs, lr=lr, seed=seed)
-    return model, PredictorFit(kendall_tau=tau, rmse=rmse, n_train=len(train), n_holdout=n_hold)
+    return model, PredictorFit(kendall_tau=tau, rmse=rmse, n_train=n_train, n_holdout=n if folds else 0,
+                               folds=folds)
 
 
 __all__ = ["AccuracyPredictor", "PredictorFit", "kendall_tau", "train_predictor", "torch_threads"]
