@@ -156,10 +156,7 @@ def largest_feasible(space: SearchSpace, profile, samples: int, seed: int) -> tu
     rng = np.random.default_rng(seed)
     archs = [space.smallest()] + [space.sample(rng) for _ in range(samples)]
     costs = cm.batch(archs)
-    limits = {k: float(v) for k, v in profile.effective_budgets()}
-    ok = np.ones(len(archs), dtype=bool)
-    for k, lim in limits.items():
-        ok &= np.asarray(costs[k]) <= lim
+    ok = cm.feasible(archs, profile)
     if not ok.any():
         viol = "; ".join(cm.violations(cm.cost(space.smallest()), profile))
         raise UserInputError(f"no subnet of the search space fits profile {profile.name!r} (even the "
