@@ -131,3 +131,24 @@ def test_run_config_defaults_overrides_and_errors(tmp_path):
         load_run_config(None, ["algorithm.name=fedx"])
     with pytest.raises(UserInputError, match=r"not key=value"):
         load_run_config(None, ["engine.rounds"])
+
+
+def test_feddf_sends_each_client_only_its_architecture_group():
+    from rafl.federation.algorithms.base import ClientInfo
+    from rafl.federation.algorithms.feddf import FedDF, group_of
+
+    a, b = ClientInfo(0, "pi4", None, "arch-a", 10), ClientInfo(1, "phone", None, "arch-b", 10)
+    groups = {group_of("arch-a"): {"w": torch.zeros(100)}, group_of("arch-b"): {"w": torch.ones(3)}}
+    bcast = FedDF._broadcast(groups)
+    down_a, down_b = FedDF().client_broadcast(bcast, a), FedDF().client_broadcast(bcast, b)
+    assert set(down_a.tensors) == {"w"} and down_a.tensors["w"].shape == (100,)
+    assert torch.equal(down_b.tensors["w"], torch.ones(3))
+    assert down_b.nbytes() < down_a.nbytes() < bcast.nbytes()  # bytes counted per client download
+
+
+def test_fednova_normalizer_matches_wang_et_al():
+    from rafl.federation.algorithms.fedavg import _a_norm
+
+    assert _a_norm(5, 0.0) == 5.0  # plain SGD: ||a||_1 = tau
+    rho, tau = 0.9, 4  # momentum: sum_k (1 - rho^k) / (1 - rho) for k = 1..tau
+    assert _a_norm(tau, rho) == pytest.approx(sum((1 - rho**k) / (1 - rho) for k in range(1, tau + 1)))
