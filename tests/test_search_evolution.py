@@ -33,9 +33,13 @@ def analytic_cost(pop: Population) -> dict[str, np.ndarray]:
 
 
 def synthetic_accuracy(pop: Population) -> np.ndarray:
-    """Accuracy grows (with diminishing returns) with capacity: a stand-in for the predictor."""
-    c = analytic_cost(pop)
-    return 1.0 - np.exp(-c["macs_m"] / 150.0) + 0.001 * pop.values()["r"]
+    """A stand-in for the predictor: capacity helps, late stages far more than early ones (whose
+    MACs are the most expensive), so the best feasible archs are rare under random sampling."""
+    v = pop.values()
+    gain = (v["ks"] + 2 * v["e"]) * pop.active()  # (P, n_blocks)
+    stage_weight = np.repeat([0.05, 0.1, 0.4, 1.0, 2.0], SPACE.max_depth)
+    value = (gain * stage_weight).sum(1) + 0.2 * v["r"]
+    return 1.0 - np.exp(-value / 60.0)
 
 
 def test_population_matches_archconfig():
@@ -83,9 +87,9 @@ def test_evolution_meets_every_budget_and_beats_random():
     out = evolve(SPACE, synthetic_accuracy, analytic_cost, limits, _cfg(), profile_name="toy")
     assert feasible_mask(out.costs, limits).all()
     assert feasible_mask(out.archive_costs, limits).all()
-    # the best found is better than the best of as many random feasible archs
+    # the best found beats the best of as many random archs as the evolution scored
     rng = np.random.default_rng(5)
-    rand = Population.sample(SPACE, 4000, rng)
+    rand = Population.sample(SPACE, out.n_score_queries, rng)
     ok = feasible_mask(analytic_cost(rand), limits)
     assert out.scores[0] >= synthetic_accuracy(rand.take(np.flatnonzero(ok))).max()
     # the best is near the budget frontier of at least one constraint
@@ -162,11 +166,11 @@ def test_predictor_ranks_held_out_archs(tmp_path):
     pop = Population.sample(SPACE, 120, rng)
     y = synthetic_accuracy(pop)
     model, fit = train_predictor(pop.encode(), y, folds=4, epochs=300, seed=0)
-    assert fit.n_holdout == 120 and fit.n_train == 90 and fit.folds == 4 and fit.kendall_tau > 0.6
+    assert fit.n_holdout == 120 and fit.n_train == 90 and fit.folds == 4 and fit.kendall_tau > 0.5
     again, fit2 = train_predictor(pop.encode(), y, folds=4, epochs=300, seed=0)
     assert fit2 == fit
     test = Population.sample(SPACE, 200, np.random.default_rng(9))
-    assert kendall_tau(model.predict(test.encode()), synthetic_accuracy(test)) > 0.6
+    assert kendall_tau(model.predict(test.encode()), synthetic_accuracy(test)) > 0.5
     model.save(tmp_path / "p.safetensors")
     loaded = AccuracyPredictor.load(tmp_path / "p.safetensors")
     np.testing.assert_allclose(loaded.predict(test.encode()), model.predict(test.encode()), rtol=1e-6)

@@ -26,9 +26,10 @@ then the final top-k of every profile re-measured and the best measured one retu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -246,12 +247,16 @@ def _feasible_children(make: Callable[[np.ndarray], Population],
                        ) -> tuple[Population, dict[str, np.ndarray]]:
     """``n`` feasible children: ``make(slots)`` draws one child per entry of ``slots`` (same
     parents for the same slot); infeasible slots are redrawn at most ``rounds`` times, each round
-    drawing ``oversample`` candidates per slot in one batch and keeping the first feasible one
+    drawing ``oversample`` (more when few children were feasible: ``6 / feasible rate``, at most
+    16) candidates per slot in one batch and keeping the first feasible one
     (the same distribution as OFA's redraw-until-feasible loop, with fewer cost calls); slots still
     infeasible get ``fallback(slots)`` (a feasible parent). Returns children and costs in slot order."""
     kids = make(np.arange(n))
     costs = cost_fn(kids)
     bad = np.flatnonzero(~feasible_mask(costs, limits))
+    # candidates per infeasible slot: enough that one round usually finds a feasible one for all
+    rate = max(1.0 - len(bad) / max(n, 1), 1.0 / 16)
+    oversample = int(min(16, max(oversample, np.ceil(6.0 / rate))))
     for _ in range(rounds):
         if not len(bad):
             break
@@ -302,7 +307,27 @@ def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[
             the smallest value the space reaches for it), or a budget key the cost function
             does not provide.
     """
-    rng = np.random.default_rng(config.seed if seed is None else seed)
+    with _single_threaded_blas():
+        return _evolve(space, score_fn, cost_fn, limits, config, profile_name,
+                       config.seed if seed is None else seed)
+
+
+@contextlib.contextmanager
+def _single_threaded_blas() -> Iterator[None]:
+    """numpy's BLAS on one thread for the block: the search's matrices are tiny (an MLP on ~100
+    encodings), and extra BLAS threads only add overhead (many times more on a shared machine)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
+        yield
+        return
+    with threadpool_limits(1, user_api="blas"):
+        yield
+
+
+def _evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[str, float],
+            config: SearchConfig, profile_name: str, seed: int) -> EvolutionOutcome:
+    rng = np.random.default_rng(seed)
     counter = _Counter(cost_fn)
     probe_keys = counter(Population.from_archs(space, [space.smallest()]))
     missing = [k for k in limits if k not in probe_keys]
