@@ -79,10 +79,10 @@ def test_rafl_round_metrics_comm_and_files(tiny, tmp_path):
     assert summary["co_round"] == 1 and summary["co_mb_to_target"] == pytest.approx(hist[0]["cum_mb"])
     with open(tmp_path / "metrics.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 2
-    for f in ("summary.json", "accuracy_vs_round.png", "accuracy_vs_mb.png", "checkpoint.pt"):
+    for f in ("summary.json", "accuracy_vs_round.png", "accuracy_vs_mb.png", "checkpoint.safetensors"):
         assert (tmp_path / f).is_file()
     # only the committed state of each client is on disk
-    assert sorted(p.name for p in (tmp_path / "clients").iterdir()) == [f"{i:07d}.r00002.pt" for i in range(3)]
+    assert sorted(p.name for p in (tmp_path / "clients").iterdir()) == [f"{i:07d}.r00002.st" for i in range(3)]
 
 
 class _CrashingRaFL(RaFL):

@@ -152,3 +152,31 @@ def test_fednova_normalizer_matches_wang_et_al():
     assert _a_norm(5, 0.0) == 5.0  # plain SGD: ||a||_1 = tau
     rho, tau = 0.9, 4  # momentum: sum_k (1 - rho^k) / (1 - rho) for k = 1..tau
     assert _a_norm(tau, rho) == pytest.approx(sum((1 - rho**k) / (1 - rho) for k in range(1, tau + 1)))
+
+
+def test_client_state_round_trips_through_safetensors(tmp_path):
+    from rafl.federation.store import ClientStore, load_state, save_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    state = {"local": model.state_dict(), "opt": opt.state_dict(), "round": 3, "names": ["a", "b"],
+             "pair": (1.5, None)}
+    save_state(tmp_path / "s.st", state)
+    back = load_state(tmp_path / "s.st")
+    assert torch.equal(back["local"]["weight"], model.weight) and back["round"] == 3
+    assert back["names"] == ["a", "b"] and back["pair"] == (1.5, None)
+    assert torch.equal(back["opt"]["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+    (tmp_path / "bad.st").write_bytes((tmp_path / "s.st").read_bytes()[:-10])
+    with pytest.raises(UserInputError, match="cannot load state"):
+        load_state(tmp_path / "bad.st")
+    with pytest.raises(TypeError, match="not Linear"):
+        save_state(tmp_path / "x.st", {"model": model})
+    store = ClientStore(tmp_path / "clients")
+    store.save(4, 1, {"w": torch.ones(1)})
+    assert not store.has(4)  # pending until the checkpoint commits it
+    store.commit()
+    store.save(4, 2, {"w": torch.zeros(1)})  # a crash here leaves round 1 as the committed version
+    store.cleanup()
+    assert float(store.load(4)["w"]) == 1.0 and [p.name for p in (tmp_path / "clients").iterdir()] == ["0000004.r00001.st"]

@@ -114,7 +114,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     try:
         summary = pipeline.run(prep, run_dir, progress=progress)
     except BaseException:
-        if run_dir.exists() and not (run_dir / "checkpoint.pt").exists():
+        if run_dir.exists() and not (run_dir / "checkpoint.safetensors").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
         raise
     print_table(summary, run_dir)

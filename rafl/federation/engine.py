@@ -21,7 +21,7 @@ server steps and knows no algorithm by name. One round ``t``:
    cumulative. ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the
    cumulative MB (up + down) at the first evaluated round whose ``model.acc_mean_over_clients``
    reaches ``target_accuracy``.
-8. ``metrics.jsonl``/``metrics.csv`` rewritten, then ``checkpoint.pt`` (server state, broadcast,
+8. ``metrics.jsonl``/``metrics.csv`` rewritten, then ``checkpoint.safetensors`` (server state, broadcast,
    available set, committed client-state versions, counters, metrics so far) written atomically.
 
 ``resume`` continues from the last complete round; because every random draw is seeded by
@@ -57,7 +57,7 @@ LoaderFactory = Callable[[int, str, int], Loader | None]
 #: ``client_model(client_id, arch=None) -> nn.Module`` (see ``ClientContext.make_model``).
 ClientModelFactory = Callable[..., torch.nn.Module]
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = "checkpoint.safetensors"
 
 
 @dataclass
@@ -166,7 +166,7 @@ class Engine:
         fed: the federation.
         config: :class:`EngineConfig`.
         run_dir: an existing directory (the CLI creates it only after validation); the engine
-            writes ``clients/``, ``checkpoint.pt``, ``metrics.jsonl``, ``metrics.csv``,
+            writes ``clients/``, ``checkpoint.safetensors``, ``metrics.jsonl``, ``metrics.csv``,
             ``summary.json``, ``accuracy_vs_round.png``, ``accuracy_vs_mb.png`` there.
         progress: show a tqdm bar over rounds.
 
@@ -249,7 +249,7 @@ class Engine:
     def _load_checkpoint(self) -> dict:
         path = self.run_dir / CHECKPOINT
         if not path.is_file():
-            raise UserInputError("has no checkpoint.pt (not a rafl federate run dir, or it never "
+            raise UserInputError("has no checkpoint.safetensors (not a rafl federate run dir, or it never "
                                  "completed a round)", source=self.run_dir)
         ck = load_state(path)
         if ck.get("algorithm") != self.fed.algorithm.name or ck.get("n_clients") != len(self.fed.clients):
@@ -305,10 +305,15 @@ class Engine:
             failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
             bytes_up = bytes_down = 0
             uploads: list[Payload] = []
+            shared_nbytes: int | None = None  # the common broadcast is serialized once per round
             for cid in sampled:
                 ctx = self._client_ctx(cid, rnd)
                 down = algo.client_broadcast(broadcast, ctx.info)
-                bytes_down += down.nbytes()
+                if down is broadcast:
+                    shared_nbytes = broadcast.nbytes() if shared_nbytes is None else shared_nbytes
+                    bytes_down += shared_nbytes
+                else:
+                    bytes_down += down.nbytes()
                 if cid in failed:
                     continue
                 state = self._client_state(ctx)
