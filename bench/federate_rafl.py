@@ -20,7 +20,7 @@ Claims (printed PASS/FAIL; numbers always written):
 3. Engine overhead (round time outside client_update, server_aggregate and evaluation: state
    I/O, payload serialization/validation, sampling, metrics, checkpoints) <= 5% of the round.
 
-Run: ``python bench/federate_rafl.py [--rounds 3] [--cifar-limit 40] [--skip-cifar]``; writes
+Run: ``python bench/federate_rafl.py [--rounds 5] [--cifar-limit 40] [--skip-cifar]``; writes
 ``bench/results/federate_rafl.md`` and ``.json``.
 """
 
@@ -104,7 +104,7 @@ def cifar_supernet(limit: int, epochs: int, workdir: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--local-epochs", type=int, default=1)
     ap.add_argument("--cifar-limit", type=int, default=40, help="CIFAR-10 images per class and source split")
     ap.add_argument("--cifar-supernet-epochs", type=int, default=2)
