@@ -34,12 +34,12 @@ def supernet() -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Run folder (checkpoint, config.json, metrics.json). Required unless --resume.")
 @click.option("--epochs-per-phase", type=int, default=None,
-              help="Epochs of each of the 4 phases (full, kernel, depth, expand) [default: 12, 4, 4, 4].")
+              help="Epochs of each of the 4 phases (full, kernel, depth, expand) [default: 10, 3, 3, 4].")
 @click.option("--device", default=None, help="cpu | cuda  [default: cpu]")
 @click.option("--seed", type=int, default=None, help="Run seed [default: 0].")
 @click.option("--width-mult", type=float, default=None, help="Supernet width multiplier [default: 0.35].")
-@click.option("--resolutions", default=None, help="Elastic input resolutions in px, e.g. 24,28,32.")
-@click.option("--batch-size", type=int, default=None, help="Mini-batch size.")
+@click.option("--resolutions", default=None, help="Elastic input resolutions in px [default: digits 12,14,16; others 24,28,32].")
+@click.option("--batch-size", type=int, default=None, help="Mini-batch size [default: 32].")
 @click.option("--limit-per-class", type=int, default=None, help="Use only N samples per class (quick runs).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None,
               help="YAML/JSON file with any TrainConfig fields (options given here override it).")
