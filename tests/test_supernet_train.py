@@ -156,3 +156,13 @@ def test_quickstart_trains_once_then_loads_from_cache(tmp_path, monkeypatch, cap
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     # the hash covers the config: another config gets another folder
     assert qs.quickstart_dir(tiny.model_copy(update={"seed": 1})) != path
+
+
+def test_cli_help_states_the_config_defaults():
+    res = CliRunner().invoke(cli, ["supernet", "train", "--help"])
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    defaults = TrainConfig()
+    assert "[default: " + ", ".join(str(e) for e in defaults.phase_epochs()) + "]" in text
+    assert f"[default: {defaults.batch_size}]" in text and f"[default: {defaults.width_mult}]" in text
+    assert ",".join(str(r) for r in defaults.resolutions) in text
