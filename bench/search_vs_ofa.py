@@ -42,6 +42,7 @@ from rafl.supernet import extract_subnet, recalibrate_bn
 from rafl.supernet.arch import ArchConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPEATS = 2
 LINES: list[str] = []
 
 
@@ -132,20 +133,29 @@ def main() -> None:
     mid = macs_model.cost(space.middle()).macs_m
     limit = round(mid, 2)
     cfg = SearchConfig(population=100, generations=500, progress=False, seed=0)
-    random.seed(0)
-    np.random.seed(0)
     from ofa.nas.search_algorithm import EvolutionFinder
 
-    finder = EvolutionFinder(OFAMacsAdapter(macs_model), OFAAccuracyAdapter(est.predictor, space),
-                             population_size=100, max_time_budget=500, parent_ratio=0.25, mutation_ratio=0.5,
-                             arch_mutate_prob=0.1, resolution_mutate_prob=0.5)
-    t0 = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()):
-        _, (ofa_acc, ofa_arch, ofa_macs) = finder.run_evolution_search(limit, verbose=False)
-    t_ofa = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = evolve(space, est, cost_fn_for(macs_model), {"macs_m": limit}, cfg, profile_name="macs")
-    t_rafl = time.perf_counter() - t0
+    def run_ofa():
+        random.seed(0)
+        np.random.seed(0)
+        finder = EvolutionFinder(OFAMacsAdapter(macs_model), OFAAccuracyAdapter(est.predictor, space),
+                                 population_size=100, max_time_budget=500, parent_ratio=0.25, mutation_ratio=0.5,
+                                 arch_mutate_prob=0.1, resolution_mutate_prob=0.5)
+        with contextlib.redirect_stdout(io.StringIO()):
+            return finder.run_evolution_search(limit, verbose=False)[1]
+
+    # each side runs REPEATS times, alternating; the fastest run of each counts (timeit's rule:
+    # the minimum is the run least disturbed by other processes on this shared machine)
+    t_ofa, t_rafl = [], []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        ofa_acc, ofa_arch, ofa_macs = run_ofa()
+        t_ofa.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = evolve(space, est, cost_fn_for(macs_model), {"macs_m": limit}, cfg, profile_name="macs")
+        t_rafl.append(time.perf_counter() - t0)
+    say(f"runs (s): ofa {', '.join(f'{t:.2f}' for t in t_ofa)}; rafl {', '.join(f'{t:.2f}' for t in t_rafl)}")
+    t_ofa, t_rafl = min(t_ofa), min(t_rafl)
     speedup = t_ofa / t_rafl
     say("")
     say(f"## 1. one MACs constraint (macs_m <= {limit}), population 100 x 500 generations, same predictor")
@@ -160,9 +170,12 @@ def main() -> None:
     # --- 2. every budget of pi4 at once, 100 x 500
     pi4 = load_profile("pi4")
     pi4_model = CostModel(space, pi4)
-    t0 = time.perf_counter()
-    out = evolve(space, est, cost_fn_for(pi4_model), profile_limits(pi4), cfg, profile_name="pi4")
-    t_multi = time.perf_counter() - t0
+    t_multi = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        out = evolve(space, est, cost_fn_for(pi4_model), profile_limits(pi4), cfg, profile_name="pi4")
+        t_multi.append(time.perf_counter() - t0)
+    t_multi = min(t_multi)
     say("")
     say(f"## 2. multi-constraint (pi4: {', '.join(f'{k} <= {v:g}' for k, v in profile_limits(pi4).items())}), 100 x 500")
     say(f"rafl evolve         : {t_multi:7.2f} s  (target <= 5 s)   best predicted acc {out.scores[0]:.4f}, "
@@ -187,15 +200,25 @@ def main() -> None:
             say(f"{name:12s} stops after {time.perf_counter() - t0:.2f} s: {err}")
             report["profiles"][name] = {"error": str(err), "seconds_to_error": time.perf_counter() - t0}
             infeasible.append(name)
+    # the shipped budgets were set for 24-32 px inputs; at the quickstart's resolutions they may not
+    # bind, so add pi4's device with budgets at 90% of the middle subnet's costs (all binding)
+    pi4_mid = CostModel(space, pi4).cost(space.middle())
+    tight = pi4.model_copy(update={"name": "pi4-tight", "budgets": pi4.budgets.model_copy(update={
+        k: round(0.9 * getattr(pi4_mid, k), 4) for k in ("macs_m", "peak_memory_mb", "latency_ms", "energy_mj")}
+        | {"train_memory_mb": None})})
+    say("pi4-tight    = pi4's device with budgets " + ", ".join(f"{k} <= {v:g}" for k, v in tight.effective_budgets())
+        + " (90% of the middle subnet's costs)")
+    runnable = [*runnable, tight]
     t0 = time.perf_counter()
     results = search_subnets(supernet, runnable, val, calib, SearchConfig(progress=False, seed=0))
     took = time.perf_counter() - t0
     say(f"search_subnets, default config (100 x 500, 48 measured subnets for the shared predictor, top-5 "
         f"re-measured), {len(runnable)} profiles together: {took:.1f} s")
     report["all_profiles_search_s"] = took
-    for name in runnable:
+    for prof in runnable:
+        prof = load_profile(prof)
+        name = prof.name
         res = results[name]
-        prof = load_profile(name)
         sub = extract_subnet(supernet, res.arch)
         recalibrate_bn(sub, [calib[i:i + 128] for i in range(0, len(calib), 128)], n_batches=2)
         sub.eval()
