@@ -154,6 +154,7 @@ def test_fedtgp_server_prototypes_only_for_uploaded_classes_and_margin(digits, e
     assert new_state["seen"] == [0, 1, 5] and all(type(c) is int for c in new_state["seen"])
     # averaged protos: 0 at 0, 1 at 1s, 5 at 3s: min distances 4, 4, 8 -> margin = 8 (sqrt(16*4) = 8)
     assert new_state["margin"] == pytest.approx(8.0, rel=1e-5)
+    assert np.isfinite(new_state["server_loss"]) and new_state["server_loss"] > 0
     assert torch.isfinite(bc.tensors["global.values"]).all()
 
 

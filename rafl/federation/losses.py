@@ -225,5 +225,5 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     return st_a, st_b
 
 
-__all__ = ["Regularizer", "DISTANCES", "no_singleton_batches", "NoSingletonBatches", "prototype_regularizer", "logit_regularizer", "train_regularized",
-           "train_mutual"]
+__all__ = ["Regularizer", "DISTANCES", "no_singleton_batches", "NoSingletonBatches", "prototype_regularizer",
+           "logit_regularizer", "train_regularized", "train_mutual"]

@@ -93,7 +93,8 @@ def margin_contrastive_loss(client_protos: torch.Tensor, labels: torch.Tensor, g
 @register
 class FedTGP(Algorithm):
     """FedTGP (Zhang et al., AAAI 2024). Client state ``{"model": state_dict}``; server state
-    ``{"net": TrainablePrototypes state_dict, "seen": [class ids], "margin": float}``."""
+    ``{"net": TrainablePrototypes state_dict, "seen": [class ids], "margin": float, "server_loss":
+    float}`` (the margin and the mean contrastive loss of the last server epoch of the round)."""
 
     name: ClassVar[str] = "fedtgp"
     defaults: ClassVar[dict[str, Any]] = {
@@ -152,6 +153,7 @@ class FedTGP(Algorithm):
         net.load_state_dict(net_state)
         net.to(server.device).train()
         margin = server_state.get("margin", 0.0)
+        last_loss = server_state.get("server_loss", 0.0)
         pairs = [(v, c) for p in per_client for c, v in p.items()]
         if pairs:
             margin = adaptive_margin(weighted_class_average((p, None) for p in per_client), float(hp["tau"]))
@@ -163,13 +165,16 @@ class FedTGP(Algorithm):
             bs = int(hp["server_batch_size"])
             for _ in range(int(hp["server_epochs"])):
                 order = torch.randperm(len(y), generator=gen)
+                total, steps = 0.0, 0
                 for i in range(0, len(y), bs):
                     idx = order[i:i + bs].to(server.device)
                     loss = margin_contrastive_loss(x[idx], y[idx], net(all_classes), margin)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
-        new_state = {"net": cpu_state(net), "seen": seen, "margin": float(margin)}
+                    total, steps = total + float(loss.detach()), steps + 1
+                last_loss = total / max(1, steps)
+        new_state = {"net": cpu_state(net), "seen": seen, "margin": float(margin), "server_loss": float(last_loss)}
         return new_state, self._broadcast(net, seen, server.device)
 
     @staticmethod
