@@ -119,6 +119,11 @@ def test_cli_smoke_digits(tmp_path):
     res2 = CliRunner().invoke(cli, ["supernet", "train", "--resume", str(out), "--no-progress"])
     assert res2.exit_code == 0, res2.output
     assert json.loads((out / "metrics.json").read_text())["test"] == metrics["test"]
+    # `rafl supernet info` describes it; a missing folder is a clear error
+    res3 = CliRunner().invoke(cli, ["supernet", "info", str(out)])
+    assert res3.exit_code == 0, res3.output
+    assert "feature width D = 320" in res3.output and "expand" in res3.output
+    assert CliRunner().invoke(cli, ["supernet", "info", str(tmp_path / "none")]).exit_code == 2
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -119,4 +119,42 @@ def _print_table(metrics: dict, out: Path) -> None:
         table.add_row(which, metrics["archs"][which], f"{100 * metrics['test'][which]:.2f}%")
     console = Console()
     console.print(table)
-    console.print(f"wrote {out}/supernet.safetensors, supernet.json, config.json, metrics.json")
+    if (out / "config.json").is_file():
+        console.print(f"run folder {out}: supernet.safetensors, supernet.json, config.json, metrics.json")
+
+
+@supernet.command("info")
+@click.argument("path", type=click.Path(path_type=Path))
+def info(path: Path) -> None:
+    """Describe a trained supernet: search space, feature width D, size, metrics.
+
+    PATH is a `rafl supernet train` run folder (or its supernet.json).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from rafl.supernet.arch import SearchSpace, log10_num_subnets
+    from rafl.supernet.checkpoint import load_meta
+
+    meta = load_meta(path)
+    if not isinstance(meta, dict) or "search_space" not in meta:
+        raise UserInputError("is not a supernet.json written by `rafl supernet train`", source=path)
+    space = SearchSpace.from_dict(meta["search_space"], source=path)
+    console = Console()
+    console.print(f"search space: ks {list(space.ks_choices)}, e {list(space.e_choices)}, d {list(space.d_choices)}, "
+                  f"r {list(space.resolutions)} px; width_mult {space.width_mult}; {space.n_classes} classes; "
+                  f"10^{log10_num_subnets(space):.1f} subnets")
+    console.print(f"feature width D = {meta.get('feature_dim')}; weights {meta.get('weights_bytes', 0) / 2**20:.1f} MiB")
+    metrics = meta.get("metrics") or {}
+    if metrics.get("phases"):
+        table = Table(title="progressive shrinking (server-val accuracy at the end of each phase)")
+        for col in ("phase", "epochs", "lr", "train acc", "val smallest", "val largest"):
+            table.add_column(col, justify="right" if col != "phase" else "left")
+        for phase in metrics["phases"]:
+            last = phase["epochs"][-1]
+            table.add_row(phase["phase"], str(len(phase["epochs"])), f"{phase['lr']:g}",
+                          f"{last['train_acc']:.3f}", f"{last.get('val_acc_smallest', float('nan')):.3f}",
+                          f"{last.get('val_acc_largest', float('nan')):.3f}")
+        console.print(table)
+    if metrics.get("test"):
+        _print_table(metrics, Path(path))
