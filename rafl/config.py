@@ -128,7 +128,7 @@ class TrainSection(_Strict):
 
     batch_size: int = Field(32, ge=1, description="an integer >= 1")
     device: str = Field("cpu", description="a torch device (cpu, cuda, cuda:0 ...)")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads, or null (torch's default)")
+    threads: int | None = Field(1, ge=1, description="torch CPU threads (default 1: the small subnets gain little from intra-op threads, and lose a lot on a shared CPU), or null (torch's default)")
 
 
 class RunConfig(_Strict):
