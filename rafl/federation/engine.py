@@ -472,7 +472,8 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
             pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
                    if f"{m}.acc_mean_over_clients" in r]
             x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
-            ax.plot(x, y, marker="o", ms=3, label=f"{m} (mean over clients)")
+            name = "deployed model" if m == "model" else m
+            ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
             ax.fill_between(x, y - s, y + s, alpha=0.15)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy")
