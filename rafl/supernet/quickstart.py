@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -49,14 +50,25 @@ def quickstart_supernet(progress: bool = True) -> tuple[Supernet, Path]:
     """
     config = quickstart_config()
     folder = quickstart_dir(config)
-    if not (folder / META_NAME).is_file():
-        print(f"rafl: training the quickstart supernet once on the digits public pool (a few minutes on "
-              f"2 CPU cores); caching it in {folder}", file=sys.stderr, flush=True)
-        with atomic_dir(folder, overwrite=True) as tmp:
-            _, metrics = train_supernet(config, tmp, progress=progress)
-        print("rafl: quickstart supernet test accuracy (held-out digits): "
-              + json.dumps({k: round(v, 4) for k, v in metrics["test"].items()}), file=sys.stderr, flush=True)
+    if (folder / META_NAME).is_file():
+        return load_supernet(folder), folder
+    # One trainer at a time: concurrent callers (parallel tests, two terminals) wait for the
+    # first one's cache instead of each training and overwriting it.
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / META_NAME).is_file():
+            _train_into(config, folder, progress)
     return load_supernet(folder), folder
 
 
-__all__ = ["quickstart_supernet", "quickstart_config", "quickstart_dir", "cache_root"]
+def _train_into(config: TrainConfig, folder: Path, progress: bool) -> None:
+    print(f"rafl: training the quickstart supernet once on the digits public pool (a few minutes on "
+          f"2 CPU cores); caching it in {folder}", file=sys.stderr, flush=True)
+    with atomic_dir(folder, overwrite=True) as tmp:
+        _, metrics = train_supernet(config, tmp, progress=progress)
+    print("rafl: quickstart supernet test accuracy (held-out digits): "
+          + json.dumps({k: round(v, 4) for k, v in metrics["test"].items()}), file=sys.stderr, flush=True)
+
+
+__all__ = ["cache_root", "quickstart_config", "quickstart_dir", "quickstart_supernet"]
