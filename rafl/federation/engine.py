@@ -316,9 +316,12 @@ class Engine:
                     bytes_down += down.nbytes()
                 if cid in failed:
                     continue
-                state = self._client_state(ctx)
-                torch.manual_seed(ctx.seed)
+                fresh = not self.store.has(cid)
                 tc = time.perf_counter()
+                state = self._client_state(ctx)  # a first-time client runs init_client (client time)
+                if not fresh:
+                    tc = time.perf_counter()  # loading a stored state is engine time
+                torch.manual_seed(ctx.seed)
                 state, upload = algo.client_update(state, down, ctx)
                 times.client_update += time.perf_counter() - tc
                 self.store.save(cid, rnd, state)

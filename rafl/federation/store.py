@@ -64,24 +64,41 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def state_to_bytes(state: Any) -> bytes:
     """Serialize a weights-only state (nested dict/list/tuple of tensors, numbers, strings, None)
-    as one safetensors blob: the tensors flat, the structure as JSON in the header metadata.
+    as one safetensors blob: the tensors packed into one flat buffer per dtype (few large tensors
+    serialize much faster than hundreds of small ones), the structure and every tensor's
+    ``(dtype, offset, shape)`` as JSON in the header metadata.
 
     Raises:
         TypeError: an object of another type in the state.
     """
     tensors: dict[str, torch.Tensor] = {}
     structure = _flatten(state, "state", tensors)
-    try:
-        return _st_save(tensors, metadata={"rafl.state": json.dumps(structure)})
-    except RuntimeError:  # tensors sharing memory: safetensors wants distinct storages
-        return _st_save({k: v.clone() for k, v in tensors.items()}, metadata={"rafl.state": json.dumps(structure)})
+    groups: dict[str, list[torch.Tensor]] = {}
+    layout: dict[str, list] = {}
+    sizes: dict[str, int] = {}
+    for key, t in tensors.items():
+        dt = str(t.dtype).replace("torch.", "")
+        groups.setdefault(dt, []).append(t.reshape(-1))
+        layout[key] = [dt, sizes.get(dt, 0), list(t.shape)]
+        sizes[dt] = sizes.get(dt, 0) + t.numel()
+    packed = {dt: torch.cat(parts) if parts else torch.zeros(0) for dt, parts in groups.items()}
+    meta = {"rafl.state": json.dumps(structure), "rafl.layout": json.dumps(layout)}
+    return _st_save(packed, metadata=meta)
 
 
 def state_from_bytes(data: bytes) -> Any:
-    """Inverse of :func:`state_to_bytes` (no code is unpickled)."""
-    tensors = _st_load(data)
+    """Inverse of :func:`state_to_bytes` (no code is unpickled). The returned tensors are
+    independent copies."""
+    packed = _st_load(data)
     header_len = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + header_len])["__metadata__"]
+    layout = json.loads(meta["rafl.layout"])
+    tensors = {}
+    for key, (dt, offset, shape) in layout.items():
+        n = 1
+        for d in shape:
+            n *= int(d)
+        tensors[key] = packed[dt][offset:offset + n].reshape(shape).clone()
     return _unflatten(json.loads(meta["rafl.state"]), tensors)
 
 
