@@ -180,3 +180,19 @@ def test_client_state_round_trips_through_safetensors(tmp_path):
     store.save(4, 2, {"w": torch.zeros(1)})  # a crash here leaves round 1 as the committed version
     store.cleanup()
     assert float(store.load(4)["w"]) == 1.0 and [p.name for p in (tmp_path / "clients").iterdir()] == ["0000004.r00001.st"]
+
+
+def test_budget_overrides_validated_and_applied():
+    from rafl.search.profile import load_profile
+
+    pi4 = load_profile("pi4")
+    tight = pi4.with_budgets({"latency_ms": 1.2, "macs_m": None}, source="clients.budgets.pi4")
+    assert tight.budgets.latency_ms == 1.2 and tight.budgets.macs_m is None
+    assert tight.throughput_gmacs == pi4.throughput_gmacs and tight.budgets.energy_mj == pi4.budgets.energy_mj
+    with pytest.raises(UserInputError, match=r"clients.budgets.pi4.*latency_msec"):
+        pi4.with_budgets({"latency_msec": 1.0}, source="clients.budgets.pi4")
+    with pytest.raises(UserInputError, match=r"latency_ms"):
+        pi4.with_budgets({"latency_ms": -1.0}, source="clients.budgets.pi4")
+    cfg = load_run_config(None, ["clients.budgets={phone: {latency_ms: 0.3}}"])
+    assert cfg.clients.budgets == {"phone": {"latency_ms": 0.3}}
+    assert load_run_config(None, []).clients.budgets["pi4"]["latency_ms"] > 0

@@ -114,15 +114,13 @@ def fast_clone(module: nn.Module) -> nn.Module:
 def model_macs_params(model: nn.Module, resolution: int, channels: int = 3) -> tuple[float, float]:
     """``(MACs in millions, parameters in millions)`` of ``model`` for one image of
     ``resolution`` px, counted by fvcore on a deep copy (fvcore counts one multiply-add as one)."""
-    from fvcore.nn import FlopCountAnalysis
+    from rafl.reports.profile_report import count_fvcore
 
     m = copy.deepcopy(model).eval()
     x = torch.zeros(1, channels, resolution, resolution)
-    fca = FlopCountAnalysis(m, x)
-    fca.unsupported_ops_warnings(False)
-    fca.uncalled_modules_warnings(False)
     with torch.no_grad():
-        macs = fca.total()
+        _, per_op = count_fvcore(m, x)
+    macs = sum(per_op.values())
     params = sum(p.numel() for p in model.parameters())
     return macs / 1e6, params / 1e6
 
@@ -353,8 +351,8 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
             partition, a profile no subnet fits, a public pool that differs from the one the
             supernet trained on (leakage), FedAvg-like methods with heterogeneous models, ...
     """
-    from rafl.data import load_dataset, make_loader, make_partition
-    from rafl.search.profile import load_profile
+    from rafl.data import load_dataset, make_partition
+    from rafl.search.profile import list_profiles, load_profile
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -367,9 +365,19 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     profiles = []
     for name in cfg.clients.profiles:
         try:
-            profiles.append(load_profile(name))
+            profile = load_profile(name)
         except UserInputError as err:
             raise UserInputError(err.message, source=err.source, field=f"clients.profiles ({name})") from None
+        if name in cfg.clients.budgets or profile.name in cfg.clients.budgets:
+            overrides = cfg.clients.budgets.get(name, cfg.clients.budgets.get(profile.name, {}))
+            profile = profile.with_budgets(overrides, source=f"clients.budgets.{name}")
+        profiles.append(profile)
+    # Overrides of shipped profiles that this run does not use are fine (the defaults name pi4
+    # and jetson-nano); any other name is a typo.
+    unknown = set(cfg.clients.budgets) - set(cfg.clients.profiles) - {pr.name for pr in profiles} - set(list_profiles())
+    if unknown:
+        raise UserInputError(f"names profile(s) {sorted(unknown)} that no client uses; clients.profiles is "
+                             f"{cfg.clients.profiles}", field="clients.budgets")
     ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
                       limit_per_class=cfg.data.limit_per_class)
     labels = ds.labels.numpy()

@@ -135,6 +135,26 @@ class DeviceProfile(BaseModel):
             items.append(("train_memory_mb", self.train_ram_mb))
         return items
 
+    def with_budgets(self, overrides: dict[str, Any], source: str | None = None) -> DeviceProfile:
+        """A copy of this profile with some budgets replaced (same device, another application).
+
+        Args:
+            overrides: budget name -> new limit (a number > 0), or None to drop that budget.
+            source: where the overrides came from (for error messages), e.g. a config key.
+
+        Raises:
+            UserInputError: an unknown budget name or an invalid value, naming ``source`` and the field.
+        """
+        data = self.model_dump()
+        unknown = set(overrides) - set(Budgets.model_fields)
+        if unknown:
+            raise UserInputError(f"unknown budget(s) {sorted(unknown)}; allowed: "
+                                 f"{', '.join(Budgets.model_fields)}", source=source)
+        data["budgets"] = {**data["budgets"], **overrides}
+        profile = DeviceProfile.from_dict(data, source=source or self._source)
+        profile._source = self._source
+        return profile
+
     def latency_lut_path(self) -> Path | None:
         """``latency_lut`` resolved relative to the profile file (or the working directory)."""
         if self.latency_lut is None:
