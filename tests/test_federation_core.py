@@ -196,3 +196,17 @@ def test_budget_overrides_validated_and_applied():
     cfg = load_run_config(None, ["clients.budgets={phone: {latency_ms: 0.3}}"])
     assert cfg.clients.budgets == {"phone": {"latency_ms": 0.3}}
     assert load_run_config(None, []).clients.budgets["pi4"]["latency_ms"] > 0
+
+
+def test_training_keeps_a_trailing_single_sample():
+    """n % batch_size == 1: the last sample joins the previous batch (BatchNorm), none is dropped."""
+    from rafl.federation.training import train_ce
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 3))
+    x, y = torch.randn(5, 1, 2, 2), torch.tensor([0, 1, 2, 0, 1])
+    loader = [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = train_ce(model, loader, opt, epochs=1)
+    assert stats.samples == 5 and stats.steps == 2

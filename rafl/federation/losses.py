@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.federation.prototypes import safe_distance, stack_targets
-from rafl.federation.training import TrainStats, kl_soft
+from rafl.federation.training import TrainStats, kl_soft, no_singleton_batches
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
@@ -38,29 +38,6 @@ Regularizer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Distance names of the prototype regularizer.
 DISTANCES = ("euclidean", "squared", "mse")
-
-
-def no_singleton_batches(loader: Iterable[Batch]) -> Iterable[Batch]:
-    """The batches of ``loader``, except that a 1-sample batch is merged into the previous one
-    (and a client with a single sample gets it twice in its one batch).
-
-    BatchNorm in training mode cannot normalize one value per channel (a 1-sample batch whose
-    feature map is 1x1, as in the last stages of OFA subnets and small-image networks), so the last
-    batch of a client with ``n % batch_size == 1`` would crash. Merging keeps every sample (no
-    ``drop_last``) and the CE mean of a duplicated single sample equals its own loss."""
-    prev: Batch | None = None
-    for images, labels in loader:
-        if prev is not None and len(labels) == 1:
-            yield torch.cat([prev[0], images]), torch.cat([prev[1], labels])
-            prev = None
-            continue
-        if prev is not None:
-            yield prev
-        prev = (images, labels)
-    if prev is not None:
-        if len(prev[1]) == 1:
-            prev = (prev[0].repeat(2, *([1] * (prev[0].ndim - 1))), prev[1].repeat(2))
-        yield prev
 
 
 class NoSingletonBatches:

@@ -13,9 +13,9 @@ moves batches to ``device`` and leaves the model in the mode it found it in only
 helpers (training helpers leave it in train mode). Losses are batch means. Temperatures follow
 Hinton et al. ("Distilling the Knowledge in a Neural Network", 2015): soft targets at temperature
 ``T`` and the KL term multiplied by ``T**2`` so its gradient scale does not depend on ``T``.
-Training helpers skip a mini-batch of a single sample (train-mode BatchNorm cannot normalize one
-sample whose feature map is 1x1); loaders keep ``drop_last=False``, so at most one sample per
-epoch is left out, and only when the split size is 1 modulo the batch size.
+Loaders keep ``drop_last=False`` and no sample is left out: a trailing 1-sample mini-batch is merged
+into the previous one (:func:`no_singleton_batches`), since train-mode BatchNorm cannot normalize
+one sample whose feature map is 1x1.
 """
 
 from __future__ import annotations
@@ -28,6 +28,29 @@ import torch.nn.functional as F
 from torch import nn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def no_singleton_batches(loader: Iterable[Batch]) -> Iterable[Batch]:
+    """The batches of ``loader``, except that a 1-sample batch is merged into the previous one
+    (and a client with a single sample gets it twice in its one batch).
+
+    BatchNorm in training mode cannot normalize one value per channel (a 1-sample batch whose
+    feature map is 1x1, as in the last stages of OFA subnets and small-image networks), so the last
+    batch of a client with ``n % batch_size == 1`` would crash. Merging keeps every sample (no
+    ``drop_last``) and the CE mean of a duplicated single sample equals its own loss."""
+    prev: Batch | None = None
+    for images, labels in loader:
+        if prev is not None and len(labels) == 1:
+            yield torch.cat([prev[0], images]), torch.cat([prev[1], labels])
+            prev = None
+            continue
+        if prev is not None:
+            yield prev
+        prev = (images, labels)
+    if prev is not None:
+        if len(prev[1]) == 1:
+            prev = (prev[0].repeat(2, *([1] * (prev[0].ndim - 1))), prev[1].repeat(2))
+        yield prev
 
 
 @dataclass
@@ -134,11 +157,9 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
     stats = TrainStats()
     loss_sum = 0.0
     for _ in range(int(epochs)):
-        for images, labels in loader:
+        for images, labels in no_singleton_batches(loader):
             if max_steps is not None and stats.steps >= max_steps:
                 break
-            if len(labels) < 2:
-                continue
             images, labels = images.to(device), labels.to(device)
             logits = model(images)
             loss = F.cross_entropy(logits, labels)
@@ -181,9 +202,7 @@ def train_dml(model_l: nn.Module, model_k: nn.Module, loader: Iterable[Batch],
     st_l, st_k = TrainStats(), TrainStats()
     sum_l = sum_k = 0.0
     for _ in range(int(epochs)):
-        for images, labels in loader:
-            if len(labels) < 2:
-                continue
+        for images, labels in no_singleton_batches(loader):
             images, labels = images.to(device), labels.to(device)
             logits_l = model_l(images)
             logits_k = model_k(images)
@@ -248,10 +267,13 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
     n = len(images)
     for _ in range(int(epochs)):
         order = torch.randperm(n, generator=generator)
-        for i in range(0, n, batch_size):
-            idx = order[i:i + batch_size]
+        starts = list(range(0, n, batch_size))
+        if len(starts) > 1 and n - starts[-1] == 1:
+            starts.pop()  # a trailing single sample joins the previous batch (BatchNorm)
+        for j, i in enumerate(starts):
+            idx = order[i:starts[j + 1] if j + 1 < len(starts) else n]
             if len(idx) < 2:
-                continue
+                continue  # a pool of one image cannot be distilled with train-mode BatchNorm
             x, t = images[idx].to(device), teacher_logits[idx].to(device)
             logits = student(x)
             loss = kl_soft(logits, t, temperature)
