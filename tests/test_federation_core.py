@@ -199,8 +199,8 @@ def test_budget_overrides_validated_and_applied():
 
 
 def test_training_keeps_a_trailing_single_sample():
-    """n % batch_size == 1: the last sample joins the previous batch (BatchNorm), none is dropped."""
-    from rafl.federation.training import train_ce
+    """A small trailing batch joins the previous one (BatchNorm), no sample is dropped."""
+    from rafl.federation.training import no_singleton_batches, train_ce
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
@@ -209,4 +209,8 @@ def test_training_keeps_a_trailing_single_sample():
     loader = [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stats = train_ce(model, loader, opt, epochs=1)
-    assert stats.samples == 5 and stats.steps == 2
+    assert stats.samples == 5 and stats.steps == 2   # batches 2, 2+1 (batch size 2 < MIN_BATCH)
+    big = [(torch.randn(8, 1, 2, 2), torch.arange(8) % 3), (x[:2], y[:2])]
+    assert [len(b[1]) for b in no_singleton_batches(big)] == [10]
+    assert [len(b[1]) for b in no_singleton_batches(big[:1] + big[:1])] == [8, 8]
+    assert [len(b[1]) for b in no_singleton_batches([(x[:1], y[:1])])] == [2]

@@ -15,7 +15,7 @@ Hinton et al. ("Distilling the Knowledge in a Neural Network", 2015): soft targe
 ``T`` and the KL term multiplied by ``T**2`` so its gradient scale does not depend on ``T``.
 Loaders keep ``drop_last=False`` and no sample is left out: a trailing 1-sample mini-batch is merged
 into the previous one (:func:`no_singleton_batches`), since train-mode BatchNorm cannot normalize
-one sample whose feature map is 1x1.
+one sample whose feature map is 1x1 (and a batch of 2-3 samples there diverges).
 """
 
 from __future__ import annotations
@@ -30,27 +30,32 @@ from torch import nn
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def no_singleton_batches(loader: Iterable[Batch]) -> Iterable[Batch]:
-    """The batches of ``loader``, except that a 1-sample batch is merged into the previous one
-    (and a client with a single sample gets it twice in its one batch).
+#: A mini-batch smaller than this joins the one before it (see :func:`no_singleton_batches`).
+MIN_BATCH = 8
 
-    BatchNorm in training mode cannot normalize one value per channel (a 1-sample batch whose
-    feature map is 1x1, as in the last stages of OFA subnets and small-image networks), so the last
-    batch of a client with ``n % batch_size == 1`` would crash. Merging keeps every sample (no
-    ``drop_last``) and the CE mean of a duplicated single sample equals its own loss."""
-    prev: Batch | None = None
+
+def no_singleton_batches(loader: Iterable[Batch], min_size: int = MIN_BATCH) -> Iterable[Batch]:
+    """The batches of ``loader``, except that a batch of fewer than ``min_size`` samples that is
+    also smaller than the batch before it (in practice the last one of an epoch) is merged into
+    that batch; a client whose whole split is a single sample gets it twice in its one batch.
+
+    Train-mode BatchNorm cannot normalize one value per channel (a 1-sample batch whose feature map
+    is 1x1, as in the last stages of OFA subnets and small-image networks), and a batch of 2-3
+    samples there gives near-zero variances whose gradients blow up: on the default digits run a
+    client with 34 samples (batches of 32 + 2) diverged. Merging keeps every sample (no
+    ``drop_last``); the CE mean of a duplicated single sample equals its own loss."""
+    held: Batch | None = None
     for images, labels in loader:
-        if prev is not None and len(labels) == 1:
-            yield torch.cat([prev[0], images]), torch.cat([prev[1], labels])
-            prev = None
+        if held is not None and len(labels) < min(min_size, len(held[1])):
+            held = (torch.cat([held[0], images]), torch.cat([held[1], labels]))
             continue
-        if prev is not None:
-            yield prev
-        prev = (images, labels)
-    if prev is not None:
-        if len(prev[1]) == 1:
-            prev = (prev[0].repeat(2, *([1] * (prev[0].ndim - 1))), prev[1].repeat(2))
-        yield prev
+        if held is not None:
+            yield held
+        held = (images, labels)
+    if held is not None:
+        if len(held[1]) == 1:
+            held = (held[0].repeat(2, *([1] * (held[0].ndim - 1))), held[1].repeat(2))
+        yield held
 
 
 @dataclass
@@ -268,8 +273,8 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
     for _ in range(int(epochs)):
         order = torch.randperm(n, generator=generator)
         starts = list(range(0, n, batch_size))
-        if len(starts) > 1 and n - starts[-1] == 1:
-            starts.pop()  # a trailing single sample joins the previous batch (BatchNorm)
+        if len(starts) > 1 and n - starts[-1] < MIN_BATCH:
+            starts.pop()  # a small trailing batch joins the previous one (BatchNorm)
         for j, i in enumerate(starts):
             idx = order[i:starts[j + 1] if j + 1 < len(starts) else n]
             if len(idx) < 2:
