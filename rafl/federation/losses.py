@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.federation.prototypes import safe_distance, stack_targets
-from rafl.federation.training import TrainStats, kl_soft, no_singleton_batches
+from rafl.federation.training import TrainStats, kl_soft, no_singleton_batches, train_ce
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
@@ -117,26 +117,10 @@ def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torc
     Returns:
         :class:`~rafl.federation.training.TrainStats` (``loss`` = mean total loss).
     """
-    model.train()
-    stats = TrainStats()
-    loss_sum = 0.0
-    for _ in range(int(epochs)):
-        for images, labels in no_singleton_batches(loader):
-            images, labels = images.to(device), labels.to(device)
-            feats = model.features(images)
-            logits = model.head(feats)
-            loss = F.cross_entropy(logits, labels)
-            if extra is not None:
-                loss = loss + extra(feats, logits, labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            stats.steps += 1
-            stats.samples += int(labels.numel())
-            stats.correct += int((logits.detach().argmax(1) == labels).sum())
-            loss_sum += float(loss.detach())
-    stats.loss = loss_sum / stats.steps if stats.steps else 0.0
-    return stats
+    if extra is None:  # still run the model as head(features(x)): it may have no forward()
+        def extra(feats, logits, labels):
+            return logits.new_zeros(())
+    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra)
 
 
 def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch],

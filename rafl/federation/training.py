@@ -20,7 +20,7 @@ one sample whose feature map is 1x1 (and a batch of 2-3 samples there diverges).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -133,15 +133,20 @@ def _proximal(model: nn.Module, reference: Mapping[str, torch.Tensor]) -> torch.
 def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.Optimizer, *,
              epochs: int = 1, device: torch.device | str = "cpu", prox_mu: float = 0.0,
              prox_reference: Mapping[str, torch.Tensor] | None = None,
-             max_steps: int | None = None) -> TrainStats:
-    """Cross-entropy training for ``epochs`` passes over ``loader``.
+             max_steps: int | None = None,
+             extra: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+             ) -> TrainStats:
+    """Cross-entropy training for ``epochs`` passes over ``loader``, plus optional terms.
 
     With ``prox_mu > 0`` adds FedProx's proximal term ``mu/2 * ||w - w_global||^2`` (Li et al.,
     "Federated Optimization in Heterogeneous Networks", MLSys 2020, Eq. 2) against
-    ``prox_reference`` (a ``named_parameters`` mapping of the global model).
+    ``prox_reference`` (a ``named_parameters`` mapping of the global model). With ``extra`` the
+    model is run as ``head(features(x))`` and ``extra(features (B, D), logits (B, K), labels (B,))``
+    is added to the loss (the prototype / logit regularizers of FedProto, FedTGP, FD:
+    :mod:`rafl.federation.losses`).
 
     Args:
-        model: maps (B, C, H, W) -> (B, K) logits.
+        model: maps (B, C, H, W) -> (B, K) logits (with ``extra``: has ``features`` and ``head``).
         loader: yields (images, labels).
         optimizer: over ``model``'s parameters.
         epochs: passes over the loader (>= 0).
@@ -149,9 +154,10 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
         prox_mu: FedProx mu (0 = plain CE).
         prox_reference: required when ``prox_mu > 0``.
         max_steps: stop after this many optimizer steps (None = no limit).
+        extra: a regularizer on (features, logits, labels), or None.
 
     Returns:
-        :class:`TrainStats` (``steps`` is FedNova's local step count tau).
+        :class:`TrainStats` (``steps`` is FedNova's local step count tau; ``loss`` the mean total loss).
 
     Raises:
         ValueError: ``prox_mu > 0`` without ``prox_reference``.
@@ -166,8 +172,13 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
             if max_steps is not None and stats.steps >= max_steps:
                 break
             images, labels = images.to(device), labels.to(device)
-            logits = model(images)
-            loss = F.cross_entropy(logits, labels)
+            if extra is None:
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels)
+            else:
+                feats = model.features(images)
+                logits = model.head(feats)
+                loss = F.cross_entropy(logits, labels) + extra(feats, logits, labels)
             if prox_mu > 0:
                 loss = loss + 0.5 * prox_mu * _proximal(model, prox_reference)
             optimizer.zero_grad(set_to_none=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
 
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
