@@ -228,6 +228,26 @@ def _error(err: ValidationError, source: str | None) -> UserInputError:
                           field=".".join(loc))
 
 
+def read_config_file(path: str | Path | None) -> dict[str, Any]:
+    """The top-level mapping of a YAML run config (``{}`` for None or an empty file).
+
+    Raises:
+        UserInputError: a missing file, invalid YAML, or a top level that is not a mapping.
+    """
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise UserInputError("no such file (expected a YAML run config)", source=p)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
+    if not isinstance(data, dict):
+        raise UserInputError("expected a mapping at the top level", source=p)
+    return data
+
+
 def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults <- YAML file ``path`` <- ``--set`` overrides, validated; the algorithm name and
     its hyperparameters are checked against the registry.
@@ -237,19 +257,8 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
             hyperparameters), a value out of range, or an unknown algorithm -- naming the file and
             the dotted field and listing the allowed values.
     """
-    data: dict[str, Any] = {}
-    source = None
-    if path is not None:
-        source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise UserInputError("no such file (expected a YAML run config)", source=p)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
-        if not isinstance(data, dict):
-            raise UserInputError("expected a mapping at the top level", source=p)
+    data = read_config_file(path)
+    source = None if path is None else str(path)
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(data, key, value, source or "--set")
     try:

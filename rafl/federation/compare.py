@@ -131,20 +131,10 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
             no selected method accepts.
     """
-    from rafl.config import parse_overrides
+    from rafl.config import parse_overrides, read_config_file
 
-    data: dict[str, Any] = {}
+    data = read_config_file(path)
     source = str(path) if path is not None else "--set"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise UserInputError("no such file (expected a YAML run config)", source=p)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
-        if not isinstance(data, dict):
-            raise UserInputError("expected a mapping at the top level", source=p)
     algo_section = dict(data.pop("algorithm", None) or {})
     rest: list[str] = []
     for key, value in parse_overrides(list(overrides)):
