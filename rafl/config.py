@@ -271,7 +271,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     try:
         hp = cls.check_hparams(cfg.algorithm.hparams())
     except UserInputError as err:
-        raise UserInputError(err.message, source=source, field="algorithm") from None
+        raise UserInputError(err.message, source=source, field=err.field or "algorithm") from None
     cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
     return cfg
 

@@ -214,3 +214,18 @@ def test_training_keeps_a_trailing_single_sample():
     assert [len(b[1]) for b in no_singleton_batches(big)] == [10]
     assert [len(b[1]) for b in no_singleton_batches(big[:1] + big[:1])] == [8, 8]
     assert [len(b[1]) for b in no_singleton_batches([(x[:1], y[:1])])] == [2]
+
+
+@pytest.mark.parametrize("key,value,ok", [
+    ("lr", "1e-3", 0.001), ("lr", 5, 5.0), ("local_epochs", 2.0, 2), ("distill", True, True),
+    ("lr", "abc", None), ("lr", -1, None), ("lr", float("nan"), None), ("local_epochs", 0, None),
+    ("local_epochs", 1.5, None), ("temperature", 0, None), ("momentum", 1.0, None), ("distill", "yes", None),
+])
+def test_hyperparameters_are_typed_and_range_checked(key, value, ok):
+    algo_cls = get_algorithm("rafl")
+    if ok is None:
+        with pytest.raises(UserInputError, match=rf"algorithm\.{key}: is .*allowed"):
+            algo_cls(**{key: value})
+    else:
+        hp = algo_cls(**{key: value}).hparams[key]
+        assert hp == ok and type(hp) is type(ok)

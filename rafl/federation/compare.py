@@ -169,7 +169,8 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         try:
             hps[cls.name] = cls.check_hparams(hp)
         except UserInputError as err:
-            raise UserInputError(err.message, source=source, field=f"algorithm.{a}") from None
+            key = err.field[len("algorithm"):] if err.field and err.field.startswith("algorithm") else ""
+            raise UserInputError(err.message, source=source, field=f"algorithm.{a}{key}") from None
     tmp = yaml.safe_dump({**data, "algorithm": {"name": "standalone"}})
     cfg = _validate(tmp, rest, source)
     return cfg, hps

@@ -25,6 +25,7 @@ the client deploys (for RaFL the specialized subnet), other names are extra (RaF
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -185,7 +186,8 @@ class Algorithm(ABC):
         if unknown:
             raise UserInputError(f"unknown hyperparameter(s) {unknown} for {cls.name!r}; "
                                  f"allowed: {sorted(cls.defaults)}", field="algorithm")
-        return {**cls.defaults, **hparams}
+        merged = {**cls.defaults, **hparams}
+        return {k: _checked_hparam(k, v, cls.defaults[k]) for k, v in merged.items()}
 
     def check_population(self, clients: list[ClientInfo]) -> None:
         """Reject populations this method cannot handle (called once before round 1).
@@ -275,3 +277,52 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = ["Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State", "Loader",
            "ModelFactory", "ALGORITHMS", "register", "get_algorithm"]
+
+
+def _checked_hparam(name: str, value: Any, default: Any) -> Any:
+    """``value`` coerced to the type of ``default`` and checked against the range its name implies.
+
+    YAML 1.1 reads ``1e-3`` as a string, so numeric strings are parsed. Ranges by name: learning
+    rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
+    ``momentum`` in [0, 1); ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*`` >= 0;
+    every float finite.
+
+    Raises:
+        UserInputError: naming ``algorithm.<name>``, the value and what is allowed.
+    """
+    field_name = f"algorithm.{name}"
+    if default is None or isinstance(default, str | list | dict | tuple):
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise UserInputError(f"is {value!r}; allowed: true or false", field=field_name)
+        return value
+    kind = "an integer" if isinstance(default, int) else "a number"
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value) if isinstance(value, str) else value
+        if not isinstance(number, int | float):
+            raise ValueError
+        if isinstance(default, int):
+            if float(number) != int(number):
+                raise ValueError
+            number = int(number)
+        else:
+            number = float(number)
+    except (TypeError, ValueError, OverflowError):
+        raise UserInputError(f"is {value!r}; allowed: {kind}", field=field_name) from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise UserInputError(f"is {value!r}; allowed: a finite number", field=field_name)
+    low, strict = None, False
+    if name.endswith("lr") or name in ("temperature", "tau") or name.endswith("_temperature"):
+        low, strict = 0, True
+    elif name.endswith("epochs") or name.endswith("batch_size"):
+        low = 1
+    elif name in ("weight_decay", "mu", "alpha", "gamma", "momentum") or name.startswith("lambda"):
+        low = 0
+    if low is not None and (number <= low if strict else number < low):
+        raise UserInputError(f"is {value!r}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)
+    if name == "momentum" and number >= 1:
+        raise UserInputError(f"is {value!r}; allowed: a number in [0, 1)", field=field_name)
+    return number
