@@ -41,6 +41,9 @@ def _one_error_line(result):
     (["--set", "clients.n=5000"], "impossible partition"),  # more clients than samples
     (["--set", "clients.profiles=[pi5]"], "pi5"),
     (["--set", "partition.public_fraction=0.2", "--set", "clients.n=3"], "overlap the supernet's training data"),
+    (["--set", "name=../escape"], "name: is '../escape'; allowed: a plain folder name"),
+    (["--set", "algorithm.lr=abc"], "algorithm.lr: is 'abc'; allowed: a number"),
+    (["--set", "algorithm.knowledge_arch=huge", "--set", "clients.n=3"], "algorithm.knowledge_arch"),
 ])
 def test_bad_input_exits_2_without_run_dir(tmp_path, tiny_supernet, args, expected):
     path, _ = tiny_supernet
@@ -48,7 +51,7 @@ def test_bad_input_exits_2_without_run_dir(tmp_path, tiny_supernet, args, expect
     line = _one_error_line(_invoke(["--out", str(out), "--set", f"supernet.path={path}",
                                     "--set", "data.limit_per_class=10", *args]))
     assert expected in line
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()  # not even an empty --out folder is left behind
 
 
 def test_profile_no_subnet_fits_exits_2(tmp_path, tiny_supernet):
@@ -98,3 +101,23 @@ def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
     assert "may change only engine.rounds" in _one_error_line(
         _invoke(["--resume", str(run_dir), "--set", "algorithm.temperature=3.0"]))
+    assert "completed 2 rounds; allowed: an integer >= 2" in _one_error_line(
+        _invoke(["--resume", str(run_dir), "--set", "engine.rounds=1"]))
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["rounds"] == 2
+
+
+def test_nan_weights_in_a_checkpoint_are_rejected(tmp_path, tiny_supernet):
+    from safetensors.torch import load_file, save_file
+
+    from rafl.errors import UserInputError
+    from rafl.supernet import load_supernet
+
+    path, space = tiny_supernet
+    weights = next(path.glob("*.safetensors"))
+    state = load_file(str(weights))
+    key = next(k for k, v in state.items() if v.is_floating_point())
+    state[key][0] = float("nan")
+    bad = tmp_path / "bad.safetensors"
+    save_file(state, str(bad))
+    with pytest.raises(UserInputError, match="NaN or Inf"):
+        load_supernet(bad, space)

@@ -95,6 +95,11 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
                    if getattr(cfg, k) != getattr(old, k)}
         if changed:
             raise UserInputError(f"--resume may change only engine.rounds, not {sorted(changed)}", field="--set")
+        metrics = resume_dir / "metrics.jsonl"
+        done = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+        if cfg.engine.rounds < done:
+            raise UserInputError(f"is {cfg.engine.rounds} but the run has completed {done} rounds; allowed: "
+                                 f"an integer >= {done}", field="engine.rounds")
         prep = pipeline.prepare(cfg, progress=progress)
         summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
         from rafl.io import atomic_write_yaml
@@ -110,11 +115,17 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
     if out.exists() and not out.is_dir():
         raise UserInputError("exists and is not a folder", source=out, field="--out")
-    prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; nothing written yet
+    if Path(name).name != name or name in (".", ".."):
+        raise UserInputError(f"is {name!r}; allowed: a plain folder name (no '/' or '..'), created under --out",
+                             field="name")
+    out_existed = out.exists()
     try:
+        prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; nothing written yet
         summary = pipeline.run(prep, run_dir, progress=progress)
     except BaseException:
         if run_dir.exists() and not (run_dir / "checkpoint.safetensors").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
+        if not out_existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
         raise
     print_table(summary, run_dir)

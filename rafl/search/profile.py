@@ -99,8 +99,9 @@ class DeviceProfile(BaseModel):
     avg_power_w: float | None = Field(None, gt=0, description="a number > 0 (average power while computing, W)")
     latency_lut: str | None = Field(None, min_length=1,
                                     description="a path to a YAML written by `rafl profile --build-lut`")
-    batch_size: int = Field(32, gt=0, description="an integer > 0 (local training batch size)")
-    epoch_samples: int = Field(500, gt=0, description="an integer > 0 (training samples per local epoch)")
+    batch_size: int = Field(32, gt=0, strict=True, description="an integer > 0 (local training batch size)")
+    epoch_samples: int = Field(500, gt=0, strict=True,
+                               description="an integer > 0 (training samples per local epoch)")
     budgets: Budgets = Field(default_factory=Budgets, description="a mapping of budgets")
 
     # where the profile was read from (for relative latency_lut paths and messages); not a field

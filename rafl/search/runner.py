@@ -18,6 +18,7 @@ when complete, so an interrupted run leaves nothing half-written):
 from __future__ import annotations
 
 import io
+import warnings
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -149,7 +150,9 @@ def export_onnx(subnet, path: str | Path, sample: torch.Tensor | None = None, in
         sample = torch.randn(2, in_channels, r, r, generator=torch.Generator().manual_seed(0))
     x = prepare_input(sample[:8].float(), r).contiguous()
     buf = io.BytesIO()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # the tracer warns about the shape checks in Subnet's input handling (constant here)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
         torch.onnx.export(subnet, (x,), buf, dynamo=False, input_names=["images"], output_names=["logits"],
                           dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17)
         want = subnet(x).numpy()

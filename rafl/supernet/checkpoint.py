@@ -104,6 +104,10 @@ def load_state_into(supernet: Supernet, state: dict[str, torch.Tensor], source: 
     if extra:
         raise UserInputError(f"unexpected tensor(s) {extra[:3]} (not a checkpoint of this supernet)",
                              source=source)
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise UserInputError(f"tensor {bad[0]!r} contains NaN or Inf values ({len(bad)} tensor(s) in all); "
+                             "the checkpoint is corrupted or its training diverged", source=source)
     supernet.load_state_dict({k: state[k] for k in own})
     return supernet
 
