@@ -66,6 +66,7 @@ BASE = {"name": "dev", "throughput_gmacs": 5.0, "mem_bandwidth_gbs": 4.0, "avg_p
         (lambda d: d["budgets"].update(macs_m=0), "budgets.macs_m", "> 0"),           # zero budget
         (lambda d: d.pop("mem_bandwidth_gbs"), "mem_bandwidth_gbs", "GB/s"),          # missing field
         (lambda d: d.update(batch_size=2.5), "batch_size", "integer"),                # not an integer
+        (lambda d: d.update(batch_size=True), "batch_size", "integer"),               # a bool is no integer
     ],
 )
 def test_bad_profile_is_one_error_naming_file_field_and_allowed(tmp_path, mutate, field, allowed):
