@@ -27,12 +27,11 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.federation.aggregation import payload_weights, weighted_average
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
-from rafl.federation.algorithms.fml import shared_model
+from rafl.federation.algorithms.fml import FML, shared_model
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
-from rafl.federation.training import evaluate_accuracy
 
 PREFIX = "global."
 UPD = "upd."
@@ -137,15 +136,6 @@ class FedKD(Algorithm):
         new = {k: (glob[k] + mean[k].to(glob[k].dtype)) if glob[k].is_floating_point() else mean[k] for k in glob}
         return {"global": new}, Payload.from_state_dict(new, PREFIX)
 
-    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
-        return {**state, "global": broadcast.state_dict(PREFIX)}
-
-    def evaluate(self, state, client: ClientContext):
-        out = eval_counts("model", *evaluate_accuracy(build(client, state["local"]), client.test_loader,
-                                                      device=client.device))
-        if state.get("global"):
-            mentee = shared_model(client.make_model, client.space, self.hparams["knowledge_arch"])
-            mentee.load_state_dict(state["global"], strict=True)
-            out.update(eval_counts("global", *evaluate_accuracy(mentee.to(client.device), client.test_loader,
-                                                                device=client.device)))
-        return out
+    # the same evaluation as FML: the private model ("model") and the shared mentee ("global")
+    prepare_evaluation = FML.prepare_evaluation
+    evaluate = FML.evaluate

@@ -35,15 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import UserInputError
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.headers import check_split_model, feature_dim
 from rafl.federation.losses import prototype_regularizer, train_regularized
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (adaptive_margin, evaluate_prototype_accuracy, from_payload,
+from rafl.federation.prototypes import (adaptive_margin, from_payload,
                                         local_class_averages, pairwise_distances, to_payload_tensors,
                                         weighted_class_average)
-from rafl.federation.training import evaluate_accuracy
 
 PROTO = "proto."
 GLOBAL = "global."
@@ -185,14 +185,6 @@ class FedTGP(Algorithm):
             protos = net(torch.tensor(seen, dtype=torch.long, device=device)).cpu()
         return Payload(to_payload_tensors({c: protos[i] for i, c in enumerate(seen)}, GLOBAL))
 
-    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
-        return {**state, "global": dict(broadcast.tensors)}
-
-    def evaluate(self, state, client: ClientContext):
-        model = build(client, state["model"])
-        out = eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
-        glob = state.get("global") or {}
-        protos = from_payload(glob, GLOBAL) if glob else {}
-        out.update(eval_counts("proto", *evaluate_prototype_accuracy(model, client.test_loader, protos,
-                                                                     device=client.device)))
-        return out
+    # the same evaluation as FedProto: head accuracy ("model") and nearest-prototype accuracy ("proto")
+    prepare_evaluation = FedProto.prepare_evaluation
+    evaluate = FedProto.evaluate
