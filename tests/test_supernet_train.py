@@ -124,6 +124,11 @@ def test_cli_smoke_digits(tmp_path):
     assert res3.exit_code == 0, res3.output
     assert "feature width D = 320" in res3.output and "expand" in res3.output
     assert CliRunner().invoke(cli, ["supernet", "info", str(tmp_path / "none")]).exit_code == 2
+    # ... and so are truncated weights (info verifies them, not only the JSON)
+    weights = next(out.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    res4 = CliRunner().invoke(cli, ["supernet", "info", str(out)])
+    assert res4.exit_code == 2 and "error:" in res4.output, res4.output
 
 
 @pytest.mark.parametrize("args, needle", [

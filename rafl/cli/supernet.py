@@ -134,12 +134,14 @@ def info(path: Path) -> None:
     from rich.table import Table
 
     from rafl.supernet.arch import SearchSpace, log10_num_subnets
-    from rafl.supernet.checkpoint import load_meta
+    from rafl.supernet.checkpoint import load_meta, load_supernet
 
     meta = load_meta(path)
     if not isinstance(meta, dict) or "search_space" not in meta:
         raise UserInputError("is not a supernet.json written by `rafl supernet train`", source=path)
     space = SearchSpace.from_dict(meta["search_space"], source=path)
+    folder = path if path.is_dir() else path.parent
+    load_supernet(folder)  # verifies the weights (checksum, every tensor's shape, finite values)
     console = Console()
     console.print(f"search space: ks {list(space.ks_choices)}, e {list(space.e_choices)}, d {list(space.d_choices)}, "
                   f"r {list(space.resolutions)} px; width_mult {space.width_mult}; {space.n_classes} classes; "
