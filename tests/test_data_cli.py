@@ -90,6 +90,7 @@ BAD = [
     (["--dataset", "mnist"], "--dataset: is 'mnist', allowed: one of digits, cifar10, cifar100, femnist"),
     (["--partition", "pathological", "--k", "11"], "k: is 11, allowed: an integer 1..10"),
     (["--partition", "pathological"], "--k: is required"),
+    (["--partition", "dirichlet", "--k", "3"], "--k: is only used with --partition pathological"),
     (["--partition", "dirichlet", "--alpha", "0"], "--alpha: is 0.0, allowed: a finite number > 0"),
     (["--partition", "dirichlet", "--alpha", "-2"], "--alpha: is -2.0"),
     (["--clients", "5000", "--partition", "iid"], "n_clients: is 5000, but only 1797 samples"),

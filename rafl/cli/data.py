@@ -80,6 +80,8 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
         clients = 20
     if clients is not None and clients <= 0:
         raise UserInputError(f"is {clients}, allowed: an integer >= 1", field="--clients")
+    if k is not None and scheme != "pathological":
+        raise UserInputError(f"is only used with --partition pathological (got --partition {scheme})", field="--k")
     if scheme == "pathological":
         if k is None:
             raise UserInputError("is required with --partition pathological (classes per client, 1..C)", field="--k")
