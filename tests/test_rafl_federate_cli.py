@@ -101,6 +101,8 @@ def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
     assert "may change only engine.rounds" in _one_error_line(
         _invoke(["--resume", str(run_dir), "--set", "algorithm.temperature=3.0"]))
+    assert "--out: cannot be combined with --resume" in _one_error_line(
+        _invoke(["--resume", str(run_dir), "--out", str(tmp_path / "elsewhere"), "--set", "engine.rounds=3"]))
     assert "completed 2 rounds; allowed: an integer >= 2" in _one_error_line(
         _invoke(["--resume", str(run_dir), "--set", "engine.rounds=1"]))
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["rounds"] == 2

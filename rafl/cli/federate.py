@@ -82,6 +82,10 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     from rafl.federation import pipeline
 
     if resume_dir is not None:
+        source = click.get_current_context().get_parameter_source("out")
+        if source is not None and source.name == "COMMANDLINE":
+            raise UserInputError("cannot be combined with --resume (the run continues in its own dir)",
+                                 field="--out")
         if config_path is not None:
             raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)",
                                  field="--config")
