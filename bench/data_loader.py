@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -29,16 +28,9 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from rafl.data import load_dataset, make_loader, make_partition
 
+from _timing import median_time  # bench/ is on sys.path when run as a script
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tar.gz"
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -64,8 +56,8 @@ def main() -> None:
             n += int(y.numel())
         assert n == len(idx)
 
-    t_plain = _median_time(lambda: epoch(plain), args.repeats)
-    t_ours = _median_time(lambda: epoch(ours), args.repeats)
+    t_plain = median_time(lambda: epoch(plain), args.repeats)
+    t_ours = median_time(lambda: epoch(ours), args.repeats)
     lines.append(f"loader, digits 3x32x32, {len(idx)} samples, batch {args.batch}: "
                  f"DataLoader(Subset(TensorDataset)) {t_plain * 1e3:.1f} ms/epoch, make_loader {t_ours * 1e3:.1f} "
                  f"ms/epoch, speed-up {t_plain / t_ours:.1f}x")
@@ -76,7 +68,7 @@ def main() -> None:
             t0 = time.perf_counter()
             first = load_dataset("cifar10", SHARED, limit_per_class=args.limit_per_class)
             t_decode = time.perf_counter() - t0
-            t_cached = _median_time(
+            t_cached = median_time(
                 lambda: load_dataset("cifar10", SHARED, limit_per_class=args.limit_per_class), args.repeats)
             lines.append(f"cifar10 load, {len(first)} images (limit {args.limit_per_class}/class/split): "
                          f"decode from tarball {t_decode:.2f} s, from uint8 cache {t_cached:.2f} s, "

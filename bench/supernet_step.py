@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,14 +24,7 @@ import torch.nn.functional as F
 
 from rafl.supernet import SearchSpace, build_supernet, extract_subnet
 
-
-def _time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from _timing import median_time  # bench/ is on sys.path when run as a script
 
 
 def main() -> None:
@@ -78,8 +70,8 @@ def main() -> None:
         supernet_step(), static_step()  # warm-up
         a_times, b_times = [], []
         for _ in range(args.repeats):
-            a_times.append(_time(supernet_step, 1))
-            b_times.append(_time(static_step, 1))
+            a_times.append(median_time(supernet_step, 1))
+            b_times.append(median_time(static_step, 1))
         a, b = statistics.median(a_times), statistics.median(b_times)
         total_a += a
         total_b += b

@@ -5,20 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from rafl.cli import cli
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: these models are tiny, and on a shared 2-core machine two threads spin-wait
-    (a backward pass measured 40x slower with 2 threads under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 TINY = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "partition.scheme=pathological",

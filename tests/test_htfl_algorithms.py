@@ -16,15 +16,6 @@ from rafl.federation.engine import Engine, EngineConfig, Federation
 from rafl.federation.payload import Payload
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: these models are tiny, and on a shared 2-core machine two threads spin-wait
-    (a backward pass measured 40x slower with 2 threads under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 MODELS = ["cnn4-small", "cnn3-small"]
 D = 16
 FAST = {"fedtgp": {"server_epochs": 3}}

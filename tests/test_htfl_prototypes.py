@@ -21,16 +21,6 @@ from rafl.federation.prototypes import (adaptive_margin, class_averages, class_s
                                         weighted_class_average)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: these models are tiny, and on a shared 2-core machine two threads spin-wait
-    (a backward pass measured 40x slower with 2 threads under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_lar_exact_on_hand_made_tensors():
     feats = torch.tensor([[1.0, 2.0], [3.0, 4.0], [10.0, 0.0], [5.0, 6.0]])
     labels = torch.tensor([0, 0, 3, 0])

@@ -9,15 +9,6 @@ from rafl.errors import UserInputError
 from rafl.models import GROUPS, HeteroModel, build_model, build_plugin_model, make_member, resolve_models
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: these models are tiny, and on a shared 2-core machine two threads spin-wait
-    (a backward pass measured 40x slower with 2 threads under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 CHEAP = ["cnn4", "cnn4-small", "cnn3-small", "mobilenet_v2-0.25", "shufflenet_v2-0.5", "resnet18"]
 
 

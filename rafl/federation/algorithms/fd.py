@@ -16,13 +16,28 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms._common import (
+    LOCAL_DEFAULTS,
+    build,
+    cpu_state,
+    eval_counts,
+    optimizer_for,
+)
+from rafl.federation.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    ServerContext,
+    register,
+)
+from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.losses import logit_regularizer, train_regularized
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors, weighted_class_average
+from rafl.federation.prototypes import (
+    from_payload,
+    local_class_averages,
+    to_payload_tensors,
+    weighted_class_average,
+)
 from rafl.federation.training import evaluate_accuracy
 
 LOGIT = "logit."
@@ -36,11 +51,9 @@ class FD(Algorithm):
     name: ClassVar[str] = "fd"
     defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "gamma": 1.0}
 
-    def init_server(self, server: ServerContext):
-        return {"values": torch.zeros(0, 0), "labels": torch.zeros(0, dtype=torch.int32)}, Payload()
-
-    def init_client(self, client: ClientContext):
-        return {"model": cpu_state(client.make_model())}
+    # the same start as FedProto: no global per-class vectors yet, each client's own model
+    init_server = FedProto.init_server
+    init_client = FedProto.init_client
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         hp = self.hparams

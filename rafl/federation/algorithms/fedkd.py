@@ -27,8 +27,18 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.federation.aggregation import payload_weights, weighted_average
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms._common import (
+    LOCAL_DEFAULTS,
+    build,
+    cpu_state,
+    optimizer_for,
+)
+from rafl.federation.algorithms.base import (
+    Algorithm,
+    ClientContext,
+    ServerContext,
+    register,
+)
 from rafl.federation.algorithms.fml import FML, shared_model
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
@@ -103,12 +113,9 @@ class FedKD(Algorithm):
         frac = min(1.0, max(0.0, (rnd - 1) / max(1, int(hp["energy_rounds"]) - 1)))
         return float(hp["energy_start"]) + frac * (float(hp["energy_end"]) - float(hp["energy_start"]))
 
-    def init_server(self, server: ServerContext):
-        glob = cpu_state(shared_model(server.make_model, server.space, self.hparams["knowledge_arch"]))
-        return {"global": glob}, Payload.from_state_dict(glob, PREFIX)
-
-    def init_client(self, client: ClientContext):
-        return {"local": cpu_state(client.make_model())}
+    # the same start as FML: the shared mentee from the server, each client's own private model
+    init_server = FML.init_server
+    init_client = FML.init_client
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         hp = self.hparams
