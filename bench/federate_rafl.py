@@ -5,11 +5,15 @@ Scenarios (every method on the same clients, partition, subnets and seed, in thi
 * **digits default pipeline** -- exactly what ``rafl federate`` runs with no arguments (10 clients,
   profiles pi4 / jetson-nano / phone, Dirichlet alpha 0.5, the quickstart supernet, one searched
   subnet per profile), RaFL and Standalone for ``--rounds`` rounds.
-* **CIFAR-10 subset** -- the shared JPEG set with ``--cifar-limit`` images per class, the public
-  pool carved with ``carve_public_pool(labels, 0.3, seed=0)``; the supernet is a width-0.35 OFA
-  MobileNet-V3 supernet *trained briefly on that public pool only* (``--cifar-supernet-epochs``);
-  subnets per profile by the ``largest-feasible`` rule (cost model, no accuracy search, to keep
-  the bench inside its CPU budget); RaFL and Standalone.
+* **CIFAR-10 subset** -- the shared JPEG set with ``--cifar-limit`` images per class and source
+  split (default 100: 2,000 images), the public pool carved with ``carve_public_pool(labels, 0.3,
+  seed=0)``; the supernet is a width-0.35 OFA MobileNet-V3 supernet *trained briefly on that
+  public pool only* (``--cifar-supernet-epochs``); ``--cifar-clients`` clients (default 10,
+  Dirichlet 0.5); subnets per profile by the ``largest-feasible`` rule (cost model, no accuracy
+  search, to keep the bench inside its CPU budget); RaFL and Standalone.
+
+The knowledge network is RaFL's default: the smallest subnet narrowed to ``knowledge_width=0.25``
+(:func:`rafl.supernet.model.narrow_width`).
 
 Claims (printed PASS/FAIL; numbers always written):
 
@@ -20,8 +24,12 @@ Claims (printed PASS/FAIL; numbers always written):
 3. Engine overhead (round time outside client_update, server_aggregate and evaluation: state
    I/O, payload serialization/validation, sampling, metrics, checkpoints) <= 5% of the round.
 
-Run: ``python bench/federate_rafl.py [--rounds 5] [--cifar-limit 40] [--skip-cifar]``; writes
-``bench/results/federate_rafl.md`` and ``.json``.
+Digits caveat: Standalone starts from the supernet's weights and reaches >= 0.96 on the clients'
+own test splits, so claim 1 cannot hold there (it would need > 100%); the table prints that
+ceiling and the relative error reduction next to the gain.
+
+Run: ``python bench/federate_rafl.py [--rounds 10] [--cifar-limit 100] [--skip-cifar]``; writes
+``bench/results/federate_rafl.md`` and ``.json`` (about 15 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -59,17 +67,19 @@ def run_algo(prep, name: str, workdir: Path) -> dict:
             "acc_knowledge": summary["final"].get("knowledge.acc_mean_over_clients")}
 
 
-def fedavg_bytes(overrides: list[str], archs: dict[str, int], workdir: Path) -> float:
-    """Client-weighted mean FedAvg upload bytes per client per round with each distinct subnet."""
-    total, n = 0.0, 0
+def fedavg_bytes(overrides: list[str], archs: dict[str, int], workdir: Path) -> tuple[float, dict[str, float]]:
+    """Client-weighted mean FedAvg upload bytes per client per round over the distinct subnets,
+    and the bytes per subnet."""
+    total, n, per = 0.0, 0, {}
     for i, (arch, count) in enumerate(sorted(archs.items())):
         cfg = load_run_config(None, [*overrides, "algorithm.name=fedavg", f"clients.arch={arch}",
                                      "engine.rounds=1", "engine.clients_per_round=2", "engine.eval_clients=sampled"])
         prep = pipeline.prepare(cfg, progress=False)
         s = pipeline.run(prep, workdir / f"fedavg{i}", progress=False)
-        total += s["mean_bytes_up_per_client_per_round"] * count
+        per[arch] = s["mean_bytes_up_per_client_per_round"]
+        total += per[arch] * count
         n += count
-    return total / n
+    return total / n, per
 
 
 def scenario(label: str, overrides: list[str], workdir: Path) -> dict:
@@ -82,7 +92,7 @@ def scenario(label: str, overrides: list[str], workdir: Path) -> dict:
     counts: dict[str, int] = {}
     for row in prep.clients_table:
         counts[row["arch"]] = counts.get(row["arch"], 0) + 1
-    out["fedavg_bytes_up_per_client_per_round"] = fedavg_bytes(overrides, counts, workdir)
+    out["fedavg_bytes_up_per_client_per_round"], out["fedavg_bytes_per_arch"] = fedavg_bytes(overrides, counts, workdir)
     for k in ("rafl", "standalone"):
         out[k].pop("summary")
     return out
@@ -95,7 +105,7 @@ def cifar_supernet(limit: int, epochs: int, workdir: Path) -> Path:
 
     cfg = TrainConfig(dataset="cifar10", data_root=str(CIFAR), limit_per_class=limit, public_fraction=0.3,
                       public_seed=0, width_mult=0.35, resolutions=(24,), epochs_full=epochs, epochs_kernel=1,
-                      epochs_depth=1, epochs_expand=1, test_samples=200)
+                      epochs_depth=1, epochs_expand=1, test_samples=500)
     d = workdir / "cifar-supernet"
     train_supernet(cfg, d, progress=True)
     return d
@@ -103,11 +113,11 @@ def cifar_supernet(limit: int, epochs: int, workdir: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--local-epochs", type=int, default=1)
-    ap.add_argument("--cifar-limit", type=int, default=40, help="CIFAR-10 images per class and source split")
-    ap.add_argument("--cifar-supernet-epochs", type=int, default=2)
-    ap.add_argument("--cifar-clients", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--local-epochs", type=int, default=2)
+    ap.add_argument("--cifar-limit", type=int, default=100, help="CIFAR-10 images per class and source split")
+    ap.add_argument("--cifar-supernet-epochs", type=int, default=6)
+    ap.add_argument("--cifar-clients", type=int, default=10)
     ap.add_argument("--skip-cifar", action="store_true")
     ap.add_argument("--skip-digits", action="store_true")
     ap.add_argument("--digits-supernet", default=None, help="a digits supernet dir (default: the quickstart)")
@@ -148,7 +158,11 @@ def main() -> None:
                      f"{r['standalone']['acc_model']:.4f} | {gain:+.2f} | {r['rafl']['bytes_up_per_client_per_round']:.0f} | "
                      f"{r['fedavg_bytes_up_per_client_per_round']:.0f} | {ratio:.3f} | {100 * eng:.2f}% / "
                      f"{100 * r['rafl']['engine_share_excl_eval']:.2f}% |")
-        verdicts += [f"{key}: RaFL vs Standalone >= +5 points: {'PASS' if gain >= 5 else 'FAIL'} ({gain:+.2f})",
+        ceiling = 100 * (1 - r["standalone"]["acc_model"])
+        err_red = 100 * (r["rafl"]["acc_model"] - r["standalone"]["acc_model"]) / max(1e-9, 1 - r["standalone"]["acc_model"])
+        r.update({"max_possible_gain_points": ceiling, "error_reduction_pct": err_red})
+        verdicts += [f"{key}: RaFL vs Standalone >= +5 points: {'PASS' if gain >= 5 else 'FAIL'} ({gain:+.2f}; "
+                     f"at most {ceiling:+.2f} possible; error reduced by {err_red:.0f}%)",
                      f"{key}: upload RaFL / FedAvg <= 1/4: {'PASS' if ratio <= 0.25 else 'FAIL'} ({ratio:.3f})",
                      f"{key}: engine overhead <= 5% of the round: {'PASS' if eng <= 0.05 else 'FAIL'} ({100 * eng:.2f}%)"]
     lines += ["", *verdicts]
@@ -157,8 +171,9 @@ def main() -> None:
             continue
         lines += ["", f"Per-client subnets ({key}):", ""]
         for row in results[key]["clients"]:
+            ratio = results[key]["rafl"]["bytes_up_per_client_per_round"] / results[key]["fedavg_bytes_per_arch"][row["arch"]]
             lines.append(f"- client {row['client']} {row['profile']}: {row['macs_m']:.2f} M MACs, {row['params_m']:.3f} M "
-                         f"params, {row['n_train']} train samples, {row['arch']}")
+                         f"params, {row['n_train']} train samples, upload ratio {ratio:.3f}, {row['arch']}")
     lines += ["", f"wall {results['wall_s']:.1f} s"]
     text = "\n".join(lines) + "\n"
     print(text)

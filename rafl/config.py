@@ -16,7 +16,7 @@ Example (every key optional)::
     supernet: {path: null}                # null = the cached quickstart supernet
     search: {method: evolution, population: 24, generations: 10}
     algorithm: {name: rafl, local_epochs: 2, temperature: 1.0}
-    engine: {rounds: 5, clients_per_round: 1.0, dropout: 0.0, eval_every: 1}
+    engine: {rounds: 10, clients_per_round: 1.0, dropout: 0.0, eval_every: 1}
     train: {batch_size: 32, device: cpu}
 """
 
@@ -131,7 +131,7 @@ class AlgorithmConfig(BaseModel):
 class EngineSection(_Strict):
     """Rounds, participation and faults (:class:`rafl.federation.engine.EngineConfig`)."""
 
-    rounds: int = Field(5, ge=1, description="an integer >= 1")
+    rounds: int = Field(10, ge=1, description="an integer >= 1")
     clients_per_round: float | int = Field(1.0, gt=0, description="a fraction in (0, 1] or a count >= 1")
     available: float | int = Field(1.0, gt=0, description="a fraction in (0, 1] or a count >= 1")
     sporadic_rate: float = Field(0.0, ge=0, lt=1, description="a fraction in [0, 1)")

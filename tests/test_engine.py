@@ -61,11 +61,16 @@ def test_rafl_round_metrics_comm_and_files(tiny, tmp_path):
     summary = Engine(fed, EngineConfig(rounds=2, seed=1, target_accuracy=0.0), tmp_path, progress=False).run()
     hist = _read_history(tmp_path)
     assert [r["round"] for r in hist] == [1, 2]
-    know_bytes = fed.server.make_model(space.smallest()).state_dict()
+    # the knowledge network: the smallest subnet narrowed to knowledge_width = 0.25
+    from rafl.supernet.model import narrow_width
+
+    know_bytes = narrow_width(fed.server.make_model(space.smallest()), 0.25).state_dict()
     raw = sum(v.numel() * v.element_size() for v in know_bytes.values())
+    assert raw < 0.4 * sum(v.numel() * v.element_size() for v in fed.server.make_model(space.smallest()).state_dict().values())
     for r in hist:
-        # 3 uploads and 3 downloads of the knowledge net (uploads add n_samples); small headers
-        assert 3 * raw < r["bytes_down"] < r["bytes_up"] < 3 * raw * 1.2
+        # 3 uploads and 3 downloads of the knowledge net (uploads add n_samples); the safetensors
+        # header (a JSON entry per tensor, ~100 B each) adds about 25% to this small network
+        assert 3 * raw < r["bytes_down"] < r["bytes_up"] < 3 * raw * 1.35
         for m in ("model", "knowledge"):
             for stat in ("acc_mean_over_clients", "acc_sample_weighted", "acc_std_over_clients"):
                 assert 0.0 <= r[f"{m}.{stat}"] <= 1.0

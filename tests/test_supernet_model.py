@@ -192,3 +192,41 @@ def test_recalibrate_bn_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     torch.randn(4, 3, 16, 16)
     assert torch.equal(torch.rand(3), after)
+
+
+def test_narrow_width_keeps_the_most_important_channels(net):
+    from rafl.supernet import narrow_width
+
+    sub = extract_subnet(net, SPACE.smallest()).eval()
+    x = torch.randn(4, 3, 24, 24, generator=torch.Generator().manual_seed(0))
+    full = narrow_width(sub, 1.0)
+    with torch.no_grad():
+        assert torch.equal(full(x), sub(x))
+    half = narrow_width(sub, 0.5).eval()
+    fe, fm = sub.final_expand_layer.conv.out_channels, sub.feature_mix_layer.conv.out_channels
+    assert half.final_expand_layer.conv.out_channels == round(fe / 2)
+    assert half.feature_dim == round(fm / 2) == half.feature_mix_layer.conv.out_channels
+    assert half.head.linear.in_features == half.feature_dim
+    assert half(x).shape == (4, 10) and half.features(x).shape == (4, half.feature_dim)
+    n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n_params(half) < n_params(sub)
+    # the kept final-expand channels are those with the largest outgoing L1 norm, in order
+    imp = sub.feature_mix_layer.conv.weight.abs().sum(dim=(0, 2, 3))
+    keep = imp.topk(round(fe / 2)).indices.sort().values
+    assert torch.equal(half.final_expand_layer.conv.weight, sub.final_expand_layer.conv.weight[keep])
+    assert torch.equal(half.final_expand_layer.bn.running_var, sub.final_expand_layer.bn.running_var[keep])
+    # every inverted-residual block keeps half of its hidden channels; its output width is unchanged
+    for b_sub, b_half in zip(sub.blocks[1:], half.blocks[1:]):
+        mid = b_sub.conv.inverted_bottleneck.conv.out_channels
+        assert b_half.conv.inverted_bottleneck.conv.out_channels == round(mid / 2)
+        assert b_half.conv.depth_conv.conv.groups == round(mid / 2)
+        assert b_half.conv.point_linear.conv.out_channels == b_sub.conv.point_linear.conv.out_channels
+    # deterministic: two cuts give identical state dicts (every client builds the same network)
+    again = narrow_width(sub, 0.5).state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in half.state_dict().items())
+    # the source subnet is untouched
+    with torch.no_grad():
+        assert torch.equal(sub(x), full(x))
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(UserInputError, match="knowledge_width.*allowed: a fraction in"):
+            narrow_width(sub, bad)

@@ -4,7 +4,8 @@ Public API (torch-heavy names are imported lazily, so ``from rafl.supernet impor
 cheap)::
 
     SearchSpace, ArchConfig                     # rafl.supernet.arch
-    Supernet, Subnet, build_supernet, extract_subnet, subnet_from_arch, recalibrate_bn
+    Supernet, Subnet, build_supernet, extract_subnet, narrow_width, subnet_from_arch,
+    recalibrate_bn
                                                 # rafl.supernet.model
     save_supernet, load_supernet                # rafl.supernet.checkpoint
     TrainConfig, train_supernet                 # rafl.supernet.train
@@ -23,6 +24,7 @@ _LAZY = {
     "Subnet": "rafl.supernet.model",
     "build_supernet": "rafl.supernet.model",
     "extract_subnet": "rafl.supernet.model",
+    "narrow_width": "rafl.supernet.model",
     "subnet_from_arch": "rafl.supernet.model",
     "recalibrate_bn": "rafl.supernet.model",
     "save_supernet": "rafl.supernet.checkpoint",

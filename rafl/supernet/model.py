@@ -294,6 +294,113 @@ def extract_subnet(supernet: Supernet, arch: ArchConfig) -> Subnet:
     return sub.to(next(supernet.parameters()).device)
 
 
+def _slice_conv(conv: nn.Conv2d, out_idx: Tensor | None = None, in_idx: Tensor | None = None) -> nn.Conv2d:
+    """A copy of ``conv`` keeping output channels ``out_idx`` and input channels ``in_idx``
+    (``None``: all). A depthwise conv (``groups == in == out``) is sliced by ``out_idx`` only."""
+    depthwise = conv.groups > 1 and conv.groups == conv.in_channels == conv.out_channels
+    w = conv.weight if out_idx is None else conv.weight[out_idx]
+    b = None if conv.bias is None else (conv.bias if out_idx is None else conv.bias[out_idx])
+    if in_idx is not None and not depthwise:
+        w = w[:, in_idx]
+    n_out = w.shape[0]
+    n_in = n_out if depthwise else w.shape[1] * conv.groups
+    new = nn.Conv2d(n_in, n_out, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                    groups=n_out if depthwise else conv.groups, bias=b is not None)
+    with torch.no_grad():
+        new.weight.copy_(w)
+        if b is not None:
+            new.bias.copy_(b)
+    return new.to(conv.weight.device)
+
+
+def _slice_bn(bn: nn.BatchNorm2d, idx: Tensor) -> nn.BatchNorm2d:
+    """A copy of ``bn`` keeping channels ``idx`` (affine parameters and running statistics)."""
+    new = nn.BatchNorm2d(len(idx), eps=bn.eps, momentum=bn.momentum)
+    with torch.no_grad():
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            getattr(new, name).copy_(getattr(bn, name)[idx])
+        new.num_batches_tracked.copy_(bn.num_batches_tracked)
+    return new.to(bn.weight.device)
+
+
+def _top_channels(importance: Tensor, width: float) -> Tensor:
+    """Indices of the ``max(1, round(width * n))`` largest entries of ``importance`` (n,), ascending."""
+    k = max(1, round(width * importance.numel()))
+    return importance.topk(k).indices.sort().values
+
+
+def narrow_width(subnet: Subnet, width: float) -> Subnet:
+    """A copy of ``subnet`` with its hidden channels scaled by ``width`` (elastic width).
+
+    OFA's elastic dimensions (kernel, expand ratio, depth) bound how small a subnet can get: the
+    smallest subnet of the quickstart supernet still has 280 k parameters, over half of them in the
+    MobileNet-V3 head that every subnet shares (final-expand layer ``C -> F = 960 w``, feature-mix
+    layer ``F -> D = 1280 w``, classifier ``D -> n_classes``). Narrowing keeps, in every
+    inverted-residual block, ``round(width * mid)`` of its expanded (hidden) channels, and in the
+    head ``round(width * F)`` final-expand and ``round(width * D)`` feature-mix channels. The block
+    outputs (the residual stream) keep their width, so the result is a valid network for any width.
+
+    Channels are chosen as in OFA's elastic width (Cai et al. 2020, Sec. 3.2, "channel sorting"):
+    those with the largest L1 norm of their outgoing weights (the point-wise projection's columns
+    for a block's hidden channels, the feature-mix columns for final-expand channels, the
+    classifier columns for feature-mix channels), kept in their original order; weights, biases,
+    BN parameters and running statistics are copied (SE modules keep their hidden size). The
+    choice depends only on ``subnet``'s weights, so every party narrowing the same subnet of the
+    same supernet gets the same architecture and state-dict shapes. This cuts RaFL's compact
+    knowledge network (:class:`rafl.federation.algorithms.rafl.RaFL`, ``knowledge_width``).
+
+    Args:
+        subnet: a :class:`Subnet` (left unchanged).
+        width: fraction of hidden channels to keep, in ``(0, 1]`` (1 returns an unchanged copy);
+            at least one channel is kept everywhere.
+
+    Returns:
+        A new :class:`Subnet`, in ``subnet``'s train/eval mode and on its device, with
+        ``feature_dim = round(width * D)``.
+
+    Raises:
+        UserInputError: ``width`` outside ``(0, 1]`` (field ``knowledge_width``).
+    """
+    import copy
+
+    if isinstance(width, bool) or not 0 < float(width) <= 1:
+        raise UserInputError(f"is {width}; allowed: a fraction in (0, 1]", field="knowledge_width")
+    out = copy.deepcopy(subnet)
+    width = float(width)
+    if width == 1:
+        return out
+    with torch.no_grad():
+        for block in out.blocks:
+            layer = block.conv
+            if getattr(layer, "inverted_bottleneck", None) is None:
+                continue  # the first block (expand ratio 1) has no hidden channels of its own
+            ib, dw, pl = layer.inverted_bottleneck, layer.depth_conv, layer.point_linear
+            keep = _top_channels(pl.conv.weight.abs().sum(dim=(0, 2, 3)), width)
+            ib.conv, ib.bn = _slice_conv(ib.conv, out_idx=keep), _slice_bn(ib.bn, keep)
+            dw.conv, dw.bn = _slice_conv(dw.conv, out_idx=keep), _slice_bn(dw.bn, keep)
+            if getattr(dw, "se", None) is not None:
+                fc = dw.se.fc
+                fc.reduce = _slice_conv(fc.reduce, in_idx=keep)
+                fc.expand = _slice_conv(fc.expand, out_idx=keep)
+                dw.se.channel = len(keep)
+            pl.conv = _slice_conv(pl.conv, in_idx=keep)
+            layer.mid_channels = len(keep)
+        fe, fm, head = out.final_expand_layer, out.feature_mix_layer, out.head
+        keep_fe = _top_channels(fm.conv.weight.abs().sum(dim=(0, 2, 3)), width)
+        keep_fm = _top_channels(head.linear.weight.abs().sum(dim=0), width)
+        fe.conv, fe.bn = _slice_conv(fe.conv, out_idx=keep_fe), _slice_bn(fe.bn, keep_fe)
+        fe.out_channels = len(keep_fe)
+        fm.conv = _slice_conv(fm.conv, out_idx=keep_fm, in_idx=keep_fe)
+        fm.in_channels, fm.out_channels = len(keep_fe), len(keep_fm)
+        new_head = LinearLayer(len(keep_fm), head.linear.out_features, dropout_rate=DROPOUT_RATE)
+        new_head.linear.weight.copy_(head.linear.weight[:, keep_fm])
+        new_head.linear.bias.copy_(head.linear.bias)
+        out.head = new_head.to(head.linear.weight.device)
+    out.feature_dim = len(keep_fm)
+    out.train(subnet.training)
+    return out
+
+
 def subnet_from_arch(space: SearchSpace, arch: ArchConfig) -> Subnet:
     """A freshly initialised :class:`Subnet` of shape ``arch`` (e.g. to load a saved state dict into)."""
     return extract_subnet(build_supernet(space), arch)
@@ -346,5 +453,5 @@ def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int = 20,
     return model
 
 
-__all__ = ["Supernet", "Subnet", "build_supernet", "extract_subnet", "subnet_from_arch",
+__all__ = ["Supernet", "Subnet", "build_supernet", "extract_subnet", "narrow_width", "subnet_from_arch",
            "recalibrate_bn", "feature_dim_of", "resize_input", "prepare_input"]

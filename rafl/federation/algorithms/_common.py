@@ -13,7 +13,7 @@ from rafl.federation.training import make_optimizer
 
 #: Local-training hyperparameters every method accepts (defaults of the run config).
 LOCAL_DEFAULTS: dict[str, Any] = {
-    "local_epochs": 1,
+    "local_epochs": 2,
     "lr": 0.05,
     "momentum": 0.9,
     "weight_decay": 5e-4,

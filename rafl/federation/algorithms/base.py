@@ -284,7 +284,7 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
 
     YAML 1.1 reads ``1e-3`` as a string, so numeric strings are parsed. Ranges by name: learning
     rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
-    ``momentum`` in [0, 1); ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*`` >= 0;
+    ``momentum`` in [0, 1); ``*_width`` in (0, 1]; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*`` >= 0;
     every float finite.
 
     Raises:
@@ -325,4 +325,6 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
         raise UserInputError(f"is {value!r}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)
     if name == "momentum" and number >= 1:
         raise UserInputError(f"is {value!r}; allowed: a number in [0, 1)", field=field_name)
+    if name.endswith("_width") and not 0 < number <= 1:
+        raise UserInputError(f"is {value!r}; allowed: a fraction in (0, 1]", field=field_name)
     return number
