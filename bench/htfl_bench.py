@@ -53,8 +53,9 @@ def expected_upload(method: str, held: list[int], dim: int) -> tuple[int, int]:
     return formula_bits // 8, len(blob) - formula_bits // 8
 
 
-def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int) -> dict:
+def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, device: str = "cpu") -> dict:
     sets = overrides + [f"engine.rounds={rounds}", "engine.target_accuracy=null", "train.threads=1",
+                        f"train.device={device}",
                         "train.batch_size=10", "partition.public_fraction=0.0", "partition.split=[0.75,0.0,0.25]",
                         "algorithm.local_epochs=1",
                         "algorithm.lr=0.01"]
@@ -92,15 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feature-dim", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("/tmp") / f"htfl-bench-{int(time.time())}")
     ap.add_argument("--only", default="", help="comma list of scenario names to run")
+    ap.add_argument("--cifar", type=Path, default=CIFAR, help="the CIFAR-10 archive (default ../shared/data)")
+    ap.add_argument("--device", default="cpu", help="torch device for local and server training")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     common = ["clients.n=20", "seed=0"]
     scenarios = {
         "digits-pat2": common + ["data.dataset=digits", "partition.scheme=pathological", "partition.k=2"],
-        "cifar10-pat2": common + ["data.dataset=cifar10", f"data.root={CIFAR}",
+        "cifar10-pat2": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
                                   f"data.limit_per_class={args.limit_per_class}", "partition.scheme=pathological",
                                   "partition.k=2"],
-        "cifar10-dir0.1": common + ["data.dataset=cifar10", f"data.root={CIFAR}",
+        "cifar10-dir0.1": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
                                     f"data.limit_per_class={args.limit_per_class}", "partition.scheme=dirichlet",
                                     "partition.alpha=0.1"],
     }
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if only and name not in only:
             continue
         print(f"== {name}", flush=True)
-        res = scenario(name, sets, args.out, args.rounds, args.feature_dim)
+        res = scenario(name, sets, args.out, args.rounds, args.feature_dim, args.device)
         results.append(res)
         for r in res["rows"]:
             print(f"  {r['algorithm']:<11} acc {r['model.acc_mean']:.4f} +- {r['model.acc_std']:.4f}  "
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in res["checks"].items():
             print(f"  {'PASS' if v else 'FAIL'} {k}", flush=True)
     lines = ["# HtFL bench (`python bench/htfl_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`)",
-             "", f"Models: htfe-tiny round-robin, D = {args.feature_dim}; {args.rounds} rounds, 1 local epoch (SGD lr 0.01, "
+             "", f"Models: htfe-tiny round-robin, D = {args.feature_dim}; {args.rounds} rounds on {args.device}, 1 local epoch (SGD lr 0.01, "
              "momentum 0.9, batch 10), each client's data split 75% train / 25% test (no validation split: "
              "these methods do not use one), "
              "all 20 clients every round; accuracy = mean over clients of the deployed model's test accuracy "
