@@ -12,7 +12,7 @@ Scenarios (every method on the same clients, partition, subnets and seed, in thi
   Dirichlet 0.5); subnets per profile by the ``largest-feasible`` rule (cost model, no accuracy
   search, to keep the bench inside its CPU budget); RaFL and Standalone.
 
-The knowledge network is RaFL's default: the smallest subnet narrowed to ``knowledge_width=0.25``
+The knowledge network is RaFL's default: the smallest subnet narrowed to ``knowledge_width=0.375``
 (:func:`rafl.supernet.model.narrow_width`).
 
 Claims (printed PASS/FAIL; numbers always written):

@@ -61,10 +61,11 @@ def test_rafl_round_metrics_comm_and_files(tiny, tmp_path):
     summary = Engine(fed, EngineConfig(rounds=2, seed=1, target_accuracy=0.0), tmp_path, progress=False).run()
     hist = _read_history(tmp_path)
     assert [r["round"] for r in hist] == [1, 2]
-    # the knowledge network: the smallest subnet narrowed to knowledge_width = 0.25
+    # the knowledge network: the smallest subnet narrowed to RaFL's default knowledge_width
     from rafl.supernet.model import narrow_width
 
-    know_bytes = narrow_width(fed.server.make_model(space.smallest()), 0.25).state_dict()
+    know_bytes = narrow_width(fed.server.make_model(space.smallest()),
+                              RaFL().hparams["knowledge_width"]).state_dict()
     raw = sum(v.numel() * v.element_size() for v in know_bytes.values())
     assert raw < 0.4 * sum(v.numel() * v.element_size() for v in fed.server.make_model(space.smallest()).state_dict().values())
     for r in hist:

@@ -233,7 +233,7 @@ def test_hyperparameters_are_typed_and_range_checked(key, value, ok):
 
 def test_rafl_knowledge_width_is_range_checked():
     algo = get_algorithm("rafl")
-    assert algo().hparams["knowledge_width"] == 0.25 and algo(knowledge_width=1).hparams["knowledge_width"] == 1.0
+    assert algo().hparams["knowledge_width"] == 0.375 and algo(knowledge_width=1).hparams["knowledge_width"] == 1.0
     for bad in (0, 1.5, "x"):
         with pytest.raises(UserInputError, match=r"algorithm\.knowledge_width"):
             algo(knowledge_width=bad)
