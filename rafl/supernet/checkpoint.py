@@ -173,9 +173,17 @@ def load_meta(path: str | Path) -> dict[str, Any]:
         UserInputError: missing or malformed file.
     """
     path = Path(path)
-    path = path / META_NAME if path.is_dir() else path
+    return read_json_file(path / META_NAME if path.is_dir() else path)
+
+
+def read_json_file(path: Path) -> Any:
+    """The parsed JSON of ``path``.
+
+    Raises:
+        UserInputError: missing file, or not valid JSON (naming the file).
+    """
     try:
-        return json.loads(path.read_text())
+        return json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UserInputError("no such file", source=path) from None
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes, atomic_write_json
 from rafl.supernet.arch import ArchConfig, SearchSpace
-from rafl.supernet.checkpoint import META_NAME, save_supernet
+from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
 from rafl.supernet.server_data import random_crop_flip, server_split
 
@@ -351,7 +351,7 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     start_phase, start_epoch = 0, 0
     opt = sched = None
     if resume:
-        saved_cfg = _read_json(out / CONFIG_NAME)
+        saved_cfg = read_json_file(out / CONFIG_NAME)
         now_cfg = json.loads(config.model_dump_json())
         diff = [k for k in set(saved_cfg) | set(now_cfg) if k != "device" and saved_cfg.get(k) != now_cfg.get(k)]
         if diff:
@@ -458,14 +458,6 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
                   json.loads(config.model_dump_json()), metrics)
     return net, metrics
 
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserInputError("no such file", source=path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserInputError("not valid JSON (truncated or corrupted?)", source=path) from None
 
 
 def _save_resume(out: Path, net: Supernet, opt, sched, phase: int, epoch: int, metrics: dict[str, Any],
