@@ -115,6 +115,31 @@ def test_fedgh_header_replaces_local_header(digits, edge_partition):
     assert torch.equal(out["model"]["head.weight"], head["weight"])
 
 
+def test_fedgh_server_clip_keeps_header_finite_with_an_outlying_lar():
+    """One client's eval-mode representation with a norm in the thousands (seen with a ShuffleNetV2
+    client on CIFAR-10 Dirichlet 0.1): unclipped, 100 server epochs blow the shared header up; the
+    default gradient-norm clip bounds every step to lr * max_grad_norm."""
+    from rafl.federation.algorithms.fedgh import train_global_header
+
+    gen = torch.Generator().manual_seed(0)
+    lars = [{c: torch.rand(D, generator=gen) * 3 for c in (0, 1, 2)},
+            {3: torch.rand(D, generator=gen) * 3000, 4: -torch.rand(D, generator=gen) * 3000}]
+    sizes = {}
+    for clip in (0.0, 10.0):
+        torch.manual_seed(0)
+        header = torch.nn.Linear(D, 10)
+        w0 = header.weight.detach().clone()
+        train_global_header(header, lars, lr=0.01, epochs=100, mode="per-lar", max_grad_norm=clip)
+        sizes[clip] = float((header.weight.detach() - w0).norm())
+        assert torch.isfinite(header.weight).all()
+    steps = 100 * 5
+    assert sizes[10.0] <= 0.01 * 10.0 * steps + 1e-4          # every step moves the header by <= lr * clip
+    assert sizes[0.0] > 10 * sizes[10.0]                       # unclipped, the outlier dominates
+    assert get_algorithm("fedgh")().hparams["server_max_grad_norm"] == 10.0
+    with pytest.raises(UserInputError, match="server_max_grad_norm"):
+        get_algorithm("fedgh")(server_max_grad_norm=-1)
+
+
 @pytest.mark.parametrize("name", ["fedgh", "lg-fedavg"])
 def test_headers_of_different_shapes_are_a_clear_error_before_round_1(name, digits, edge_partition, tmp_path,
                                                                       monkeypatch):

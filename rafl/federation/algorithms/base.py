@@ -284,7 +284,7 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
 
     YAML 1.1 reads ``1e-3`` as a string, so numeric strings are parsed. Ranges by name: learning
     rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
-    ``momentum`` in [0, 1); ``*_width`` in (0, 1]; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*`` >= 0;
+    ``momentum`` in [0, 1); ``*_width`` in (0, 1]; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*``, ``*_norm`` >= 0;
     every float finite.
 
     Raises:
@@ -319,7 +319,8 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
         low, strict = 0, True
     elif name.endswith("epochs") or name.endswith("batch_size"):
         low = 1
-    elif name in ("weight_decay", "mu", "alpha", "gamma", "momentum") or name.startswith("lambda"):
+    elif (name in ("weight_decay", "mu", "alpha", "gamma", "momentum") or name.startswith("lambda")
+          or name.endswith("_norm")):
         low = 0
     if low is not None and (number <= low if strict else number < low):
         raise UserInputError(f"is {value!r}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)

@@ -45,7 +45,8 @@ SERVER_MODES = ("per-lar", "per-client")
 
 
 def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, torch.Tensor]], *, lr: float = 0.01,
-                        epochs: int = 1, mode: str = "per-lar", device: torch.device | str = "cpu") -> float:
+                        epochs: int = 1, mode: str = "per-lar", max_grad_norm: float = 0.0,
+                        device: torch.device | str = "cpu") -> float:
     """FedGH's server step (Yi et al., Algorithm 1, lines "server"): SGD on ``CE(H(bar R), s)``.
 
     Args:
@@ -55,6 +56,10 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
         epochs: passes over all clients' LARs.
         mode: ``"per-lar"`` (one SGD step per LAR, clients and classes in order, the paper) or
             ``"per-client"`` (one step per client on its LARs as a mini-batch).
+        max_grad_norm: clip each step's gradient to this L2 norm (``torch.nn.utils.clip_grad_norm_``);
+            0 = no clipping (the paper). Not in the paper: a guard against one client's outlying
+            LARs (e.g. a BatchNorm extractor whose eval-mode representation has a norm in the
+            thousands) making a step that blows the shared header up for every client.
         device: where to compute.
 
     Returns:
@@ -82,6 +87,8 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
                 loss = F.cross_entropy(header(xb), yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(header.parameters(), float(max_grad_norm))
                 opt.step()
                 total += float(loss.detach())
                 steps += 1
@@ -99,6 +106,7 @@ class FedGH(Algorithm):
         "server_lr": 0.01,         # eta_theta
         "server_epochs": 1,        # passes over the round's LARs
         "server_mode": "per-lar",  # per-lar (paper) | per-client (each client's LARs as one mini-batch)
+        "server_max_grad_norm": 10.0,  # clip each server step's gradient norm; 0 = off (the paper)
     }
 
     @classmethod
@@ -132,7 +140,8 @@ class FedGH(Algorithm):
         ordered = sorted(uploads, key=lambda u: int(u.meta.get("client_id", 0)))  # client-id order
         header = copy.deepcopy(common_header_module(server, server_state["head"]))
         train_global_header(header, [from_payload(u.tensors, LAR) for u in ordered], lr=hp["server_lr"],
-                            epochs=hp["server_epochs"], mode=hp["server_mode"], device=server.device)
+                            epochs=hp["server_epochs"], mode=hp["server_mode"],
+                            max_grad_norm=hp["server_max_grad_norm"], device=server.device)
         head = {k: v.detach().cpu().clone() for k, v in header.state_dict().items()}
         return {"head": head}, Payload.from_state_dict(head, HEAD)
 
