@@ -60,3 +60,26 @@ def test_nonempty_out_is_refused(tmp_path):
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--out", str(out)])
     assert res.exit_code == 2 and "not empty" in res.output
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("argv, msg", [(["federate", "--nope"], "error: No such option '--nope'"),
+                                       (["compare", "--algorithms", "fedgh"], "error: Missing option '--out'"),
+                                       (["nope"], "error: No such command 'nope'")])
+def test_usage_errors_are_one_line_exit_2(argv, msg, capsys):
+    from rafl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.count("\n") == 1 and err.startswith(msg) and "--help" in err, err
+
+
+def test_version_and_help_exit_0(capsys):
+    from rafl.cli import main
+
+    for argv in (["--version"], ["compare", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+    assert "Usage: rafl compare" in capsys.readouterr().out

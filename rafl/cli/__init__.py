@@ -39,6 +39,25 @@ class LazyGroup(click.Group):
         module, attr = target.split(":")
         return getattr(importlib.import_module(module), attr)
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """As click's, but a usage error (unknown option, missing option, bad value) is one line,
+        ``error: <message> (see 'rafl <command> --help')``, exit status 2 (click prints three)."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as err:
+            path = err.ctx.command_path if err.ctx is not None else (prog_name or "rafl")
+            click.echo(f"error: {err.format_message()} (see '{path} --help')", err=True)
+            sys.exit(2)
+        except click.ClickException as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
