@@ -176,3 +176,12 @@ def test_cli_help_states_the_config_defaults():
     assert "[default: " + ", ".join(str(e) for e in defaults.phase_epochs()) + "]" in text
     assert f"[default: {defaults.batch_size}]" in text and f"[default: {defaults.width_mult}]" in text
     assert ",".join(str(r) for r in defaults.resolutions) in text
+
+
+@pytest.mark.parametrize("options, msg", [({"epochs": 2}, r"epochs: unknown key; allowed: .*epochs_full.*epochs_per_phase"),
+                                          ({"image_size": 4}, r"image_size: .*allowed: resolution")])
+def test_train_config_errors_name_the_field_and_allowed_values(options, msg):
+    from rafl.supernet.train import TrainConfig
+
+    with pytest.raises(UserInputError, match=msg):
+        TrainConfig.from_options("cfg.yaml", **options)

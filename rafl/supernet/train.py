@@ -151,7 +151,12 @@ class TrainConfig(BaseModel):
         except ValidationError as err:
             first = err.errors()[0]
             loc = ".".join(str(p) for p in first["loc"]) or "config"
-            raise UserInputError(f"{first['msg']} (got {first.get('input')!r})", source=source,
+            if first.get("type") == "extra_forbidden":
+                raise UserInputError(f"unknown key; allowed: {', '.join(sorted(cls.model_fields))}, epochs_per_phase",
+                                     source=source, field=loc) from None
+            info = cls.model_fields.get(loc)
+            allowed_text = f"; allowed: {info.description}" if info is not None and info.description else ""
+            raise UserInputError(f"{first['msg']} (got {first.get('input')!r}){allowed_text}", source=source,
                                  field=loc) from None
 
 
