@@ -63,7 +63,7 @@ def test_nonempty_out_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("argv, msg", [(["federate", "--nope"], "error: No such option '--nope'"),
-                                       (["compare", "--algorithms", "fedgh"], "error: Missing option '--out'"),
+                                       (["compare", "--feature-dim", "abc"], "error: Invalid value for '--feature-dim'"),
                                        (["nope"], "error: No such command 'nope'")])
 def test_usage_errors_are_one_line_exit_2(argv, msg, capsys):
     from rafl.cli import main
@@ -83,3 +83,45 @@ def test_version_and_help_exit_0(capsys):
             main(argv)
         assert exc.value.code == 0
     assert "Usage: rafl compare" in capsys.readouterr().out
+
+
+def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path, monkeypatch):
+    """Interrupt fedtgp in round 2 of 2 (after fedgh finished): --resume keeps fedgh's row, continues
+    fedtgp from its round-1 checkpoint, runs standalone, and ends with the same table as an
+    uninterrupted comparison."""
+    from rafl.federation.algorithms.fedtgp import FedTGP
+
+    args = ["compare", "--algorithms", "fedgh,fedtgp,standalone",
+            *["engine.rounds=2" if a == "engine.rounds=1" else a for a in TINY]]
+    ref = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "ref")])
+    assert ref.exit_code == 0, ref.output
+
+    calls = {"n": 0}
+    original = FedTGP.client_update
+
+    def crash_in_round_2(self, state, broadcast, client):
+        calls["n"] += 1
+        if calls["n"] > 3:                      # 3 clients: the 4th call is round 2
+            raise KeyboardInterrupt
+        return original(self, state, broadcast, client)
+
+    monkeypatch.setattr(FedTGP, "client_update", crash_in_round_2)
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert res.exit_code != 0 and (out / "fedtgp" / "checkpoint.safetensors").is_file()
+    assert not (out / "standalone").exists()
+    fedgh_metrics = (out / "fedgh" / "metrics.jsonl").read_text()
+    monkeypatch.setattr(FedTGP, "client_update", original)
+
+    bad = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--set", "engine.rounds=3"])
+    assert bad.exit_code == 2 and "cannot be combined with --set" in bad.output
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert (out / "fedgh" / "metrics.jsonl").read_text() == fedgh_metrics          # not rerun
+    rows = json.loads((out / "compare.json").read_text())["rows"]
+    ref_rows = json.loads((tmp_path / "ref" / "compare.json").read_text())["rows"]
+    assert [r["algorithm"] for r in rows] == ["fedgh", "fedtgp", "standalone"]
+    for r, q in zip(rows, ref_rows):
+        for k in ("model.acc_mean", "model.acc_std", "mb_total", "rounds"):
+            assert r[k] == q[k], (r["algorithm"], k)
+    assert CliRunner().invoke(cli, ["compare", "--resume", str(tmp_path / "nope")]).exit_code == 2

@@ -21,16 +21,37 @@ import click
                    "or a comma list of model names / package.module:factory plug-ins (round-robin).")
 @click.option("--feature-dim", type=click.IntRange(min=1), default=128, show_default=True,
               help="Common representation width D of model-group clients.")
-@click.option("--out", type=click.Path(path_type=Path), required=True,
+@click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Output folder (new or empty): compare.md/.csv/.json, compare.png, one run dir per method.")
+@click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
+              help="Continue an interrupted comparison in this folder with its own config.yaml: finished "
+                   "methods are kept, an interrupted one continues from its last complete round.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...], models: str, feature_dim: int,
-            out: Path, quiet: bool) -> None:
+            out: Path | None, resume_dir: Path | None, quiet: bool) -> None:
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
-    from rafl.federation.compare import load_compare_config, run_compare
+    from rafl.federation.compare import load_compare_config, load_compare_resume, run_compare
     from rafl.models import resolve_models
+
+    if resume_dir is not None:
+        ctx = click.get_current_context()
+        flags = {"algorithms": "--algorithms", "config_path": "--config", "overrides": "--set", "models": "--models",
+                 "feature_dim": "--feature-dim", "out": "--out"}
+        given = [flag for param, flag in flags.items()
+                 if (src := ctx.get_parameter_source(param)) is not None and src.name == "COMMANDLINE"]
+        if given:
+            raise UserInputError(f"cannot be combined with {', '.join(given)} (the folder's config.yaml is used)",
+                                 field="--resume")
+        cfg, hparams, models, feature_dim = load_compare_resume(resume_dir)
+        rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim, progress=not quiet,
+                           resume=True)
+        click.echo((resume_dir / "compare.md").read_text().rstrip())
+        click.echo(f"wrote {resume_dir / 'compare.md'} ({len(rows)} methods)")
+        return
+    if out is None:
+        raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
 
     names = [a.strip() for a in algorithms.split(",") if a.strip()]
     if not names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import yaml
 from rafl.config import RunConfig
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
-from rafl.federation.engine import Engine, EngineConfig, Federation
+from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
 from rafl.io import atomic_write_json, atomic_write_text
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
@@ -241,7 +242,7 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
 
 
 def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | Path, *, models: str = "htfe-tiny",
-                feature_dim: int = 128, progress: bool = True) -> list[dict[str, Any]]:
+                feature_dim: int = 128, progress: bool = True, resume: bool = False) -> list[dict[str, Any]]:
     """Run every method of ``hparams`` (in order) on one partition and seed; write the table and plot.
 
     Args:
@@ -251,19 +252,28 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         models: ``"nas"`` or a model-group spec (:func:`rafl.models.resolve_models`).
         feature_dim: D for model groups.
         progress: tqdm bars.
+        resume: continue an interrupted comparison in ``out`` (its own ``config.yaml``, see
+            :func:`load_compare_resume`): a method whose row is in ``compare.json`` with all rounds
+            is kept, one with a checkpoint continues from its last complete round (the engine's
+            resume: same metrics as an uninterrupted run), one without starts afresh. A resumed
+            method's wall time adds the per-round times of the rounds it had completed before.
 
     Returns:
         the table rows (also in ``compare.json``).
 
     Raises:
-        UserInputError: ``out`` not empty, bad models, or any method-specific check (all methods are
-            prepared before the first one runs, so a bad input writes nothing).
+        UserInputError: ``out`` not empty (or, with ``resume``, not a compare output), bad models,
+            or any method-specific check (all methods are prepared before the first one runs, so a
+            bad input writes nothing).
     """
     from rafl.models import resolve_models
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserInputError("already exists and is not empty; choose another --out", source=out)
+    if resume:
+        if not (out / "config.yaml").is_file():
+            raise UserInputError("is not a rafl compare output (no config.yaml)", source=out, field="--resume")
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserInputError("already exists and is not empty; choose another --out (or --resume it)", source=out)
     members = resolve_models(models)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -295,22 +305,73 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     out.mkdir(parents=True, exist_ok=True)
     from rafl.io import atomic_write_yaml
 
-    atomic_write_yaml(out / "config.yaml", {**cfg.resolved(), "algorithm": None, "models": models,
-                                            "feature_dim": feature_dim, "algorithms": hparams})
+    previous: dict[str, dict[str, Any]] = {}
+    if resume:
+        table_file = out / "compare.json"
+        if table_file.is_file():
+            previous = {r["algorithm"]: r for r in json.loads(table_file.read_text()).get("rows", [])}
+    else:
+        atomic_write_yaml(out / "config.yaml", {**cfg.resolved(), "algorithm": None, "models": models,
+                                                "feature_dim": feature_dim, "algorithms": hparams})
     rows = []
     for name, (fed, table) in feds.items():
         run_dir = out / name
-        run_dir.mkdir()
-        atomic_write_json(run_dir / "clients.json", {"clients": table})
+        done = previous.get(name)
+        if done is not None and done.get("rounds") == ecfg.rounds:
+            rows.append(done)
+            continue
+        continuing = resume and (run_dir / CHECKPOINT).is_file()
+        earlier_s = sum(r.get("time_s", 0.0) for r in _read_history(run_dir)) if continuing else 0.0
+        if not continuing:
+            if run_dir.exists():  # an attempt that never completed round 1
+                shutil.rmtree(run_dir)
+            run_dir.mkdir()
+            atomic_write_json(run_dir / "clients.json", {"clients": table})
         engine = Engine(fed, ecfg, run_dir, progress=progress)
         t0 = time.perf_counter()
-        summary = engine.run()
-        wall = time.perf_counter() - t0
-        history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        rows.append(summarize_run(name, summary, history, wall))
+        summary = engine.run(resume=continuing)
+        wall = time.perf_counter() - t0 + earlier_s
+        rows.append(summarize_run(name, summary, _read_history(run_dir), wall))
         write_table(out, rows, models)
     plot_compare(out / "compare.png", rows)
     return rows
+
+
+def _read_history(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str, Any]], str, int]:
+    """``(cfg, hparams, models, feature_dim)`` of the comparison in ``out`` (its ``config.yaml``).
+
+    Raises:
+        UserInputError: ``out`` holds no ``config.yaml`` written by ``rafl compare``, or it no longer
+            validates (e.g. an unknown method).
+    """
+    out = Path(out)
+    path = out / "config.yaml"
+    from rafl.config import read_config_file
+
+    if not path.is_file():
+        raise UserInputError("is not a rafl compare output (no config.yaml)", source=out, field="--resume")
+    data = read_config_file(path)
+    if not isinstance(data.get("algorithms"), dict) or "models" not in data:
+        raise UserInputError("is not a rafl compare config (no algorithms / models)", source=path, field="--resume")
+    algorithms = data.pop("algorithms")
+    models = str(data.pop("models"))
+    feature_dim = int(data.pop("feature_dim", 128))
+    data.pop("algorithm", None)
+    hps = {}
+    for name, hp in algorithms.items():
+        try:
+            hps[name] = get_algorithm(name).check_hparams(dict(hp or {}))
+        except UserInputError as err:
+            raise UserInputError(err.message, source=path, field=f"algorithms.{name}") from None
+    cfg = _validate(yaml.safe_dump({**data, "algorithm": {"name": "standalone"}}), [], str(path))
+    return cfg, hps, models, feature_dim
 
 
 # ---------------------------------------------------------------------- outputs
