@@ -125,3 +125,59 @@ def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path
         for k in ("model.acc_mean", "model.acc_std", "mb_total", "rounds"):
             assert r[k] == q[k], (r["algorithm"], k)
     assert CliRunner().invoke(cli, ["compare", "--resume", str(tmp_path / "nope")]).exit_code == 2
+
+
+def test_resume_damaged_or_edited_folders_are_one_line_errors(tmp_path):
+    import shutil
+
+    args = ["compare", "--algorithms", "fedgh,standalone", *TINY]
+    base = tmp_path / "base"
+    assert CliRunner().invoke(cli, [*args, "--out", str(base)]).exit_code == 0
+
+    def resume(edit) -> tuple[int, str]:
+        d = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(base, d)
+        edit(d)
+        res = CliRunner().invoke(cli, ["compare", "--resume", str(d), "--quiet"])
+        return res.exit_code, res.output
+
+    def set_yaml(key, value):
+        def edit(d):
+            import yaml
+            cfg = yaml.safe_load((d / "config.yaml").read_text())
+            node = cfg
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node[p]
+            node[last] = value
+            (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+        return edit
+
+    cases = [(lambda d: (d / "compare.json").write_text("{"), "not a rafl compare table"),
+             (lambda d: (d / "compare.json").write_text("[1, 2]"), "not a rafl compare table"),
+             (lambda d: (d / "compare.json").write_text('{"rows": [{"rounds": 2}]}'), "not a rafl compare table"),
+             (set_yaml("feature_dim", "abc"), "feature_dim: is 'abc'; allowed: an integer >= 1"),
+             (set_yaml("feature_dim", 32), "differs from the settings"),
+             (set_yaml("data.limit_per_class", 12), "differs from the settings"),
+             (set_yaml("models", "htfe5"), "config.yaml: models: unknown model"),
+             (lambda d: (shutil.rmtree(d / "fedgh"), (d / "fedgh").write_text("x")), "is not a folder")]
+    for edit, msg in cases:
+        code, output = resume(edit)
+        lines = [ln for ln in output.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and msg in lines[0], (msg, output)
+    # a finished comparison whose tables were deleted: resume rebuilds them without rerunning anything
+    code, output = resume(lambda d: [(d / f).unlink() for f in ("compare.md", "compare.csv")])
+    assert code == 0 and "| fedgh |" in output, output
+
+
+def test_group_without_command_prints_help(capsys):
+    from rafl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Usage: rafl") and "error:" not in err
+    with pytest.raises(SystemExit):
+        main(["compare", "--resume"])
+    assert "(see 'rafl compare --help')" in capsys.readouterr().err

@@ -185,3 +185,10 @@ def test_train_config_errors_name_the_field_and_allowed_values(options, msg):
 
     with pytest.raises(UserInputError, match=msg):
         TrainConfig.from_options("cfg.yaml", **options)
+
+
+def test_epochs_per_phase_errors_name_epochs_per_phase():
+    from rafl.supernet.train import TrainConfig
+
+    with pytest.raises(UserInputError, match=r"^epochs_per_phase: .*greater than or equal to 0"):
+        TrainConfig.from_options(None, epochs_per_phase=-1)

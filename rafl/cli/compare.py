@@ -47,19 +47,17 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         cfg, hparams, models, feature_dim = load_compare_resume(resume_dir)
         rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim, progress=not quiet,
                            resume=True)
-        click.echo((resume_dir / "compare.md").read_text().rstrip())
-        click.echo(f"wrote {resume_dir / 'compare.md'} ({len(rows)} methods)")
-        return
-    if out is None:
-        raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
-
-    names = [a.strip() for a in algorithms.split(",") if a.strip()]
-    if not names:
-        raise UserInputError("is empty; give comma-separated method names", field="--algorithms")
-    if len(set(names)) != len(names):
-        raise UserInputError(f"lists a method twice ({algorithms})", field="--algorithms")
-    resolve_models(models)
-    cfg, hparams = load_compare_config(config_path, overrides, names)
-    rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
+        out = resume_dir
+    else:
+        if out is None:
+            raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
+        names = [a.strip() for a in algorithms.split(",") if a.strip()]
+        if not names:
+            raise UserInputError("is empty; give comma-separated method names", field="--algorithms")
+        if len(set(names)) != len(names):
+            raise UserInputError(f"lists a method twice ({algorithms})", field="--algorithms")
+        resolve_models(models)
+        cfg, hparams = load_compare_config(config_path, overrides, names)
+        rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")

@@ -305,36 +305,79 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     out.mkdir(parents=True, exist_ok=True)
     from rafl.io import atomic_write_yaml
 
-    previous: dict[str, dict[str, Any]] = {}
-    if resume:
-        table_file = out / "compare.json"
-        if table_file.is_file():
-            previous = {r["algorithm"]: r for r in json.loads(table_file.read_text()).get("rows", [])}
-    else:
+    previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
+    if not resume:
         atomic_write_yaml(out / "config.yaml", {**cfg.resolved(), "algorithm": None, "models": models,
                                                 "feature_dim": feature_dim, "algorithms": hparams})
     rows = []
     for name, (fed, table) in feds.items():
         run_dir = out / name
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserInputError("is not a folder (a method's run dir); remove it to rerun the method", source=run_dir)
+        # what the method's run was started with: a resumed run must continue with the same settings
+        started = {**cfg.resolved(), "algorithm": None, "engine": None, "models": models, "feature_dim": feature_dim,
+                   "hparams": hparams[name]}
         done = previous.get(name)
+        continuing = resume and (run_dir / CHECKPOINT).is_file()
+        if (done is not None or continuing) and resume:
+            _check_started_with(run_dir, started)
         if done is not None and done.get("rounds") == ecfg.rounds:
             rows.append(done)
             continue
-        continuing = resume and (run_dir / CHECKPOINT).is_file()
         earlier_s = sum(r.get("time_s", 0.0) for r in _read_history(run_dir)) if continuing else 0.0
         if not continuing:
             if run_dir.exists():  # an attempt that never completed round 1
                 shutil.rmtree(run_dir)
             run_dir.mkdir()
             atomic_write_json(run_dir / "clients.json", {"clients": table})
+            atomic_write_json(run_dir / STARTED_WITH, json.loads(json.dumps(started, default=str)))
         engine = Engine(fed, ecfg, run_dir, progress=progress)
         t0 = time.perf_counter()
         summary = engine.run(resume=continuing)
         wall = time.perf_counter() - t0 + earlier_s
         rows.append(summarize_run(name, summary, _read_history(run_dir), wall))
         write_table(out, rows, models)
+    write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
     return rows
+
+
+#: a method's run dir keeps the settings it was started with (compared on ``--resume``)
+STARTED_WITH = "compare_started_with.json"
+
+
+def _previous_rows(out: Path) -> dict[str, dict[str, Any]]:
+    """The rows of ``out/compare.json`` by method ({} when there is none yet).
+
+    Raises:
+        UserInputError: the file exists but is not a compare table.
+    """
+    path = out / "compare.json"
+    if not path.exists():
+        return {}
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        if not all(isinstance(r, dict) and isinstance(r["algorithm"], str) for r in rows):
+            raise TypeError
+        return {r["algorithm"]: r for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserInputError(f"is not a rafl compare table ({err.__class__.__name__}); delete it to rerun every "
+                             "method that has no checkpoint", source=path) from None
+
+
+def _check_started_with(run_dir: Path, started: dict[str, Any]) -> None:
+    """Refuse to resume a method whose run was started with other settings (an edited config.yaml)."""
+    path = run_dir / STARTED_WITH
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise UserInputError("is missing or unreadable, so the run cannot be checked against config.yaml; remove "
+                             f"{run_dir} to rerun the method", source=path) from None
+    now = json.loads(json.dumps(started, default=str))
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        raise UserInputError(f"config.yaml differs from the settings this method's run started with in {changed}; "
+                             "restore them, or remove the method's run dir to rerun it", source=run_dir)
 
 
 def _read_history(run_dir: Path) -> list[dict[str, Any]]:
@@ -362,7 +405,15 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
         raise UserInputError("is not a rafl compare config (no algorithms / models)", source=path, field="--resume")
     algorithms = data.pop("algorithms")
     models = str(data.pop("models"))
-    feature_dim = int(data.pop("feature_dim", 128))
+    from rafl.models import resolve_models
+
+    try:
+        resolve_models(models)
+    except UserInputError as err:
+        raise UserInputError(err.message, source=path, field="models") from None
+    feature_dim = data.pop("feature_dim", 128)
+    if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1:
+        raise UserInputError(f"is {feature_dim!r}; allowed: an integer >= 1", source=path, field="feature_dim")
     data.pop("algorithm", None)
     hps = {}
     for name, hp in algorithms.items():

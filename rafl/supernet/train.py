@@ -154,6 +154,8 @@ class TrainConfig(BaseModel):
             if first.get("type") == "extra_forbidden":
                 raise UserInputError(f"unknown key; allowed: {', '.join(sorted(cls.model_fields))}, epochs_per_phase",
                                      source=source, field=loc) from None
+            if per_phase is not None and loc.startswith("epochs_") and options.get(loc) is None:
+                loc = "epochs_per_phase"  # the value the user gave, copied into every phase
             info = cls.model_fields.get(loc)
             allowed_text = f"; allowed: {info.description}" if info is not None and info.description else ""
             raise UserInputError(f"{first['msg']} (got {first.get('input')!r}){allowed_text}", source=source,
