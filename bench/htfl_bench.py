@@ -27,7 +27,6 @@ one core; run the scenarios as separate processes (``--only``) to use more cores
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from rafl.federation.compare import _prepare_group, load_compare_config, run_compare
+from rafl.federation.compare import _prepare_group, load_compare_config, read_history, run_compare
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import to_payload_tensors
 from rafl.io import atomic_write_json, atomic_write_text
@@ -56,10 +55,6 @@ def expected_upload(method: str, held: list[int], dim: int) -> tuple[int, int]:
         tensors[prefix + "counts"] = torch.zeros(s, dtype=torch.int32)
     blob = Payload(tensors).to_bytes()
     return formula_bits // 8, len(blob) - formula_bits // 8
-
-
-def _history(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
 def _tail_mean(hist: list[dict], key: str, tail: int) -> float | None:
@@ -85,7 +80,7 @@ def run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
         run_out = out / name / f"seed{seed}" / m
         t0 = time.perf_counter()
         (row,) = run_compare(cfg, {m: hps[m]}, run_out, models="htfe-tiny", feature_dim=dim, progress=False)
-        hist = _history(run_out / m)
+        hist = read_history(run_out / m)
         row |= {"wall_s": time.perf_counter() - t0,
                 "model.acc_tail": _tail_mean(hist, "model.acc_mean_over_clients", tail),
                 "proto.acc_tail": _tail_mean(hist, "proto.acc_mean_over_clients", tail),

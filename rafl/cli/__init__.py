@@ -51,8 +51,8 @@ class LazyGroup(click.Group):
             sys.exit(2)
         except click.UsageError as err:
             path = err.ctx.command_path if err.ctx is not None else (prog_name or "rafl")
-            words = list(sys.argv[1:] if args is None else args)
             if err.ctx is None or err.ctx.parent is None:  # e.g. a missing option value: no subcommand context
+                words = sys.argv[1:] if args is None else args
                 sub = next((w for w in words if w in COMMANDS), None)
                 path = f"{prog_name or 'rafl'} {sub}" if sub else path
             click.echo(f"error: {err.format_message()} (see '{path} --help')", err=True)

@@ -306,36 +306,36 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     from rafl.io import atomic_write_yaml
 
     previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
+    shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
     if not resume:
-        atomic_write_yaml(out / "config.yaml", {**cfg.resolved(), "algorithm": None, "models": models,
-                                                "feature_dim": feature_dim, "algorithms": hparams})
+        atomic_write_yaml(out / "config.yaml", {**shared, "algorithms": hparams})
     rows = []
     for name, (fed, table) in feds.items():
         run_dir = out / name
         if run_dir.exists() and not run_dir.is_dir():
             raise UserInputError("is not a folder (a method's run dir); remove it to rerun the method", source=run_dir)
         # what the method's run was started with: a resumed run must continue with the same settings
-        started = {**cfg.resolved(), "algorithm": None, "engine": None, "models": models, "feature_dim": feature_dim,
-                   "hparams": hparams[name]}
+        # (engine left out: only the number of rounds may differ, and it is checked per row)
+        started = json.loads(json.dumps({**shared, "engine": None, "hparams": hparams[name]}, default=str))
         done = previous.get(name)
         continuing = resume and (run_dir / CHECKPOINT).is_file()
-        if (done is not None or continuing) and resume:
+        if done is not None or continuing:
             _check_started_with(run_dir, started)
         if done is not None and done.get("rounds") == ecfg.rounds:
             rows.append(done)
             continue
-        earlier_s = sum(r.get("time_s", 0.0) for r in _read_history(run_dir)) if continuing else 0.0
+        earlier_s = sum(r.get("time_s", 0.0) for r in read_history(run_dir)) if continuing else 0.0
         if not continuing:
             if run_dir.exists():  # an attempt that never completed round 1
                 shutil.rmtree(run_dir)
             run_dir.mkdir()
             atomic_write_json(run_dir / "clients.json", {"clients": table})
-            atomic_write_json(run_dir / STARTED_WITH, json.loads(json.dumps(started, default=str)))
+            atomic_write_json(run_dir / STARTED_WITH, started)
         engine = Engine(fed, ecfg, run_dir, progress=progress)
         t0 = time.perf_counter()
         summary = engine.run(resume=continuing)
         wall = time.perf_counter() - t0 + earlier_s
-        rows.append(summarize_run(name, summary, _read_history(run_dir), wall))
+        rows.append(summarize_run(name, summary, read_history(run_dir), wall))
         write_table(out, rows, models)
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
@@ -366,21 +366,22 @@ def _previous_rows(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def _check_started_with(run_dir: Path, started: dict[str, Any]) -> None:
-    """Refuse to resume a method whose run was started with other settings (an edited config.yaml)."""
+    """Refuse to resume a method whose run was started with other settings (an edited config.yaml);
+    ``started`` is JSON-normalized like the file."""
     path = run_dir / STARTED_WITH
     try:
         before = json.loads(path.read_text())
     except (OSError, ValueError):
         raise UserInputError("is missing or unreadable, so the run cannot be checked against config.yaml; remove "
                              f"{run_dir} to rerun the method", source=path) from None
-    now = json.loads(json.dumps(started, default=str))
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    changed = sorted(k for k in set(before) | set(started) if before.get(k) != started.get(k))
     if changed:
         raise UserInputError(f"config.yaml differs from the settings this method's run started with in {changed}; "
                              "restore them, or remove the method's run dir to rerun it", source=run_dir)
 
 
-def _read_history(run_dir: Path) -> list[dict[str, Any]]:
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run dir's ``metrics.jsonl`` (one per completed round; [] when there is none)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
