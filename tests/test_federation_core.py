@@ -237,3 +237,33 @@ def test_rafl_knowledge_width_is_range_checked():
     for bad in (0, 1.5, "x"):
         with pytest.raises(UserInputError, match=r"algorithm\.knowledge_width"):
             algo(knowledge_width=bad)
+
+
+def test_bn_recalibration_matches_the_data_statistics_of_the_final_weights():
+    from rafl.federation.training import recalibrate_bn, train_ce
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    x = torch.randn(20, 3, 8, 8) * 3 + 1
+    loader = [(x[i:i + 6], torch.zeros(len(x[i:i + 6]), dtype=torch.long)) for i in range(0, 20, 6)]  # 6,6,6,2
+    bn = model[1]
+    bn.running_mean.fill_(50.0)  # stale statistics
+    bn.running_var.fill_(1e-4)
+    assert recalibrate_bn(model, loader) == 3  # the batch of 2 joins the one before it
+    conv = model[0](x).detach()
+    per_batch = [x[:6], x[6:12], x[12:]]  # batches as recalibrated (the last two merged)
+    means = torch.stack([model[0](b).mean(dim=(0, 2, 3)) for b in per_batch]).detach()
+    assert torch.allclose(bn.running_mean, means.mean(0), atol=1e-5)  # cumulative average over the pass
+    assert bn.momentum == 0.1 and model.training
+    assert conv.mean(dim=(0, 2, 3)).sub(bn.running_mean).abs().max() < 0.5
+    # no data: statistics untouched; no BatchNorm: nothing to do
+    before = bn.running_mean.clone()
+    assert recalibrate_bn(model, []) == 0 and torch.equal(bn.running_mean, before)
+    assert recalibrate_bn(torch.nn.Linear(3, 3), loader) == 0
+    # the local training loop ends with it (running stats follow the final weights, not the EMA)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    train_ce(model, loader, opt, epochs=1)
+    after_train = bn.running_mean.clone()
+    recalibrate_bn(model, loader)
+    assert torch.allclose(after_train, bn.running_mean, atol=1e-6)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.federation.prototypes import safe_distance, stack_targets
-from rafl.federation.training import TrainStats, kl_soft, no_singleton_batches, train_ce
+from rafl.federation.training import TrainStats, kl_soft, no_singleton_batches, recalibrate_bn, train_ce
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
@@ -183,6 +183,9 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
             sum_b += float(loss_b.detach())
     st_a.loss = sum_a / st_a.steps if st_a.steps else 0.0
     st_b.loss = sum_b / st_b.steps if st_b.steps else 0.0
+    if st_a.steps:  # BN recalibration of both models on the local data
+        recalibrate_bn(model_a, loader, device=device)
+        recalibrate_bn(model_b, loader, device=device)
     return st_a, st_b
 
 
