@@ -354,8 +354,6 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
             stats.correct += int((logits.detach().argmax(1) == t.argmax(1)).sum())
             loss_sum += float(loss.detach())
     stats.loss = loss_sum / stats.steps if stats.steps else 0.0
-    if bn_recalibration and stats.steps:
-        recalibrate_bn(model, loader, device=device)
     return stats
 
 
