@@ -196,3 +196,16 @@ def test_partition_indices_are_disjoint_from_public_pool(tiny):
     bad = type(part)(clients=[part.clients[0], part.clients[0]], public=part.public, meta=part.meta)
     with pytest.raises(UserInputError, match="leakage"):
         check_disjoint(bad)
+
+
+@pytest.mark.parametrize("name", ["rafl", "feddf"])
+def test_server_distillation_runs_a_round(name, tiny, tmp_path):
+    """RaFL with Eqs. 8-9 and FedDF distil on the server's public pool (distill_kl) for real."""
+    space, supernet, ds, part = tiny
+    assert len(part.public) > 0
+    archs = [space.smallest(), space.middle(), space.smallest()]
+    hp = {"distill": True, "distill_epochs": 1} if name == "rafl" else {"distill_epochs": 1}
+    fed, _ = build_federation(ds, part, supernet, archs, get_algorithm(name)(**hp), batch_size=16)
+    Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+    last = _read_history(tmp_path)[-1]
+    assert last["participated"] == 3 and np.isfinite(last["model.acc_mean_over_clients"])
