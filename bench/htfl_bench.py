@@ -84,9 +84,11 @@ def run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
         row |= {"wall_s": time.perf_counter() - t0,
                 "model.acc_tail": _tail_mean(hist, "model.acc_mean_over_clients", tail),
                 "proto.acc_tail": _tail_mean(hist, "proto.acc_mean_over_clients", tail),
+                "prior.acc_tail": _tail_mean(hist, "prior.acc_mean_over_clients", tail),
                 "curve": [round(h["model.acc_mean_over_clients"], 4) for h in hist]}
         per_method[m] = row
         proto = f"  proto {row['proto.acc_tail']:.4f}" if row["proto.acc_tail"] is not None else ""
+        proto += f"  +prior {row['prior.acc_tail']:.4f}" if row["prior.acc_tail"] is not None else ""
         print(f"  {name} seed {seed} {m:<11} acc last-{tail} {row['model.acc_tail']:.4f} (final "
               f"{row['model.acc_mean']:.4f}){proto}  MB {row['mb_total']:.3f}  {row['wall_s']:.0f}s", flush=True)
         if m in UPLOAD_PREFIX:
@@ -118,8 +120,9 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
     for m in METHODS:
         mean, sd, vals = stat(m, "model.acc_tail")
         pmean, psd, pvals = stat(m, "proto.acc_tail")
+        qmean, _, qvals = stat(m, "prior.acc_tail")
         summary[m] = {"acc": mean, "acc_sd_seeds": sd, "acc_per_seed": vals, "proto": pmean, "proto_sd_seeds": psd,
-                      "proto_per_seed": pvals,
+                      "proto_per_seed": pvals, "prior": qmean, "prior_per_seed": qvals,
                       "client_std": statistics.fmean(r["methods"][m]["model.acc_std"] for r in runs),
                       "mb_up": runs[0]["methods"][m]["mb_up"], "mb_total": runs[0]["methods"][m]["mb_total"],
                       "wall_s": statistics.fmean(r["methods"][m]["wall_s"] for r in runs)}
@@ -128,7 +131,9 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
               "FedTGP > Standalone": acc["fedtgp"] > acc["standalone"],
               "FedTGP >= FedProto (head)": acc["fedtgp"] >= acc["fedproto"],
               "FedTGP >= FedProto (nearest prototype, the papers' protocol)":
-                  summary["fedtgp"]["proto"] >= summary["fedproto"]["proto"]}
+                  summary["fedtgp"]["proto"] >= summary["fedproto"]["proto"],
+              "FedGH + local label prior (label_prior: local; not in the paper) > Standalone":
+                  summary["fedgh"]["prior"] > acc["standalone"]}
     for r in runs:
         for k, v in r["checks"].items():
             checks[f"{k}, seed {r['seed']}"] = v
@@ -148,20 +153,24 @@ def report(results: list[dict], args, argv: list[str]) -> str:
              f"**acc** = mean over clients of the deployed model's test accuracy, averaged over the last {args.tail} "
              "rounds (one round's value moves by 1-3 points: ~60 test images per client), then over seeds; "
              "**proto** = the same for nearest-global-prototype inference (FedProto / FedTGP; the accuracy "
-             "both papers and HtFLlib report). Claims compare these means.", ""]
+             "both papers and HtFLlib report); **+prior** = FedGH's global header plus each client's log label "
+             "prior (`label_prior: local`, not in the paper; same training run). Claims compare these means.", ""]
     for res in results:
         base = res["summary"]["standalone"]["acc"]
         lines += [f"## {res['scenario']} ({res['n_clients']} clients, classes held per client (seed "
                   f"{args.seeds[0]}): min {min(res['classes_held'])}, max {max(res['classes_held'])}; "
                   f"{res['wall_s']:.0f} s)", "",
-                  "| method | acc | per seed | vs standalone (points) | proto acc | per seed | client std | "
-                  "MB up | MB total | wall s / seed |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | acc | per seed | vs standalone (points) | proto acc | per seed | +prior acc | per seed | "
+                  "client std | MB up | MB total | wall s / seed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, s in res["summary"].items():
             per = ", ".join(f"{v:.4f}" for v in s["acc_per_seed"])
             proto = f"{s['proto']:.4f}" if s["proto"] is not None else "-"
             pper = ", ".join(f"{v:.4f}" for v in s["proto_per_seed"]) or "-"
+            prior = f"{s['prior']:.4f}" if s["prior"] is not None else "-"
+            qper = ", ".join(f"{v:.4f}" for v in s["prior_per_seed"]) or "-"
             lines.append(f"| {m} | {s['acc']:.4f} | {per} | {100 * (s['acc'] - base):+.2f} | {proto} | {pper} | "
+                         f"{prior} | {qper} | "
                          f"{s['client_std']:.4f} | {s['mb_up']:.4f} | {s['mb_total']:.4f} | {s['wall_s']:.0f} |")
         lines += ["", "| upload per round (seed " + str(res["runs"][0]["seed"]) + ") | formula bytes | "
                   "+ safetensors header | = expected | measured | header overhead |", "|---|---|---|---|---|---|"]

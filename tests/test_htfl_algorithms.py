@@ -115,6 +115,35 @@ def test_fedgh_header_replaces_local_header(digits, edge_partition):
     assert torch.equal(out["model"]["head.weight"], head["weight"])
 
 
+def test_fedgh_local_label_prior_adjusts_only_the_deployed_logits(digits, edge_partition):
+    """label_prior=local: logits + log((n_y + 1) / (n + K)) at evaluation (Menon et al. 2021, Eq. 4);
+    the upload is unchanged, the counts come from local training (or the train split before it)."""
+    from rafl.federation.algorithms.fedgh import PriorAdjusted, log_label_prior
+
+    lp = log_label_prior(torch.tensor([3, 0, 1]))
+    assert torch.allclose(lp.exp(), torch.tensor([4 / 7, 1 / 7, 2 / 7])) and torch.isfinite(lp).all()
+    lin = torch.nn.Linear(2, 3)
+    torch.nn.init.zeros_(lin.weight), torch.nn.init.zeros_(lin.bias)
+    assert PriorAdjusted(lin, lp)(torch.ones(5, 2)).argmax(1).tolist() == [0] * 5   # flat logits -> the prior decides
+
+    plain, adj = get_algorithm("fedgh")(), get_algorithm("fedgh")(label_prior="local")
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, plain, feature_dim=D, batch_size=8, seed=0)
+    _, broadcast = plain.init_server(fed.server)
+    ctx = _ctx(fed, 1)                                  # a single class (5): the prior says "5"
+    untrained = plain.init_client(ctx)
+    assert adj.evaluate(untrained, ctx)["model.correct"] == adj.evaluate(untrained, ctx)["model.total"]
+    torch.manual_seed(0)
+    state, up = adj.client_update(untrained, broadcast, ctx)
+    torch.manual_seed(0)
+    _, up_plain = plain.client_update(untrained, broadcast, ctx)
+    assert state["label_counts"].tolist() == [0] * 5 + [len(edge_partition.clients[1].train)] + [0] * 4
+    assert set(up.tensors) == set(up_plain.tensors) == {"lar.values", "lar.labels"}
+    ev = adj.prepare_evaluation(state, broadcast, ctx)
+    assert torch.equal(ev["label_counts"], state["label_counts"])
+    a, p = adj.evaluate(ev, ctx), plain.evaluate(ev, ctx)
+    assert a["model.correct"] == a["prior.correct"] == p["prior.correct"] >= p["model.correct"]
+
+
 def test_fedgh_server_clip_keeps_header_finite_with_an_outlying_lar():
     """One client's eval-mode representation with a norm in the thousands (seen with a ShuffleNetV2
     client on CIFAR-10 Dirichlet 0.1): unclipped, 100 server epochs blow the shared header up; the
@@ -187,6 +216,7 @@ def test_fedtgp_server_prototypes_only_for_uploaded_classes_and_margin(digits, e
 @pytest.mark.parametrize("name, hp, msg", [("fedtgp", {"distance": "cosine"}, "euclidean, mse"),
                                            ("fedproto", {"distance": "cosine"}, "mse, squared, euclidean"),
                                            ("fedgh", {"server_mode": "sideways"}, "per-lar, per-client"),
+                                           ("fedgh", {"label_prior": "global"}, "label_prior.*none, local"),
                                            ("fedgh", {"server_lr_typo": 1}, "unknown hyperparameter")])
 def test_bad_hyperparameters_rejected_at_construction(name, hp, msg):
     with pytest.raises(UserInputError, match=msg):
