@@ -267,6 +267,38 @@ def test_bn_recalibration_matches_the_data_statistics_of_the_final_weights():
     after_train = bn.running_mean.clone()
     recalibrate_bn(model, loader)
     assert torch.allclose(after_train, bn.running_mean, atol=1e-6)
+    # FedAvg-style training (the whole model is averaged) keeps the running estimates
+    bn.running_mean.fill_(50.0)
+    train_ce(model, loader, opt, epochs=1, bn_recalibration=False)
+    assert bn.running_mean.min() > 30                   # EMA of 3 steps from 50 (0.9^3 = 0.73)
+
+
+class _FeatHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU())
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+@pytest.mark.parametrize("trainer", ["dml", "mutual"])
+def test_dml_recalibrates_the_private_model_only(trainer):
+    """RaFL's knowledge network / FML's meme model are averaged with their BN statistics on the
+    server: only the specialized (private) model is recalibrated after local training."""
+    from rafl.federation.losses import train_mutual
+    from rafl.federation.training import train_dml
+
+    torch.manual_seed(0)
+    a, b = _FeatHead(), _FeatHead()
+    for m in (a, b):
+        m.features[1].running_mean.fill_(50.0)
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    fn = train_dml if trainer == "dml" else train_mutual
+    fn(a, b, data, torch.optim.SGD(a.parameters(), 0.01), torch.optim.SGD(b.parameters(), 0.01))
+    assert a.features[1].running_mean.abs().max() < 5      # recalibrated on the data
+    assert b.features[1].running_mean.min() > 30           # EMA of 3 steps from 50 (0.9^3 = 0.73)
 
 
 def test_distill_kl_moves_the_student_toward_the_teacher():

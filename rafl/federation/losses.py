@@ -183,9 +183,8 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
             sum_b += float(loss_b.detach())
     st_a.loss = sum_a / st_a.steps if st_a.steps else 0.0
     st_b.loss = sum_b / st_b.steps if st_b.steps else 0.0
-    if st_a.steps:  # BN recalibration of both models on the local data
+    if st_a.steps:  # BN recalibration of the private model only (model_b is averaged on the server)
         recalibrate_bn(model_a, loader, device=device)
-        recalibrate_bn(model_b, loader, device=device)
     return st_a, st_b
 
 

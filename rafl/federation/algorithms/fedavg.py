@@ -48,8 +48,11 @@ class FedAvg(Algorithm):
         return {}
 
     def _local_train(self, model, broadcast: Payload, client: ClientContext):
+        # the whole model, BN statistics included, is averaged on the server: no per-client BN
+        # recalibration (averaging purely local statistics measured worse than averaging the
+        # running estimates; see recalibrate_bn)
         return train_ce(model, client.train_loader, optimizer_for(model, self.hparams),
-                        epochs=self.hparams["local_epochs"], device=client.device)
+                        epochs=self.hparams["local_epochs"], device=client.device, bn_recalibration=False)
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         model = build(client, broadcast.state_dict())
@@ -84,7 +87,7 @@ class FedProx(FedAvg):
         reference = {k: v.detach().clone() for k, v in model.named_parameters()}
         return train_ce(model, client.train_loader, optimizer_for(model, self.hparams),
                         epochs=self.hparams["local_epochs"], device=client.device,
-                        prox_mu=float(self.hparams["mu"]), prox_reference=reference)
+                        prox_mu=float(self.hparams["mu"]), prox_reference=reference, bn_recalibration=False)
 
 
 def _a_norm(tau: int, rho: float) -> float:

@@ -62,8 +62,8 @@ class FedDF(Algorithm):
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         model = build(client, broadcast.state_dict())
-        train_ce(model, client.train_loader, optimizer_for(model, self.hparams),
-                 epochs=self.hparams["local_epochs"], device=client.device)
+        train_ce(model, client.train_loader, optimizer_for(model, self.hparams),  # averaged whole: no BN recalibration
+                 epochs=self.hparams["local_epochs"], device=client.device, bn_recalibration=False)
         return {}, Payload.from_state_dict(cpu_state(model), meta={"n_samples": client.n_samples})
 
     def upload_spec(self, server_state, client: ClientInfo):
