@@ -68,15 +68,39 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
                   "def no_head():\n"
                   "    return nn.Linear(3, 3)\n"
                   "def boom():\n"
-                  "    raise RuntimeError('nope')\n")
+                  "    raise RuntimeError('nope')\n"
+                  "class NoFwd(nn.Module):\n"
+                  "    def __init__(self):\n"
+                  "        super().__init__()\n"
+                  "        self.f = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 16), nn.BatchNorm1d(16))\n"
+                  "        self.head = nn.Linear(16, 10)\n"
+                  "    def features(self, x):\n"
+                  "        return self.f(x)\n"
+                  "def no_forward():\n"
+                  "    return NoFwd()\n"
+                  "class WrongFwd(Net):\n"
+                  "    def forward(self, x):\n"
+                  "        return self.features(x)\n"
+                  "def wrong_forward():\n"
+                  "    return WrongFwd(10, 16)\n")
     m = make_member("my_plugin:factory", 10, 16)
     assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     cases = {"my_plugin:bad_width": "expected \\[2, 16\\]", "my_plugin:not_a_model": "nn.Module",
              "my_plugin:no_head": "features", "my_plugin:boom": "RuntimeError",
-             "my_plugin:missing": "no callable", "no_such_module_xyz:f": "cannot import", "bad spec": "not package"}
+             "my_plugin:missing": "no callable", "my_plugin:wrong_forward": "forward gives shape \\[2, 16\\]", "no_such_module_xyz:f": "cannot import", "bad spec": "not package"}
     for spec, msg in cases.items():
         with pytest.raises(UserInputError, match=msg):
             build_plugin_model(spec, 10, 16)
+    # the README's contract needs only features + head: forward = head(features(x)), also on copies
+    import copy
+
+    nf = build_plugin_model("my_plugin:no_forward", 10, 16)
+    x = torch.randn(4, 3, 32, 32)
+    nf.eval()
+    assert torch.equal(nf(x), nf.head(nf.features(x)))
+    twin = copy.deepcopy(nf)
+    torch.nn.init.zeros_(twin.head.weight), torch.nn.init.zeros_(twin.head.bias)
+    assert torch.equal(twin(x), torch.zeros(4, 10)) and not torch.equal(nf(x), torch.zeros(4, 10))
 
 
 def test_small_image_variants_keep_spatial_resolution():

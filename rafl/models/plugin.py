@@ -3,7 +3,8 @@
 Any architecture can join a federation: the factory is imported (never ``eval``-ed), called with
 the keyword arguments it accepts among ``n_classes`` and ``feature_dim``, and must return an
 ``nn.Module`` with ``features(x) -> (B, D)`` and a ``head`` module (``(B, D) -> (B, K)``); the
-model is checked on a dummy batch before any run starts.
+model is checked on a dummy batch before any run starts. A model without its own ``forward`` gets
+``forward(x) = head(features(x))``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import types
 from collections.abc import Callable
 
 import torch
@@ -86,6 +88,9 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
     except Exception as err:
         raise UserInputError(f"{spec}: features/head fail on a (2, {in_channels}, {resolution}, {resolution}) "
                              f"batch ({err.__class__.__name__}: {err})", field="--models") from None
+    if type(model).forward is nn.Module.forward:
+        # bound to this instance; deepcopy rebinds it to the copy (copy's MethodType handler)
+        model.forward = types.MethodType(_features_then_head, model)
     model.train(was)
     if tuple(feats.shape) != (2, feature_dim):
         raise UserInputError(f"{spec}: features() gives shape {list(feats.shape)}, expected [2, {feature_dim}] "
@@ -93,7 +98,23 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
     if tuple(logits.shape) != (2, n_classes):
         raise UserInputError(f"{spec}: head gives shape {list(logits.shape)}, expected [2, {n_classes}]",
                              field="--models")
+    with torch.no_grad():
+        model.eval()
+        try:
+            out = model(torch.zeros(2, in_channels, resolution, resolution))
+        except Exception as err:
+            raise UserInputError(f"{spec}: forward fails on a (2, {in_channels}, {resolution}, {resolution}) batch "
+                                 f"({err.__class__.__name__}: {err})", field="--models") from None
+        finally:
+            model.train(was)
+    if tuple(out.shape) != (2, n_classes):
+        raise UserInputError(f"{spec}: forward gives shape {list(out.shape)}, expected [2, {n_classes}] "
+                             "(the logits, i.e. head(features(x)))", field="--models")
     return model
+
+
+def _features_then_head(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.head(self.features(x))
 
 
 __all__ = ["is_plugin_spec", "load_factory", "build_plugin_model"]
