@@ -157,6 +157,8 @@ def test_resume_damaged_or_edited_folders_are_one_line_errors(tmp_path):
              (lambda d: (d / "compare.json").write_text("[1, 2]"), "not a rafl compare table"),
              (lambda d: (d / "compare.json").write_text('{"rows": [{"rounds": 2}]}'), "not a rafl compare table"),
              (set_yaml("feature_dim", "abc"), "feature_dim: is 'abc'; allowed: an integer >= 1"),
+             (set_yaml("algorithms.fedgh.label_prior", "global"),
+              "config.yaml: algorithms.fedgh.label_prior: is 'global'; allowed: none, local"),
              (set_yaml("feature_dim", 32), "differs from the settings"),
              (set_yaml("data.limit_per_class", 12), "differs from the settings"),
              (set_yaml("models", "htfe5"), "config.yaml: models: unknown model"),

@@ -101,6 +101,9 @@ def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
     assert "may change only engine.rounds" in _one_error_line(
         _invoke(["--resume", str(run_dir), "--set", "algorithm.temperature=3.0"]))
+    # an invalid --set value is blamed on --set, not on the run's (valid) config.yaml
+    line = _one_error_line(_invoke(["--resume", str(run_dir), "--set", "algorithm.temperature=-1"]))
+    assert line.startswith("error: --set: algorithm.temperature") and "config.yaml" not in line, line
     assert "--out: cannot be combined with --resume" in _one_error_line(
         _invoke(["--resume", str(run_dir), "--out", str(tmp_path / "elsewhere"), "--set", "engine.rounds=3"]))
     assert "completed 2 rounds; allowed: an integer >= 2" in _one_error_line(

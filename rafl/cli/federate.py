@@ -93,8 +93,11 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         if not cfg_file.is_file():
             raise UserInputError("is not a rafl federate run dir (no config.yaml)", source=resume_dir,
                                  field="--resume")
-        cfg = load_run_config(cfg_file, overrides)
         old = load_run_config(cfg_file)
+        try:
+            cfg = load_run_config(cfg_file, overrides)
+        except UserInputError as err:  # the file alone is valid, so a --set value is at fault
+            raise UserInputError(err.message, source="--set", field=err.field) from None
         changed = {k for k in ("data", "partition", "clients", "supernet", "search", "algorithm", "train", "seed")
                    if getattr(cfg, k) != getattr(old, k)}
         if changed:

@@ -421,7 +421,9 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
         try:
             hps[name] = get_algorithm(name).check_hparams(dict(hp or {}))
         except UserInputError as err:
-            raise UserInputError(err.message, source=path, field=f"algorithms.{name}") from None
+            key = err.field.removeprefix("algorithm.") if err.field else ""
+            raise UserInputError(err.message, source=path,
+                                 field=f"algorithms.{name}" + (f".{key}" if key else "")) from None
     cfg = _validate(yaml.safe_dump({**data, "algorithm": {"name": "standalone"}}), [], str(path))
     return cfg, hps, models, feature_dim
 
