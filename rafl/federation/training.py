@@ -231,7 +231,6 @@ def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.d
         return 0
     was = model.training
     momenta = [m.momentum for m in bns]
-    has_forward = type(model).forward is not nn.Module.forward
     n = 0
     model.train()
     try:
@@ -240,8 +239,7 @@ def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.d
                 for m in bns:
                     m.reset_running_stats()
                     m.momentum = None  # cumulative average over the pass
-            x = images.to(device)
-            model(x) if has_forward else model.head(model.features(x))
+            model(images.to(device))
             n += 1
     finally:
         for m, mom in zip(bns, momenta):
