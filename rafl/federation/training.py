@@ -231,6 +231,7 @@ def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.d
         return 0
     was = model.training
     momenta = [m.momentum for m in bns]
+    has_forward = type(model).forward is not nn.Module.forward
     n = 0
     model.train()
     try:
@@ -239,7 +240,8 @@ def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.d
                 for m in bns:
                     m.reset_running_stats()
                     m.momentum = None  # cumulative average over the pass
-            model(images.to(device))
+            x = images.to(device)
+            model(x) if has_forward else model.head(model.features(x))
             n += 1
     finally:
         for m, mom in zip(bns, momenta):
