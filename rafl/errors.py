@@ -38,6 +38,16 @@ class UserInputError(RaflError, ValueError):
         return " ".join(text.split("\n"))
 
 
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, plus a hint when YAML parsing changed what the user
+    typed: ``yes``/``no``/``on``/``off``/``true``/``false`` become booleans and an empty value or
+    ``~`` becomes null, so ``--set algorithm.label_prior=yes`` arrives as ``True``."""
+    if isinstance(value, bool) or value is None:
+        return (f"{value!r} (YAML reads yes/no/on/off/true/false as a boolean and an empty value or ~ as null; "
+                "quote the value to pass it as text)")
+    return repr(value)
+
+
 def allowed(values: Iterable[object]) -> str:
     """Format allowed values for an error message: ``"one of 3, 5, 7"``."""
     vals = list(values)

@@ -217,6 +217,9 @@ def test_fedtgp_server_prototypes_only_for_uploaded_classes_and_margin(digits, e
                                            ("fedproto", {"distance": "cosine"}, "mse, squared, euclidean"),
                                            ("fedgh", {"server_mode": "sideways"}, "per-lar, per-client"),
                                            ("fedgh", {"label_prior": "global"}, "label_prior.*none, local"),
+                                           # YAML turned `yes` / an empty value into True / None: say so
+                                           ("fedgh", {"label_prior": True}, "is True .YAML reads yes/no.*quote"),
+                                           ("fedgh", {"label_prior": None}, "is None .YAML.*~ as null.*none, local"),
                                            ("fedgh", {"server_lr_typo": 1}, "unknown hyperparameter")])
 def test_bad_hyperparameters_rejected_at_construction(name, hp, msg):
     with pytest.raises(UserInputError, match=msg):

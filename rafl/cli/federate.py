@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
 
 
 def print_table(summary: dict, run_dir: Path) -> None:
@@ -123,7 +123,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     if out.exists() and not out.is_dir():
         raise UserInputError("exists and is not a folder", source=out, field="--out")
     if Path(name).name != name or name in (".", ".."):
-        raise UserInputError(f"is {name!r}; allowed: a plain folder name (no '/' or '..'), created under --out",
+        raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under --out",
                              field="name")
     out_existed = out.exists()
     try:

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from rafl.config import RunConfig
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
 from rafl.io import atomic_write_json, atomic_write_text
@@ -414,7 +414,7 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
         raise UserInputError(err.message, source=path, field="models") from None
     feature_dim = data.pop("feature_dim", 128)
     if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1:
-        raise UserInputError(f"is {feature_dim!r}; allowed: an integer >= 1", source=path, field="feature_dim")
+        raise UserInputError(f"is {shown(feature_dim)}; allowed: an integer >= 1", source=path, field="feature_dim")
     data.pop("algorithm", None)
     hps = {}
     for name, hp in algorithms.items():

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore, load_state, save_state
@@ -93,7 +93,7 @@ def _count(spec: float | int, n: int, name: str) -> int:
         return max(1, int(math.ceil(spec * n - 1e-9)))
     if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1:
         return min(spec, n)
-    raise UserInputError(f"is {spec!r}; allowed: a fraction in (0, 1] or a count >= 1", field=f"engine.{name}")
+    raise UserInputError(f"is {shown(spec)}; allowed: a fraction in (0, 1] or a count >= 1", field=f"engine.{name}")
 
 
 def seed_of(*parts: int) -> int:
@@ -192,7 +192,7 @@ class Engine:
         if config.rounds < 1 or config.eval_every < 1:
             raise UserInputError("rounds and eval_every must be >= 1", field="engine")
         if config.eval_clients not in ("all", "sampled"):
-            raise UserInputError(f"is {config.eval_clients!r}; allowed: all, sampled", field="engine.eval_clients")
+            raise UserInputError(f"is {shown(config.eval_clients)}; allowed: all, sampled", field="engine.eval_clients")
         self.n_available = _count(config.available, n, "available")
         self.n_sampled = _count(config.clients_per_round, self.n_available, "clients_per_round")
         fed.algorithm.check_population(fed.clients)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from rafl.config import RunConfig
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
 from rafl.federation.engine import Engine, EngineConfig, Federation
 from rafl.io import atomic_write_json, atomic_write_yaml
@@ -361,7 +361,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     try:
         device = torch.device(cfg.train.device)
     except RuntimeError:
-        raise UserInputError(f"is {cfg.train.device!r}; allowed: cpu, cuda, cuda:N", field="train.device") from None
+        raise UserInputError(f"is {shown(cfg.train.device)}; allowed: cpu, cuda, cuda:N", field="train.device") from None
     profiles = []
     for name in cfg.clients.profiles:
         try:

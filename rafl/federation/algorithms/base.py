@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rafl.errors import UserInputError, allowed
+from rafl.errors import UserInputError, allowed, shown
 from rafl.federation.payload import Payload
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -295,7 +295,7 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
         return value
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise UserInputError(f"is {value!r}; allowed: true or false", field=field_name)
+            raise UserInputError(f"is {shown(value)}; allowed: true or false", field=field_name)
         return value
     kind = "an integer" if isinstance(default, int) else "a number"
     try:
@@ -311,9 +311,9 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
         else:
             number = float(number)
     except (TypeError, ValueError, OverflowError):
-        raise UserInputError(f"is {value!r}; allowed: {kind}", field=field_name) from None
+        raise UserInputError(f"is {shown(value)}; allowed: {kind}", field=field_name) from None
     if isinstance(number, float) and not math.isfinite(number):
-        raise UserInputError(f"is {value!r}; allowed: a finite number", field=field_name)
+        raise UserInputError(f"is {shown(value)}; allowed: a finite number", field=field_name)
     low, strict = None, False
     if name.endswith("lr") or name in ("temperature", "tau") or name.endswith("_temperature"):
         low, strict = 0, True
@@ -323,9 +323,9 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
           or name.endswith("_norm")):
         low = 0
     if low is not None and (number <= low if strict else number < low):
-        raise UserInputError(f"is {value!r}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)
+        raise UserInputError(f"is {shown(value)}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)
     if name == "momentum" and number >= 1:
-        raise UserInputError(f"is {value!r}; allowed: a number in [0, 1)", field=field_name)
+        raise UserInputError(f"is {shown(value)}; allowed: a number in [0, 1)", field=field_name)
     if name.endswith("_width") and not 0 < number <= 1:
-        raise UserInputError(f"is {value!r}; allowed: a fraction in (0, 1]", field=field_name)
+        raise UserInputError(f"is {shown(value)}; allowed: a fraction in (0, 1]", field=field_name)
     return number

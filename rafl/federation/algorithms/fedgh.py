@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.headers import common_header, head_state, load_head
@@ -103,7 +103,7 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
         UserInputError: unknown ``mode``.
     """
     if mode not in SERVER_MODES:
-        raise UserInputError(f"is {mode!r}; allowed: {', '.join(SERVER_MODES)}", field="algorithm.server_mode")
+        raise UserInputError(f"is {shown(mode)}; allowed: {', '.join(SERVER_MODES)}", field="algorithm.server_mode")
     # eval mode: the header's dropout (if any) stays off on the few LARs, and BN (if any) keeps its
     # statistics; gradients flow as usual
     header.to(device).eval()
@@ -150,7 +150,7 @@ class FedGH(Algorithm):
         hp = super().check_hparams(hparams)
         for key, allowed in (("server_mode", SERVER_MODES), ("label_prior", LABEL_PRIORS)):
             if hp[key] not in allowed:
-                raise UserInputError(f"is {hp[key]!r}; allowed: {', '.join(allowed)}", field=f"algorithm.{key}")
+                raise UserInputError(f"is {shown(hp[key])}; allowed: {', '.join(allowed)}", field=f"algorithm.{key}")
         return hp
 
     def init_server(self, server: ServerContext):

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.losses import prototype_regularizer, train_regularized
@@ -48,7 +48,7 @@ class FedProto(Algorithm):
         """Defaults merged with ``hparams``; also rejects an unknown ``distance``."""
         hp = super().check_hparams(hparams)
         if hp["distance"] not in ("mse", "squared", "euclidean"):
-            raise UserInputError(f"is {hp['distance']!r}; allowed: mse, squared, euclidean", field="algorithm.distance")
+            raise UserInputError(f"is {shown(hp['distance'])}; allowed: mse, squared, euclidean", field="algorithm.distance")
         return hp
 
     def init_server(self, server: ServerContext):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.fedproto import FedProto
@@ -114,7 +114,7 @@ class FedTGP(Algorithm):
         """Defaults merged with ``hparams``; also rejects an unknown ``distance``."""
         hp = super().check_hparams(hparams)
         if hp["distance"] not in ("euclidean", "mse"):
-            raise UserInputError(f"is {hp['distance']!r}; allowed: euclidean, mse", field="algorithm.distance")
+            raise UserInputError(f"is {shown(hp['distance'])}; allowed: euclidean, mse", field="algorithm.distance")
         return hp
 
     def _net(self, n_classes: int, dim: int) -> TrainablePrototypes:
