@@ -27,6 +27,8 @@ one core; run the scenarios as separate processes (``--only``) to use more cores
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -104,11 +106,68 @@ def run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
             "n_clients": len(part.clients), "classes_held": [len(h) for h in held]}
 
 
+def _cache_key(name: str, overrides: list[str], rounds: int, dim: int, seed: int, tail: int, device: str) -> dict:
+    return {"scenario": name, "overrides": list(overrides), "rounds": rounds, "dim": dim, "seed": seed, "tail": tail,
+            "device": device}
+
+
+def cached_run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, seed: int, tail: int,
+                    device: str = "cpu") -> dict:
+    """:func:`run_seed`, reusing ``OUT/<scenario>/seed<s>/run.json`` when it was written with the same
+    settings (so more seeds can be added to a scenario, or an interrupted bench resumed, without
+    re-running finished seeds; the runs are deterministic for a seed on one thread)."""
+    key = _cache_key(name, overrides, rounds, dim, seed, tail, device)
+    path = out / name / f"seed{seed}" / "run.json"
+    if path.exists():
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            print(f"  {name} seed {seed}: reusing {path}", flush=True)
+            return cached["run"]
+    run = run_seed(name, overrides, out, rounds, dim, seed, tail, device)
+    atomic_write_json(path, {"key": key, "run": run})
+    return run
+
+
+def _run_seed_star(args: tuple) -> dict:
+    torch.set_num_threads(1)
+    return cached_run_seed(*args)
+
+
+PAIRS = [("FedGH - Standalone", ("fedgh", "model.acc_tail"), ("standalone", "model.acc_tail")),
+         ("FedGH +prior - Standalone", ("fedgh", "prior.acc_tail"), ("standalone", "model.acc_tail")),
+         ("FedTGP - Standalone", ("fedtgp", "model.acc_tail"), ("standalone", "model.acc_tail")),
+         ("FedTGP - FedProto (head)", ("fedtgp", "model.acc_tail"), ("fedproto", "model.acc_tail")),
+         ("FedTGP - FedProto (nearest prototype)", ("fedtgp", "proto.acc_tail"), ("fedproto", "proto.acc_tail"))]
+
+
+def paired_differences(runs: list[dict]) -> list[dict]:
+    """Per comparison of :data:`PAIRS`: the per-seed difference in points (both methods ran on the
+    same partition, initialization and data order), its mean, its standard deviation over seeds,
+    and on how many seeds it is positive (>= 0 for FedTGP - FedProto). The seed moves every method
+    by several points (the partition changes), so the paired difference is the sharper measure."""
+    out = []
+    for label, (ma, ka), (mb, kb) in PAIRS:
+        diffs = [100 * (r["methods"][ma][ka] - r["methods"][mb][kb]) for r in runs
+                 if r["methods"][ma][ka] is not None and r["methods"][mb][kb] is not None]
+        if not diffs:
+            continue
+        ok = [d >= 0 if "FedProto" in label else d > 0 for d in diffs]
+        out.append({"comparison": label, "per_seed": diffs, "mean": statistics.fmean(diffs),
+                    "sd": statistics.stdev(diffs) if len(diffs) > 1 else 0.0, "holds": sum(ok), "n": len(diffs)})
+    return out
+
+
 def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, seeds: list[int], tail: int,
-             device: str = "cpu") -> dict:
-    """All seeds of one scenario, the accuracy claims on the mean over seeds, the byte checks per seed."""
+             device: str = "cpu", jobs: int = 1) -> dict:
+    """All seeds of one scenario (``jobs`` seeds at a time, each in its own process), the accuracy
+    claims on the mean over seeds, the byte checks per seed."""
     t0 = time.perf_counter()
-    runs = [run_seed(name, overrides, out, rounds, dim, s, tail, device) for s in seeds]
+    work = [(name, overrides, out, rounds, dim, s, tail, device) for s in seeds]
+    if jobs > 1 and len(seeds) > 1:
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(seeds))) as pool:
+            runs = pool.map(_run_seed_star, work, chunksize=1)
+    else:
+        runs = [cached_run_seed(*w) for w in work]
 
     def stat(method: str, key: str) -> tuple[float | None, float | None, list[float]]:
         vals = [r["methods"][method][key] for r in runs if r["methods"][method][key] is not None]
@@ -137,7 +196,8 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
     for r in runs:
         for k, v in r["checks"].items():
             checks[f"{k}, seed {r['seed']}"] = v
-    return {"scenario": name, "summary": summary, "checks": checks, "runs": runs, "wall_s": time.perf_counter() - t0,
+    return {"scenario": name, "summary": summary, "checks": checks, "paired": paired_differences(runs), "runs": runs,
+            "wall_s": time.perf_counter() - t0,
             "n_clients": runs[0]["n_clients"], "classes_held": runs[0]["classes_held"]}
 
 
@@ -178,8 +238,28 @@ def report(results: list[dict], args, argv: list[str]) -> str:
             lines.append(f"| {b['method']} | {b['formula_bytes_per_round']} | {b['header_bytes_per_round']} | "
                          f"{b['formula_bytes_per_round'] + b['header_bytes_per_round']} | "
                          f"{', '.join(map(str, b['measured_bytes_per_round']))} | {b['overhead_pct']:.1f}% |")
+        if res.get("paired"):
+            lines += ["", "| paired difference (points) | per seed | mean | sd over seeds | holds on |",
+                      "|---|---|---|---|---|"]
+            for d in res["paired"]:
+                lines.append(f"| {d['comparison']} | {', '.join(f'{v:+.2f}' for v in d['per_seed'])} | "
+                             f"{d['mean']:+.2f} | {d['sd']:.2f} | {d['holds']}/{d['n']} seeds |")
         lines += [""] + [f"- {'PASS' if v else 'FAIL'}: {k}" for k, v in res["checks"].items()] + [""]
     return "\n".join(lines) + "\n"
+
+
+def scenario_overrides(args) -> dict[str, list[str]]:
+    """Scenario name -> its config overrides (``--set`` strings)."""
+    common = ["clients.n=20"]
+    return {
+        "digits-pat2": common + ["data.dataset=digits", "partition.scheme=pathological", "partition.k=2"],
+        "cifar10-pat2": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
+                                  f"data.limit_per_class={args.limit_per_class}", "partition.scheme=pathological",
+                                  "partition.k=2"],
+        "cifar10-dir0.1": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
+                                    f"data.limit_per_class={args.limit_per_class}", "partition.scheme=dirichlet",
+                                    "partition.alpha=0.1"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,25 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma list of scenario names to run")
     ap.add_argument("--cifar", type=Path, default=CIFAR, help="the CIFAR-10 archive (default ../shared/data)")
     ap.add_argument("--device", default="cpu", help="torch device for local and server training")
+    ap.add_argument("--jobs", type=int, default=1, help="seeds run in parallel (one process and core each)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    common = ["clients.n=20"]
-    scenarios = {
-        "digits-pat2": common + ["data.dataset=digits", "partition.scheme=pathological", "partition.k=2"],
-        "cifar10-pat2": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
-                                  f"data.limit_per_class={args.limit_per_class}", "partition.scheme=pathological",
-                                  "partition.k=2"],
-        "cifar10-dir0.1": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
-                                    f"data.limit_per_class={args.limit_per_class}", "partition.scheme=dirichlet",
-                                    "partition.alpha=0.1"],
-    }
+    scenarios = scenario_overrides(args)
     only = [s for s in args.only.split(",") if s]
     results = []
     for name, sets in scenarios.items():
         if only and name not in only:
             continue
         print(f"== {name}", flush=True)
-        res = scenario(name, sets, args.out, args.rounds, args.feature_dim, args.seeds, args.tail, args.device)
+        res = scenario(name, sets, args.out, args.rounds, args.feature_dim, args.seeds, args.tail, args.device,
+                       args.jobs)
         results.append(res)
         for k, v in res["checks"].items():
             print(f"  {'PASS' if v else 'FAIL'} {k}", flush=True)
