@@ -225,6 +225,18 @@ def engine_config(cfg: RunConfig) -> EngineConfig:
                         eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
 
 
+def method_settings(name: str, hp: dict[str, Any]) -> str:
+    """The method's own hyperparameters that differ from its defaults, ``"key=value, ..."`` (e.g.
+    ``"label_prior=local"``, which changes what FedGH's ``acc`` measures), so the table says which
+    variant each row is. The local-training keys shared by every method (``local_epochs``, ``lr``,
+    ...) are left out: they are the same on every row."""
+    from rafl.federation.algorithms._common import LOCAL_DEFAULTS
+
+    defaults = get_algorithm(name).defaults
+    return ", ".join(f"{k}={v}" for k, v in sorted(hp.items())
+                     if k not in LOCAL_DEFAULTS and k in defaults and defaults[k] != v)
+
+
 def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_s: float) -> dict[str, Any]:
     """One row of the comparison table from an engine summary and its metrics history."""
     last = next((r for r in reversed(history) if "model.acc_mean_over_clients" in r), {})
@@ -335,7 +347,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         t0 = time.perf_counter()
         summary = engine.run(resume=continuing)
         wall = time.perf_counter() - t0 + earlier_s
-        rows.append(summarize_run(name, summary, read_history(run_dir), wall))
+        rows.append(summarize_run(name, summary, read_history(run_dir), wall)
+                    | {"settings": method_settings(name, hparams[name])})
         write_table(out, rows, models)
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
@@ -431,7 +444,8 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
 # ---------------------------------------------------------------------- outputs
 _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
          ("proto.acc_mean", "proto acc"), ("prior.acc_mean", "+prior acc"), ("global.acc_mean", "shared acc"), ("knowledge.acc_mean", "knowledge acc"),
-         ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s")]
+         ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
+         ("settings", "non-default settings")]
 
 
 def _fmt(v: Any) -> str:
@@ -444,7 +458,7 @@ def _fmt(v: Any) -> str:
 
 def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
-    cols = [c for c in _COLS if any(c[0] in r for r in rows)]
+    cols = [c for c in _COLS if any(r.get(c[0]) not in (None, "") for r in rows)]
     lines = [f"Client test accuracy after the last round (mean/std over clients), models: {models}; "
              "MB = payload bytes up + down / 1e6.", "",
              "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
