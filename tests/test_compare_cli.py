@@ -48,6 +48,8 @@ def test_compare_smoke(tmp_path):
     (["--algorithms", "fedgh", "--set", "engine.rounds=0"], "engine.rounds"),
     (["--algorithms", "fedgh", "--set", "nosuch.key=1"], "unknown key"),
     (["--algorithms", "fedgh", "--models", "htfe5"], "unknown model"),
+    (["--algorithms", "fedgh,fedavg", "--set", "clients.n=3"], "--models: 'htfe-tiny' gives the clients 3 different "
+                                                               "architectures, but fedavg averages whole models"),
     (["--algorithms", "fedgh", "--config", "missing.yaml"], "no such file"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, msg):

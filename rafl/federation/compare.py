@@ -308,6 +308,12 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             if algo.uses_public_pool and len(part.public) == 0:
                 raise UserInputError(f"{name} needs the server's public pool; set partition.public_fraction > 0",
                                      field="partition.public_fraction")
+            used = {members[i % len(members)] for i in range(len(part.clients))}  # round-robin
+            if algo.requires_homogeneous and len(used) > 1:
+                raise UserInputError(
+                    f"{models!r} gives the clients {len(used)} different architectures, but {name} averages "
+                    "whole models; allowed for it: one architecture (e.g. --models cnn4-small), or leave it out of "
+                    "--algorithms", field="--models")
             feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
                                                 batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
                                                 hparams=hp)
