@@ -276,5 +276,16 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     return cfg
 
 
-__all__ = ["RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
+def split_warnings(cfg: RunConfig) -> list[str]:
+    """One-line warnings for a ``partition.split`` that is valid but measures nothing: a test share
+    of 0 leaves every client without test data, so no accuracy is reported (tables show only
+    communication and time)."""
+    if cfg.partition.split[2] == 0:
+        return [f"warning: partition.split is {list(cfg.partition.split)}: the test share is 0, so no client "
+                "accuracy is measured (tables show only communication and time); e.g. [0.75, 0.0, 0.25] keeps a "
+                "quarter of each client's data for testing"]
+    return []
+
+
+__all__ = ["split_warnings", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
            "AlgorithmConfig", "EngineSection", "TrainSection", "load_run_config", "parse_overrides"]

@@ -191,3 +191,14 @@ def test_group_without_command_prints_help(capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--resume"])
     assert "(see 'rafl compare --help')" in capsys.readouterr().err
+
+
+def test_no_test_share_warns_once_on_stderr(tmp_path):
+    """A split without a test share is valid (nothing to evaluate), but the user is told why the
+    table has no accuracy columns."""
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--set",
+                                   "partition.split=[0.8,0.2,0.0]", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "warning: partition.split is [0.8, 0.2, 0.0]: the test share is 0" in res.stderr
+    assert "acc mean" not in (out / "compare.md").read_text()

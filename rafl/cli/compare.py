@@ -32,6 +32,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
+    from rafl.config import split_warnings
     from rafl.federation.compare import load_compare_config, load_compare_resume, run_compare
     from rafl.models import resolve_models
 
@@ -58,6 +59,8 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError(f"lists a method twice ({algorithms})", field="--algorithms")
         resolve_models(models)
         cfg, hparams = load_compare_config(config_path, overrides, names)
+        for line in split_warnings(cfg):
+            click.echo(line, err=True)
         rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")

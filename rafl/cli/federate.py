@@ -78,7 +78,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     searched subnet per profile, RaFL. Prints a per-client table and the run dir, which holds
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
-    from rafl.config import RunConfig, load_run_config
+    from rafl.config import RunConfig, load_run_config, split_warnings
     from rafl.federation import pipeline
 
     if resume_dir is not None:
@@ -116,6 +116,8 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         return
 
     cfg: RunConfig = load_run_config(config_path, overrides)
+    for line in split_warnings(cfg):
+        click.echo(line, err=True)
     name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = out / name
     if run_dir.exists():
