@@ -23,16 +23,33 @@ Example (every key optional)::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, shown
+
+
+def _accepts_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_accepts_bool(a) for a in get_args(annotation))
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic's lax mode reads ``True`` as 1 for int/float fields, and YAML turns ``yes``/``on``
+        into ``True``: ``clients.n=yes`` would silently run one client. Booleans only where allowed."""
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and not _accepts_bool(field.annotation):
+                raise ValueError("a boolean is not allowed here")
+        return value
 
 
 class DataConfig(_Strict):
@@ -54,7 +71,17 @@ class PartitionConfig(_Strict):
     public_fraction: float = Field(0.3, ge=0, lt=1, description="a fraction in [0, 1)")
     public_seed: int = Field(0, description="an integer (seed of the public pool)")
     seed: int | None = Field(None, description="an integer or null (= the run seed)")
-    split: tuple[float, float, float] = Field((0.8, 0.1, 0.1), description="three fractions summing to 1")
+    split: tuple[float, float, float] = Field(
+        (0.8, 0.1, 0.1), description="three fractions train > 0, val >= 0, test >= 0 summing to 1, e.g. [0.8, 0.1, 0.1]")
+
+    @field_validator("split")
+    @classmethod
+    def _split(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
+        import math
+
+        if any(x < 0 or math.isnan(x) for x in v) or v[0] <= 0 or abs(sum(v) - 1) > 1e-6:
+            raise ValueError("not a valid split")
+        return v
 
     @field_validator("scheme")
     @classmethod
@@ -224,8 +251,8 @@ def _error(err: ValidationError, source: str | None) -> UserInputError:
         allowed = ", ".join(parent.model_fields)
         return UserInputError(f"unknown key; allowed: {allowed}", source=source, field=".".join(loc))
     hint = f"; allowed: {info.description}" if info is not None and info.description else ""
-    return UserInputError(f"{first.get('msg', 'invalid')} (got {first.get('input')!r}){hint}", source=source,
-                          field=".".join(loc))
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return UserInputError(f"{msg} (got {shown(first.get('input'))}){hint}", source=source, field=".".join(loc))
 
 
 def read_config_file(path: str | Path | None) -> dict[str, Any]:

@@ -41,8 +41,9 @@ def test_compare_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("args, msg", [
-    (["--algorithms", "fedgh,nope"], "unknown algorithm"),
+    (["--algorithms", "fedgh,nope"], "--algorithms: unknown algorithm 'nope'"),
     (["--algorithms", "fedgh,fedgh"], "twice"),
+    (["--algorithms", "fedgh,FedGH"], "twice"),  # names are case-insensitive
     (["--algorithms", "fedgh", "--set", "algorithm.bogus=1"], "no selected method accepts"),
     (["--algorithms", "fedgh", "--set", "algorithm.fedgh.server_mode=sideways"], "per-lar"),
     (["--algorithms", "fedgh", "--set", "engine.rounds=0"], "engine.rounds"),

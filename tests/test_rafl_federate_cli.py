@@ -44,6 +44,11 @@ def _one_error_line(result):
     (["--set", "name=../escape"], "name: is '../escape'; allowed: a plain folder name"),
     (["--set", "algorithm.lr=abc"], "algorithm.lr: is 'abc'; allowed: a number"),
     (["--set", "algorithm.knowledge_arch=huge", "--set", "clients.n=3"], "algorithm.knowledge_arch"),
+    # YAML reads yes/on as True; pydantic's lax mode would take it as 1 client / 1 round
+    (["--set", "clients.n=yes"], "clients.n: a boolean is not allowed here (got True (YAML reads yes/no"),
+    (["--set", "engine.rounds=on"], "engine.rounds: a boolean is not allowed here"),
+    (["--set", "partition.split=[0.5,0.6,-0.1]"], "partition.split: not a valid split (got [0.5, 0.6, -0.1]); "
+                                                  "allowed: three fractions train > 0"),
 ])
 def test_bad_input_exits_2_without_run_dir(tmp_path, tiny_supernet, args, expected):
     path, _ = tiny_supernet

@@ -52,7 +52,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     else:
         if out is None:
             raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
-        names = [a.strip() for a in algorithms.split(",") if a.strip()]
+        names = [a.strip().lower() for a in algorithms.split(",") if a.strip()]
         if not names:
             raise UserInputError("is empty; give comma-separated method names", field="--algorithms")
         if len(set(names)) != len(names):

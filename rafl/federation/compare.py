@@ -152,7 +152,10 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
     algo_section.pop("name", None)
     from rafl.federation.algorithms import ALGORITHMS
 
-    classes = {a: get_algorithm(a) for a in algorithms}
+    try:
+        classes = {a: get_algorithm(a) for a in algorithms}
+    except UserInputError as err:
+        raise UserInputError(err.message, field="--algorithms") from None
     # per-method sections: any registered method (sections of methods not selected are ignored)
     per_method = {k: algo_section.pop(k) for k in list(algo_section) if k.lower() in ALGORITHMS}
     for key in algo_section:
