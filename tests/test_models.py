@@ -82,12 +82,30 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
                   "    def forward(self, x):\n"
                   "        return self.features(x)\n"
                   "def wrong_forward():\n"
-                  "    return WrongFwd(10, 16)\n")
+                  "    return WrongFwd(10, 16)\n"
+                  "class TupleHead(Net):\n"
+                  "    def __init__(self):\n"
+                  "        super().__init__(10, 16)\n"
+                  "        self.head = TwoOut()\n"
+                  "class TwoOut(nn.Module):\n"
+                  "    def forward(self, z):\n"
+                  "        return z, z\n"
+                  "def tuple_head():\n"
+                  "    return TupleHead()\n"
+                  "def kwargs_only(**kw):\n"
+                  "    return Net(kw['n_classes'], kw['feature_dim'])\n")
+    (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('config server down')\n")
+    (tmp_path / "bad_syntax.py").write_text("def f(:\n")
     m = make_member("my_plugin:factory", 10, 16)
     assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    # a **kwargs factory gets both keywords
+    assert build_plugin_model("my_plugin:kwargs_only", 10, 16).head.out_features == 10
     cases = {"my_plugin:bad_width": "expected \\[2, 16\\]", "my_plugin:not_a_model": "nn.Module",
              "my_plugin:no_head": "features", "my_plugin:boom": "RuntimeError",
-             "my_plugin:missing": "no callable", "my_plugin:wrong_forward": "forward gives shape \\[2, 16\\]", "no_such_module_xyz:f": "cannot import", "bad spec": "not package"}
+             "my_plugin:missing": "no callable", "my_plugin:wrong_forward": "forward gives shape \\[2, 16\\]", "no_such_module_xyz:f": "cannot import",
+             "bad spec": "not package", "my_plugin:tuple_head": "head returns tuple, expected a tensor",
+             "broken_at_import:f": "importing 'broken_at_import' raised RuntimeError: config server down",
+             "bad_syntax:f": "importing 'bad_syntax' raised SyntaxError"}
     for spec, msg in cases.items():
         with pytest.raises(UserInputError, match=msg):
             build_plugin_model(spec, 10, 16)
@@ -116,3 +134,24 @@ def test_small_image_variants_keep_spatial_resolution():
         with torch.no_grad():
             backbone(torch.randn(2, 3, 32, 32))
         assert seen[-1] == size, name
+
+
+def test_plugin_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
+    """The `rafl` console script does not put the current folder on sys.path (`python -m` does);
+    plug-ins are looked up there too, after everything installed."""
+    import sys
+
+    (tmp_path / "cwd_plugin_xyz.py").write_text(
+        "from torch import nn\n"
+        "class N(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.f = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 16))\n"
+        "        self.head = nn.Linear(16, 10)\n"
+        "    def features(self, x):\n"
+        "        return self.f(x)\n"
+        "def make():\n"
+        "    return N()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert build_plugin_model("cwd_plugin_xyz:make", 10, 16)(torch.zeros(2, 3, 32, 32)).shape == (2, 10)

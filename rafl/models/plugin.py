@@ -1,7 +1,8 @@
 """User models by import path: ``package.module:factory``.
 
 Any architecture can join a federation: the factory is imported (never ``eval``-ed), called with
-the keyword arguments it accepts among ``n_classes`` and ``feature_dim``, and must return an
+the keyword arguments it accepts among ``n_classes`` and ``feature_dim`` (both if it takes
+``**kwargs``), and must return an
 ``nn.Module`` with ``features(x) -> (B, D)`` and a ``head`` module (``(B, D) -> (B, K)``); the
 model is checked on a dummy batch before any run starts. A model without its own ``forward`` gets
 ``forward(x) = head(features(x))``.
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import sys
 import types
 from collections.abc import Callable
 
@@ -38,10 +41,19 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     if not is_plugin_spec(spec):
         raise UserInputError(f"{spec!r} is not package.module:factory", field="--models")
     mod_name, attr = spec.split(":")
+    # like `python -m`, the current folder is searched (last, so it never shadows an installed
+    # package): the `rafl` console script does not put it on sys.path
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(mod_name)
     except ImportError as err:
-        raise UserInputError(f"cannot import {mod_name!r} ({err.__class__.__name__}: {err})", field="--models") from None
+        raise UserInputError(f"cannot import {mod_name!r} ({err.__class__.__name__}: {err}); the module must be "
+                             "installed, on PYTHONPATH or in the current folder", field="--models") from None
+    except Exception as err:  # the user's module fails while importing (SyntaxError, its own errors)
+        raise UserInputError(f"importing {mod_name!r} raised {err.__class__.__name__}: {err}",
+                             field="--models") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserInputError(f"{mod_name!r} has no callable {attr!r}", field="--models")
@@ -71,7 +83,8 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    kwargs = {k: v for k, v in (("n_classes", n_classes), ("feature_dim", feature_dim)) if k in params}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in (("n_classes", n_classes), ("feature_dim", feature_dim)) if takes_any or k in params}
     try:
         model = factory(**kwargs)
     except Exception as err:  # the user's code: report, do not crash with a traceback
@@ -88,6 +101,10 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
     except Exception as err:
         raise UserInputError(f"{spec}: features/head fail on a (2, {in_channels}, {resolution}, {resolution}) "
                              f"batch ({err.__class__.__name__}: {err})", field="--models") from None
+    for what, value in (("features()", feats), ("head", logits)):
+        if not isinstance(value, torch.Tensor):
+            raise UserInputError(f"{spec}: {what} returns {type(value).__name__}, expected a tensor "
+                                 f"({'(2, D)' if what == 'features()' else '(2, K) logits'})", field="--models")
     if type(model).forward is nn.Module.forward:
         # bound to this instance; deepcopy rebinds it to the copy (copy's MethodType handler)
         model.forward = types.MethodType(_features_then_head, model)
@@ -107,6 +124,9 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
                                  f"({err.__class__.__name__}: {err})", field="--models") from None
         finally:
             model.train(was)
+    if not isinstance(out, torch.Tensor):
+        raise UserInputError(f"{spec}: forward returns {type(out).__name__}, expected a (2, {n_classes}) logits "
+                             "tensor", field="--models")
     if tuple(out.shape) != (2, n_classes):
         raise UserInputError(f"{spec}: forward gives shape {list(out.shape)}, expected [2, {n_classes}] "
                              "(the logits, i.e. head(features(x)))", field="--models")
