@@ -172,8 +172,28 @@ class TrainSection(_Strict):
     """Local computation."""
 
     batch_size: int = Field(32, ge=1, description="an integer >= 1")
-    device: str = Field("cpu", description="a torch device (cpu, cuda, cuda:0 ...)")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N (a CUDA device this machine has)")
     threads: int | None = Field(1, ge=1, description="torch CPU threads (default 1: the small subnets gain little from intra-op threads, and lose a lot on a shared CPU), or null (torch's default)")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        """A device torch can parse and this machine has (a CUDA device on a machine without one
+        would otherwise fail mid-run with torch's "Found no NVIDIA driver")."""
+        import torch
+
+        try:
+            dev = torch.device(v)
+        except (RuntimeError, TypeError):
+            raise ValueError("not a torch device") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("no CUDA device is available on this machine (use cpu)")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(f"this machine has {torch.cuda.device_count()} CUDA device(s)")
+        elif dev.type != "cpu":
+            raise ValueError(f"device type {dev.type!r} is not supported")
+        return v
 
 
 class RunConfig(_Strict):
@@ -268,7 +288,7 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
         raise UserInputError("no such file (expected a YAML run config)", source=p)
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
     if not isinstance(data, dict):
         raise UserInputError("expected a mapping at the top level", source=p)

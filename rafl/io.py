@@ -25,6 +25,30 @@ def _umask() -> int:
     return mask
 
 
+def check_output_dir(path: str | Path, field: str = "--out") -> None:
+    """Fail early, before any work, if the folder ``path`` cannot be created or written: the
+    nearest existing ancestor must be a folder in which a (probe) folder can be made.
+
+    Raises:
+        UserInputError: ``path`` or an ancestor is a file, or the ancestor is not writable
+            (read-only or virtual file system, permissions), naming ``field``.
+    """
+    from rafl.errors import UserInputError
+
+    p = Path(path).absolute()
+    anc = p
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        what = "is a file" if anc == p else f"cannot be created: {anc} is a file"
+        raise UserInputError(f"{what}; allowed: a new or existing folder", source=p, field=field)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rafl-probe-", dir=anc))
+    except OSError as err:
+        raise UserInputError(f"cannot be written: {anc} does not accept new folders ({err.strerror})",
+                             source=p, field=field) from None
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
     path = Path(path)

@@ -203,3 +203,16 @@ def test_no_test_share_warns_once_on_stderr(tmp_path):
     assert res.exit_code == 0, res.output
     assert "warning: partition.split is [0.8, 0.2, 0.0]: the test share is 0" in res.stderr
     assert "acc mean" not in (out / "compare.md").read_text()
+
+
+def test_unwritable_out_and_undecodable_config_are_one_line_errors(tmp_path):
+    afile = tmp_path / "a.txt"
+    afile.write_text("x")
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--out", str(afile / "sub")])
+    assert res.exit_code == 2 and f"--out: cannot be created: {afile} is a file" in res.output, res.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfe\x00a: 1")
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--config", str(bad),
+                                   "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "bad.yaml: not valid YAML (UnicodeDecodeError)" in res.output, res.output
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".rafl-probe-*"))

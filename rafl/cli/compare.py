@@ -33,6 +33,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
     from rafl.config import split_warnings
+    from rafl.io import check_output_dir
     from rafl.federation.compare import load_compare_config, load_compare_resume, run_compare
     from rafl.models import resolve_models
 
@@ -52,6 +53,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     else:
         if out is None:
             raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
+        check_output_dir(out)
         names = [a.strip().lower() for a in algorithms.split(",") if a.strip()]
         if not names:
             raise UserInputError("is empty; give comma-separated method names", field="--algorithms")

@@ -79,6 +79,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
     from rafl.config import RunConfig, load_run_config, split_warnings
+    from rafl.io import check_output_dir
     from rafl.federation import pipeline
 
     if resume_dir is not None:
@@ -127,6 +128,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     if Path(name).name != name or name in (".", ".."):
         raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under --out",
                              field="name")
+    check_output_dir(out)
     out_existed = out.exists()
     try:
         prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; nothing written yet

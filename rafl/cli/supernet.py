@@ -71,7 +71,7 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
             raise UserInputError("no such file", source=config_file, field="--config")
         try:
             base = yaml.safe_load(config_file.read_text()) or {}
-        except yaml.YAMLError:
+        except (yaml.YAMLError, UnicodeDecodeError):
             raise UserInputError("not valid YAML/JSON", source=config_file, field="--config") from None
         if not isinstance(base, dict):
             raise UserInputError("expected a mapping of TrainConfig fields", source=config_file, field="--config")

@@ -76,7 +76,7 @@ def load_latency_lut(path: str | Path) -> dict[str, float]:
                              source=path, field="latency_lut")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=path) from None
     if not isinstance(data, dict) or data.get("format") != LUT_FORMAT or not isinstance(data.get("entries"), dict):
         raise UserInputError(f"not a latency LUT: expected keys format: {LUT_FORMAT!r} and entries: "

@@ -333,7 +333,7 @@ class ArchConfig:
             raise UserInputError("no such file (expected a YAML/JSON arch with ks, e, d, r)", source=path)
         try:
             data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise UserInputError(f"not valid YAML/JSON ({err.__class__.__name__})", source=path) from None
         arch = cls.from_dict(data, source=path)
         return arch.validate(space, source=path) if space is not None else arch
