@@ -19,7 +19,8 @@ TINY = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "pa
 def test_compare_smoke(tmp_path):
     out = tmp_path / "cmp"
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedgh,fedtgp,standalone", *TINY,
-                                   "--set", "algorithm.fedgh.label_prior=local", "--out", str(out)])
+                                   "--set", "algorithm.fedgh.label_prior=local", "--set", "algorithm.lr=0.02",
+                                   "--set", "algorithm.fedtgp.local_epochs=1", "--out", str(out)])
     assert res.exit_code == 0, res.output
     for f in ("compare.md", "compare.csv", "compare.json", "compare.png", "config.yaml"):
         assert (out / f).is_file()
@@ -34,7 +35,8 @@ def test_compare_smoke(tmp_path):
     assert len(parts) == 1
     assert "| fedgh |" in res.output
     # the table says which variant each row is: a method's own non-default hyperparameters
-    assert [r["settings"] for r in rows] == ["label_prior=local", "server_epochs=2", ""]
+    # (lr=0.02 is every method's, so not shown; fedtgp's own local_epochs is)
+    assert [r["settings"] for r in rows] == ["label_prior=local", "local_epochs=1, server_epochs=2", ""]
     assert rows[0]["model.acc_mean"] == rows[0]["prior.acc_mean"]  # label_prior: local deploys the prior
     md = (out / "compare.md").read_text()
     assert "non-default settings" in md and "label_prior=local" in md

@@ -228,16 +228,23 @@ def engine_config(cfg: RunConfig) -> EngineConfig:
                         eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
 
 
-def method_settings(name: str, hp: dict[str, Any]) -> str:
-    """The method's own hyperparameters that differ from its defaults, ``"key=value, ..."`` (e.g.
+def method_settings(name: str, hp: dict[str, Any], all_hparams: dict[str, dict[str, Any]] | None = None) -> str:
+    """The method's hyperparameters that differ from its defaults, ``"key=value, ..."`` (e.g.
     ``"label_prior=local"``, which changes what FedGH's ``acc`` measures), so the table says which
-    variant each row is. The local-training keys shared by every method (``local_epochs``, ``lr``,
-    ...) are left out: they are the same on every row."""
+    variant each row is. A local-training key shared by every method (``local_epochs``, ``lr``, ...)
+    is left out when all methods of the comparison (``all_hparams``) use the same value: it is then
+    the same on every row (e.g. ``--set algorithm.lr=0.01``); a per-method value
+    (``--set algorithm.fedgh.lr=0.5``) is shown."""
     from rafl.federation.algorithms._common import LOCAL_DEFAULTS
+
+    others = all_hparams or {name: hp}
+
+    def shared(key: str) -> bool:
+        return key in LOCAL_DEFAULTS and len({repr(h[key]) for h in others.values() if key in h}) <= 1
 
     defaults = get_algorithm(name).defaults
     return ", ".join(f"{k}={v}" for k, v in sorted(hp.items())
-                     if k not in LOCAL_DEFAULTS and k in defaults and defaults[k] != v)
+                     if k in defaults and defaults[k] != v and not shared(k))
 
 
 def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_s: float) -> dict[str, Any]:
@@ -357,7 +364,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         summary = engine.run(resume=continuing)
         wall = time.perf_counter() - t0 + earlier_s
         rows.append(summarize_run(name, summary, read_history(run_dir), wall)
-                    | {"settings": method_settings(name, hparams[name])})
+                    | {"settings": method_settings(name, hparams[name], hparams)})
         write_table(out, rows, models)
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
