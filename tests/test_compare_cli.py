@@ -51,6 +51,10 @@ def test_compare_smoke(tmp_path):
     (["--algorithms", "fedgh", "--set", "engine.rounds=0"], "engine.rounds"),
     (["--algorithms", "fedgh", "--set", "nosuch.key=1"], "unknown key"),
     (["--algorithms", "fedgh", "--models", "htfe5"], "unknown model"),
+    (["--algorithms", "fedkd", "--set", "algorithm.fedkd.energy_start=1.5"],
+     "algorithm.fedkd.energy_start: is 1.5; allowed: a fraction in (0, 1]"),
+    (["--algorithms", "fml", "--set", "algorithm.knowledge_arch=bogus"],
+     "algorithm.knowledge_arch: is 'bogus', but model-group clients have no supernet"),
     (["--algorithms", "fedgh,fedavg", "--set", "clients.n=3"], "--models: 'htfe-tiny' gives the clients 3 different "
                                                                "architectures, but fedavg averages whole models"),
     (["--algorithms", "fedgh", "--config", "missing.yaml"], "no such file"),

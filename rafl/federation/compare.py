@@ -308,7 +308,12 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             from rafl.config import AlgorithmConfig
 
             c.algorithm = AlgorithmConfig(name=name, **hp)
-            prep = prepare(c, progress=progress)
+            try:
+                prep = prepare(c, progress=progress)
+            except UserInputError as err:
+                if err.field != "algorithm.name":
+                    raise
+                raise UserInputError(err.message, source=err.source, field="--algorithms") from None
             feds[name] = (prep.federation, prep.clients_table)
     else:
         ds, part = _prepare_group(cfg, members, feature_dim)

@@ -201,7 +201,8 @@ class Algorithm(ABC):
                 raise UserInputError(
                     f"{self.name} averages whole models and needs identical client models, got "
                     f"{len(keys)} different architectures (e.g. {keys[0]!r} and {keys[1]!r}); use a "
-                    "heterogeneous method (rafl, feddf, standalone) or give every client the same arch",
+                    "heterogeneous method (e.g. rafl, fedgh, fedtgp, fedproto, feddf, standalone) or give every client "
+                    "the same arch",
                     field="algorithm.name")
 
     # ------------------------------------------------------------------ the five steps
@@ -284,7 +285,8 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
 
     YAML 1.1 reads ``1e-3`` as a string, so numeric strings are parsed. Ranges by name: learning
     rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
-    ``momentum`` in [0, 1); ``*_width`` in (0, 1]; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*``, ``*_norm`` >= 0;
+    ``momentum`` in [0, 1); ``*_width``, ``energy_start``/``energy_end`` in (0, 1];
+    ``energy_rounds`` >= 1; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*``, ``*_norm`` >= 0;
     every float finite.
 
     Raises:
@@ -326,6 +328,10 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
         raise UserInputError(f"is {shown(value)}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)
     if name == "momentum" and number >= 1:
         raise UserInputError(f"is {shown(value)}; allowed: a number in [0, 1)", field=field_name)
+    if name in ("energy_start", "energy_end") and not 0 < number <= 1:  # FedKD's SVD energy share
+        raise UserInputError(f"is {shown(value)}; allowed: a fraction in (0, 1]", field=field_name)
+    if name == "energy_rounds" and number < 1:
+        raise UserInputError(f"is {shown(value)}; allowed: an integer >= 1", field=field_name)
     if name.endswith("_width") and not 0 < number <= 1:
         raise UserInputError(f"is {shown(value)}; allowed: a fraction in (0, 1]", field=field_name)
     return number

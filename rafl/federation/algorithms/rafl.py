@@ -56,6 +56,10 @@ def resolve_knowledge_arch(spec: str, space: SearchSpace | None) -> ArchConfig |
         UserInputError: an unknown spec / malformed arch string (field ``algorithm.knowledge_arch``).
     """
     if space is None:
+        if spec != "smallest":  # the default; anything else would be silently ignored
+            raise UserInputError(f"is {spec!r}, but model-group clients have no supernet to cut it from: the "
+                                 "shared model is the group's knowledge model; allowed here: smallest (the "
+                                 "default), or use --models nas", field="algorithm.knowledge_arch")
         return None
     named = {"smallest": space.smallest, "middle": space.middle, "largest": space.largest}
     if spec in named:
