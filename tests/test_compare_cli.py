@@ -140,6 +140,15 @@ def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path
         for k in ("model.acc_mean", "model.acc_std", "mb_total", "rounds"):
             assert r[k] == q[k], (r["algorithm"], k)
     assert CliRunner().invoke(cli, ["compare", "--resume", str(tmp_path / "nope")]).exit_code == 2
+    # fewer rounds than already completed: an error, not 2-round rows under a 1-round config
+    import yaml
+
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg["engine"]["rounds"] = 1
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 2 and "engine.rounds: is 1, but fedgh has completed 2 rounds; allowed: an integer >= 2" \
+        in res.output, res.output
 
 
 def test_resume_damaged_or_edited_folders_are_one_line_errors(tmp_path):
@@ -208,7 +217,10 @@ def test_no_test_share_warns_once_on_stderr(tmp_path):
                                    "partition.split=[0.8,0.2,0.0]", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "warning: partition.split is [0.8, 0.2, 0.0]: the test share is 0" in res.stderr
-    assert "acc mean" not in (out / "compare.md").read_text()
+    md = (out / "compare.md").read_text()
+    assert "acc mean" not in md and md.startswith("No test data (partition.split has no test share)")
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])  # says so again
+    assert res.exit_code == 0 and "warning: partition.split is [0.8, 0.2, 0.0]" in res.stderr, res.output
 
 
 def test_unwritable_out_and_undecodable_config_are_one_line_errors(tmp_path):

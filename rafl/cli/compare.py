@@ -47,6 +47,8 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError(f"cannot be combined with {', '.join(given)} (the folder's config.yaml is used)",
                                  field="--resume")
         cfg, hparams, models, feature_dim = load_compare_resume(resume_dir)
+        for line in split_warnings(cfg):
+            click.echo(line, err=True)
         rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim, progress=not quiet,
                            resume=True)
         out = resume_dir

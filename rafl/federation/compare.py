@@ -354,6 +354,10 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         continuing = resume and (run_dir / CHECKPOINT).is_file()
         if done is not None or continuing:
             _check_started_with(run_dir, started)
+            completed = len(read_history(run_dir))
+            if completed > ecfg.rounds:
+                raise UserInputError(f"is {ecfg.rounds}, but {name} has completed {completed} rounds; allowed: "
+                                     f"an integer >= {completed}", source=out / "config.yaml", field="engine.rounds")
         if done is not None and done.get("rounds") == ecfg.rounds:
             rows.append(done)
             continue
@@ -480,8 +484,10 @@ def _fmt(v: Any) -> str:
 def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
     cols = [c for c in _COLS if any(r.get(c[0]) not in (None, "") for r in rows)]
-    lines = [f"Client test accuracy after the last round (mean/std over clients), models: {models}; "
-             "MB = payload bytes up + down / 1e6.", "",
+    measured = any("model.acc_mean" in r for r in rows)
+    lines = [(f"Client test accuracy after the last round (mean/std over clients), models: {models}; "
+              if measured else f"No test data (partition.split has no test share): no accuracy; models: {models}; ")
+             + "MB = payload bytes up + down / 1e6.", "",
              "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n")
