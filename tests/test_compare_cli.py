@@ -234,3 +234,35 @@ def test_unwritable_out_and_undecodable_config_are_one_line_errors(tmp_path):
                                    "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "bad.yaml: not valid YAML (UnicodeDecodeError)" in res.output, res.output
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".rafl-probe-*"))
+
+
+def test_a_method_failing_in_round_1_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A plug-in whose features turn NaN in training: local training stops at the first NaN loss
+    (exit 2, the message names the client and its model), and no half-made folder blocks rerunning
+    the command."""
+    (tmp_path / "nan_plugin_qa.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class N(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.f = nn.Sequential(nn.Flatten(), nn.LazyLinear(16))\n"
+        "        self.head = nn.Linear(16, 10)\n"
+        "    def features(self, x):\n"
+        "        z = self.f(x)\n"
+        "        return z * float('nan') if self.training else z\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.features(x))\n"
+        "def make():\n"
+        "    return N()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "cmp"
+    args = ["compare", "--algorithms", "fedgh,standalone",
+            *[a if a != "cnn4-small,cnn3-small" else "nan_plugin_qa:make" for a in TINY], "--out", str(out)]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert "client 0 (model nan_plugin_qa:make): algorithm.lr: local training diverged (loss nan)" in res.output
+    assert not out.exists()
+    # Standalone has no upload to validate: it used to finish with the accuracy of NaN weights
+    res = CliRunner().invoke(cli, [a if a != "fedgh,standalone" else "standalone" for a in args])
+    assert res.exit_code == 2 and "local training diverged" in res.output, res.output
+    assert not out.exists()

@@ -335,6 +335,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
         fed.algorithm.init_server(fed.server)
     ecfg = engine_config(cfg)
+    out_existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
     from rafl.io import atomic_write_yaml
 
@@ -370,7 +371,11 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             atomic_write_json(run_dir / STARTED_WITH, started)
         engine = Engine(fed, ecfg, run_dir, progress=progress)
         t0 = time.perf_counter()
-        summary = engine.run(resume=continuing)
+        try:
+            summary = engine.run(resume=continuing)
+        except BaseException:
+            _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
+            raise
         wall = time.perf_counter() - t0 + earlier_s
         rows.append(summarize_run(name, summary, read_history(run_dir), wall)
                     | {"settings": method_settings(name, hparams[name], hparams)})
@@ -378,6 +383,19 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
     return rows
+
+
+def _clean_failed(out: Path, run_dir: Path, *, fresh: bool, out_existed: bool) -> None:
+    """After a method's run failed: leave nothing half-made. Its run dir goes unless it holds a
+    checkpoint (a completed round, which ``--resume`` continues); when this was the comparison's
+    first method and nothing survived, ``config.yaml`` (and ``out`` if this call created it) go too,
+    so the same command can simply be run again. Finished methods are never touched."""
+    if run_dir.is_dir() and not (run_dir / CHECKPOINT).is_file():
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if fresh and not run_dir.exists():
+        (out / "config.yaml").unlink(missing_ok=True)
+        if not out_existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
 
 
 #: a method's run dir keeps the settings it was started with (compared on ``--resume``)

@@ -322,12 +322,20 @@ class Engine:
                 if not fresh:
                     tc = time.perf_counter()  # loading a stored state is engine time
                 torch.manual_seed(ctx.seed)
-                state, upload = algo.client_update(state, down, ctx)
+                try:
+                    state, upload = algo.client_update(state, down, ctx)
+                except UserInputError as err:  # e.g. diverged local training: say which client and model
+                    if err.source is not None:
+                        raise
+                    raise UserInputError(err.message, source=f"client {cid} (model {ctx.info.model_key})",
+                                         field=err.field) from None
                 times.client_update += time.perf_counter() - tc
                 self.store.save(cid, rnd, state)
                 del state
                 bytes_up += upload.nbytes()
-                upload.validate(algo.upload_spec(server_state, ctx.info), sender=f"client {cid}")
+                # the sender names the client's model: a NaN upload usually means that model diverged
+                upload.validate(algo.upload_spec(server_state, ctx.info),
+                                sender=f"client {cid} (model {ctx.info.model_key})")
                 upload.meta["client_id"] = cid
                 uploads.append(upload)
             torch.manual_seed(seed_of(cfg.seed, rnd, 7))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.federation.prototypes import safe_distance, stack_targets
-from rafl.federation.training import TrainStats, kl_soft, no_singleton_batches, recalibrate_bn, train_ce
+from rafl.federation.training import TrainStats, check_finite_loss, kl_soft, no_singleton_batches, recalibrate_bn, train_ce
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
@@ -169,6 +169,7 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
                                      f"and {tuple(h_b.shape)}")
                 loss_a = loss_a + hidden_weight * s * F.mse_loss(h_a, h_b.detach())
                 loss_b = loss_b + hidden_weight * s * F.mse_loss(h_b, h_a.detach())
+            check_finite_loss(loss_a + loss_b)
             opt_a.zero_grad(set_to_none=True)
             opt_b.zero_grad(set_to_none=True)
             (loss_a + loss_b).backward()  # disjoint parameters: each loss's targets are detached

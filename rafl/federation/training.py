@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rafl.errors import UserInputError
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -56,6 +58,20 @@ def no_singleton_batches(loader: Iterable[Batch], min_size: int = MIN_BATCH) -> 
         if len(held[1]) == 1:
             held = (held[0].repeat(2, *([1] * (held[0].ndim - 1))), held[1].repeat(2))
         yield held
+
+
+
+def check_finite_loss(loss: torch.Tensor) -> None:
+    """Stop local training whose loss became NaN or Inf (a diverged model would otherwise train on
+    silently, and a method without an upload to validate, e.g. Standalone, reports the accuracy of
+    NaN weights). The engine adds which client and model.
+
+    Raises:
+        UserInputError: naming ``algorithm.lr`` (the usual cause) and what to try.
+    """
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise UserInputError(f"local training diverged (loss {float(loss.detach().sum())}); allowed: a smaller "
+                             "learning rate, or a model whose features stay finite", field="algorithm.lr")
 
 
 @dataclass
@@ -182,6 +198,7 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
                 loss = F.cross_entropy(logits, labels) + extra(feats, logits, labels)
             if prox_mu > 0:
                 loss = loss + 0.5 * prox_mu * _proximal(model, prox_reference)
+            check_finite_loss(loss)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -281,6 +298,7 @@ def train_dml(model_l: nn.Module, model_k: nn.Module, loader: Iterable[Batch],
             logits_l = model_l(images)
             logits_k = model_k(images)
             loss_l, loss_k = dml_losses(logits_l, logits_k, labels, temperature, alpha)
+            check_finite_loss(loss_l + loss_k)
             opt_l.zero_grad(set_to_none=True)
             opt_k.zero_grad(set_to_none=True)
             (loss_l + loss_k).backward()  # the losses touch disjoint parameters (targets detached)
@@ -353,6 +371,7 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
             x, t = images[idx].to(device), teacher_logits[idx].to(device)
             logits = student(x)
             loss = kl_soft(logits, t, temperature)
+            check_finite_loss(loss)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
