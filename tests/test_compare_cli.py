@@ -186,6 +186,8 @@ def test_resume_damaged_or_edited_folders_are_one_line_errors(tmp_path):
              (set_yaml("feature_dim", 32), "differs from the settings"),
              (set_yaml("data.limit_per_class", 12), "differs from the settings"),
              (set_yaml("models", "htfe5"), "config.yaml: models: unknown model"),
+             (set_yaml("models", "cnn4-small,no_such_module_qa:make"),
+              "config.yaml: models: cannot import 'no_such_module_qa'"),
              (lambda d: (shutil.rmtree(d / "fedgh"), (d / "fedgh").write_text("x")), "is not a folder")]
     for edit, msg in cases:
         code, output = resume(edit)

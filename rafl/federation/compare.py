@@ -464,8 +464,12 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
     models = str(data.pop("models"))
     from rafl.models import resolve_models
 
+    from rafl.models.plugin import is_plugin_spec, load_factory
+
     try:
-        resolve_models(models)
+        for member in resolve_models(models):  # plug-ins are imported now, so a failure names config.yaml
+            if is_plugin_spec(member):
+                load_factory(member)
     except UserInputError as err:
         raise UserInputError(err.message, source=path, field="models") from None
     feature_dim = data.pop("feature_dim", 128)
