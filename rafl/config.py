@@ -167,6 +167,16 @@ class EngineSection(_Strict):
     eval_clients: Literal["all", "sampled"] = "all"
     target_accuracy: float | None = Field(0.8, ge=0, le=1, description="a fraction in [0, 1] or null")
 
+    @field_validator("clients_per_round", "available")
+    @classmethod
+    def _share_or_count(cls, v: float | int) -> float | int:
+        """A fraction in (0, 1] or a whole count >= 1 (1.5 clients is neither), as the engine needs."""
+        if isinstance(v, float) and v > 1:
+            if not v.is_integer():
+                raise ValueError("neither a fraction nor a whole count")
+            return int(v)
+        return v
+
 
 class TrainSection(_Strict):
     """Local computation."""
@@ -321,6 +331,26 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
         raise UserInputError(err.message, source=source, field=err.field or "algorithm") from None
     cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
     return cfg
+
+
+#: ``rafl.data.make_partition``'s field / ``rafl data`` option names -> the run config's keys
+_PARTITION_FIELDS = {"k": "partition.k", "alpha": "partition.alpha", "min_samples": "partition.min_samples",
+                     "n_clients": "clients.n", "clients": "clients.n", "public_fraction": "partition.public_fraction",
+                     "split": "partition.split", "partition": "partition.scheme", "writers": "partition.scheme"}
+_PARTITION_OPTIONS = {"--clients": "clients.n", "--min-samples": "partition.min_samples", "--k": "partition.k",
+                      "--alpha": "partition.alpha", "--partition": "partition.scheme",
+                      "--public-fraction": "partition.public_fraction"}
+
+
+def partition_error(err: UserInputError, source: str | None = None) -> UserInputError:
+    """``err`` from :func:`rafl.data.make_partition` restated in the run config's terms: its field
+    (``k``, ``n_clients``, ...) and the ``rafl data`` options its hint names (``--clients``,
+    ``--min-samples``) become ``partition.k``, ``clients.n``, ..., as in ``--set`` / ``--config``."""
+    import re
+
+    msg = re.sub(r"--[a-z-]+\b", lambda m: _PARTITION_OPTIONS.get(m.group(0), m.group(0)), err.message)
+    field = _PARTITION_FIELDS.get(err.field or "", err.field)
+    return UserInputError(msg, source=source if source is not None else err.source, field=field)
 
 
 def split_warnings(cfg: RunConfig) -> list[str]:

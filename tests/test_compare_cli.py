@@ -51,6 +51,13 @@ def test_compare_smoke(tmp_path):
     (["--algorithms", "fedgh", "--set", "engine.rounds=0"], "engine.rounds"),
     (["--algorithms", "fedgh", "--set", "nosuch.key=1"], "unknown key"),
     (["--algorithms", "fedgh", "--models", "htfe5"], "unknown model"),
+    # make_partition's own names (k, n_clients, --clients) restated as the run config's keys
+    (["--algorithms", "fedgh", "--set", "partition.scheme=pathological", "--set", "partition.k=11"],
+     "partition.k: is 11, allowed: an integer 1..10"),
+    (["--algorithms", "fedgh", "--set", "data.limit_per_class=10", "--set", "clients.n=40"],
+     "lower clients.n or partition.min_samples"),
+    (["--algorithms", "fedgh", "--set", "engine.clients_per_round=1.5"],
+     "engine.clients_per_round: neither a fraction nor a whole count (got 1.5)"),
     (["--algorithms", "fedkd", "--set", "algorithm.fedkd.energy_start=1.5"],
      "algorithm.fedkd.energy_start: is 1.5; allowed: a fraction in (0, 1]"),
     (["--algorithms", "fml", "--set", "algorithm.knowledge_arch=bogus"],

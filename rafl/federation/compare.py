@@ -203,10 +203,15 @@ def _prepare_group(cfg: RunConfig, members: list[str], feature_dim: int):
     ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
                       limit_per_class=cfg.data.limit_per_class)
     p = cfg.partition
-    part = make_partition(ds.labels.numpy(), p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
-                          k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
-                          public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
-                          split=tuple(p.split), dataset=ds.name)
+    try:
+        part = make_partition(ds.labels.numpy(), p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
+                              k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
+                              public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
+                              split=tuple(p.split), dataset=ds.name)
+    except UserInputError as err:
+        from rafl.config import partition_error
+
+        raise partition_error(err) from None
     _check_disjoint(part)
     return ds, part
 
@@ -437,11 +442,27 @@ def _check_started_with(run_dir: Path, started: dict[str, Any]) -> None:
 
 
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of a run dir's ``metrics.jsonl`` (one per completed round; [] when there is none)."""
+    """The rows of a run dir's ``metrics.jsonl`` (one per completed round; [] when there is none).
+
+    Raises:
+        UserInputError: a line that is not a JSON object (a damaged file), naming the file.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            raise UserInputError(f"line {i} is not a JSON object (a damaged file); allowed: a metrics.jsonl written "
+                                 f"by rafl, or delete {run_dir.name}/ to rerun that method", source=path)
+        rows.append(row)
+    return rows
 
 
 def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str, Any]], str, int]:

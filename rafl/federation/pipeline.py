@@ -388,9 +388,12 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                               public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
                               split=tuple(p.split), dataset=ds.name)
     except UserInputError as err:
+        from rafl.config import partition_error
+
+        mapped = partition_error(err)
         raise UserInputError(f"impossible partition of {ds.name} ({len(labels)} samples) over clients.n="
-                             f"{cfg.clients.n} clients: {err} (config keys: clients.n, partition.*)",
-                             field="partition") from None
+                             f"{cfg.clients.n} clients: {mapped.message}", source=mapped.source,
+                             field=mapped.field or "partition") from None
     if len(part.clients) != cfg.clients.n:
         raise UserInputError(f"the partition has {len(part.clients)} clients, clients.n is {cfg.clients.n}",
                              field="clients.n")
