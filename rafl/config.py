@@ -353,6 +353,26 @@ def partition_error(err: UserInputError, source: str | None = None) -> UserInput
     return UserInputError(msg, source=source if source is not None else err.source, field=field)
 
 
+def warn_untested_clients(cfg: RunConfig, partition: Any) -> None:
+    """Warn (stderr) when some clients of ``partition`` hold no test sample although the split has
+    a test share: each client's split rounds its share down, so clients of a few samples get none,
+    and the reported mean accuracy is then over the other clients only. (A split without a test
+    share is :func:`split_warnings`' case.)"""
+    from rafl.errors import warn
+
+    if cfg.partition.split[2] == 0:
+        return
+    sizes = [len(c.test) for c in partition.clients]
+    empty = sum(1 for n in sizes if n == 0)
+    if empty == len(sizes):
+        warn(f"no client holds a test sample (the {len(sizes)} clients are too small for the test share "
+             f"{cfg.partition.split[2]}), so no accuracy is measured; use fewer clients (clients.n) or more "
+             "data (data.limit_per_class)")
+    elif empty:
+        warn(f"{empty} of {len(sizes)} clients hold no test sample (too small for the test share "
+             f"{cfg.partition.split[2]}); accuracy is the mean over the other {len(sizes) - empty}")
+
+
 def split_warnings(cfg: RunConfig) -> list[str]:
     """One-line warnings for a ``partition.split`` that is valid but measures nothing: a test share
     of 0 leaves every client without test data, so no accuracy is reported (tables show only
@@ -364,5 +384,5 @@ def split_warnings(cfg: RunConfig) -> list[str]:
     return []
 
 
-__all__ = ["split_warnings", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
+__all__ = ["split_warnings", "warn_untested_clients", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
            "AlgorithmConfig", "EngineSection", "TrainSection", "load_run_config", "parse_overrides"]

@@ -38,6 +38,14 @@ class UserInputError(RaflError, ValueError):
         return " ".join(text.split("\n"))
 
 
+def warn(message: str) -> None:
+    """One ``warning: ...`` line on stderr: valid input that will not give what the user likely
+    wants (e.g. clients without test data). Never for errors (those raise UserInputError)."""
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def shown(value: object) -> str:
     """``repr(value)`` for an error message, plus a hint when YAML parsing changed what the user
     typed: ``yes``/``no``/``on``/``off``/``true``/``false`` become booleans and an empty value or

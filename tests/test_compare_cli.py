@@ -227,7 +227,7 @@ def test_no_test_share_warns_once_on_stderr(tmp_path):
     assert res.exit_code == 0, res.output
     assert "warning: partition.split is [0.8, 0.2, 0.0]: the test share is 0" in res.stderr
     md = (out / "compare.md").read_text()
-    assert "acc mean" not in md and md.startswith("No test data (partition.split has no test share)")
+    assert "acc mean" not in md and md.startswith("No accuracy: no client holds test data")
     res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])  # says so again
     assert res.exit_code == 0 and "warning: partition.split is [0.8, 0.2, 0.0]" in res.stderr, res.output
 
@@ -275,3 +275,14 @@ def test_a_method_failing_in_round_1_leaves_nothing_behind(tmp_path, monkeypatch
     res = CliRunner().invoke(cli, [a if a != "fedgh,standalone" else "standalone" for a in args])
     assert res.exit_code == 2 and "local training diverged" in res.output, res.output
     assert not out.exists()
+
+
+def test_clients_too_small_for_a_test_sample_are_reported(tmp_path):
+    """The default split 0.8/0.1/0.1 gives a client of 2-3 samples no test sample; the accuracy mean
+    is then over the others, and the user is told."""
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--set", "partition.scheme=iid",
+                                   "--set", "clients.n=40", "--set", "partition.min_samples=1",
+                                   "--set", "partition.split=[0.8,0.1,0.1]", "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 0, res.output
+    assert "clients hold no test sample (too small for the test share 0.1); accuracy is the mean over the other" \
+        in res.stderr, res.stderr

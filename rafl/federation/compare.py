@@ -213,6 +213,9 @@ def _prepare_group(cfg: RunConfig, members: list[str], feature_dim: int):
 
         raise partition_error(err) from None
     _check_disjoint(part)
+    from rafl.config import warn_untested_clients
+
+    warn_untested_clients(cfg, part)
     return ds, part
 
 
@@ -529,7 +532,8 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     cols = [c for c in _COLS if any(r.get(c[0]) not in (None, "") for r in rows)]
     measured = any("model.acc_mean" in r for r in rows)
     lines = [(f"Client test accuracy after the last round (mean/std over clients), models: {models}; "
-              if measured else f"No test data (partition.split has no test share): no accuracy; models: {models}; ")
+              if measured else "No accuracy: no client holds test data (partition.split has no test share, or the "
+              f"clients are too small to get a test sample); models: {models}; ")
              + "MB = payload bytes up + down / 1e6.", "",
              "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]

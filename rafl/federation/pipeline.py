@@ -398,6 +398,9 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         raise UserInputError(f"the partition has {len(part.clients)} clients, clients.n is {cfg.clients.n}",
                              field="clients.n")
     check_disjoint(part)
+    from rafl.config import warn_untested_clients
+
+    warn_untested_clients(cfg, part)
     if algorithm.uses_public_pool or cfg.algorithm.hparams().get("distill"):
         if len(part.public) == 0:
             raise UserInputError(f"{cfg.algorithm.name} needs the server's public pool; set "
