@@ -133,3 +133,36 @@ def test_nan_weights_in_a_checkpoint_are_rejected(tmp_path, tiny_supernet):
     save_file(state, str(bad))
     with pytest.raises(UserInputError, match="NaN or Inf"):
         load_supernet(bad, space)
+
+
+def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
+    """A batch scheduler's SIGTERM before round 1 completes leaves no run dir (it used to leave one
+    that could be neither resumed nor rerun); after a completed round the checkpoint stays and
+    --resume continues."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path, _ = tiny_supernet
+    out = tmp_path / "runs"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "rafl", "federate", "--no-progress", "--out", str(out), "--set", "name=r",
+           "--set", f"supernet.path={path}", "--set", "data.limit_per_class=10", "--set", "clients.n=3",
+           "--set", "engine.rounds=200", "--set", "algorithm.name=standalone"]
+    for wait_for in ("config.yaml", "checkpoint.safetensors"):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not (out / "r" / wait_for).exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        if wait_for == "config.yaml":
+            assert not (out / "r").exists(), list(out.rglob("*")) if out.exists() else None
+        else:
+            assert (out / "r" / "checkpoint.safetensors").is_file()
+            done = len((out / "r" / "metrics.jsonl").read_text().splitlines())
+            res = _invoke(["--resume", str(out / "r"), "--set", f"engine.rounds={done + 1}"])
+            assert res.exit_code == 0, res.output

@@ -8,7 +8,9 @@ runs). Every :class:`rafl.errors.UserInputError` becomes one line on stderr and 
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 
 import click
 
@@ -66,11 +68,19 @@ class LazyGroup(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context):
+        # SIGTERM (a batch scheduler's timeout, `kill`) unwinds like Ctrl-C, so the commands' cleanup
+        # runs: no half-made run dir, and completed rounds stay in the checkpoint (exit 143 = 128 + 15)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             return super().invoke(ctx)
         except UserInputError as err:
             click.echo(f"error: {err}", err=True)
             ctx.exit(2)
+
+
+def _exit_on_sigterm(signum, frame):  # noqa: ARG001 (signal handler signature)
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -91,6 +91,9 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)",
                                  field="--config")
         cfg_file = resume_dir / "config.yaml"
+        if cfg_file.is_file() and not (resume_dir / "checkpoint.safetensors").is_file():
+            raise UserInputError("never completed a round (no checkpoint.safetensors), so there is nothing to "
+                                 "resume: delete it and run the command again", source=resume_dir, field="--resume")
         if not cfg_file.is_file():
             raise UserInputError("is not a rafl federate run dir (no config.yaml)", source=resume_dir,
                                  field="--resume")
@@ -122,6 +125,9 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = out / name
     if run_dir.exists():
+        if not (run_dir / "checkpoint.safetensors").is_file():  # e.g. killed (SIGKILL) before round 1 ended
+            raise UserInputError("already exists but never completed a round (no checkpoint.safetensors): delete "
+                                 "it and run again, or choose another name or --out", source=run_dir)
         raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
     if out.exists() and not out.is_dir():
         raise UserInputError("exists and is not a folder", source=out, field="--out")
