@@ -45,10 +45,11 @@ class _Strict(BaseModel):
     def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
         """pydantic's lax mode reads ``True`` as 1 for int/float fields, and YAML turns ``yes``/``on``
         into ``True``: ``clients.n=yes`` would silently run one client. Booleans only where allowed."""
-        if isinstance(value, bool) and info.field_name is not None:
+        items = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(v, bool) for v in items) and info.field_name is not None:
             field = cls.model_fields.get(info.field_name)
             if field is not None and not _accepts_bool(field.annotation):
-                raise ValueError("a boolean is not allowed here")
+                raise ValueError("a boolean is not allowed here" + (" (in the list)" if items is value else ""))
         return value
 
 

@@ -47,6 +47,7 @@ def _one_error_line(result):
     # YAML reads yes/on as True; pydantic's lax mode would take it as 1 client / 1 round
     (["--set", "clients.n=yes"], "clients.n: a boolean is not allowed here (got True (YAML reads yes/no"),
     (["--set", "engine.rounds=on"], "engine.rounds: a boolean is not allowed here"),
+    (["--set", "partition.split=[yes,0,0]"], "partition.split: a boolean is not allowed here (in the list)"),
     (["--set", "train.device=gpu"], "train.device: not a torch device (got 'gpu'); allowed: cpu, cuda or cuda:N"),
     (["--set", "train.device=cuda:99"], "train.device: "),  # no CUDA here, or not 100 devices
     (["--set", "partition.split=[0.5,0.6,-0.1]"], "partition.split: not a valid split (got [0.5, 0.6, -0.1]); "

@@ -124,6 +124,12 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         click.echo(line, err=True)
     name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = out / name
+    if cfg.name is None:  # a default name: runs started in the same second (a sweep) get -2, -3, ...
+        stem, i = name, 1
+        while run_dir.exists():
+            i += 1
+            name = f"{stem}-{i}"
+            run_dir = out / name
     if run_dir.exists():
         if not (run_dir / "checkpoint.safetensors").is_file():  # e.g. killed (SIGKILL) before round 1 ended
             raise UserInputError("already exists but never completed a round (no checkpoint.safetensors): delete "
