@@ -286,3 +286,11 @@ def test_clients_too_small_for_a_test_sample_are_reported(tmp_path):
     assert res.exit_code == 0, res.output
     assert "clients hold no test sample (too small for the test share 0.1); accuracy is the mean over the other" \
         in res.stderr, res.stderr
+
+
+def test_settings_that_do_nothing_here_are_warned_about(tmp_path):
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--set", "algorithm.name=fedgh",
+                                   "--set", "clients.arch=whatever", "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 0, res.output
+    assert "warning: clients.arch / clients.archs pick supernet subnets" in res.stderr
+    assert "warning: algorithm.name is ignored by compare" in res.stderr

@@ -65,6 +65,22 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         cfg, hparams = load_compare_config(config_path, overrides, names)
         for line in split_warnings(cfg):
             click.echo(line, err=True)
+        _warn_ignored(cfg, models, click.get_current_context(), config_path, overrides)
         rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")
+
+
+def _warn_ignored(cfg, models: str, ctx: click.Context, config_path, overrides) -> None:
+    """Warn about settings that are valid but do nothing in this comparison."""
+    from rafl.config import read_config_file
+    from rafl.errors import warn
+
+    src = ctx.get_parameter_source("feature_dim")
+    if models.strip() == "nas" and src is not None and src.name == "COMMANDLINE":
+        warn("--feature-dim applies to model groups only; the NAS subnets keep the supernet's representation width")
+    if models.strip() != "nas" and (cfg.clients.arch or cfg.clients.archs):
+        warn("clients.arch / clients.archs pick supernet subnets and apply to --models nas only; ignored here")
+    given = read_config_file(config_path).get("algorithm") or {}
+    if (isinstance(given, dict) and "name" in given) or any(o.strip().startswith("algorithm.name=") for o in overrides):
+        warn("algorithm.name is ignored by compare; the methods come from --algorithms")
