@@ -22,6 +22,8 @@ Example (every key optional)::
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -78,8 +80,6 @@ class PartitionConfig(_Strict):
     @field_validator("split")
     @classmethod
     def _split(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
-        import math
-
         if any(x < 0 or math.isnan(x) for x in v) or v[0] <= 0 or abs(sum(v) - 1) > 1e-6:
             raise ValueError("not a valid split")
         return v
@@ -347,8 +347,6 @@ def partition_error(err: UserInputError, source: str | None = None) -> UserInput
     """``err`` from :func:`rafl.data.make_partition` restated in the run config's terms: its field
     (``k``, ``n_clients``, ...) and the ``rafl data`` options its hint names (``--clients``,
     ``--min-samples``) become ``partition.k``, ``clients.n``, ..., as in ``--set`` / ``--config``."""
-    import re
-
     msg = re.sub(r"--[a-z-]+\b", lambda m: _PARTITION_OPTIONS.get(m.group(0), m.group(0)), err.message)
     field = _PARTITION_FIELDS.get(err.field or "", err.field)
     return UserInputError(msg, source=source if source is not None else err.source, field=field)
