@@ -31,10 +31,10 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             out: Path | None, resume_dir: Path | None, quiet: bool) -> None:
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
-    from rafl.errors import UserInputError
     from rafl.config import split_warnings
-    from rafl.io import check_output_dir
+    from rafl.errors import UserInputError
     from rafl.federation.compare import load_compare_config, load_compare_resume, run_compare
+    from rafl.io import check_output_dir
     from rafl.models import resolve_models
 
     if resume_dir is not None:

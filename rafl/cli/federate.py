@@ -79,8 +79,8 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
     from rafl.config import RunConfig, load_run_config, split_warnings
-    from rafl.io import check_output_dir
     from rafl.federation import pipeline
+    from rafl.io import check_output_dir
 
     if resume_dir is not None:
         source = click.get_current_context().get_parameter_source("out")

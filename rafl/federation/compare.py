@@ -487,7 +487,6 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
     algorithms = data.pop("algorithms")
     models = str(data.pop("models"))
     from rafl.models import resolve_models
-
     from rafl.models.plugin import is_plugin_spec, load_factory
 
     try:
