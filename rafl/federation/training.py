@@ -61,17 +61,21 @@ def no_singleton_batches(loader: Iterable[Batch], min_size: int = MIN_BATCH) -> 
 
 
 
-def check_finite_loss(loss: torch.Tensor) -> None:
-    """Stop local training whose loss became NaN or Inf (a diverged model would otherwise train on
+def check_finite_loss(loss: torch.Tensor, *, what: str = "local training", field: str = "algorithm.lr") -> None:
+    """Stop training whose loss became NaN or Inf (a diverged model would otherwise train on
     silently, and a method without an upload to validate, e.g. Standalone, reports the accuracy of
     NaN weights). The engine adds which client and model.
 
+    Args:
+        loss: the step's loss (any shape).
+        what / field: the training that diverged and its learning-rate key, for the message.
+
     Raises:
-        UserInputError: naming ``algorithm.lr`` (the usual cause) and what to try.
+        UserInputError: naming ``field`` (the usual cause) and what to try.
     """
     if not bool(torch.isfinite(loss.detach()).all()):
-        raise UserInputError(f"local training diverged (loss {float(loss.detach().sum())}); allowed: a smaller "
-                             "learning rate, or a model whose features stay finite", field="algorithm.lr")
+        raise UserInputError(f"{what} diverged (loss {float(loss.detach().sum())}); allowed: a smaller "
+                             "learning rate, or a model whose features stay finite", field=field)
 
 
 @dataclass
@@ -371,7 +375,7 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
             x, t = images[idx].to(device), teacher_logits[idx].to(device)
             logits = student(x)
             loss = kl_soft(logits, t, temperature)
-            check_finite_loss(loss)
+            check_finite_loss(loss, what="server distillation", field="algorithm.distill_lr")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
