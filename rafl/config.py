@@ -22,7 +22,6 @@ Example (every key optional)::
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -80,9 +79,12 @@ class PartitionConfig(_Strict):
     @field_validator("split")
     @classmethod
     def _split(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
-        if any(x < 0 or math.isnan(x) for x in v) or v[0] <= 0 or abs(sum(v) - 1) > 1e-6:
-            raise ValueError("not a valid split")
-        return v
+        from rafl.data.partition import _validate_split  # the partitioner's own rule, named here
+
+        try:
+            return _validate_split(v)
+        except UserInputError:
+            raise ValueError("not a valid split") from None
 
     @field_validator("scheme")
     @classmethod
@@ -352,36 +354,28 @@ def partition_error(err: UserInputError, source: str | None = None) -> UserInput
     return UserInputError(msg, source=source if source is not None else err.source, field=field)
 
 
-def warn_untested_clients(cfg: RunConfig, partition: Any) -> None:
-    """Warn (stderr) when some clients of ``partition`` hold no test sample although the split has
-    a test share: each client's split rounds its share down, so clients of a few samples get none,
-    and the reported mean accuracy is then over the other clients only. (A split without a test
-    share is :func:`split_warnings`' case.)"""
+def warn_about_test_data(cfg: RunConfig, partition: Any) -> None:
+    """Warn (stderr, once per message) when clients of ``partition`` hold no test data, so the
+    accuracy is over fewer clients than the user thinks, or not measured at all: a split without a
+    test share, or clients so small that their share of the test split rounds down to 0."""
     from rafl.errors import warn
 
-    if cfg.partition.split[2] == 0:
+    share = cfg.partition.split[2]
+    if share == 0:
+        warn(f"partition.split is {list(cfg.partition.split)}: the test share is 0, so no client accuracy is "
+             "measured (tables show only communication and time); e.g. [0.75, 0.0, 0.25] keeps a quarter of each "
+             "client's data for testing")
         return
     sizes = [len(c.test) for c in partition.clients]
     empty = sum(1 for n in sizes if n == 0)
     if empty == len(sizes):
         warn(f"no client holds a test sample (the {len(sizes)} clients are too small for the test share "
-             f"{cfg.partition.split[2]}), so no accuracy is measured; use fewer clients (clients.n) or more "
-             "data (data.limit_per_class)")
+             f"{share}), so no accuracy is measured; use fewer clients (clients.n) or more data "
+             "(data.limit_per_class)")
     elif empty:
-        warn(f"{empty} of {len(sizes)} clients hold no test sample (too small for the test share "
-             f"{cfg.partition.split[2]}); accuracy is the mean over the other {len(sizes) - empty}")
+        warn(f"{empty} of {len(sizes)} clients hold no test sample (too small for the test share {share}); "
+             f"accuracy is the mean over the other {len(sizes) - empty}")
 
 
-def split_warnings(cfg: RunConfig) -> list[str]:
-    """One-line warnings for a ``partition.split`` that is valid but measures nothing: a test share
-    of 0 leaves every client without test data, so no accuracy is reported (tables show only
-    communication and time)."""
-    if cfg.partition.split[2] == 0:
-        return [f"warning: partition.split is {list(cfg.partition.split)}: the test share is 0, so no client "
-                "accuracy is measured (tables show only communication and time); e.g. [0.75, 0.0, 0.25] keeps a "
-                "quarter of each client's data for testing"]
-    return []
-
-
-__all__ = ["split_warnings", "warn_untested_clients", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
+__all__ = ["warn_about_test_data", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
            "AlgorithmConfig", "EngineSection", "TrainSection", "load_run_config", "parse_overrides"]

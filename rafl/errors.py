@@ -38,12 +38,25 @@ class UserInputError(RaflError, ValueError):
         return " ".join(text.split("\n"))
 
 
+_WARNED: set[str] = set()
+
+
 def warn(message: str) -> None:
     """One ``warning: ...`` line on stderr: valid input that will not give what the user likely
-    wants (e.g. clients without test data). Never for errors (those raise UserInputError)."""
+    wants (e.g. clients without test data). Never for errors (those raise UserInputError). Each
+    message is printed once per command (``compare`` prepares the data once per method);
+    :func:`reset_warnings` starts a new command."""
     import sys
 
+    if message in _WARNED:
+        return
+    _WARNED.add(message)
     print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def reset_warnings() -> None:
+    """Forget the warnings already printed (called when a CLI command starts)."""
+    _WARNED.clear()
 
 
 def shown(value: object) -> str:

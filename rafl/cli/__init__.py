@@ -15,7 +15,7 @@ import threading
 import click
 
 from rafl import __version__
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, reset_warnings
 
 # command name -> "module:attribute" of a click.Command. One line per command.
 COMMANDS: dict[str, str] = {
@@ -72,6 +72,7 @@ class LazyGroup(click.Group):
         # runs: no half-made run dir, and completed rounds stay in the checkpoint (exit 143 = 128 + 15)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        reset_warnings()
         try:
             return super().invoke(ctx)
         except UserInputError as err:

@@ -31,7 +31,6 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             out: Path | None, resume_dir: Path | None, quiet: bool) -> None:
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
-    from rafl.config import split_warnings
     from rafl.errors import UserInputError
     from rafl.federation.compare import load_compare_config, load_compare_resume, run_compare
     from rafl.io import check_output_dir
@@ -47,8 +46,6 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError(f"cannot be combined with {', '.join(given)} (the folder's config.yaml is used)",
                                  field="--resume")
         cfg, hparams, models, feature_dim = load_compare_resume(resume_dir)
-        for line in split_warnings(cfg):
-            click.echo(line, err=True)
         rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim, progress=not quiet,
                            resume=True)
         out = resume_dir
@@ -63,17 +60,15 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError(f"lists a method twice ({algorithms})", field="--algorithms")
         resolve_models(models)
         cfg, hparams = load_compare_config(config_path, overrides, names)
-        for line in split_warnings(cfg):
-            click.echo(line, err=True)
-        _warn_ignored(cfg, models, click.get_current_context(), config_path, overrides)
+        _warn_ignored(cfg, models, click.get_current_context())
         rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")
 
 
-def _warn_ignored(cfg, models: str, ctx: click.Context, config_path, overrides) -> None:
-    """Warn about settings that are valid but do nothing in this comparison."""
-    from rafl.config import read_config_file
+def _warn_ignored(cfg, models: str, ctx: click.Context) -> None:
+    """Warn about settings that are valid but do nothing in this comparison (``algorithm.name``:
+    :func:`rafl.federation.compare.load_compare_config`)."""
     from rafl.errors import warn
 
     src = ctx.get_parameter_source("feature_dim")
@@ -81,6 +76,3 @@ def _warn_ignored(cfg, models: str, ctx: click.Context, config_path, overrides) 
         warn("--feature-dim applies to model groups only; the NAS subnets keep the supernet's representation width")
     if models.strip() != "nas" and (cfg.clients.arch or cfg.clients.archs):
         warn("clients.arch / clients.archs pick supernet subnets and apply to --models nas only; ignored here")
-    given = read_config_file(config_path).get("algorithm") or {}
-    if (isinstance(given, dict) and "name" in given) or any(o.strip().startswith("algorithm.name=") for o in overrides):
-        warn("algorithm.name is ignored by compare; the methods come from --algorithms")

@@ -78,7 +78,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     searched subnet per profile, RaFL. Prints a per-client table and the run dir, which holds
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
-    from rafl.config import RunConfig, load_run_config, split_warnings
+    from rafl.config import RunConfig, load_run_config
     from rafl.federation import pipeline
     from rafl.io import check_output_dir
 
@@ -120,8 +120,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         return
 
     cfg: RunConfig = load_run_config(config_path, overrides)
-    for line in split_warnings(cfg):
-        click.echo(line, err=True)
+    check_output_dir(out)  # a file, or a folder nothing can be created in: before any work
     name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = out / name
     if cfg.name is None:  # a default name: runs started in the same second (a sweep) get -2, -3, ...
@@ -135,12 +134,9 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             raise UserInputError("already exists but never completed a round (no checkpoint.safetensors): delete "
                                  "it and run again, or choose another name or --out", source=run_dir)
         raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
     if Path(name).name != name or name in (".", ".."):
         raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under --out",
                              field="name")
-    check_output_dir(out)
     out_existed = out.exists()
     try:
         prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; nothing written yet

@@ -149,7 +149,10 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
             node[parts[-1]] = value
         else:
             rest.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
-    algo_section.pop("name", None)
+    if algo_section.pop("name", None) is not None:
+        from rafl.errors import warn
+
+        warn("algorithm.name is ignored by compare; the methods come from --algorithms")
     from rafl.federation.algorithms import ALGORITHMS
 
     try:
@@ -213,9 +216,9 @@ def _prepare_group(cfg: RunConfig, members: list[str], feature_dim: int):
 
         raise partition_error(err) from None
     _check_disjoint(part)
-    from rafl.config import warn_untested_clients
+    from rafl.config import warn_about_test_data
 
-    warn_untested_clients(cfg, part)
+    warn_about_test_data(cfg, part)
     return ds, part
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from rafl.config import RunConfig
-from rafl.errors import UserInputError, shown
+from rafl.errors import UserInputError
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
 from rafl.federation.engine import Engine, EngineConfig, Federation
 from rafl.io import atomic_write_json, atomic_write_yaml
@@ -358,10 +358,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         torch.set_num_threads(cfg.train.threads)
     algo_cls = get_algorithm(cfg.algorithm.name)
     algorithm = algo_cls(**cfg.algorithm.hparams())
-    try:
-        device = torch.device(cfg.train.device)
-    except RuntimeError:
-        raise UserInputError(f"is {shown(cfg.train.device)}; allowed: cpu, cuda, cuda:N", field="train.device") from None
+    device = torch.device(cfg.train.device)  # validated by the run config (TrainSection)
     profiles = []
     for name in cfg.clients.profiles:
         try:
@@ -398,9 +395,9 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         raise UserInputError(f"the partition has {len(part.clients)} clients, clients.n is {cfg.clients.n}",
                              field="clients.n")
     check_disjoint(part)
-    from rafl.config import warn_untested_clients
+    from rafl.config import warn_about_test_data
 
-    warn_untested_clients(cfg, part)
+    warn_about_test_data(cfg, part)
     if algorithm.uses_public_pool or cfg.algorithm.hparams().get("distill"):
         if len(part.public) == 0:
             raise UserInputError(f"{cfg.algorithm.name} needs the server's public pool; set "

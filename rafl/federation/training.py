@@ -391,15 +391,32 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
 def evaluate_accuracy(model: nn.Module, loader: Iterable[Batch], *,
                       device: torch.device | str = "cpu") -> tuple[int, int]:
     """``(correct, total)`` of ``model`` (eval mode) over ``loader``; the model's mode is restored."""
+    return evaluate_accuracies(model, loader, {"model": None}, device=device)["model"]
+
+
+@torch.no_grad()
+def evaluate_accuracies(model: nn.Module, loader: Iterable[Batch], logit_offsets: Mapping[str, torch.Tensor | None],
+                        *, device: torch.device | str = "cpu") -> dict[str, tuple[int, int]]:
+    """``{name: (correct, total)}`` of several inference rules ``argmax(logits + offset)`` from one
+    forward pass per batch (e.g. FedGH's plain and label-prior-adjusted header).
+
+    Args:
+        model: ``(B, C, H, W) -> (B, K)`` logits; run in eval mode, its mode is restored.
+        loader: ``(images, labels)`` batches.
+        logit_offsets: name -> a (K,) offset added to the logits, or None for the plain logits.
+    """
     was_training = model.training
     model.eval()
-    correct = total = 0
+    correct = dict.fromkeys(logit_offsets, 0)
+    total = 0
     for images, labels in loader:
         logits = model(images.to(device))
-        correct += int((logits.argmax(1).cpu() == labels).sum())
+        for name, offset in logit_offsets.items():
+            adjusted = logits if offset is None else logits + offset.to(logits.device)
+            correct[name] += int((adjusted.argmax(1).cpu() == labels).sum())
         total += int(labels.numel())
     model.train(was_training)
-    return correct, total
+    return {name: (c, total) for name, c in correct.items()}
 
 
 @torch.no_grad()
@@ -451,5 +468,5 @@ def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, moment
     raise ValueError(f"unknown optimizer {name!r}; allowed: sgd, adam")
 
 
-__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
+__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "evaluate_accuracies", "check_finite_loss", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
            "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]

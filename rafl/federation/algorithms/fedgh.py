@@ -46,7 +46,7 @@ from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors
-from rafl.federation.training import evaluate_accuracy, train_ce
+from rafl.federation.training import evaluate_accuracies, train_ce
 
 HEAD = "head."
 LAR = "lar."
@@ -67,7 +67,9 @@ def log_label_prior(counts: torch.Tensor) -> torch.Tensor:
 
 class PriorAdjusted(nn.Module):
     """``model(x) + log_prior``: logits (B, K) adjusted by a fixed (K,) log label prior
-    (logit adjustment, Menon et al., ICLR 2021, Eq. 4)."""
+    (logit adjustment, Menon et al., ICLR 2021, Eq. 4): the deployable form of a client's model
+    with ``label_prior: local`` (evaluation applies the same offset in one pass,
+    :func:`rafl.federation.training.evaluate_accuracies`)."""
 
     def __init__(self, model: nn.Module, log_prior: torch.Tensor):
         super().__init__()
@@ -199,11 +201,10 @@ class FedGH(Algorithm):
             counts = torch.zeros(client.n_classes, dtype=torch.int64)
             for _, labels in client.train_loader:
                 counts += torch.bincount(labels, minlength=client.n_classes)
-        adjusted = PriorAdjusted(model, log_label_prior(counts).to(client.device))
-        prior = eval_counts("prior", *evaluate_accuracy(adjusted, client.test_loader, device=client.device))
-        if self.hparams["label_prior"] == "local":
-            return {**prior, **eval_counts("model", int(prior["prior.correct"]), int(prior["prior.total"]))}
-        return {**prior, **eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))}
+        acc = evaluate_accuracies(model, client.test_loader, {"plain": None, "prior": log_label_prior(counts)},
+                                  device=client.device)  # one pass, both inference rules
+        deployed = acc["prior"] if self.hparams["label_prior"] == "local" else acc["plain"]
+        return {**eval_counts("prior", *acc["prior"]), **eval_counts("model", *deployed)}
 
 
 def _count_tensor(counts: dict[int, int], n_classes: int) -> torch.Tensor:
