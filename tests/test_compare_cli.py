@@ -38,8 +38,9 @@ def test_compare_smoke(tmp_path):
     # (lr=0.02 is every method's, so not shown; fedtgp's own local_epochs is)
     assert [r["settings"] for r in rows] == ["label_prior=local", "local_epochs=1, server_epochs=2", ""]
     assert rows[0]["model.acc_mean"] == rows[0]["prior.acc_mean"]  # label_prior: local deploys the prior
+    assert 0 <= rows[0]["local.acc_mean"] <= 1 and "local.acc_mean" not in rows[1]  # FedGH's local header
     md = (out / "compare.md").read_text()
-    assert "non-default settings" in md and "label_prior=local" in md
+    assert "non-default settings" in md and "label_prior=local" in md and "local-header acc" in md
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -115,6 +115,34 @@ def test_fedgh_header_replaces_local_header(digits, edge_partition):
     assert torch.equal(out["model"]["head.weight"], head["weight"])
 
 
+def test_fedgh_reports_the_locally_trained_header_and_can_deploy_it(digits, edge_partition):
+    """prepare_evaluation puts the broadcast header in the model and keeps the header the client
+    trained (local.*); deploy_header=local makes that the deployed model (model.* = local.*), and
+    every rule is what evaluate_accuracy gives for a model with that header."""
+    from rafl.federation.training import evaluate_accuracy
+
+    paper, local = get_algorithm("fedgh")(), get_algorithm("fedgh")(deploy_header="local")
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, paper, feature_dim=D, batch_size=8, seed=0)
+    _, broadcast = paper.init_server(fed.server)
+    ctx = _ctx(fed, 3)                                  # classes 6-9
+    torch.manual_seed(0)
+    state, _ = paper.client_update(paper.init_client(ctx), broadcast, ctx)
+    trained = {k[len("head."):]: v for k, v in state["model"].items() if k.startswith("head.")}
+    other = {k: torch.randn_like(v) for k, v in broadcast.state_dict("head.").items()}
+    ev = paper.prepare_evaluation(state, Payload.from_state_dict(other, "head."), ctx)
+    assert all(torch.equal(ev["local_head"][k], v) for k, v in trained.items())
+    assert torch.equal(ev["model"]["head.weight"], other["weight"])
+    a, b = paper.evaluate(ev, ctx), local.evaluate(ev, ctx)
+    own = ctx.make_model()
+    own.load_state_dict(state["model"])
+    glob = ctx.make_model()
+    glob.load_state_dict(ev["model"])
+    assert (a["local.correct"], a["local.total"]) == evaluate_accuracy(own, ctx.test_loader)
+    assert (a["model.correct"], a["model.total"]) == evaluate_accuracy(glob, ctx.test_loader)
+    assert b["model.correct"] == b["local.correct"] == a["local.correct"]
+    assert paper.evaluate(state, ctx)["local.correct"] == a["local.correct"]   # no broadcast: its own header
+
+
 def test_fedgh_local_label_prior_adjusts_only_the_deployed_logits(digits, edge_partition):
     """label_prior=local: logits + log((n_y + 1) / (n + K)) at evaluation (Menon et al. 2021, Eq. 4);
     the upload is unchanged, the counts come from local training (or the train split before it)."""
@@ -217,6 +245,9 @@ def test_fedtgp_server_prototypes_only_for_uploaded_classes_and_margin(digits, e
                                            ("fedproto", {"distance": "cosine"}, "mse, squared, euclidean"),
                                            ("fedgh", {"server_mode": "sideways"}, "per-lar, per-client"),
                                            ("fedgh", {"label_prior": "global"}, "label_prior.*none, local"),
+                                           ("fedgh", {"deploy_header": "mine"}, "deploy_header.*global, local"),
+                                           ("fedgh", {"label_prior": "local", "deploy_header": "local"},
+                                            "label_prior.*deploy_header: local.*allowed with it: none"),
                                            # YAML turned `yes` / an empty value into True / None: say so
                                            ("fedgh", {"label_prior": True}, "is True .YAML reads yes/no.*quote"),
                                            ("fedgh", {"label_prior": None}, "is None .YAML.*~ as null.*none, local"),

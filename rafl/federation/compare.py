@@ -262,7 +262,7 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     """One row of the comparison table from an engine summary and its metrics history."""
     last = next((r for r in reversed(history) if "model.acc_mean_over_clients" in r), {})
     row: dict[str, Any] = {"algorithm": name}
-    for model in ("model", "proto", "prior", "global", "knowledge"):
+    for model in ("model", "proto", "prior", "local", "global", "knowledge"):
         if f"{model}.acc_mean_over_clients" in last:
             row[f"{model}.acc_mean"] = float(last[f"{model}.acc_mean_over_clients"])
             row[f"{model}.acc_std"] = float(last.get(f"{model}.acc_std_over_clients", float("nan")))
@@ -516,7 +516,8 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
 
 # ---------------------------------------------------------------------- outputs
 _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
-         ("proto.acc_mean", "proto acc"), ("prior.acc_mean", "+prior acc"), ("global.acc_mean", "shared acc"), ("knowledge.acc_mean", "knowledge acc"),
+         ("proto.acc_mean", "proto acc"), ("prior.acc_mean", "+prior acc"), ("local.acc_mean", "local-header acc"),
+         ("global.acc_mean", "shared acc"), ("knowledge.acc_mean", "knowledge acc"),
          ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
          ("settings", "non-default settings")]
 

@@ -390,32 +390,49 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
 @torch.no_grad()
 def evaluate_accuracy(model: nn.Module, loader: Iterable[Batch], *,
                       device: torch.device | str = "cpu") -> tuple[int, int]:
-    """``(correct, total)`` of ``model`` (eval mode) over ``loader``; the model's mode is restored."""
-    return evaluate_accuracies(model, loader, {"model": None}, device=device)["model"]
+    """``(correct, total)`` of ``model`` (eval mode; logits (B, K)) over ``loader``; the model's mode
+    is restored."""
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        correct += int((model(images.to(device)).argmax(1).cpu() == labels).sum())
+        total += int(labels.numel())
+    model.train(was_training)
+    return correct, total
 
 
 @torch.no_grad()
-def evaluate_accuracies(model: nn.Module, loader: Iterable[Batch], logit_offsets: Mapping[str, torch.Tensor | None],
-                        *, device: torch.device | str = "cpu") -> dict[str, tuple[int, int]]:
-    """``{name: (correct, total)}`` of several inference rules ``argmax(logits + offset)`` from one
-    forward pass per batch (e.g. FedGH's plain and label-prior-adjusted header).
+def evaluate_header_rules(model: nn.Module, loader: Iterable[Batch],
+                          rules: Mapping[str, tuple[nn.Module, torch.Tensor | None]], *,
+                          device: torch.device | str = "cpu") -> dict[str, tuple[int, int]]:
+    """``{name: (correct, total)}`` of several headers on one feature extractor: per batch the
+    representation ``model.features(x)`` (B, D) is computed once and each rule predicts
+    ``argmax(header(features) + offset)`` (e.g. FedGH's global header, the same with the client's
+    log label prior, and the header the client fine-tuned in local training).
 
     Args:
-        model: ``(B, C, H, W) -> (B, K)`` logits; run in eval mode, its mode is restored.
+        model: has ``features(x) -> (B, D)``; run in eval mode, its mode is restored.
         loader: ``(images, labels)`` batches.
-        logit_offsets: name -> a (K,) offset added to the logits, or None for the plain logits.
+        rules: name -> ``(header (B, D) -> (B, K), offset (K,) or None)``; headers run in eval mode
+            and get their modes restored too.
     """
-    was_training = model.training
-    model.eval()
-    correct = dict.fromkeys(logit_offsets, 0)
+    modules = [model, *(h for h, _ in rules.values())]
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    correct = dict.fromkeys(rules, 0)
     total = 0
     for images, labels in loader:
-        logits = model(images.to(device))
-        for name, offset in logit_offsets.items():
-            adjusted = logits if offset is None else logits + offset.to(logits.device)
-            correct[name] += int((adjusted.argmax(1).cpu() == labels).sum())
+        feats = model.features(images.to(device))
+        for name, (header, offset) in rules.items():
+            logits = header(feats)
+            if offset is not None:
+                logits = logits + offset.to(logits.device)
+            correct[name] += int((logits.argmax(1).cpu() == labels).sum())
         total += int(labels.numel())
-    model.train(was_training)
+    for m, was_training in zip(modules, modes):
+        m.train(was_training)
     return {name: (c, total) for name, c in correct.items()}
 
 
@@ -468,5 +485,5 @@ def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, moment
     raise ValueError(f"unknown optimizer {name!r}; allowed: sgd, adam")
 
 
-__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "evaluate_accuracies", "check_finite_loss", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
+__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "evaluate_header_rules", "check_finite_loss", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
            "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]

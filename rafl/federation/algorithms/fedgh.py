@@ -17,6 +17,15 @@ representation width ``r``) and uses the global header ``H(theta)``:
 4. The new header is broadcast and replaces every client's local header (also before
    evaluation, :meth:`FedGH.prepare_evaluation`).
 
+Evaluation reports three inference rules of one client, all on its current feature extractor
+(one pass, :func:`rafl.federation.training.evaluate_header_rules`): ``model.*`` the deployed rule
+(below), ``prior.*`` the global header plus the client's log label prior, and ``local.*`` the
+header as the client fine-tuned it from the previous global header in its last local training
+(step 1). Option ``deploy_header`` picks the deployed header: ``global`` (default, the paper's
+step 4: the broadcast header replaces the local one) or ``local`` (the model as it leaves local
+training; the point at which HtFLlib's FedGH, the FedTGP paper's baseline, evaluates clients:
+after local training and the server's header update, before the next broadcast).
+
 Option ``label_prior: local`` (not in the paper; off by default): the deployed model adds the
 client's log label prior to the global header's logits (post-hoc logit adjustment, Menon et al.,
 "Long-tail learning via logit adjustment", ICLR 2021, Eq. 4, applied with the client's own prior).
@@ -46,12 +55,13 @@ from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors
-from rafl.federation.training import evaluate_accuracies, train_ce
+from rafl.federation.training import evaluate_header_rules, train_ce
 
 HEAD = "head."
 LAR = "lar."
 SERVER_MODES = ("per-lar", "per-client")
 LABEL_PRIORS = ("none", "local")
+DEPLOY_HEADERS = ("global", "local")
 
 
 def log_label_prior(counts: torch.Tensor) -> torch.Tensor:
@@ -69,7 +79,7 @@ class PriorAdjusted(nn.Module):
     """``model(x) + log_prior``: logits (B, K) adjusted by a fixed (K,) log label prior
     (logit adjustment, Menon et al., ICLR 2021, Eq. 4): the deployable form of a client's model
     with ``label_prior: local`` (evaluation applies the same offset in one pass,
-    :func:`rafl.federation.training.evaluate_accuracies`)."""
+    :func:`rafl.federation.training.evaluate_header_rules`)."""
 
     def __init__(self, model: nn.Module, log_prior: torch.Tensor):
         super().__init__()
@@ -144,15 +154,23 @@ class FedGH(Algorithm):
         "server_mode": "per-lar",  # per-lar (paper) | per-client (each client's LARs as one mini-batch)
         "server_max_grad_norm": 10.0,  # clip each server step's gradient norm; 0 = off (the paper)
         "label_prior": "none",     # none (paper) | local: add the client's log label prior at inference
+        "deploy_header": "global",  # global (paper) | local: the header as fine-tuned in local training
     }
 
     @classmethod
     def check_hparams(cls, hparams):
-        """Defaults merged with ``hparams``; also rejects an unknown ``server_mode`` or ``label_prior``."""
+        """Defaults merged with ``hparams``; also rejects an unknown ``server_mode``, ``label_prior``
+        or ``deploy_header``, and ``label_prior: local`` with ``deploy_header: local`` (the prior
+        adjusts the global header; a locally fine-tuned header has already learned it)."""
         hp = super().check_hparams(hparams)
-        for key, allowed in (("server_mode", SERVER_MODES), ("label_prior", LABEL_PRIORS)):
+        for key, allowed in (("server_mode", SERVER_MODES), ("label_prior", LABEL_PRIORS),
+                             ("deploy_header", DEPLOY_HEADERS)):
             if hp[key] not in allowed:
                 raise UserInputError(f"is {shown(hp[key])}; allowed: {', '.join(allowed)}", field=f"algorithm.{key}")
+        if hp["label_prior"] == "local" and hp["deploy_header"] == "local":
+            raise UserInputError("is local, which adjusts the global header; with deploy_header: local the "
+                                 "deployed header was fine-tuned on the client's labels and has learned their "
+                                 "prior already; allowed with it: none", field="algorithm.label_prior")
         return hp
 
     def init_server(self, server: ServerContext):
@@ -188,23 +206,32 @@ class FedGH(Algorithm):
         if not head:
             return state
         model = build(client, state["model"])
+        local_head = head_state(model)
         load_head(model, head, f"client {client.client_id} head")
-        return {**state, "model": cpu_state(model)}
+        return {**state, "model": cpu_state(model), "local_head": local_head}
 
     def evaluate(self, state, client: ClientContext):
-        """``model.*``: the deployed model (the global header on the local extractor; with
-        ``label_prior: local`` plus the client's log label prior); ``prior.*``: always the
-        prior-adjusted model, so one run shows both inference rules (like FedTGP's ``proto.*``)."""
+        """``model.*``: the deployed rule (``deploy_header``, ``label_prior``); ``prior.*``: the
+        global header plus the client's log label prior; ``local.*``: the header from the client's
+        last local training. One pass shows every rule (like FedTGP's ``proto.*``)."""
         model = build(client, state["model"])
+        local_head = model.head
+        if state.get("local_head") is not None:  # prepare_evaluation put the global header in the model
+            local_head = copy.deepcopy(model.head)
+            local_head.load_state_dict(state["local_head"])
         counts = state.get("label_counts")
         if counts is None:  # not trained yet: count the labels of the training split
             counts = torch.zeros(client.n_classes, dtype=torch.int64)
             for _, labels in client.train_loader:
                 counts += torch.bincount(labels, minlength=client.n_classes)
-        acc = evaluate_accuracies(model, client.test_loader, {"plain": None, "prior": log_label_prior(counts)},
-                                  device=client.device)  # one pass, both inference rules
-        deployed = acc["prior"] if self.hparams["label_prior"] == "local" else acc["plain"]
-        return {**eval_counts("prior", *acc["prior"]), **eval_counts("model", *deployed)}
+        acc = evaluate_header_rules(model, client.test_loader,
+                                    {"global": (model.head, None), "prior": (model.head, log_label_prior(counts)),
+                                     "local": (local_head, None)}, device=client.device)
+        hp = self.hparams
+        deployed = acc["local"] if hp["deploy_header"] == "local" else \
+            acc["prior"] if hp["label_prior"] == "local" else acc["global"]
+        return {**eval_counts("prior", *acc["prior"]), **eval_counts("local", *acc["local"]),
+                **eval_counts("model", *deployed)}
 
 
 def _count_tensor(counts: dict[int, int], n_classes: int) -> torch.Tensor:
