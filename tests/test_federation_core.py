@@ -317,3 +317,37 @@ def test_distill_kl_moves_the_student_toward_the_teacher():
     assert float(kl_soft(student(images), teacher)) < 0.75 * before
     with pytest.raises(ValueError, match="40 images but 3 teacher logits"):
         distill_kl(student, images, teacher[:3], torch.optim.Adam(student.parameters(), 1e-2))
+
+
+def test_evaluate_header_rules_shares_one_extractor_pass_and_restores_modes():
+    """Each rule is argmax(header(features) + offset); the extractor runs once per batch; every
+    module's train/eval mode comes back as it was."""
+    from rafl.federation.training import evaluate_header_rules
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Dropout(0.5))
+            self.head = torch.nn.Linear(3, 2)
+            self.calls = 0
+
+        def features(self, x):
+            self.calls += 1
+            return self.body(x)
+
+    torch.manual_seed(0)
+    model, other = Split(), torch.nn.Linear(3, 2)
+    model.train(), other.eval()
+    x, y = torch.randn(10, 4), torch.tensor([0, 1] * 5)
+    loader = [(x[:6], y[:6]), (x[6:], y[6:])]
+    offset = torch.tensor([5.0, -5.0])                    # forces class 0
+    acc = evaluate_header_rules(model, loader, {"own": (model.head, None), "shifted": (model.head, offset),
+                                                "other": (other, None)})
+    with torch.no_grad():
+        feats = model.body.eval()(x)
+    model.body.train()
+    assert acc["own"] == (int((model.head(feats).argmax(1) == y).sum()), 10)
+    assert acc["other"] == (int((other(feats).argmax(1) == y).sum()), 10)
+    assert acc["shifted"] == (5, 10)
+    assert model.calls == 2                                # one extractor pass per batch
+    assert model.training and model.body[1].training and not other.training
