@@ -205,6 +205,26 @@ def test_resume_damaged_or_edited_folders_are_one_line_errors(tmp_path):
     code, output = resume(lambda d: [(d / f).unlink() for f in ("compare.md", "compare.csv")])
     assert code == 0 and "| fedgh |" in output, output
 
+    # a run started before fedgh had deploy_header: the new option at its default changes nothing
+    def started_before_deploy_header(value):
+        def edit(d):
+            import yaml
+            path = d / "fedgh" / "compare_started_with.json"
+            started = json.loads(path.read_text())
+            del started["hparams"]["deploy_header"]
+            path.write_text(json.dumps(started))
+            cfg = yaml.safe_load((d / "config.yaml").read_text())
+            cfg["algorithms"]["fedgh"].pop("deploy_header")
+            if value is not None:
+                cfg["algorithms"]["fedgh"]["deploy_header"] = value
+            (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+        return edit
+
+    code, output = resume(started_before_deploy_header(None))
+    assert code == 0 and "| fedgh |" in output, output
+    code, output = resume(started_before_deploy_header("local"))
+    assert code == 2 and "differs from the settings" in output, output
+
 
 def test_group_without_command_prints_help(capsys):
     from rafl.cli import main

@@ -365,7 +365,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         done = previous.get(name)
         continuing = resume and (run_dir / CHECKPOINT).is_file()
         if done is not None or continuing:
-            _check_started_with(run_dir, started)
+            _check_started_with(run_dir, started, get_algorithm(name).defaults)
             completed = len(read_history(run_dir))
             if completed > ecfg.rounds:
                 raise UserInputError(f"is {ecfg.rounds}, but {name} has completed {completed} rounds; allowed: "
@@ -432,15 +432,22 @@ def _previous_rows(out: Path) -> dict[str, dict[str, Any]]:
                              "method that has no checkpoint", source=path) from None
 
 
-def _check_started_with(run_dir: Path, started: dict[str, Any]) -> None:
+def _check_started_with(run_dir: Path, started: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
     """Refuse to resume a method whose run was started with other settings (an edited config.yaml);
-    ``started`` is JSON-normalized like the file."""
+    ``started`` is JSON-normalized like the file. A hyperparameter the method gained after the run
+    started (absent from the file) counts as unchanged when it is at its default in ``defaults``:
+    a new option's default keeps the behaviour the run started with."""
     path = run_dir / STARTED_WITH
     try:
         before = json.loads(path.read_text())
     except (OSError, ValueError):
         raise UserInputError("is missing or unreadable, so the run cannot be checked against config.yaml; remove "
                              f"{run_dir} to rerun the method", source=path) from None
+    old_hp, new_hp = before.get("hparams"), started.get("hparams")
+    if defaults and isinstance(old_hp, dict) and isinstance(new_hp, dict):
+        at_default = json.loads(json.dumps(defaults, default=str))
+        before["hparams"] = {**{k: v for k, v in new_hp.items()
+                                if k not in old_hp and k in at_default and at_default[k] == v}, **old_hp}
     changed = sorted(k for k in set(before) | set(started) if before.get(k) != started.get(k))
     if changed:
         raise UserInputError(f"config.yaml differs from the settings this method's run started with in {changed}; "
