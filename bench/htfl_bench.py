@@ -12,10 +12,12 @@ Scenarios (one partition per scenario and seed, every method on the same client 
 
 Claims checked (printed as PASS/FAIL, never asserted so the numbers are always written), on the
 mean over seeds of each run's accuracy averaged over its last ``--tail`` rounds (a single round's
-mean client accuracy moves by 1-3 points: ~60 test images per client), and on the paired
-per-seed differences (every method of a seed runs on the same partition): FedGH > Standalone,
+mean client accuracy moves by 1-3 points: ~60 test images per client): FedGH > Standalone,
 FedTGP > Standalone, FedTGP >= FedProto (head accuracy, and nearest-prototype accuracy: the
-protocol of the FedProto/FedTGP papers and HtFLlib). Every round and seed: the measured upload
+protocol of the FedProto/FedTGP papers and HtFLlib), and FedGH's two other inference rules of the
+same runs > Standalone (``label_prior: local``; ``deploy_header: local``). Beside them the paired
+per-seed differences (every method of a seed runs on the same partition) with the number of seeds
+on which each holds. Every round and seed: the measured upload
 bytes (``Payload.nbytes()`` summed by the engine) = the formula bytes + the safetensors header:
 FedGH / FedTGP ``(S + S*r) x 32`` bits per client (S classes held, r = D), FedProto
 ``(2S + S*r) x 32`` (its per-class counts, Eq. 6).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shutil
 import statistics
 import sys
 import time
@@ -49,6 +52,7 @@ from rafl.io import atomic_write_json, atomic_write_text
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 METHODS = ["standalone", "fedgh", "fedtgp", "fedproto"]
+MODELS = "htfe-tiny"
 UPLOAD_PREFIX = {"fedgh": ("lar.", 1), "fedtgp": ("proto.", 1), "fedproto": ("proto.", 2)}
 # the inference rules whose accuracy a run reports: ``model`` (the deployed model), ``proto``
 # (nearest global prototype: FedProto, FedTGP), ``prior`` and ``local`` (FedGH's global header plus
@@ -87,8 +91,9 @@ def run_method(name: str, method: str, cfg, hparams: dict, held: list[list[int]]
     """One method on one scenario/seed: its compare row with the tail accuracies and its curve, and
     (prototype methods) the upload-bytes rows and check."""
     run_out = out / name / f"seed{seed}" / method
+    shutil.rmtree(run_out, ignore_errors=True)  # a run of other settings, or one interrupted: start afresh
     t0 = time.perf_counter()
-    (row,) = run_compare(cfg, {method: hparams}, run_out, models="htfe-tiny", feature_dim=dim, progress=False)
+    (row,) = run_compare(cfg, {method: hparams}, run_out, models=MODELS, feature_dim=dim, progress=False)
     hist = read_history(run_out / method)
     row |= {"wall_s": time.perf_counter() - t0,
             "curve": [round(h["model.acc_mean_over_clients"], 4) for h in hist]}
@@ -111,26 +116,30 @@ def run_method(name: str, method: str, cfg, hparams: dict, held: list[list[int]]
     return result
 
 
-def _cache_key(name: str, method: str, overrides: list[str], rounds: int, dim: int, seed: int, tail: int,
-               device: str) -> dict:
-    return {"scenario": name, "method": method, "overrides": list(overrides), "rounds": rounds, "dim": dim,
-            "seed": seed, "tail": tail, "device": device, "version": METHOD_VERSION.get(method, 1)}
+def _cache_key(name: str, method: str, sets: list[str], hparams: dict, dim: int, tail: int) -> dict:
+    """Everything a method's result depends on that the bench sets: every ``--set`` of the run (the
+    common settings and the scenario's; rounds, seed, device among them), the method's resolved
+    hyperparameters (so a changed default misses too), the model group, D, the tail length and the
+    method's :data:`METHOD_VERSION` (code changes: bump it)."""
+    return {"scenario": name, "method": method, "sets": list(sets), "hparams": json.loads(json.dumps(hparams, default=str)),
+            "models": MODELS, "dim": dim, "tail": tail, "version": METHOD_VERSION.get(method, 1)}
 
 
 def run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, seed: int, tail: int,
              device: str = "cpu") -> dict:
     """Every method of :data:`METHODS` on one partition/seed, one run per method so progress prints.
     A method's result is reused from ``OUT/<scenario>/seed<s>/<method>.json`` when it was written
-    with the same settings and method version (:data:`METHOD_VERSION`): seeds can be added, one
-    changed method re-measured alone, or an interrupted bench resumed. Runs are deterministic for a
-    seed on one thread."""
-    cfg, hps = load_compare_config(None, _method_sets(overrides, rounds, seed, device), METHODS)
+    with the same settings (:func:`_cache_key`): seeds can be added, one changed method re-measured
+    alone, and an interrupted bench continues with the first method that has no result (a method
+    interrupted mid-run starts again). Runs are deterministic for a seed on one thread."""
+    sets = _method_sets(overrides, rounds, seed, device)
+    cfg, hps = load_compare_config(None, sets, METHODS)
     ds, part = _prepare_group(cfg, [], dim)
     labels = ds.labels.numpy()
     held = [sorted(set(labels[c.train].tolist())) for c in part.clients]
     per_method, bytes_rows, checks = {}, [], {}
     for m in METHODS:
-        key = _cache_key(name, m, overrides, rounds, dim, seed, tail, device)
+        key = _cache_key(name, m, sets, hps[m], dim, tail)
         path = out / name / f"seed{seed}" / f"{m}.json"
         cached = json.loads(path.read_text()) if path.exists() else {}
         if cached.get("key") == key:
