@@ -23,6 +23,7 @@ Example (every key optional)::
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -264,6 +265,16 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]
     return out
 
 
+def blame(field: str | None, set_keys: Iterable[str], file_source: str | None) -> str | None:
+    """What an error on ``field`` should name: ``--set`` when a ``--set`` key wrote that field, a
+    section holding it or a key inside it; else ``file_source`` (the config file, or None)."""
+    if field:
+        for key in set_keys:
+            if field == key or field.startswith(key + ".") or key.startswith(field + "."):
+                return "--set"
+    return file_source
+
+
 def _error(err: ValidationError, source: str | None) -> UserInputError:
     first = err.errors()[0]
     loc = [str(p) for p in first.get("loc", ())]
@@ -319,19 +330,23 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     """
     data = read_config_file(path)
     source = None if path is None else str(path)
-    for key, value in parse_overrides(list(overrides)):
-        _set_dotted(data, key, value, source or "--set")
+    parsed = parse_overrides(list(overrides))
+    for key, value in parsed:
+        _set_dotted(data, key, value, "--set")
+    set_keys = [key for key, _ in parsed]
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        raise _error(err, source) from None
+        e = _error(err, source)
+        raise UserInputError(e.message, source=blame(e.field, set_keys, source), field=e.field) from None
     from rafl.federation.algorithms import get_algorithm
 
     cls = get_algorithm(cfg.algorithm.name)
     try:
         hp = cls.check_hparams(cfg.algorithm.hparams())
     except UserInputError as err:
-        raise UserInputError(err.message, source=source, field=err.field or "algorithm") from None
+        field = err.field or "algorithm"
+        raise UserInputError(err.message, source=blame(field, set_keys, source), field=field) from None
     cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
     return cfg
 

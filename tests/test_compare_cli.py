@@ -315,3 +315,26 @@ def test_settings_that_do_nothing_here_are_warned_about(tmp_path):
     assert res.exit_code == 0, res.output
     assert "warning: clients.arch / clients.archs pick supernet subnets" in res.stderr
     assert "warning: algorithm.name is ignored by compare" in res.stderr
+
+
+def test_errors_name_set_when_a_set_value_is_wrong_and_the_file_otherwise(tmp_path):
+    """With --config and --set together, the error names whichever of the two wrote the bad value."""
+    good = tmp_path / "good.yaml"
+    good.write_text("engine:\n  rounds: 2\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  rounds: abc\nalgorithm:\n  name: fedgh\n  deploy_header: globl\n")
+    cases = [(["federate", "--config", str(good), "--set", "algorithm.name=fedgh",
+               "--set", "algorithm.deploy_header=globl"], "error: --set: algorithm.deploy_header: is 'globl'"),
+             (["federate", "--config", str(good), "--set", "engine.rounds=abc"], "error: --set: engine.rounds:"),
+             (["federate", "--config", str(bad), "--set", "engine.rounds=2"],
+              f"error: {bad}: algorithm.deploy_header: is 'globl'"),
+             (["compare", "--algorithms", "fedgh", "--config", str(good), "--set", "algorithm.deploy_header=globl"],
+              "error: --set: algorithm.fedgh.deploy_header: is 'globl'"),
+             (["compare", "--algorithms", "fedgh", "--config", str(good), "--set", "engine.rounds=abc"],
+              "error: --set: engine.rounds:"),
+             (["compare", "--algorithms", "fedgh", "--config", str(bad), "--set", "engine.rounds=2"],
+              f"error: {bad}: algorithm.fedgh.deploy_header: is 'globl'")]
+    for args, msg in cases:
+        res = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out")])
+        assert res.exit_code == 2 and msg in res.output, (args, res.output)
+        assert not (tmp_path / "out").exists()

@@ -132,13 +132,17 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
             no selected method accepts.
     """
-    from rafl.config import parse_overrides, read_config_file
+    from rafl.config import blame, parse_overrides, read_config_file
 
     data = read_config_file(path)
     source = str(path) if path is not None else "--set"
     algo_section = dict(data.pop("algorithm", None) or {})
     rest: list[str] = []
-    for key, value in parse_overrides(list(overrides)):
+    parsed = parse_overrides(list(overrides))
+    # the --set keys, shared algorithm keys also as every method's own (errors name a method's key)
+    set_keys = [k for k, _ in parsed] + [f"algorithm.{a}.{k.split('.', 1)[1]}" for k, _ in parsed
+                                         if k.startswith("algorithm.") and k.count(".") == 1 for a in algorithms]
+    for key, value in parsed:
         if key.startswith("algorithm."):
             parts = key.split(".")[1:]
             node = algo_section
@@ -165,19 +169,21 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         if not any(key in cls.defaults for cls in classes.values()):
             raise UserInputError(f"no selected method accepts {key!r}; allowed: "
                                  f"{sorted(set().union(*(c.defaults for c in classes.values())))}",
-                                 source=source, field=f"algorithm.{key}")
+                                 source=blame(f"algorithm.{key}", set_keys, source), field=f"algorithm.{key}")
     hps: dict[str, dict[str, Any]] = {}
     for a, cls in classes.items():
         hp = {k: v for k, v in algo_section.items() if k in cls.defaults}
         own = next((v for k, v in per_method.items() if k.lower() == cls.name), None) or {}
         if not isinstance(own, dict):
-            raise UserInputError("expected a mapping of hyperparameters", source=source, field=f"algorithm.{a}")
+            raise UserInputError("expected a mapping of hyperparameters", source=blame(f"algorithm.{a}", set_keys, source),
+                                 field=f"algorithm.{a}")
         hp.update(own)
         try:
             hps[cls.name] = cls.check_hparams(hp)
         except UserInputError as err:
             key = err.field[len("algorithm"):] if err.field and err.field.startswith("algorithm") else ""
-            raise UserInputError(err.message, source=source, field=f"algorithm.{a}{key}") from None
+            field = f"algorithm.{a}{key}"
+            raise UserInputError(err.message, source=blame(field, set_keys, source), field=field) from None
     tmp = yaml.safe_dump({**data, "algorithm": {"name": "standalone"}})
     cfg = _validate(tmp, rest, source)
     return cfg, hps
