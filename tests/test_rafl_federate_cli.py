@@ -167,3 +167,22 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
             done = len((out / "r" / "metrics.jsonl").read_text().splitlines())
             res = _invoke(["--resume", str(out / "r"), "--set", f"engine.rounds={done + 1}"])
             assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("trained_on, run_sets, field", [
+    ({"dataset": "digits", "limit_per_class": 150}, [], "data.limit_per_class"),
+    ({"dataset": "cifar10", "limit_per_class": 10}, [], "data.dataset"),
+])
+def test_supernet_trained_on_another_sample_of_the_data_is_refused(tmp_path, tiny_supernet, trained_on, run_sets,
+                                                                   field):
+    """The public pool is carved from the dataset's labels: the same (fraction, seed) on another
+    sample (dataset, limit_per_class) is another pool, and client data would hold supernet images."""
+    _, space = tiny_supernet
+    d = tmp_path / "sn"
+    save_supernet(d, build_supernet(space).eval(),
+                  config={"public_fraction": 0.3, "public_seed": 0, **trained_on}, metrics={})
+    out = tmp_path / "runs"
+    line = _one_error_line(_invoke(["--out", str(out), "--set", f"supernet.path={d}",
+                                    "--set", "data.limit_per_class=10", "--set", "clients.n=3", *run_sets]))
+    assert f"error: {field}: the supernet trained on" in line and "overlap the supernet's training data" in line
+    assert not out.exists()

@@ -340,6 +340,16 @@ def _load_supernet(cfg: RunConfig, dataset, progress: bool):
     seed = conf.get("public_seed", conf.get("data", {}).get("public_seed") if isinstance(conf.get("data"), dict) else None)
     if frac is not None:
         pool = (float(frac), int(seed or 0))
+        # the pool is carved from the dataset's labels: the same (fraction, seed) on another
+        # sample of the data (another dataset, or another data.limit_per_class) is another pool,
+        # and the supernet's training images would land in the clients' splits
+        for key, mine in (("dataset", cfg.data.dataset), ("limit_per_class", cfg.data.limit_per_class)):
+            if key in conf and conf[key] != mine:
+                raise UserInputError(
+                    f"the supernet trained on {key}={conf[key]!r} ({cfg.supernet.path}/config.json), the run "
+                    f"loads data.{key}={mine!r}: its public pool would be other images, and client data would "
+                    f"overlap the supernet's training data; set data.{key}={conf[key]!r} or train a supernet on "
+                    "this data", field=f"data.{key}")
     return supernet, f"{cfg.supernet.path}:{meta.get('weights_sha256', '')}", pool
 
 
