@@ -131,6 +131,14 @@ def test_build_lut_measures_every_layer_and_a_profile_uses_it(tmp_path):
     for arch in (space.smallest(), space.largest(), space.sample(rng)):  # every layer of the space is in it
         expected = sum(doc["entries"][s.key] for _, s in arch_units(space, arch))
         assert model.cost(arch).latency_ms == pytest.approx(expected)
+    # --out over an existing file: an earlier LUT is rebuilt, anything else (here the profile) is kept
+    before = prof_path.read_text()
+    res = _run(["profile", "--build-lut", "--device-profile", str(prof_path), "--width-mult", "0.25",
+                "--out", str(prof_path), "--warmup", "0", "--repeats", "1", "--quiet"])
+    assert res.exit_code == 2 and "exists and is not a latency LUT" in res.output and prof_path.read_text() == before
+    res = _run(["profile", "--build-lut", "--device-profile", "pi4", "--width-mult", "0.25", "--out", str(lut),
+                "--warmup", "0", "--repeats", "1", "--quiet"])
+    assert res.exit_code == 0, res.output
 
 
 def test_supernet_folder_gives_the_space(tmp_path):

@@ -70,6 +70,17 @@ def _load_model(path: Path, arch_text: str | None, space):
     return sub.eval(), sub.arch, sub.space
 
 
+
+def _is_latency_lut(path: Path) -> bool:
+    """Whether ``path`` is a file that :func:`rafl.search.latency.load_latency_lut` reads."""
+    from rafl.search.latency import load_latency_lut
+
+    try:
+        return path.is_file() and isinstance(load_latency_lut(path), dict)
+    except UserInputError:
+        return False
+
+
 @click.command("profile")
 @click.option("--device-profile", "device_profile", required=True,
               help="Shipped profile name (pi4, jetson-nano, phone, mcu, server-gpu) or a YAML path.")
@@ -123,6 +134,9 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
         if out.suffix not in (".yaml", ".yml"):
             raise UserInputError("with --build-lut, --out is the LUT file and must end in .yaml/.yml",
                                  source=out, field="--out")
+        if out.exists() and not _is_latency_lut(out):  # a rebuilt LUT replaces the old one, nothing else
+            raise UserInputError("exists and is not a latency LUT (--build-lut replaces only an earlier LUT); "
+                                 "choose another --out", source=out, field="--out")
         space, _ = _space(width_mult, n_classes, supernet_dir)
         from rafl.search.latency import build_latency_lut
         from rafl.search.units import fixed_units, slot_units
