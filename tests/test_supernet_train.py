@@ -192,3 +192,20 @@ def test_epochs_per_phase_errors_name_epochs_per_phase():
 
     with pytest.raises(UserInputError, match=r"^epochs_per_phase: .*greater than or equal to 0"):
         TrainConfig.from_options(None, epochs_per_phase=-1)
+
+
+def test_cli_diverged_training_is_one_error_naming_the_phase_lr_and_leaves_nothing(tmp_path):
+    """A NaN/Inf loss stops training with one line naming lr_<phase>; a fresh run dir is removed
+    (its checkpoints could not be resumed with another lr); an existing empty --out stays empty."""
+    cfg = tmp_path / "huge-lr.yaml"
+    cfg.write_text("lr_full: 1.0e+30\n")
+    for out in (tmp_path / "run", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        res = CliRunner().invoke(cli, ["supernet", "train", "--config", str(cfg), "--out", str(out),
+                                       "--epochs-per-phase", "1", "--width-mult", "0.25", "--resolutions", "12",
+                                       "--limit-per-class", "10", "--batch-size", "16", "--no-progress"])
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1, res.output
+        assert "lr_full: supernet training diverged in phase full" in lines[0] and "smaller lr_full" in lines[0]
+        assert (not out.exists()) if out.name == "run" else (out.is_dir() and not any(out.iterdir()))

@@ -103,7 +103,20 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
         raise UserInputError("exists and is not a folder", source=out, field="--out")
     config = TrainConfig.from_options(source=source, **{**base, **given})
 
-    _, metrics = train_supernet(config, out, resume=resume is not None, progress=not no_progress)
+    fresh = resume is None and (not out.exists() or not any(out.iterdir()))
+    existed = out.exists()
+    try:
+        _, metrics = train_supernet(config, out, resume=resume is not None, progress=not no_progress)
+    except UserInputError as err:
+        if fresh and (err.field or "").startswith("lr_"):  # diverged: its checkpoints cannot be resumed
+            import shutil                                     # with another lr, so leave nothing behind
+
+            if existed:
+                for child in out.iterdir():
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            else:
+                shutil.rmtree(out, ignore_errors=True)
+        raise
     _print_table(metrics, out)
 
 

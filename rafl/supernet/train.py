@@ -321,7 +321,8 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
 
     Raises:
         UserInputError: bad data options, an ``out`` that already holds a run (without ``resume``),
-            or ``resume`` without a checkpoint.
+            ``resume`` without a checkpoint, or a NaN/Inf loss (training diverged: the error names
+            the phase's learning rate ``lr_<phase>``).
     """
     from rafl.data import load_dataset
 
@@ -426,6 +427,11 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
                         loss = loss + config.kd_ratio * soft_cross_entropy(logits, teacher)
                     elif name != "full" and config.kd_ratio > 0 and config.sandwich and i == 0:
                         teacher = F.softmax(logits.detach(), dim=1)
+                    if not bool(torch.isfinite(loss.detach())):
+                        raise UserInputError(
+                            f"supernet training diverged in phase {name}, epoch {epoch + 1} (loss "
+                            f"{float(loss.detach())}); allowed: a smaller lr_{name} (now "
+                            f"{config.phase_lrs()[phase]})", field=f"lr_{name}")
                     loss.backward()
                     loss_sum += float(loss.detach()) * len(y)
                     correct += int((logits.detach().argmax(1) == y).sum())
