@@ -318,3 +318,25 @@ def test_nas_subnets_federate_with_fedgh_and_fedtgp(tmp_path):
         hist = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert np.isfinite(hist[-1]["model.acc_mean_over_clients"]) and hist[-1]["bytes_up"] > 0
         assert summary["algorithm"] == name if "algorithm" in summary else summary
+
+
+def test_diverged_server_training_names_server_lr(digits, edge_partition):
+    """FedTGP's prototype training with a huge server_lr stops with one error naming
+    algorithm.server_lr (it used to surface a round later as a client's algorithm.lr divergence)."""
+    from rafl.federation.prototypes import to_payload_tensors
+
+    algo = get_algorithm("fedtgp")(server_epochs=20, server_lr=1e12)
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8)
+    state, _ = algo.init_server(fed.server)
+    ups = [Payload(to_payload_tensors({0: torch.zeros(D), 1: torch.ones(D)}, "proto."), {"client_id": 0}),
+           Payload(to_payload_tensors({5: 3 * torch.ones(D)}, "proto."), {"client_id": 1})]
+    with pytest.raises(UserInputError, match="^algorithm.server_lr: server training of the global prototypes "
+                                             "diverged"):
+        algo.server_aggregate(ups, state, fed.server)
+    from rafl.federation.algorithms.fedgh import train_global_header
+
+    header = torch.nn.Linear(D, 10)
+    with torch.no_grad():
+        header.weight.fill_(float("inf"))
+    with pytest.raises(UserInputError, match="^algorithm.server_lr: server training of the global header diverged"):
+        train_global_header(header, [{0: torch.ones(D)}], lr=0.01)

@@ -78,6 +78,17 @@ def check_finite_loss(loss: torch.Tensor, *, what: str = "local training", field
                              "learning rate, or a model whose features stay finite", field=field)
 
 
+def check_finite_params(model: nn.Module, *, what: str, field: str) -> None:
+    """Stop when training left NaN/Inf weights in ``model`` although each loss was finite (a
+    learning rate so large that one step overflows the weights).
+
+    Raises:
+        UserInputError: naming ``field`` (the learning rate to lower).
+    """
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        raise UserInputError(f"{what} diverged (NaN/Inf weights); allowed: a smaller learning rate", field=field)
+
+
 @dataclass
 class TrainStats:
     """What a local training call did.
@@ -485,5 +496,5 @@ def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, moment
     raise ValueError(f"unknown optimizer {name!r}; allowed: sgd, adam")
 
 
-__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "evaluate_header_rules", "check_finite_loss", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
+__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "evaluate_header_rules", "check_finite_loss", "check_finite_params", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
            "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]

@@ -56,7 +56,7 @@ from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors
-from rafl.federation.training import evaluate_header_rules, train_ce
+from rafl.federation.training import check_finite_loss, check_finite_params, evaluate_header_rules, train_ce
 
 HEAD = "head."
 LAR = "lar."
@@ -113,7 +113,7 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
         the mean CE loss over the steps (0.0 when there was nothing to train on).
 
     Raises:
-        UserInputError: unknown ``mode``.
+        UserInputError: unknown ``mode``; a NaN/Inf loss or header (naming ``algorithm.server_lr``).
     """
     if mode not in SERVER_MODES:
         raise UserInputError(f"is {shown(mode)}; allowed: {', '.join(SERVER_MODES)}", field="algorithm.server_mode")
@@ -132,6 +132,7 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
             batches = [(x[i:i + 1], y[i:i + 1]) for i in range(len(y))] if mode == "per-lar" else [(x, y)]
             for xb, yb in batches:
                 loss = F.cross_entropy(header(xb), yb)
+                check_finite_loss(loss, what="server training of the global header", field="algorithm.server_lr")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if max_grad_norm > 0:
@@ -139,6 +140,7 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
                 opt.step()
                 total += float(loss.detach())
                 steps += 1
+    check_finite_params(header, what="server training of the global header", field="algorithm.server_lr")
     return total / steps if steps else 0.0
 
 
@@ -186,8 +188,14 @@ class FedGH(Algorithm):
         hp = self.hparams
         model = build(client, state["model"])
         load_head(model, broadcast.state_dict(HEAD), f"client {client.client_id} head")
-        train_ce(model, NoSingletonBatches(client.train_loader), optimizer_for(model, hp), epochs=hp["local_epochs"],
-                 device=client.device)
+        try:
+            train_ce(model, NoSingletonBatches(client.train_loader), optimizer_for(model, hp),
+                     epochs=hp["local_epochs"], device=client.device)
+        except UserInputError as err:  # the global header it started from may be the cause
+            size = max((float(v.abs().max()) for v in broadcast.state_dict(HEAD).values() if v.numel()), default=0.0)
+            raise UserInputError(f"{err.message} (the global header it starts from has weights up to {size:.3g}: "
+                                 "if that is large, lower algorithm.server_lr or keep server_max_grad_norm on)",
+                                 field=err.field) from None
         lars, counts = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
         return {"model": cpu_state(model), "label_counts": _count_tensor(counts, client.n_classes)}, \
             Payload(to_payload_tensors(lars, LAR))

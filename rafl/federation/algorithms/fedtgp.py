@@ -44,6 +44,7 @@ from rafl.federation.payload import Payload
 from rafl.federation.prototypes import (adaptive_margin, from_payload,
                                         local_class_averages, pairwise_distances, to_payload_tensors,
                                         weighted_class_average)
+from rafl.federation.training import check_finite_loss, check_finite_params
 
 PROTO = "proto."
 GLOBAL = "global."
@@ -169,11 +170,13 @@ class FedTGP(Algorithm):
                 for i in range(0, len(y), bs):
                     idx = order[i:i + bs].to(server.device)
                     loss = margin_contrastive_loss(x[idx], y[idx], net(all_classes), margin)
+                    check_finite_loss(loss, what="server training of the global prototypes", field="algorithm.server_lr")
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
                     total, steps = total + float(loss.detach()), steps + 1
                 last_loss = total / max(1, steps)
+            check_finite_params(net, what="server training of the global prototypes", field="algorithm.server_lr")
         new_state = {"net": cpu_state(net), "seen": seen, "margin": float(margin), "server_loss": float(last_loss)}
         return new_state, self._broadcast(net, seen, server.device)
 
