@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_CIFAR10 = REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+import os
+
+#: the real CIFAR-10 JPEG tarball: ``$RAFL_TEST_CIFAR10``, else ``../shared/data`` beside the repo
+SHARED_CIFAR10 = Path(os.environ.get("RAFL_TEST_CIFAR10") or REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz")
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +23,8 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def shared_cifar10_tarball() -> Path:
     """The real CIFAR-10 JPEG tarball from ../shared/data (present on dev machines and in CI)."""
     if not SHARED_CIFAR10.is_file():
-        raise FileNotFoundError(f"shared CIFAR-10 not found at {SHARED_CIFAR10}")
+        raise FileNotFoundError(f"shared CIFAR-10 not found at {SHARED_CIFAR10}; the tests that read real "
+                                f"CIFAR-10 need it: set RAFL_TEST_CIFAR10 to the cifar10-jpeg.tar.gz path")
     return SHARED_CIFAR10
 
 
