@@ -39,7 +39,7 @@ def _one_error_line(result):
     (["--set", "engine.roundz=2"], "engine.roundz: unknown key; allowed: rounds"),
     (["--set", "algorithm.tempreature=2"], "unknown hyperparameter(s) ['tempreature']"),
     (["--set", "clients.n=5000"], "impossible partition"),  # more clients than samples
-    (["--set", "clients.profiles=[pi5]"], "pi5"),
+    (["--set", "clients.profiles=[pi5]"], "error: clients.profiles: unknown device profile 'pi5'; shipped"),
     (["--set", "partition.public_fraction=0.2", "--set", "clients.n=3"], "overlap the supernet's training data"),
     (["--set", "name=../escape"], "name: is '../escape'; allowed: a plain folder name"),
     (["--set", "algorithm.lr=abc"], "algorithm.lr: is 'abc'; allowed: a number"),
@@ -186,3 +186,15 @@ def test_supernet_trained_on_another_sample_of_the_data_is_refused(tmp_path, tin
                                     "--set", "data.limit_per_class=10", "--set", "clients.n=3", *run_sets]))
     assert f"error: {field}: the supernet trained on" in line and "overlap the supernet's training data" in line
     assert not out.exists()
+
+
+def test_a_malformed_profile_file_names_the_file_and_its_field(tmp_path, tiny_supernet):
+    path, _ = tiny_supernet
+    prof = yaml.safe_load(open("profiles/pi4.yaml"))
+    prof.pop("throughput_gmacs")
+    pfile = tmp_path / "b3.yaml"
+    pfile.write_text(yaml.safe_dump(prof))
+    line = _one_error_line(_invoke(["--out", str(tmp_path / "runs"), "--set", f"supernet.path={path}", "--set",
+                                    "data.limit_per_class=10", "--set", "clients.n=3", "--set",
+                                    f"clients.profiles=[{pfile}]"]))
+    assert line.startswith(f"error: {pfile}: throughput_gmacs: missing required field; allowed: a number > 0")

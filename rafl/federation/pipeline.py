@@ -374,7 +374,9 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         try:
             profile = load_profile(name)
         except UserInputError as err:
-            raise UserInputError(err.message, source=err.source, field=f"clients.profiles ({name})") from None
+            if err.source is not None:  # a profile file: name it and its field
+                raise UserInputError(err.message, source=err.source, field=err.field) from None
+            raise UserInputError(err.message, field="clients.profiles") from None
         if name in cfg.clients.budgets or profile.name in cfg.clients.budgets:
             overrides = cfg.clients.budgets.get(name, cfg.clients.budgets.get(profile.name, {}))
             profile = profile.with_budgets(overrides, source=f"clients.budgets.{name}")
