@@ -39,8 +39,8 @@ def _accepts_bool(annotation: Any) -> bool:
     return any(_accepts_bool(a) for a in get_args(annotation))
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NoBoolNumbers(BaseModel):
+    """A pydantic model whose number fields refuse booleans (run configs, device profiles)."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -53,6 +53,10 @@ class _Strict(BaseModel):
             if field is not None and not _accepts_bool(field.annotation):
                 raise ValueError("a boolean is not allowed here" + (" (in the list)" if items is value else ""))
         return value
+
+
+class _Strict(NoBoolNumbers):
+    model_config = ConfigDict(extra="forbid")
 
 
 class DataConfig(_Strict):

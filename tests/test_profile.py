@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
@@ -131,3 +133,19 @@ def test_mcu_reports_clear_violations():
     msgs = model.violations(model.cost(space.smallest()))
     assert any(m.startswith("peak_memory_mb:") and "> budget" in m for m in msgs)
     assert any(m.startswith("params_m:") for m in msgs)
+
+
+def test_booleans_are_not_numbers_in_a_profile(tmp_path):
+    """YAML reads yes/true as True, which pydantic's lax mode would take as 1 (train_ram_mb: true
+    was a 1 MiB device)."""
+    import yaml
+
+    base = yaml.safe_load((Path(load_profile("pi4").source)).read_text())
+    for edit, field in ((lambda d: d.update(train_ram_mb=True), "train_ram_mb"),
+                        (lambda d: d["budgets"].update(macs_m=True), "budgets.macs_m")):
+        data = yaml.safe_load(yaml.safe_dump(base))
+        edit(data)
+        path = tmp_path / "p.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(UserInputError, match=f"{field}: a boolean is not allowed here .got True .YAML reads"):
+            load_profile(path)

@@ -36,12 +36,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rafl.errors import UserInputError
+from rafl.config import NoBoolNumbers
+from rafl.errors import UserInputError, shown
 
 __all__ = ["Budgets", "DeviceProfile", "load_profile", "list_profiles", "profiles_dir"]
 
 
-class Budgets(BaseModel):
+class Budgets(NoBoolNumbers):
     """The limits a subnet must meet on the device. Every budget is optional and > 0.
 
     Attributes (all per image at batch 1 unless said otherwise):
@@ -71,7 +72,7 @@ class Budgets(BaseModel):
         return [(k, v) for k, v in self.model_dump().items() if v is not None]
 
 
-class DeviceProfile(BaseModel):
+class DeviceProfile(NoBoolNumbers):
     """A device: its capabilities (throughput, bandwidth, RAM, energy model) and its budgets.
 
     Capabilities feed the cost model (:class:`rafl.search.cost.CostModel`):
@@ -217,9 +218,9 @@ def _to_user_error(err: ValidationError, source: str | Path | None) -> UserInput
     field, allowed_text = _field_info(loc)
     if kind == "missing":
         return UserInputError(f"missing required field; allowed: {allowed_text}", source=source, field=field)
-    got = first.get("input")
-    msg = first.get("msg", "invalid value")
-    return UserInputError(f"{msg} (got {got!r}); allowed: {allowed_text}", source=source, field=field)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return UserInputError(f"{msg} (got {shown(first.get('input'))}); allowed: {allowed_text}", source=source,
+                          field=field)
 
 
 def profiles_dir() -> Path:
