@@ -209,3 +209,16 @@ def test_cli_diverged_training_is_one_error_naming_the_phase_lr_and_leaves_nothi
         assert res.exit_code == 2 and len(lines) == 1, res.output
         assert "lr_full: supernet training diverged in phase full" in lines[0] and "smaller lr_full" in lines[0]
         assert (not out.exists()) if out.name == "run" else (out.is_dir() and not any(out.iterdir()))
+
+
+def test_cli_resume_with_a_config_that_does_not_fit_the_checkpoint_is_one_error(tmp_path):
+    out = tmp_path / "run"
+    args = ["--epochs-per-phase", "1", "--width-mult", "0.25", "--resolutions", "12", "--limit-per-class", "10",
+            "--batch-size", "16", "--no-progress"]
+    assert CliRunner().invoke(cli, ["supernet", "train", "--out", str(out), *args]).exit_code == 0
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "width_mult": 0.5}))   # edited by hand
+    res = CliRunner().invoke(cli, ["supernet", "train", "--resume", str(out), "--no-progress"])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "resume.pt: resume: its weights do not fit the supernet config.json describes (size mismatch" in lines[0]

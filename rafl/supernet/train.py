@@ -370,7 +370,13 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
         except Exception as err:  # noqa: BLE001 - any unpickling failure means a bad file
             raise UserInputError(f"cannot read the resume checkpoint ({err.__class__.__name__}; truncated "
                                  "or corrupted?)", source=out / RESUME_NAME) from None
-        net.load_state_dict(ckpt["model"])
+        try:
+            net.load_state_dict(ckpt["model"])
+        except (RuntimeError, KeyError, TypeError) as err:  # weights of another shape than config.json's
+            first = str(err).split("\n\t", 2)[1] if "\n\t" in str(err) else err.__class__.__name__
+            raise UserInputError(f"its weights do not fit the supernet {CONFIG_NAME} describes ({first.strip()}); "
+                                 f"restore the run's {CONFIG_NAME} or start a new run", source=out / RESUME_NAME,
+                                 field="resume") from None
         start_phase, start_epoch = ckpt["phase"], ckpt["epoch"]
         metrics = json.loads(ckpt["metrics_json"])
         if start_epoch > 0:
