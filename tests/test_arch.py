@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,14 @@ def test_evolution_ops_deterministic(space):
     c.validate(space)
     for i in c.active_blocks(space):
         assert c.ks[i] in (a.ks[i], b.ks[i], 3)
+
+
+@pytest.mark.parametrize("edit, field", [(lambda a: a.update(r=32.5), "r: is 32.5, allowed: an integer"),
+                                         (lambda a: a["d"].__setitem__(0, True), "d[0]: is True (YAML reads"),
+                                         (lambda a: a["ks"].__setitem__(0, "3"), "ks[0]: is '3', allowed: an integer")])
+def test_arch_values_must_be_integers_not_floats_bools_or_strings(edit, field):
+    space = SearchSpace(width_mult=0.25)
+    data = {k: list(v) if isinstance(v, list | tuple) else v for k, v in space.smallest().to_dict().items()}
+    edit(data)
+    with pytest.raises(UserInputError, match=f"^arch.yaml: {re.escape(field)}"):
+        ArchConfig.from_dict(data, source="arch.yaml")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from rafl.errors import UserInputError, allowed
+from rafl.errors import UserInputError, allowed, shown
 
 # The macro-architecture of OFA's MobileNet-V3 (ofa/imagenet_classification/elastic_nn/networks/
 # ofa_mbv3.py): widths before the width multiplier, per elastic stage.
@@ -304,6 +304,17 @@ class ArchConfig:
         unknown = set(data) - needed
         if unknown:
             raise UserInputError(f"unknown key(s) {sorted(unknown)}; an arch has ks, e, d, r", source=source)
+        def is_int(v: Any) -> bool:  # a YAML true/yes is a bool, 32.5 a float: neither is a choice
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("ks", "e", "d"):
+            if isinstance(data[name], list | tuple):
+                for i, v in enumerate(data[name]):
+                    if not is_int(v):
+                        raise UserInputError(f"is {shown(v)}, allowed: an integer", source=source,
+                                             field=f"{name}[{i}]")
+        if not is_int(data["r"]):
+            raise UserInputError(f"is {shown(data['r'])}, allowed: an integer (pixels)", source=source, field="r")
         try:
             return cls(ks=tuple(data["ks"]), e=tuple(data["e"]), d=tuple(data["d"]), r=data["r"])
         except (TypeError, ValueError):
