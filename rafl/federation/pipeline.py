@@ -137,7 +137,8 @@ def _resolve_arch(text: str, space: SearchSpace, field_name: str) -> ArchConfig:
     try:
         return ArchConfig.from_string(text, space)
     except UserInputError as err:
-        raise UserInputError(err.message, field=field_name) from None
+        where = {"r": "resolution r"}.get(err.field or "", err.field)
+        raise UserInputError(f"{where}: {err.message}" if where else err.message, field=field_name) from None
 
 
 def largest_feasible(space: SearchSpace, profile, samples: int, seed: int) -> tuple[ArchConfig, Any]:
