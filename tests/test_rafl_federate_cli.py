@@ -40,7 +40,7 @@ def _one_error_line(result):
     (["--set", "algorithm.tempreature=2"], "unknown hyperparameter(s) ['tempreature']"),
     (["--set", "clients.n=5000"], "impossible partition"),  # more clients than samples
     (["--set", "clients.profiles=[pi5]"], "error: clients.profiles: unknown device profile 'pi5'; shipped"),
-    (["--set", "algorithm.name=fedavg", "--set", "clients.arch=r32_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"],
+    (["--set", "clients.n=3", "--set", "algorithm.name=fedavg", "--set", "clients.arch=r32_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"],
      "error: clients.arch: resolution r: is 32, allowed: one of 16"),
     (["--set", "partition.public_fraction=0.2", "--set", "clients.n=3"], "overlap the supernet's training data"),
     (["--set", "name=../escape"], "name: is '../escape'; allowed: a plain folder name"),
