@@ -169,6 +169,16 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
             done = len((out / "r" / "metrics.jsonl").read_text().splitlines())
             res = _invoke(["--resume", str(out / "r"), "--set", f"engine.rounds={done + 1}"])
             assert res.exit_code == 0, res.output
+    # Ctrl-C (SIGINT) unwinds the same way and exits 130 (128 + SIGINT), the shell's convention
+    proc = subprocess.Popen([*cmd[:8], "name=s", *cmd[9:]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while not (out / "s" / "config.yaml").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert not (out / "s").exists()
 
 
 @pytest.mark.parametrize("trained_on, run_sets, field", [

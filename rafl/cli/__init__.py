@@ -62,9 +62,9 @@ class LazyGroup(click.Group):
         except click.ClickException as err:
             err.show()
             sys.exit(err.exit_code)
-        except click.exceptions.Abort:
+        except click.exceptions.Abort:  # Ctrl-C: the shell's convention, 128 + SIGINT
             click.echo("Aborted!", err=True)
-            sys.exit(1)
+            sys.exit(128 + signal.SIGINT)
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context):
