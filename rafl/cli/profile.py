@@ -106,7 +106,8 @@ def _is_latency_lut(path: Path) -> bool:
               help="torch threads while measuring latency.")
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Untimed warm-up runs.")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Timed repeats (median and p90 reported; the LUT keeps the median).")
+              help="Timed repeats at batch 1 (median and p90 reported; the LUT keeps the median); the "
+                   "training-batch measurement uses half as many (at least 3) and half the warm-up.")
 @click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall", show_default=True,
               help="LUT timing clock: wall clock (a quiet device), or the thread's CPU time (a shared, "
                    "loaded host; use with --threads 1).")
