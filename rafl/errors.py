@@ -73,3 +73,12 @@ def allowed(values: Iterable[object]) -> str:
     """Format allowed values for an error message: ``"one of 3, 5, 7"``."""
     vals = list(values)
     return "one of " + ", ".join(str(v) for v in vals)
+
+
+def load_error_detail(err: Exception, limit: int = 200) -> str:
+    """The first specific line of a ``load_state_dict`` error (torch's first line only says
+    "Error(s) in loading state_dict for X:"; the details follow on tab-indented lines), e.g.
+    ``size mismatch for blocks.0.conv.weight: copying a param with shape ...``."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    detail = next((ln for ln in lines[1:]), lines[0] if lines else err.__class__.__name__)
+    return detail[:limit]

@@ -77,6 +77,10 @@ def test_mcu_is_reported_infeasible_and_model_inputs(tmp_path):
                 "--device-profile", "phone", "--out", str(tmp_path / "b"), "--no-measure"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "b" / "cost_report.json").read_text())["arch"] == arch.to_dict()
+    # the same weights at another width: the error names the first mismatching tensor
+    res = _run(["profile", "--model", str(pt), "--arch", str(arch_file), "--width-mult", "0.5",
+                "--device-profile", "phone", "--out", str(tmp_path / "c"), "--no-measure"])
+    assert res.exit_code == 2 and "at width x0.5: size mismatch for " in res.output, res.output
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, load_error_detail
 
 REPORT_FILES = ("cost_report.md", "cost_report.json", "cost_report.png")
 
@@ -60,9 +60,9 @@ def _load_model(path: Path, arch_text: str | None, space):
         try:
             sub.load_state_dict(state)
         except (RuntimeError, TypeError, AttributeError) as err:
-            first = str(err).strip().splitlines()[0][:200]
             raise UserInputError(f"state dict does not fit arch {arch.to_string(space)} at width "
-                                 f"x{space.width_mult}: {first}", source=path, field="--model") from None
+                                 f"x{space.width_mult}: {load_error_detail(err)}", source=path,
+                                 field="--model") from None
         return sub.eval(), arch, space
     from rafl.search.runner import load_searched_subnet
 

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, load_error_detail
 from rafl.io import atomic_write_bytes, atomic_write_json
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
@@ -373,8 +373,8 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
         try:
             net.load_state_dict(ckpt["model"])
         except (RuntimeError, KeyError, TypeError) as err:  # weights of another shape than config.json's
-            first = str(err).split("\n\t", 2)[1] if "\n\t" in str(err) else err.__class__.__name__
-            raise UserInputError(f"its weights do not fit the supernet {CONFIG_NAME} describes ({first.strip()}); "
+            raise UserInputError(f"its weights do not fit the supernet {CONFIG_NAME} describes "
+                                 f"({load_error_detail(err)}); "
                                  f"restore the run's {CONFIG_NAME} or start a new run", source=out / RESUME_NAME,
                                  field="resume") from None
         start_phase, start_epoch = ckpt["phase"], ckpt["epoch"]
