@@ -196,7 +196,7 @@ def test_supernet_trained_on_another_sample_of_the_data_is_refused(tmp_path, tin
     out = tmp_path / "runs"
     line = _one_error_line(_invoke(["--out", str(out), "--set", f"supernet.path={d}",
                                     "--set", "data.limit_per_class=10", "--set", "clients.n=3", *run_sets]))
-    assert f"error: {field}: the supernet trained on" in line and "overlap the supernet's training data" in line
+    assert f"error: {field}: the supernet in {d} trained on" in line and "overlap the supernet's training data" in line
     assert not out.exists()
 
 
@@ -210,3 +210,13 @@ def test_a_malformed_profile_file_names_the_file_and_its_field(tmp_path, tiny_su
                                     "data.limit_per_class=10", "--set", "clients.n=3", "--set",
                                     f"clients.profiles=[{pfile}]"]))
     assert line.startswith(f"error: {pfile}: throughput_gmacs: missing required field; allowed: a number > 0")
+
+
+def test_the_quickstart_supernet_refuses_a_sample_of_digits(tmp_path):
+    """The quickstart supernet trained on all of digits: data.limit_per_class would carve another
+    public pool, so client data would hold its training images (checked before it is trained)."""
+    out = tmp_path / "runs"
+    line = _one_error_line(_invoke(["--out", str(out), "--set", "data.limit_per_class=30", "--set", "clients.n=3"]))
+    assert line.startswith("error: data.limit_per_class: the quickstart supernet trained on limit_per_class=null, "
+                           "the run loads data.limit_per_class=30")
+    assert not out.exists()

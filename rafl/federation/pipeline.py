@@ -321,13 +321,21 @@ class Prepared:
 
 
 def _load_supernet(cfg: RunConfig, dataset, progress: bool):
-    """``(supernet, id string, (public_fraction, public_seed) it trained on or None)``."""
+    """``(supernet, id string, (public_fraction, public_seed) it trained on or None)``.
+
+    Raises:
+        UserInputError: a supernet trained on another sample of the data (``data.dataset``,
+            ``data.limit_per_class``): the same pool fraction and seed then carve other images,
+            and client data would hold the supernet's training images.
+    """
     if cfg.supernet.path is None:
         if cfg.data.dataset != "digits":
             raise UserInputError("the quickstart supernet is for digits; give supernet.path for "
                                  f"{cfg.data.dataset!r}", field="supernet.path")
         from rafl.supernet import quickstart_supernet
+        from rafl.supernet.quickstart import quickstart_config
 
+        _check_same_data(cfg, quickstart_config().model_dump(), "the quickstart supernet")
         supernet, path = quickstart_supernet(progress=progress)
         return supernet, f"quickstart:{path}", QUICKSTART_POOL
     from rafl.supernet import load_supernet
@@ -341,17 +349,23 @@ def _load_supernet(cfg: RunConfig, dataset, progress: bool):
     seed = conf.get("public_seed", conf.get("data", {}).get("public_seed") if isinstance(conf.get("data"), dict) else None)
     if frac is not None:
         pool = (float(frac), int(seed or 0))
-        # the pool is carved from the dataset's labels: the same (fraction, seed) on another
-        # sample of the data (another dataset, or another data.limit_per_class) is another pool,
-        # and the supernet's training images would land in the clients' splits
-        for key, mine in (("dataset", cfg.data.dataset), ("limit_per_class", cfg.data.limit_per_class)):
-            if key in conf and conf[key] != mine:
-                raise UserInputError(
-                    f"the supernet trained on {key}={conf[key]!r} ({cfg.supernet.path}/config.json), the run "
-                    f"loads data.{key}={mine!r}: its public pool would be other images, and client data would "
-                    f"overlap the supernet's training data; set data.{key}={conf[key]!r} or train a supernet on "
-                    "this data", field=f"data.{key}")
+        _check_same_data(cfg, conf, f"the supernet in {cfg.supernet.path}")
     return supernet, f"{cfg.supernet.path}:{meta.get('weights_sha256', '')}", pool
+
+
+def _check_same_data(cfg: RunConfig, trained: dict[str, Any], what: str) -> None:
+    """Refuse a run whose data sample differs from the one the supernet's public pool came from
+    (``trained``: the supernet's training config)."""
+    for key, mine in (("dataset", cfg.data.dataset), ("limit_per_class", cfg.data.limit_per_class)):
+        if key in trained and trained[key] != mine:
+            def yaml_value(v: Any) -> str:
+                return "null" if v is None else str(v)
+
+            raise UserInputError(
+                f"{what} trained on {key}={yaml_value(trained[key])}, the run loads data.{key}="
+                f"{yaml_value(mine)}: its public pool would be other images, and client data would overlap the "
+                f"supernet's training data; set data.{key}={yaml_value(trained[key])} or train a supernet on "
+                "this data", field=f"data.{key}")
 
 
 def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
