@@ -158,3 +158,10 @@ def test_supernet_folder_gives_the_space(tmp_path):
     res = CliRunner().invoke(cli, ["profile", "--supernet", str(tmp_path / "none"), "--arch", ARCH,
                                    "--device-profile", "pi4", "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "--supernet" in res.output and not (tmp_path / "x").exists()
+
+
+def test_nan_width_is_a_usage_error_not_a_traceback(tmp_path):
+    res = CliRunner().invoke(cli, ["profile", "--arch", ARCH, "--device-profile", "pi4", "--width-mult", "nan",
+                                   "--out", str(tmp_path / "out"), "--no-measure"])
+    assert res.exit_code == 2 and "'--width-mult': nan is not a finite number" in res.output, res.output
+    assert not (tmp_path / "out").exists()

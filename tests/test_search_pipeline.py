@@ -166,7 +166,7 @@ def test_cli_bad_inputs_exit_2_and_write_nothing(supernet_dir, tmp_path):
     res = _run(["--device-profile", "no-such-device", "--out", str(out)])
     assert res.exit_code == 2 and "shipped profiles" in res.output
     res = _run(["--device-profile", "pi4", "--time-budget", "nan", "--out", str(out)])  # click's range lets NaN in
-    assert res.exit_code == 2 and res.output.startswith("error: --time-budget: ") and "nan" in res.output
+    assert res.exit_code == 2 and "'--time-budget': nan is not a finite number" in res.output
     bad = tmp_path / "bad.yaml"
     data = yaml.safe_load((Path(load_profile("pi4").source)).read_text())
     data["budgets"]["latency_ms"] = -1

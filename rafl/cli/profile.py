@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from rafl.cli._types import FiniteFloatRange
 from rafl.errors import UserInputError, load_error_detail
 
 REPORT_FILES = ("cost_report.md", "cost_report.json", "cost_report.png")
@@ -91,7 +92,7 @@ def _is_latency_lut(path: Path) -> bool:
                    ".pt state dict together with --arch.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
               help="Supernet folder: its search space (and weights) are used.")
-@click.option("--width-mult", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--width-mult", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Search-space width multiplier (without --supernet).")
 @click.option("--n-classes", type=click.IntRange(min=2), default=10, show_default=True,
               help="Classes of the classifier (without --supernet).")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from rafl.cli._types import FiniteFloatRange
 from rafl.errors import UserInputError
 
 
@@ -33,7 +34,7 @@ def _check_out(out: Path, names: list[str]) -> None:
               help="Evolution generations (OFA: 500).")
 @click.option("--population", type=click.IntRange(min=2), default=100, show_default=True,
               help="Population size (OFA: 100).")
-@click.option("--time-budget", "time_budget_s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--time-budget", "time_budget_s", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="Stop each profile's evolution after this many seconds.")
 @click.option("--estimator", type=click.Choice(["predictor", "measured"]), default="predictor",
               show_default=True, help="Accuracy during the evolution: an MLP predictor trained on "

@@ -70,7 +70,7 @@ class TrainConfig(BaseModel):
     val_fraction: float = Field(0.1, ge=0, lt=1)
     test_samples: int | None = Field(2000, ge=1)
 
-    width_mult: float = Field(0.35, gt=0, le=2)
+    width_mult: float = Field(0.35, gt=0, le=2, allow_inf_nan=False)
     resolutions: tuple[int, ...] = Field(
         (12, 14, 16), description="elastic input resolutions (px); default per dataset: "
         "digits (8x8 originals) (12, 14, 16), others (24, 28, 32)")
