@@ -67,17 +67,9 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     if supernet_dir is not None and not supernet_dir.exists():
         raise UserInputError("no such supernet folder (train one with `rafl supernet train`, or omit "
                              "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")
-    from pydantic import ValidationError
-
-    try:
-        config = SearchConfig(population=population, generations=generations, time_budget_s=time_budget_s,
-                              estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
-                              progress=not quiet)
-    except ValidationError as err:  # values click's ranges let through, e.g. --time-budget nan
-        first = err.errors()[0]
-        key = str(first["loc"][0]) if first.get("loc") else ""
-        option = {"time_budget_s": "--time-budget"}.get(key, "--" + key.replace("_", "-"))
-        raise UserInputError(f"{first.get('msg', 'invalid')} (got {first.get('input')!r})", field=option) from None
+    config = SearchConfig(population=population, generations=generations, time_budget_s=time_budget_s,
+                          estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
+                          progress=not quiet)  # the options' click ranges are SearchConfig's constraints
     results = run_search(profs, out, config, supernet_dir=supernet_dir)
     fit = next(iter(results.values())).predictor_fit
     if fit:

@@ -356,11 +356,11 @@ def _load_supernet(cfg: RunConfig, dataset, progress: bool):
 def _check_same_data(cfg: RunConfig, trained: dict[str, Any], what: str) -> None:
     """Refuse a run whose data sample differs from the one the supernet's public pool came from
     (``trained``: the supernet's training config)."""
+    def yaml_value(v: Any) -> str:
+        return "null" if v is None else str(v)
+
     for key, mine in (("dataset", cfg.data.dataset), ("limit_per_class", cfg.data.limit_per_class)):
         if key in trained and trained[key] != mine:
-            def yaml_value(v: Any) -> str:
-                return "null" if v is None else str(v)
-
             raise UserInputError(
                 f"{what} trained on {key}={yaml_value(trained[key])}, the run loads data.{key}="
                 f"{yaml_value(mine)}: its public pool would be other images, and client data would overlap the "
