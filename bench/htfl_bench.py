@@ -87,10 +87,11 @@ def _method_sets(overrides: list[str], rounds: int, seed: int, device: str) -> l
 
 
 def run_method(name: str, method: str, cfg, hparams: dict, held: list[list[int]], out: Path, dim: int, seed: int,
-               tail: int) -> dict:
+               tail: int, tag: str | None = None) -> dict:
     """One method on one scenario/seed: its compare row with the tail accuracies and its curve, and
-    (prototype methods) the upload-bytes rows and check."""
-    run_out = out / name / f"seed{seed}" / method
+    (prototype methods) the upload-bytes rows and check. ``tag`` names the run dir (default: the
+    method), so variants of one method (``bench/fedgh_sweep.py``) do not share it."""
+    run_out = out / name / f"seed{seed}" / (tag or method)
     shutil.rmtree(run_out, ignore_errors=True)  # a run of other settings, or one interrupted: start afresh
     t0 = time.perf_counter()
     (row,) = run_compare(cfg, {method: hparams}, run_out, models=MODELS, feature_dim=dim, progress=False)
@@ -101,7 +102,7 @@ def run_method(name: str, method: str, cfg, hparams: dict, held: list[list[int]]
         row[f"{rule}.acc_tail"] = _tail_mean(hist, f"{rule}.acc_mean_over_clients", tail)
     extra = "".join(f"  {rule} {row[f'{rule}.acc_tail']:.4f}" for rule in RULES[1:]
                     if row[f"{rule}.acc_tail"] is not None)
-    print(f"  {name} seed {seed} {method:<11} acc last-{tail} {row['model.acc_tail']:.4f} (final "
+    print(f"  {name} seed {seed} {tag or method:<11} acc last-{tail} {row['model.acc_tail']:.4f} (final "
           f"{row['model.acc_mean']:.4f}){extra}  MB {row['mb_total']:.3f}  {row['wall_s']:.0f}s", flush=True)
     result = {"row": row, "bytes": None, "checks": {}}
     if method in UPLOAD_PREFIX:
@@ -125,6 +126,29 @@ def _cache_key(name: str, method: str, sets: list[str], hparams: dict, dim: int,
             "models": MODELS, "dim": dim, "tail": tail, "version": METHOD_VERSION.get(method, 1)}
 
 
+def cached_method(name: str, method: str, sets: list[str], cfg, hparams: dict, held: list[list[int]], out: Path,
+                  dim: int, seed: int, tail: int, tag: str | None = None) -> dict:
+    """:func:`run_method`'s result, reused from ``OUT/<scenario>/seed<s>/<tag or method>.json`` when
+    it was written with the same settings (:func:`_cache_key` of ``sets`` and ``hparams``), else
+    run and written there."""
+    key = _cache_key(name, method, sets, hparams, dim, tail)
+    path = out / name / f"seed{seed}" / f"{tag or method}.json"
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    if cached.get("key") == key:
+        print(f"  {name} seed {seed} {tag or method}: reusing {path}", flush=True)
+        return cached["result"]
+    res = run_method(name, method, cfg, hparams, held, out, dim, seed, tail, tag)
+    atomic_write_json(path, {"key": key, "result": res})
+    return res
+
+
+def client_classes(cfg, dim: int) -> list[list[int]]:
+    """The classes each client holds in its training split, for the upload-bytes formulas."""
+    ds, part = _prepare_group(cfg, [], dim)
+    labels = ds.labels.numpy()
+    return [sorted(set(labels[c.train].tolist())) for c in part.clients]
+
+
 def run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, seed: int, tail: int,
              device: str = "cpu") -> dict:
     """Every method of :data:`METHODS` on one partition/seed, one run per method so progress prints.
@@ -134,26 +158,16 @@ def run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
     interrupted mid-run starts again). Runs are deterministic for a seed on one thread."""
     sets = _method_sets(overrides, rounds, seed, device)
     cfg, hps = load_compare_config(None, sets, METHODS)
-    ds, part = _prepare_group(cfg, [], dim)
-    labels = ds.labels.numpy()
-    held = [sorted(set(labels[c.train].tolist())) for c in part.clients]
+    held = client_classes(cfg, dim)
     per_method, bytes_rows, checks = {}, [], {}
     for m in METHODS:
-        key = _cache_key(name, m, sets, hps[m], dim, tail)
-        path = out / name / f"seed{seed}" / f"{m}.json"
-        cached = json.loads(path.read_text()) if path.exists() else {}
-        if cached.get("key") == key:
-            print(f"  {name} seed {seed} {m}: reusing {path}", flush=True)
-            res = cached["result"]
-        else:
-            res = run_method(name, m, cfg, hps[m], held, out, dim, seed, tail)
-            atomic_write_json(path, {"key": key, "result": res})
+        res = cached_method(name, m, sets, cfg, hps[m], held, out, dim, seed, tail)
         per_method[m] = res["row"]
         checks |= res["checks"]
         if res["bytes"]:
             bytes_rows.append(res["bytes"])
     return {"seed": seed, "methods": per_method, "bytes": bytes_rows, "checks": checks,
-            "n_clients": len(part.clients), "classes_held": [len(h) for h in held]}
+            "n_clients": len(held), "classes_held": [len(h) for h in held]}
 
 
 def _run_seed_star(args: tuple) -> dict:
@@ -224,7 +238,7 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
                   summary["fedtgp"]["proto"] >= summary["fedproto"]["proto"],
               "FedGH + local label prior (label_prior: local; not in the paper) > Standalone":
                   summary["fedgh"]["prior"] > acc["standalone"],
-              "FedGH, local header (deploy_header: local; HtFLlib's evaluation point) > Standalone":
+              "FedGH, local header (deploy_header: local; not in the paper) > Standalone":
                   summary["fedgh"]["local"] > acc["standalone"]}
     for r in runs:
         for k, v in r["checks"].items():
@@ -252,8 +266,8 @@ def report(results: list[dict], args, argv: list[str]) -> str:
              "**proto** = the same for nearest-global-prototype inference (FedProto / FedTGP; the accuracy "
              "both papers and HtFLlib report); **+prior** = FedGH's global header plus each client's log label "
              "prior (`label_prior: local`, not in the paper; same training run); **local** = FedGH's client model as "
-             "it leaves local training, its header fine-tuned from the global one (`deploy_header: local`: the "
-             "point where HtFLlib's FedGH evaluates; same training run). Claims compare these means.", ""]
+             "it leaves local training, its header fine-tuned from the global one (`deploy_header: local`, not in "
+             "the paper; same training run). Claims compare these means.", ""]
     for res in results:
         base = res["summary"]["standalone"]["acc"]
         lines += [f"## {res['scenario']} ({res['n_clients']} clients, classes held per client (seed "
@@ -307,19 +321,25 @@ def scenario_overrides(args) -> dict[str, list[str]]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The options this bench shares with ``bench/fedgh_sweep.py``."""
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
     ap.add_argument("--tail", type=int, default=5, help="accuracy = mean over the last TAIL rounds")
     ap.add_argument("--limit-per-class", type=int, default=250)
     ap.add_argument("--feature-dim", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=Path("/tmp") / f"htfl-bench-{int(time.time())}")
+    ap.add_argument("--out", type=Path, default=Path("/tmp") / f"htfl-bench-{int(time.time())}",
+                    help="cache and run dirs (shared with the other bench: Standalone runs once)")
     ap.add_argument("--only", default="", help="comma list of scenario names to run")
     ap.add_argument("--cifar", type=Path, default=CIFAR, help="the CIFAR-10 archive (default ../shared/data)")
     ap.add_argument("--device", default="cpu", help="torch device for local and server training")
     ap.add_argument("--jobs", type=int, default=1, help="seeds run in parallel (one process and core each)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     scenarios = scenario_overrides(args)

@@ -172,6 +172,34 @@ def test_fedgh_local_label_prior_adjusts_only_the_deployed_logits(digits, edge_p
     assert a["model.correct"] == a["prior.correct"] == p["prior.correct"] >= p["model.correct"]
 
 
+@pytest.mark.parametrize("mode", ["per-lar", "per-client"])
+def test_fedgh_server_epochs_fit_the_header_to_the_rounds_lars(mode):
+    """``server_epochs`` passes over the round's LARs: one pass at eta_theta = 0.01 (Algorithm 1,
+    the default) barely moves a fresh header; 100 (HtFLlib's) fit it to every LAR's class."""
+    from rafl.federation.algorithms.fedgh import train_global_header
+
+    gen = torch.Generator().manual_seed(0)
+    means = 2 * torch.randn(10, D, generator=gen)
+    holds = ([0, 1], [2, 3, 4], [5, 6], [7, 8, 9], [0, 9])
+    lars = [{c: means[c] + 0.1 * torch.randn(D, generator=gen) for c in cls} for cls in holds]
+    x = torch.stack([v for client in lars for v in client.values()])
+    y = torch.tensor([c for client in lars for c in client])
+
+    def fit(epochs: int) -> tuple[float, float]:
+        torch.manual_seed(0)
+        header = torch.nn.Linear(D, 10)
+        w0 = header.weight.detach().clone()
+        train_global_header(header, lars, lr=0.01, epochs=epochs, mode=mode, max_grad_norm=10.0)
+        with torch.no_grad():
+            return float((header(x).argmax(1) == y).float().mean()), float((header.weight - w0).norm())
+
+    acc1, moved1 = fit(1)
+    acc100, moved100 = fit(100)
+    assert get_algorithm("fedgh")().hparams["server_epochs"] == 1
+    assert acc100 == 1.0 and acc1 < 0.8
+    assert moved100 > 5 * moved1
+
+
 def test_fedgh_server_clip_keeps_header_finite_with_an_outlying_lar():
     """One client's eval-mode representation with a norm in the thousands (seen with a ShuffleNetV2
     client on CIFAR-10 Dirichlet 0.1): unclipped, 100 server epochs blow the shared header up; the

@@ -1,0 +1,125 @@
+"""FedGH's server epochs: the global header's accuracy vs Standalone for several ``server_epochs``.
+
+FedGH's Algorithm 1 (Yi et al., MM 2023) shows one SGD pass over the round's LARs; HtFLlib's FedGH
+(``servergh.py``, the FedTGP paper's FedGH baseline) makes ``server_epochs`` = 100 passes. The
+paper leaves the count open and it decides how far the header moves per round (one pass = one
+step per LAR at ``server_lr`` 0.01), so this bench measures it: for every ``--epochs`` value, on
+the scenarios of ``bench/htfl_bench.py`` (same partitions, models, settings and seeds), FedGH's
+three inference rules (global header, + label prior, local header) as paired per-seed
+differences vs Standalone.
+
+Run: ``python bench/fedgh_sweep.py --epochs 1,10,100 --seeds 0,1,2,3 [--only digits-pat2-train20]
+--jobs 2 --out DIR``; writes ``bench/results/fedgh_sweep[_<only>].md`` and ``.json``. Results are
+cached like ``htfl_bench.py``'s, under the same ``--out`` (``<scenario>/seed<s>/fedgh-se<E>.json``;
+Standalone's ``standalone.json`` is shared with it, so give both benches one ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import htfl_bench as hb
+from rafl.federation.compare import load_compare_config
+from rafl.io import atomic_write_json, atomic_write_text
+
+RULES = (("global header", "model.acc_tail"), ("+ label prior", "prior.acc_tail"), ("local header", "local.acc_tail"))
+
+
+def sweep_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, seed: int, tail: int, device: str,
+               epochs: list[int]) -> dict:
+    """Standalone and FedGH at every ``epochs`` value on one partition/seed (cached per run)."""
+    torch.set_num_threads(1)
+    sets = hb._method_sets(overrides, rounds, seed, device)
+    cfg, hps = load_compare_config(None, sets, ["standalone"])
+    held = hb.client_classes(cfg, dim)
+    rows = {"standalone": hb.cached_method(name, "standalone", sets, cfg, hps["standalone"], held, out, dim, seed,
+                                           tail)["row"]}
+    for e in epochs:
+        vsets = sets + [f"algorithm.fedgh.server_epochs={e}"]
+        vcfg, vhps = load_compare_config(None, vsets, ["fedgh"])
+        rows[e] = hb.cached_method(name, "fedgh", vsets, vcfg, vhps["fedgh"], held, out, dim, seed, tail,
+                                   tag=f"fedgh-se{e}")["row"]
+    return {"seed": seed, "rows": rows}
+
+
+def _sweep_seed_star(args: tuple) -> dict:
+    return sweep_seed(*args)
+
+
+def summarize(name: str, runs: list[dict], epochs: list[int]) -> dict:
+    """Per ``server_epochs`` and inference rule: mean accuracy over seeds, per-seed paired
+    difference vs Standalone (points), its mean, and on how many seeds it is positive."""
+    sa = [r["rows"]["standalone"]["model.acc_tail"] for r in runs]
+    table = []
+    for e in epochs:
+        for rule, key in RULES:
+            acc = [r["rows"][e][key] for r in runs]
+            diffs = [100 * (a - b) for a, b in zip(acc, sa)]
+            table.append({"server_epochs": e, "rule": rule, "acc": statistics.fmean(acc), "per_seed": diffs,
+                          "mean": statistics.fmean(diffs), "holds": sum(d > 0 for d in diffs), "n": len(diffs),
+                          "wall_s": statistics.fmean(r["rows"][e]["wall_s"] for r in runs)})
+    return {"scenario": name, "standalone": statistics.fmean(sa), "standalone_per_seed": sa, "table": table}
+
+
+def report(results: list[dict], args, argv: list[str]) -> str:
+    lines = ["# FedGH server epochs (`python bench/fedgh_sweep.py " + " ".join(argv) + "`)", "",
+             f"The settings of `bench/htfl_bench.py` ({args.rounds} rounds, htfe-tiny, D = {args.feature_dim}, "
+             f"seeds {', '.join(map(str, args.seeds))}, accuracy = mean of the last {args.tail} rounds), FedGH at its "
+             "defaults but `server_epochs`. Rules, all from the same runs: **global header** (the paper's deployed "
+             "model), **+ label prior** (`label_prior: local`), **local header** (`deploy_header: local`). "
+             "Differences are paired per seed (same partition, init and data order as Standalone).", ""]
+    for res in results:
+        lines += [f"## {res['scenario']} (Standalone {res['standalone']:.4f})", "",
+                  "| server_epochs | rule | acc | vs Standalone, per seed (points) | mean | holds on | wall s / seed |",
+                  "|---|---|---|---|---|---|---|"]
+        for t in res["table"]:
+            lines.append(f"| {t['server_epochs']} | {t['rule']} | {t['acc']:.4f} | "
+                         f"{', '.join(f'{d:+.2f}' for d in t['per_seed'])} | {t['mean']:+.2f} | "
+                         f"{t['holds']}/{t['n']} seeds | {t['wall_s']:.0f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    hb.add_common_args(ap)
+    ap.add_argument("--epochs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 10, 100],
+                    help="comma list of FedGH server_epochs values")
+    args = ap.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    results = []
+    for name, sets in hb.scenario_overrides(args).items():
+        if only and name not in only:
+            continue
+        print(f"== {name}", flush=True)
+        work = [(name, sets, args.out, args.rounds, args.feature_dim, s, args.tail, args.device, args.epochs)
+                for s in args.seeds]
+        t0 = time.perf_counter()
+        if args.jobs > 1 and len(work) > 1:
+            with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(work))) as pool:
+                runs = pool.map(_sweep_seed_star, work, chunksize=1)
+        else:
+            runs = [sweep_seed(*w) for w in work]
+        res = summarize(name, runs, args.epochs) | {"elapsed_s": time.perf_counter() - t0}
+        results.append(res)
+    text = report(results, args, argv)
+    print(text)
+    dest = hb.ROOT / "bench" / "results"
+    suffix = ("" if not only else "_" + "_".join(only)) + (
+        f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "")
+    atomic_write_text(dest / f"fedgh_sweep{suffix}.md", text)
+    atomic_write_json(dest / f"fedgh_sweep{suffix}.json",
+                      {"args": vars(args) | {"out": str(args.out), "cifar": str(args.cifar)}, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
