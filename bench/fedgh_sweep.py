@@ -94,11 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 10, 100],
                     help="comma list of FedGH server_epochs values")
     args = ap.parse_args(argv)
-    only = [s for s in args.only.split(",") if s]
+    scenarios, only = hb.selected(ap, args)
     results = []
-    for name, sets in hb.scenario_overrides(args).items():
-        if only and name not in only:
-            continue
+    for name, sets in scenarios.items():
         print(f"== {name}", flush=True)
         work = [(name, sets, args.out, args.rounds, args.feature_dim, s, args.tail, args.device, args.epochs)
                 for s in args.seeds]

@@ -321,6 +321,17 @@ def scenario_overrides(args) -> dict[str, list[str]]:
     }
 
 
+def selected(ap: argparse.ArgumentParser, args) -> tuple[dict[str, list[str]], list[str]]:
+    """The scenarios ``--only`` names (all when empty) and the names; an unknown name is a usage
+    error (exit 2) before anything runs or is written."""
+    scenarios = scenario_overrides(args)
+    only = [s for s in args.only.split(",") if s]
+    unknown = [s for s in only if s not in scenarios]
+    if unknown:
+        ap.error(f"--only: unknown scenario {', '.join(unknown)}; allowed: {', '.join(scenarios)}")
+    return {n: sets for n, sets in scenarios.items() if not only or n in only}, only
+
+
 def add_common_args(ap: argparse.ArgumentParser) -> None:
     """The options this bench shares with ``bench/fedgh_sweep.py``."""
     ap.add_argument("--rounds", type=int, default=30)
@@ -342,12 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    scenarios = scenario_overrides(args)
-    only = [s for s in args.only.split(",") if s]
+    scenarios, only = selected(ap, args)
     results = []
     for name, sets in scenarios.items():
-        if only and name not in only:
-            continue
         print(f"== {name}", flush=True)
         res = scenario(name, sets, args.out, args.rounds, args.feature_dim, args.seeds, args.tail, args.device,
                        args.jobs)
