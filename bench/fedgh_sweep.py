@@ -87,12 +87,22 @@ def report(results: list[dict], args, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _epochs(text: str) -> list[int]:
+    """``--epochs``: distinct integers >= 1, e.g. ``1,10,100``."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of integers >= 1, e.g. 1,10,100") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers >= 1, e.g. 1,10,100")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     hb.add_common_args(ap)
-    ap.add_argument("--epochs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 10, 100],
-                    help="comma list of FedGH server_epochs values")
+    ap.add_argument("--epochs", type=_epochs, default=[1, 10, 100], help="comma list of FedGH server_epochs values")
     args = ap.parse_args(argv)
     scenarios, only = hb.selected(ap, args)
     results = []
