@@ -9,7 +9,8 @@ three inference rules (global header, + label prior, local header) as paired per
 differences vs Standalone.
 
 Run: ``python bench/fedgh_sweep.py --epochs 1,10,100 --seeds 0,1,2,3 [--only digits-pat2-train20]
---jobs 2 --out DIR``; writes ``bench/results/fedgh_sweep[_<only>].md`` and ``.json``. Results are
+[--mode per-client] --jobs 2 --out DIR``; writes ``bench/results/fedgh_sweep[_<only>][_per-client].md`` and
+``.json``. Results are
 cached like ``htfl_bench.py``'s, under the same ``--out`` (``<scenario>/seed<s>/fedgh-se<E>.json``;
 Standalone's ``standalone.json`` is shared with it, so give both benches one ``--out``).
 """
@@ -33,8 +34,9 @@ RULES = (("global header", "model.acc_tail"), ("+ label prior", "prior.acc_tail"
 
 
 def sweep_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, seed: int, tail: int, device: str,
-               epochs: list[int]) -> dict:
-    """Standalone and FedGH at every ``epochs`` value on one partition/seed (cached per run)."""
+               epochs: list[int], mode: str = "per-lar") -> dict:
+    """Standalone and FedGH at every ``epochs`` value (``server_mode`` = ``mode``) on one
+    partition/seed (cached per run)."""
     torch.set_num_threads(1)
     sets = hb._method_sets(overrides, rounds, seed, device)
     cfg, hps = load_compare_config(None, sets, ["standalone"])
@@ -42,10 +44,12 @@ def sweep_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int
     rows = {"standalone": hb.cached_method(name, "standalone", sets, cfg, hps["standalone"], held, out, dim, seed,
                                            tail)["row"]}
     for e in epochs:
-        vsets = sets + [f"algorithm.fedgh.server_epochs={e}"]
+        # the default mode adds no --set, so its cache entries stay valid
+        vsets = sets + [f"algorithm.fedgh.server_epochs={e}"] + (
+            [] if mode == "per-lar" else [f"algorithm.fedgh.server_mode={mode}"])
         vcfg, vhps = load_compare_config(None, vsets, ["fedgh"])
         rows[e] = hb.cached_method(name, "fedgh", vsets, vcfg, vhps["fedgh"], held, out, dim, seed, tail,
-                                   tag=f"fedgh-se{e}")["row"]
+                                   tag=f"fedgh-se{e}" + ("" if mode == "per-lar" else f"-{mode}"))["row"]
     return {"seed": seed, "rows": rows}
 
 
@@ -72,7 +76,7 @@ def report(results: list[dict], args, argv: list[str]) -> str:
     lines = ["# FedGH server epochs (`python bench/fedgh_sweep.py " + " ".join(argv) + "`)", "",
              f"The settings of `bench/htfl_bench.py` ({args.rounds} rounds, htfe-tiny, D = {args.feature_dim}, "
              f"seeds {', '.join(map(str, args.seeds))}, accuracy = mean of the last {args.tail} rounds), FedGH at its "
-             "defaults but `server_epochs`. Rules, all from the same runs: **global header** (the paper's deployed "
+             f"defaults but `server_epochs` (`server_mode: {args.mode}`). Rules, all from the same runs: **global header** (the paper's deployed "
              "model), **+ label prior** (`label_prior: local`), **local header** (`deploy_header: local`). "
              "Differences are paired per seed (same partition, init and data order as Standalone).", ""]
     for res in results:
@@ -103,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     hb.add_common_args(ap)
     ap.add_argument("--epochs", type=_epochs, default=[1, 10, 100], help="comma list of FedGH server_epochs values")
+    ap.add_argument("--mode", choices=["per-lar", "per-client"], default="per-lar",
+                    help="FedGH's server_mode: one SGD step per LAR (the paper) or per client's LARs")
     args = ap.parse_args(argv)
     scenarios, only = hb.selected(ap, args)
     results = []
     for name, sets in scenarios.items():
         print(f"== {name}", flush=True)
-        work = [(name, sets, args.out, args.rounds, args.feature_dim, s, args.tail, args.device, args.epochs)
+        work = [(name, sets, args.out, args.rounds, args.feature_dim, s, args.tail, args.device, args.epochs,
+                 args.mode)
                 for s in args.seeds]
         t0 = time.perf_counter()
         if args.jobs > 1 and len(work) > 1:
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(results, args, argv)
     print(text)
     dest = hb.ROOT / "bench" / "results"
-    suffix = ("" if not only else "_" + "_".join(only)) + (
+    suffix = ("" if not only else "_" + "_".join(only)) + ("" if args.mode == "per-lar" else f"_{args.mode}") + (
         f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "")
     atomic_write_text(dest / f"fedgh_sweep{suffix}.md", text)
     atomic_write_json(dest / f"fedgh_sweep{suffix}.json",
