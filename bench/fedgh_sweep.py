@@ -10,15 +10,13 @@ differences vs Standalone.
 
 Run: ``python bench/fedgh_sweep.py --epochs 1,10,100 --seeds 0,1,2,3 [--only digits-pat2-train20]
 [--mode per-client] --jobs 2 --out DIR``; writes ``bench/results/fedgh_sweep[_<only>][_per-client].md`` and
-``.json``. Results are
-cached like ``htfl_bench.py``'s, under the same ``--out`` (``<scenario>/seed<s>/fedgh-se<E>.json``;
+``.json``. Results are cached like ``htfl_bench.py``'s, under the same ``--out`` (``<scenario>/seed<s>/fedgh-se<E>.json``;
 Standalone's ``standalone.json`` is shared with it, so give both benches one ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import statistics
 import sys
 import time
@@ -28,7 +26,6 @@ import torch
 
 import htfl_bench as hb
 from rafl.federation.compare import load_compare_config
-from rafl.io import atomic_write_json, atomic_write_text
 
 RULES = (("global header", "model.acc_tail"), ("+ label prior", "prior.acc_tail"), ("local header", "local.acc_tail"))
 
@@ -43,13 +40,13 @@ def sweep_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int
     held = hb.client_classes(cfg, dim)
     rows = {"standalone": hb.cached_method(name, "standalone", sets, cfg, hps["standalone"], held, out, dim, seed,
                                            tail)["row"]}
+    # the default mode adds no --set and no tag suffix, so its cache entries stay valid
+    mode_sets, mode_tag = ([], "") if mode == "per-lar" else ([f"algorithm.fedgh.server_mode={mode}"], f"-{mode}")
     for e in epochs:
-        # the default mode adds no --set, so its cache entries stay valid
-        vsets = sets + [f"algorithm.fedgh.server_epochs={e}"] + (
-            [] if mode == "per-lar" else [f"algorithm.fedgh.server_mode={mode}"])
+        vsets = sets + [f"algorithm.fedgh.server_epochs={e}"] + mode_sets
         vcfg, vhps = load_compare_config(None, vsets, ["fedgh"])
         rows[e] = hb.cached_method(name, "fedgh", vsets, vcfg, vhps["fedgh"], held, out, dim, seed, tail,
-                                   tag=f"fedgh-se{e}" + ("" if mode == "per-lar" else f"-{mode}"))["row"]
+                                   tag=f"fedgh-se{e}{mode_tag}")["row"]
     return {"seed": seed, "rows": rows}
 
 
@@ -115,24 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, sets in scenarios.items():
         print(f"== {name}", flush=True)
         work = [(name, sets, args.out, args.rounds, args.feature_dim, s, args.tail, args.device, args.epochs,
-                 args.mode)
-                for s in args.seeds]
+                 args.mode) for s in args.seeds]
         t0 = time.perf_counter()
-        if args.jobs > 1 and len(work) > 1:
-            with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(work))) as pool:
-                runs = pool.map(_sweep_seed_star, work, chunksize=1)
-        else:
-            runs = [sweep_seed(*w) for w in work]
+        runs = hb.map_seeds(_sweep_seed_star, work, args.jobs)
         res = summarize(name, runs, args.epochs) | {"elapsed_s": time.perf_counter() - t0}
         results.append(res)
     text = report(results, args, argv)
     print(text)
-    dest = hb.ROOT / "bench" / "results"
-    suffix = ("" if not only else "_" + "_".join(only)) + ("" if args.mode == "per-lar" else f"_{args.mode}") + (
-        f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "")
-    atomic_write_text(dest / f"fedgh_sweep{suffix}.md", text)
-    atomic_write_json(dest / f"fedgh_sweep{suffix}.json",
-                      {"args": vars(args) | {"out": str(args.out), "cifar": str(args.cifar)}, "results": results})
+    hb.write_results("fedgh_sweep", only, args, text, results, "" if args.mode == "per-lar" else f"_{args.mode}")
     return 0
 
 

@@ -170,6 +170,26 @@ def run_seed(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
             "n_clients": len(held), "classes_held": [len(h) for h in held]}
 
 
+def map_seeds(fn, work: list[tuple], jobs: int) -> list:
+    """``[fn(w) for w in work]``, ``jobs`` at a time in spawned processes (one per seed) when
+    ``jobs > 1``; ``fn`` takes the argument tuple and sets torch to one thread."""
+    if jobs > 1 and len(work) > 1:
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
+            return pool.map(fn, work, chunksize=1)
+    return [fn(w) for w in work]
+
+
+def write_results(stem: str, only: list[str], args, text: str, results: list[dict], variant: str = "") -> None:
+    """``bench/results/<stem>[_<only>][<variant>][_limit<N>].md`` (``text``) and ``.json`` (the
+    arguments and ``results``)."""
+    suffix = ("_" + "_".join(only) if only else "") + variant + (
+        f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "")
+    dest = ROOT / "bench" / "results"
+    atomic_write_text(dest / f"{stem}{suffix}.md", text)
+    atomic_write_json(dest / f"{stem}{suffix}.json",
+                      {"args": vars(args) | {"out": str(args.out), "cifar": str(args.cifar)}, "results": results})
+
+
 def _run_seed_star(args: tuple) -> dict:
     torch.set_num_threads(1)
     return run_seed(*args)
@@ -205,12 +225,7 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
     """All seeds of one scenario (``jobs`` seeds at a time, each in its own process), the accuracy
     claims on the mean over seeds, the byte checks per seed."""
     t0 = time.perf_counter()
-    work = [(name, overrides, out, rounds, dim, s, tail, device) for s in seeds]
-    if jobs > 1 and len(seeds) > 1:
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(seeds))) as pool:
-            runs = pool.map(_run_seed_star, work, chunksize=1)
-    else:
-        runs = [run_seed(*w) for w in work]
+    runs = map_seeds(_run_seed_star, [(name, overrides, out, rounds, dim, s, tail, device) for s in seeds], jobs)
 
     def stat(method: str, key: str) -> tuple[float | None, float | None, list[float]]:
         vals = [r["methods"][method][key] for r in runs if r["methods"][method].get(key) is not None]
@@ -364,11 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'PASS' if v else 'FAIL'} {k}", flush=True)
     text = report(results, args, argv)
     print(text)
-    dest = ROOT / "bench" / "results"
-    suffix = ("" if not only else "_" + "_".join(only)) + (
-        f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "")
-    atomic_write_text(dest / f"htfl_bench{suffix}.md", text)
-    atomic_write_json(dest / f"htfl_bench{suffix}.json", {"args": vars(args) | {"out": str(args.out), "cifar": str(args.cifar)}, "results": results})
+    write_results("htfl_bench", only, args, text, results)
     return 0
 
 
