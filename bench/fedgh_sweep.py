@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+import htfl_bench as hb
 import torch
 
-import htfl_bench as hb
 from rafl.federation.compare import load_compare_config
 
 RULES = (("global header", "model.acc_tail"), ("+ label prior", "prior.acc_tail"), ("local header", "local.acc_tail"))
