@@ -28,6 +28,10 @@ def test_compare_smoke(tmp_path):
     assert [r["algorithm"] for r in rows] == ["fedgh", "fedtgp", "standalone"]
     for r in rows:
         assert 0 <= r["model.acc_mean"] <= 1 and r["wall_s"] > 0
+        # pooled = all clients' correct / all their test samples, from the last round's per-client counts
+        per_client = json.loads((out / r["algorithm"] / "summary.json").read_text())["clients"].values()
+        pooled = sum(c["model.acc"] * c["test_samples"] for c in per_client) / sum(c["test_samples"] for c in per_client)
+        assert r["model.acc_pooled"] == pytest.approx(pooled)
     assert rows[2]["mb_total"] == 0 and rows[0]["mb_up"] > 0
     assert "proto.acc_mean" in rows[1]
     # the same partition for every method
@@ -41,6 +45,7 @@ def test_compare_smoke(tmp_path):
     assert 0 <= rows[0]["local.acc_mean"] <= 1 and "local.acc_mean" not in rows[1]  # FedGH's local header
     md = (out / "compare.md").read_text()
     assert "non-default settings" in md and "label_prior=local" in md and "local-header acc" in md
+    assert "pooled acc" in md
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -272,6 +272,8 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
         if f"{model}.acc_mean_over_clients" in last:
             row[f"{model}.acc_mean"] = float(last[f"{model}.acc_mean_over_clients"])
             row[f"{model}.acc_std"] = float(last.get(f"{model}.acc_std_over_clients", float("nan")))
+            # all clients' test samples together (HtFLlib's / PFLlib's "Averaged Test Accuracy")
+            row[f"{model}.acc_pooled"] = float(last.get(f"{model}.acc_sample_weighted", float("nan")))
     up = sum(r["bytes_up"] for r in history)
     down = sum(r["bytes_down"] for r in history)
     row.update({"mb_up": up / 1e6, "mb_down": down / 1e6, "mb_total": (up + down) / 1e6,
@@ -529,6 +531,7 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
 
 # ---------------------------------------------------------------------- outputs
 _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
+         ("model.acc_pooled", "pooled acc"),
          ("proto.acc_mean", "proto acc"), ("prior.acc_mean", "+prior acc"), ("local.acc_mean", "local-header acc"),
          ("global.acc_mean", "shared acc"), ("knowledge.acc_mean", "knowledge acc"),
          ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
@@ -547,7 +550,8 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
     cols = [c for c in _COLS if any(r.get(c[0]) not in (None, "") for r in rows)]
     measured = any("model.acc_mean" in r for r in rows)
-    lines = [(f"Client test accuracy after the last round (mean/std over clients), models: {models}; "
+    lines = [("Client test accuracy after the last round (mean/std over clients; pooled = correct / test samples "
+              f"of all clients together, where a client counts by its test samples), models: {models}; "
               if measured else "No accuracy: no client holds test data (partition.split has no test share, or the "
               f"clients are too small to get a test sample); models: {models}; ")
              + "MB = payload bytes up + down / 1e6.", "",
