@@ -58,6 +58,9 @@ UPLOAD_PREFIX = {"fedgh": ("lar.", 1), "fedtgp": ("proto.", 1), "fedproto": ("pr
 # (nearest global prototype: FedProto, FedTGP), ``prior`` and ``local`` (FedGH's global header plus
 # the client's log label prior, and the header from the client's last local training)
 RULES = ("model", "proto", "prior", "local")
+# the smallest client of the Dirichlet scenario: HtFLlib's generator redraws until every client holds
+# batch_size / (1 - train_ratio) = 10 / 0.25 samples (dataset_utils.separate_data, ``least_samples``)
+DIRICHLET_MIN_SAMPLES = 40
 # bump a method's version when its training or evaluation changes, so cached results are re-measured
 METHOD_VERSION = {"fedgh": 2}  # 2: reports the local header (local.*)
 
@@ -100,10 +103,13 @@ def run_method(name: str, method: str, cfg, hparams: dict, held: list[list[int]]
             "curve": [round(h["model.acc_mean_over_clients"], 4) for h in hist]}
     for rule in RULES:
         row[f"{rule}.acc_tail"] = _tail_mean(hist, f"{rule}.acc_mean_over_clients", tail)
+        # HtFLlib's / PFLlib's "Averaged Test Accuracy": all clients' correct / all their test samples
+        row[f"{rule}.acc_tail_pooled"] = _tail_mean(hist, f"{rule}.acc_sample_weighted", tail)
     extra = "".join(f"  {rule} {row[f'{rule}.acc_tail']:.4f}" for rule in RULES[1:]
                     if row[f"{rule}.acc_tail"] is not None)
     print(f"  {name} seed {seed} {tag or method:<11} acc last-{tail} {row['model.acc_tail']:.4f} (final "
-          f"{row['model.acc_mean']:.4f}){extra}  MB {row['mb_total']:.3f}  {row['wall_s']:.0f}s", flush=True)
+          f"{row['model.acc_mean']:.4f}, pooled {row['model.acc_tail_pooled']:.4f}){extra}  MB {row['mb_total']:.3f}  "
+          f"{row['wall_s']:.0f}s", flush=True)
     result = {"row": row, "bytes": None, "checks": {}}
     if method in UPLOAD_PREFIX:
         per_client = [expected_upload(method, h, dim) for h in held]
@@ -201,6 +207,9 @@ PAIRS = [("FedGH - Standalone", ("fedgh", "model.acc_tail"), ("standalone", "mod
          ("FedTGP - Standalone", ("fedtgp", "model.acc_tail"), ("standalone", "model.acc_tail")),
          ("FedTGP - FedProto (head)", ("fedtgp", "model.acc_tail"), ("fedproto", "model.acc_tail")),
          ("FedTGP - FedProto (nearest prototype)", ("fedtgp", "proto.acc_tail"), ("fedproto", "proto.acc_tail"))]
+# the same on the pooled accuracy (all test samples of all clients; runs cached before it was recorded
+# have none, and their rows are left out)
+PAIRS += [(f"{label}, pooled", (ma, ka + "_pooled"), (mb, kb + "_pooled")) for label, (ma, ka), (mb, kb) in PAIRS]
 
 
 def paired_differences(runs: list[dict]) -> list[dict]:
@@ -239,9 +248,12 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
         pmean, psd, pvals = stat(m, "proto.acc_tail")
         qmean, _, qvals = stat(m, "prior.acc_tail")
         lmean, _, lvals = stat(m, "local.acc_tail")
+        pooled = {rule: stat(m, f"{rule}.acc_tail_pooled") for rule in RULES}
+        # a pooled mean only when every seed has it (runs cached before it was recorded have none)
+        pooled = {rule: (v[0] if len(v[2]) == len(runs) else None) for rule, v in pooled.items()}
         summary[m] = {"acc": mean, "acc_sd_seeds": sd, "acc_per_seed": vals, "proto": pmean, "proto_sd_seeds": psd,
                       "proto_per_seed": pvals, "prior": qmean, "prior_per_seed": qvals,
-                      "local": lmean, "local_per_seed": lvals,
+                      "local": lmean, "local_per_seed": lvals, "pooled": pooled,
                       "client_std": statistics.fmean(r["methods"][m]["model.acc_std"] for r in runs),
                       "mb_up": runs[0]["methods"][m]["mb_up"], "mb_total": runs[0]["methods"][m]["mb_total"],
                       "wall_s": statistics.fmean(r["methods"][m]["wall_s"] for r in runs)}
@@ -255,6 +267,14 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
                   summary["fedgh"]["prior"] > acc["standalone"],
               "FedGH, local header (deploy_header: local; not in the paper) > Standalone":
                   summary["fedgh"]["local"] > acc["standalone"]}
+    pooled = {m: summary[m]["pooled"] for m in METHODS}
+    if all(pooled[m]["model"] is not None for m in METHODS):
+        checks |= {"FedGH > Standalone, pooled": pooled["fedgh"]["model"] > pooled["standalone"]["model"],
+                   "FedTGP > Standalone, pooled": pooled["fedtgp"]["model"] > pooled["standalone"]["model"],
+                   "FedTGP >= FedProto (head), pooled": pooled["fedtgp"]["model"] >= pooled["fedproto"]["model"],
+                   "FedTGP >= FedProto (nearest prototype), pooled": pooled["fedtgp"]["proto"] >= pooled["fedproto"]["proto"],
+                   "FedGH + local label prior > Standalone, pooled": pooled["fedgh"]["prior"] > pooled["standalone"]["model"],
+                   "FedGH, local header > Standalone, pooled": pooled["fedgh"]["local"] > pooled["standalone"]["model"]}
     for r in runs:
         for k, v in r["checks"].items():
             checks[f"{k}, seed {r['seed']}"] = v
@@ -282,15 +302,19 @@ def report(results: list[dict], args, argv: list[str]) -> str:
              "both papers and HtFLlib report); **+prior** = FedGH's global header plus each client's log label "
              "prior (`label_prior: local`, not in the paper; same training run); **local** = FedGH's client model as "
              "it leaves local training, its header fine-tuned from the global one (`deploy_header: local`, not in "
-             "the paper; same training run). Claims compare these means.", ""]
+             "the paper; same training run). Claims compare these means. **pooled** = the same rules on all "
+             "clients' test samples together (correct / samples, then averaged like acc): the \"Averaged Test "
+             "Accuracy\" HtFLlib and PFLlib report, where a client counts by its test samples; `-` where the "
+             "cached runs predate it.", ""]
     for res in results:
         base = res["summary"]["standalone"]["acc"]
         lines += [f"## {res['scenario']} ({res['n_clients']} clients, classes held per client (seed "
                   f"{args.seeds[0]}): min {min(res['classes_held'])}, max {max(res['classes_held'])}; "
                   f"{res['wall_s']:.0f} s of method runs)", "",
                   "| method | acc | per seed | vs standalone (points) | proto acc | per seed | +prior acc | per seed | "
-                  "local acc | per seed | client std | MB up | MB total | wall s / seed |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "local acc | per seed | pooled, per rule | client std | MB up | MB total | "
+                  "wall s / seed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for m, s in res["summary"].items():
             per = ", ".join(f"{v:.4f}" for v in s["acc_per_seed"])
             proto = f"{s['proto']:.4f}" if s["proto"] is not None else "-"
@@ -299,8 +323,9 @@ def report(results: list[dict], args, argv: list[str]) -> str:
             qper = ", ".join(f"{v:.4f}" for v in s["prior_per_seed"]) or "-"
             local = f"{s['local']:.4f}" if s["local"] is not None else "-"
             lper = ", ".join(f"{v:.4f}" for v in s["local_per_seed"]) or "-"
+            pooled = ", ".join(f"{r} {v:.4f}" for r, v in s["pooled"].items() if v is not None) or "-"
             lines.append(f"| {m} | {s['acc']:.4f} | {per} | {100 * (s['acc'] - base):+.2f} | {proto} | {pper} | "
-                         f"{prior} | {qper} | {local} | {lper} | "
+                         f"{prior} | {qper} | {local} | {lper} | {pooled} | "
                          f"{s['client_std']:.4f} | {s['mb_up']:.4f} | {s['mb_total']:.4f} | {s['wall_s']:.0f} |")
         lines += ["", "| upload per round (seed " + str(res["runs"][0]["seed"]) + ") | formula bytes | "
                   "+ safetensors header | = expected | measured | header overhead |", "|---|---|---|---|---|---|"]
@@ -330,9 +355,12 @@ def scenario_overrides(args) -> dict[str, list[str]]:
         "cifar10-pat2": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
                                   f"data.limit_per_class={args.limit_per_class}", "partition.scheme=pathological",
                                   "partition.k=2"],
+        # every client holds >= 40 samples, HtFLlib's rule (least_samples = batch_size / test share =
+        # 10 / 0.25: >= 10 test samples per client); with rafl's default 10 a client may test on 3 images
+        # and alone move the mean over clients by 1.7 points per image
         "cifar10-dir0.1": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
                                     f"data.limit_per_class={args.limit_per_class}", "partition.scheme=dirichlet",
-                                    "partition.alpha=0.1"],
+                                    "partition.alpha=0.1", f"partition.min_samples={DIRICHLET_MIN_SAMPLES}"],
     }
 
 
