@@ -8,14 +8,15 @@ Scenarios (one partition per scenario and seed, every method on the same client 
 * the same with 20% of each client's samples for training instead of 75% (``digits-pat2-train20``:
   Standalone is saturated at ~0.98 on the first, which leaves no room to measure a gain);
 * a CIFAR-10 subset (the shared JPEG set, ``limit_per_class`` images per class), pathological 2/10;
-* the same subset, Dirichlet alpha = 0.1.
+* the same subset, Dirichlet alpha = 0.1, every client holding >= 40 samples (HtFLlib's rule).
 
 Claims checked (printed as PASS/FAIL, never asserted so the numbers are always written), on the
 mean over seeds of each run's accuracy averaged over its last ``--tail`` rounds (a single round's
 mean client accuracy moves by 1-3 points: ~60 test images per client): FedGH > Standalone,
 FedTGP > Standalone, FedTGP >= FedProto (head accuracy, and nearest-prototype accuracy: the
 protocol of the FedProto/FedTGP papers and HtFLlib), and FedGH's two other inference rules of the
-same runs > Standalone (``label_prior: local``; ``deploy_header: local``). Beside them the paired
+same runs > Standalone (``label_prior: local``; ``deploy_header: local``); each also on the pooled
+accuracy (all clients' test samples together: HtFLlib's "Averaged Test Accuracy"). Beside them the paired
 per-seed differences (every method of a seed runs on the same partition) with the number of seeds
 on which each holds. Every round and seed: the measured upload
 bytes (``Payload.nbytes()`` summed by the engine) = the formula bytes + the safetensors header:
