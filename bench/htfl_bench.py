@@ -59,8 +59,9 @@ UPLOAD_PREFIX = {"fedgh": ("lar.", 1), "fedtgp": ("proto.", 1), "fedproto": ("pr
 # (nearest global prototype: FedProto, FedTGP), ``prior`` and ``local`` (FedGH's global header plus
 # the client's log label prior, and the header from the client's last local training)
 RULES = ("model", "proto", "prior", "local")
-# the smallest client of the Dirichlet scenario: HtFLlib's generator redraws until every client holds
-# batch_size / (1 - train_ratio) = 10 / 0.25 samples (dataset_utils.separate_data, ``least_samples``)
+# the smallest client of the Dirichlet scenario (``--dir-min-samples``): HtFLlib's generator redraws until
+# every client holds batch_size / (1 - train_ratio) = 10 / 0.25 samples (dataset_utils.separate_data,
+# ``least_samples``)
 DIRICHLET_MIN_SAMPLES = 40
 # bump a method's version when its training or evaluation changes, so cached results are re-measured
 METHOD_VERSION = {"fedgh": 2}  # 2: reports the local header (local.*)
@@ -187,10 +188,11 @@ def map_seeds(fn, work: list[tuple], jobs: int) -> list:
 
 
 def write_results(stem: str, only: list[str], args, text: str, results: list[dict], variant: str = "") -> None:
-    """``bench/results/<stem>[_<only>][<variant>][_limit<N>].md`` (``text``) and ``.json`` (the
-    arguments and ``results``)."""
+    """``bench/results/<stem>[_<only>][<variant>][_limit<N>][_dirmin<M>].md`` (``text``) and ``.json``
+    (the arguments and ``results``)."""
     suffix = ("_" + "_".join(only) if only else "") + variant + (
-        f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "")
+        f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "") + (
+        f"_dirmin{args.dir_min_samples}" if args.dir_min_samples != DIRICHLET_MIN_SAMPLES else "")
     dest = ROOT / "bench" / "results"
     atomic_write_text(dest / f"{stem}{suffix}.md", text)
     atomic_write_json(dest / f"{stem}{suffix}.json",
@@ -222,7 +224,7 @@ def paired_differences(runs: list[dict]) -> list[dict]:
     for label, (ma, ka), (mb, kb) in PAIRS:
         diffs = [100 * (r["methods"][ma][ka] - r["methods"][mb][kb]) for r in runs
                  if r["methods"][ma].get(ka) is not None and r["methods"][mb].get(kb) is not None]
-        if not diffs:
+        if not diffs or len(diffs) < len(runs):  # a comparison on every seed or none (as the summary)
             continue
         ok = [d >= 0 if "FedProto" in label else d > 0 for d in diffs]
         out.append({"comparison": label, "per_seed": diffs, "mean": statistics.fmean(diffs),
@@ -356,12 +358,13 @@ def scenario_overrides(args) -> dict[str, list[str]]:
         "cifar10-pat2": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
                                   f"data.limit_per_class={args.limit_per_class}", "partition.scheme=pathological",
                                   "partition.k=2"],
-        # every client holds >= 40 samples, HtFLlib's rule (least_samples = batch_size / test share =
-        # 10 / 0.25: >= 10 test samples per client); with rafl's default 10 a client may test on 3 images
-        # and alone move the mean over clients by 1.7 points per image
+        # every client holds >= 40 samples by default, HtFLlib's rule (least_samples = batch_size / test
+        # share = 10 / 0.25: >= 10 test samples per client); with rafl's default 10 a client may test on
+        # as few as 2 images and alone move the mean over clients by 2.5 points per image. With
+        # --limit-per-class 100 (~100 samples per client) few Dirichlet draws reach 40: use 10 there
         "cifar10-dir0.1": common + ["data.dataset=cifar10", f"data.root={args.cifar}",
                                     f"data.limit_per_class={args.limit_per_class}", "partition.scheme=dirichlet",
-                                    "partition.alpha=0.1", f"partition.min_samples={DIRICHLET_MIN_SAMPLES}"],
+                                    "partition.alpha=0.1", f"partition.min_samples={args.dir_min_samples}"],
     }
 
 
@@ -382,6 +385,8 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
     ap.add_argument("--tail", type=int, default=5, help="accuracy = mean over the last TAIL rounds")
     ap.add_argument("--limit-per-class", type=int, default=250)
+    ap.add_argument("--dir-min-samples", type=int, default=DIRICHLET_MIN_SAMPLES,
+                    help="the Dirichlet scenario's smallest client (partition.min_samples; HtFLlib's rule: 40)")
     ap.add_argument("--feature-dim", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("/tmp") / f"htfl-bench-{int(time.time())}",
                     help="cache and run dirs (shared with the other bench: Standalone runs once)")
