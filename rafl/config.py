@@ -174,6 +174,13 @@ class EngineSection(_Strict):
     eval_every: int = Field(1, ge=1, description="an integer >= 1")
     eval_clients: Literal["all", "sampled"] = "all"
     target_accuracy: float | None = Field(0.8, ge=0, le=1, description="a fraction in [0, 1] or null")
+    backend: Literal["in-process", "flower"] = Field(
+        "in-process", description="in-process (clients run one after the other in this process) or flower "
+        "(Flower's Simulation Runtime: every client step a ClientApp on a virtual SuperNode; needs rafl[flower])")
+    supernodes: int | None = Field(None, ge=1, description="an integer >= 1 (flower: virtual SuperNodes; null = "
+                                   "one per client)")
+    round_timeout_s: float = Field(3600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
+                                   "then loses its clients for the round)")
 
     @field_validator("clients_per_round", "available")
     @classmethod

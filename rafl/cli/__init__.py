@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "compare": "rafl.cli.compare:compare",
     "profile": "rafl.cli.profile:profile",
     "federate": "rafl.cli.federate:federate",
+    "flower-app": "rafl.cli.flower:flower_app",
 }
 
 

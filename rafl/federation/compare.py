@@ -353,6 +353,9 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                                                 hparams=hp)
     for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
         fed.algorithm.init_server(fed.server)
+    if cfg.engine.backend != "in-process":
+        raise UserInputError(f"is {cfg.engine.backend!r}; rafl compare runs its methods in-process (allowed: "
+                             "in-process); run one method on Flower with rafl federate", field="engine.backend")
     ecfg = engine_config(cfg)
     out_existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,9 @@ server steps and knows no algorithm by name. One round ``t``:
 4. Every surviving client: its committed state is loaded from disk (or ``init_client`` on first
    use), ``client_update`` runs with loaders and torch RNG seeded by ``(seed, client, t)``, the
    new state is written to disk, the upload is validated (shapes vs ``upload_spec``, finiteness).
+   A *client runner* does the client part: :class:`InProcessClients` here, one client after the
+   other, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
+   (a node that fails or times out loses its clients for the round: counted as failed).
 5. ``server_aggregate`` produces the next broadcast.
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
    (``prepare_evaluation`` + ``evaluate``); reported per model ``m``: ``m.acc_mean_over_clients``,
@@ -159,6 +162,98 @@ class Federation:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
+def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
+    """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
+    loaders and ``rng`` seeded by ``seed_of(seed, cid, rnd)``. Every runner (in this process, or a
+    Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
+    cseed = seed_of(seed, cid, rnd)
+    info = fed.clients[cid]
+    return ClientContext(
+        info=info,
+        make_model=lambda arch=None, _cid=cid: fed.client_model(_cid, arch),
+        train_loader=fed.loaders(cid, "train", cseed),
+        val_loader=fed.loaders(cid, "val", cseed),
+        test_loader=fed.loaders(cid, "test", cseed),
+        n_classes=fed.n_classes, device=fed.device, seed=cseed,
+        rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
+
+
+def load_or_init(fed: Federation, store: ClientStore, ctx: ClientContext) -> Any:
+    """The client's committed state from ``store``, or ``init_client`` (torch seeded by the
+    context's seed) for a client that has none yet."""
+    if store.has(ctx.client_id):
+        return store.load(ctx.client_id)
+    torch.manual_seed(ctx.seed)
+    return fed.algorithm.init_client(ctx)
+
+
+def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: Payload) -> tuple[Payload, float]:
+    """One client step: load (or init) the state, ``client_update`` with torch seeded by the
+    context's seed, save the new state as a pending version of round ``ctx.round``.
+
+    Returns:
+        ``(upload, seconds)``: seconds of client computation (init and update; loading a stored
+        state is not counted).
+
+    Raises:
+        UserInputError: from ``client_update`` (e.g. diverged local training), naming the client.
+    """
+    cid = ctx.client_id
+    fresh = not store.has(cid)
+    tc = time.perf_counter()
+    state = load_or_init(fed, store, ctx)
+    if not fresh:
+        tc = time.perf_counter()  # loading a stored state is engine time
+    torch.manual_seed(ctx.seed)
+    try:
+        state, upload = fed.algorithm.client_update(state, down, ctx)
+    except UserInputError as err:  # e.g. diverged local training: say which client and model
+        if err.source is not None:
+            raise
+        raise UserInputError(err.message, source=f"client {cid} (model {ctx.info.model_key})",
+                             field=err.field) from None
+    seconds = time.perf_counter() - tc
+    store.save(cid, ctx.round, state)
+    return upload, seconds
+
+
+def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
+    """Evaluate the client's committed state (``prepare_evaluation`` with its view of
+    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``."""
+    algo = fed.algorithm
+    state = load_or_init(fed, store, ctx)
+    state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
+    return algo.evaluate(state, ctx)
+
+
+class InProcessClients:
+    """Runs the client steps in this process, one client after the other (the default runner).
+
+    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``)."""
+
+    def __init__(self, fed: Federation, store: ClientStore, seed: int):
+        self.fed, self.store, self.seed = fed, store, seed
+
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
+
+        Returns:
+            ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order, the clients that
+            failed with their reason (never any here: an error in this process stops the run),
+            and the seconds of client computation."""
+        uploads, seconds = [], 0.0
+        for cid, down in jobs:
+            upload, sec = train_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), down)
+            uploads.append((cid, upload))
+            seconds += sec
+        return uploads, {}, seconds
+
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> dict[int, dict[str, float]]:
+        """The evaluation contract's counts of every client in ``ids`` (committed states)."""
+        return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast)
+                for cid in ids}
+
+
 class Engine:
     """Runs a :class:`Federation` for ``config.rounds`` rounds into ``run_dir``.
 
@@ -169,13 +264,17 @@ class Engine:
             writes ``clients/``, ``checkpoint.safetensors``, ``metrics.jsonl``, ``metrics.csv``,
             ``summary.json``, ``accuracy_vs_round.png``, ``accuracy_vs_mb.png`` there.
         progress: show a tqdm bar over rounds.
+        clients: the client runner, built from the engine's store (``clients(fed, store, seed)``);
+            default :class:`InProcessClients`. :mod:`rafl.federation.flower` passes one that runs
+            the client steps as Flower ClientApps on SuperNodes.
 
     Raises:
         UserInputError: bad engine values, a population the algorithm rejects, or (on resume) a
             checkpoint that does not belong to this run.
     """
 
-    def __init__(self, fed: Federation, config: EngineConfig, run_dir: str | Path, progress: bool = True):
+    def __init__(self, fed: Federation, config: EngineConfig, run_dir: str | Path, progress: bool = True,
+                 clients: Callable[[Federation, ClientStore, int], Any] | None = None):
         self.fed = fed
         self.cfg = config
         self.run_dir = Path(run_dir)
@@ -197,22 +296,10 @@ class Engine:
         self.n_sampled = _count(config.clients_per_round, self.n_available, "clients_per_round")
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
+        self.clients = (clients or InProcessClients)(fed, self.store, config.seed)
         self.times: list[RoundTimes] = []
 
     # ------------------------------------------------------------------ contexts
-    def _client_ctx(self, cid: int, rnd: int) -> ClientContext:
-        fed = self.fed
-        seed = seed_of(self.cfg.seed, cid, rnd)
-        info = fed.clients[cid]
-        return ClientContext(
-            info=info,
-            make_model=lambda arch=None, _cid=cid: fed.client_model(_cid, arch),
-            train_loader=fed.loaders(cid, "train", seed),
-            val_loader=fed.loaders(cid, "val", seed),
-            test_loader=fed.loaders(cid, "test", seed),
-            n_classes=fed.n_classes, device=fed.device, seed=seed,
-            rng=np.random.default_rng(seed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
-
     def _server_ctx(self, rnd: int) -> ServerContext:
         s = self.fed.server
         s.round = rnd
@@ -220,12 +307,6 @@ class Engine:
         s.rng = np.random.default_rng(seed_of(self.cfg.seed, rnd, 7))
         s.hparams = dict(self.fed.hparams)
         return s
-
-    def _client_state(self, ctx: ClientContext) -> Any:
-        if self.store.has(ctx.client_id):
-            return self.store.load(ctx.client_id)
-        torch.manual_seed(ctx.seed)
-        return self.fed.algorithm.init_client(ctx)
 
     # ------------------------------------------------------------------ checkpoint
     def _checkpoint(self, rnd: int, server_state: Any, broadcast: Payload, available: list[int],
@@ -260,14 +341,8 @@ class Engine:
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
-        algo = self.fed.algorithm
-        ids = range(len(self.fed.clients)) if self.cfg.eval_clients == "all" else sorted(self.store.committed)
-        per_client: dict[int, dict[str, float]] = {}
-        for cid in ids:
-            ctx = self._client_ctx(cid, rnd)
-            state = self._client_state(ctx)
-            state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
-            per_client[cid] = algo.evaluate(state, ctx)
+        ids = list(range(len(self.fed.clients))) if self.cfg.eval_clients == "all" else sorted(self.store.committed)
+        per_client = self.clients.evaluate(rnd, ids, broadcast)
         return summarize_eval(per_client), per_client
 
     # ------------------------------------------------------------------ main loop
@@ -306,36 +381,23 @@ class Engine:
             bytes_up = bytes_down = 0
             uploads: list[Payload] = []
             shared_nbytes: int | None = None  # the common broadcast is serialized once per round
+            jobs: list[tuple[int, Payload]] = []
             for cid in sampled:
-                ctx = self._client_ctx(cid, rnd)
-                down = algo.client_broadcast(broadcast, ctx.info)
+                down = algo.client_broadcast(broadcast, fed.clients[cid])
                 if down is broadcast:
                     shared_nbytes = broadcast.nbytes() if shared_nbytes is None else shared_nbytes
                     bytes_down += shared_nbytes
                 else:
                     bytes_down += down.nbytes()
-                if cid in failed:
-                    continue
-                fresh = not self.store.has(cid)
-                tc = time.perf_counter()
-                state = self._client_state(ctx)  # a first-time client runs init_client (client time)
-                if not fresh:
-                    tc = time.perf_counter()  # loading a stored state is engine time
-                torch.manual_seed(ctx.seed)
-                try:
-                    state, upload = algo.client_update(state, down, ctx)
-                except UserInputError as err:  # e.g. diverged local training: say which client and model
-                    if err.source is not None:
-                        raise
-                    raise UserInputError(err.message, source=f"client {cid} (model {ctx.info.model_key})",
-                                         field=err.field) from None
-                times.client_update += time.perf_counter() - tc
-                self.store.save(cid, rnd, state)
-                del state
+                if cid not in failed:
+                    jobs.append((cid, down))
+            results, lost, times.client_update = self.clients.train(rnd, jobs)
+            failed = failed + sorted(lost)
+            for cid, upload in results:
+                info = fed.clients[cid]
                 bytes_up += upload.nbytes()
                 # the sender names the client's model: a NaN upload usually means that model diverged
-                upload.validate(algo.upload_spec(server_state, ctx.info),
-                                sender=f"client {cid} (model {ctx.info.model_key})")
+                upload.validate(algo.upload_spec(server_state, info), sender=f"client {cid} (model {info.model_key})")
                 upload.meta["client_id"] = cid
                 uploads.append(upload)
             torch.manual_seed(seed_of(cfg.seed, rnd, 7))
@@ -354,6 +416,8 @@ class Engine:
                 "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
                 "bytes_up_per_client": bytes_up / max(1, len(sampled) - len(failed)),
             }
+            if lost:  # clients a runner lost (a Flower node's error or timeout), with the reason
+                row["lost"] = {str(cid): why for cid, why in sorted(lost.items())}
             if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
                 self.store.commit()  # evaluation reads this round's states
                 te = time.perf_counter()
@@ -499,5 +563,6 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
         atomic_write_bytes(run_dir / fname, buf.getvalue())
 
 
-__all__ = ["Engine", "EngineConfig", "Federation", "RoundTimes", "LoaderFactory", "summarize_eval",
+__all__ = ["Engine", "EngineConfig", "Federation", "RoundTimes", "InProcessClients", "client_context",
+           "load_or_init", "train_client", "evaluate_client", "LoaderFactory", "summarize_eval",
            "write_metrics", "make_summary", "plot_metrics", "seed_of", "sample_clients", "sporadic_update"]

@@ -9,11 +9,11 @@ an 8-byte header length, a JSON header (tensor names, dtypes, shapes, offsets, a
 ``__metadata__`` entry holding this payload's metadata as one JSON string) and the raw tensor
 bytes. A payload with no tensors and no metadata is "nothing sent" and has ``nbytes() == 0``.
 
-Mapping onto Flower (``flwr.app``): ``tensors`` is one ``ArrayRecord`` (name -> ``Array``,
-same keys, ``Array.from_torch_tensor``), ``meta`` is one ``MetricRecord`` for the int/float
-values plus a ``ConfigRecord`` for strings and lists; a Flower ``Message``'s ``RecordDict`` holds
-them as ``{"arrays": ArrayRecord, "metrics": MetricRecord, "config": ConfigRecord}``. Names are
-kept verbatim, so the conversion is 1:1 in both directions.
+Mapping onto Flower (``flwr.app``, :mod:`rafl.federation.flower`): ``tensors`` is one
+``ArrayRecord`` (name -> ``Array``, same keys, ``Array.from_torch_tensor``), ``meta`` one
+``ConfigRecord`` (it holds numbers, strings, booleans and lists alike); a Flower ``Message``'s
+``RecordDict`` holds them as ``{"payload.arrays": ArrayRecord, "payload.meta": ConfigRecord}``.
+Names are kept verbatim, so the conversion is 1:1 in both directions.
 """
 
 from __future__ import annotations

@@ -468,9 +468,19 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                                                   "supernet": supernet_id})
 
 
-def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+        clients: Any = None) -> dict[str, Any]:
     """Run the prepared federation in ``run_dir`` (created here unless resuming); returns the
-    summary extended with the per-client table (``summary["table"]``) and the means."""
+    summary extended with the per-client table (``summary["table"]``) and the means.
+
+    ``clients``: the engine's client runner factory (:class:`~rafl.federation.engine.Engine`);
+    None runs the clients in this process, or, with ``engine.backend: flower``, on Flower's
+    Simulation Runtime (:func:`rafl.federation.flower.simulate`, which comes back here with its
+    runner)."""
+    if clients is None and prep.cfg.engine.backend == "flower":
+        from rafl.federation import flower
+
+        return flower.simulate(prep, Path(run_dir), resume=resume, progress=progress)
     run_dir = Path(run_dir)
     if not resume:
         if run_dir.exists() and any(run_dir.iterdir()):
@@ -479,7 +489,7 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_yaml(run_dir / "config.yaml", prep.cfg.resolved())
         atomic_write_json(run_dir / "clients.json", {"clients": prep.clients_table, **prep.extra})
-    engine = Engine(prep.federation, prep.engine_config, run_dir, progress=progress)
+    engine = Engine(prep.federation, prep.engine_config, run_dir, progress=progress, clients=clients)
     t0 = time.perf_counter()
     summary = engine.run(resume=resume)
     summary["wall_s"] = time.perf_counter() - t0

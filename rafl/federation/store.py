@@ -156,14 +156,15 @@ class ClientStore:
         self.pending = {}
         return dict(self.committed)
 
-    def cleanup(self) -> None:
-        """Delete every file that is not a committed version (older rounds, aborted rounds)."""
+    def cleanup(self, client_id: int | None = None) -> None:
+        """Delete every file that is not a committed version (older rounds, aborted rounds); only
+        those of ``client_id`` when given (a Flower node sharing the folder with other clients)."""
         for f in self.directory.iterdir():
             m = _NAME.match(f.name)
             if m is None:
                 continue
             cid, rnd = int(m.group(1)), int(m.group(2))
-            if self.committed.get(cid) != rnd:
+            if (client_id is None or cid == client_id) and self.committed.get(cid) != rnd:
                 f.unlink(missing_ok=True)
 
 

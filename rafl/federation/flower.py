@@ -1,0 +1,635 @@
+"""The Flower backend: the same engine, with the client steps run as Flower ClientApps on SuperNodes.
+
+rafl's :class:`~rafl.federation.engine.Engine` keeps everything that is not a client's own
+computation -- sampling, sporadic participation, dropout, communication counting, evaluation
+summaries, metrics, checkpoints and ``--resume`` -- and hands the client steps to a *runner*.
+:class:`FlowerClients` is that runner for Flower (``flwr`` 1.42, the Message API): each round it
+sends one ``train`` :class:`flwr.app.Message` to the SuperNode hosting every sampled client and
+waits for the replies; evaluation sends ``evaluate`` messages the same way. The ClientApp
+(:data:`client_app`) runs :func:`~rafl.federation.engine.train_client` /
+:func:`~rafl.federation.engine.evaluate_client`, the very functions the in-process runner calls,
+with the same seeds, so both backends compute the same numbers.
+
+Why not a ``flwr.serverapp.strategy.Strategy`` and its ``start()`` loop: that loop always begins at
+round 1 and carries one ``ArrayRecord`` between rounds, so it cannot resume from rafl's checkpoint,
+cannot give each client its own broadcast (FedGH/FedTGP send per-client views, LG-FedAvg its
+global part) and would duplicate the engine's accounting. The ServerApp here drives Flower's
+:class:`~flwr.serverapp.Grid` directly, which is Flower's documented low-level API.
+
+What travels (DESIGN.md, :mod:`rafl.federation.payload`): a payload's ``tensors`` are one
+``ArrayRecord`` (``"payload.arrays"``, names verbatim), its ``meta`` one ``ConfigRecord``
+(``"payload.meta"``); the control record ``"rafl"`` holds the client id, the round, the client
+state version the server has committed, the run key and the run config (YAML text). Communication
+is still counted by the engine from :meth:`Payload.nbytes`, identical for both backends; Flower's
+own framing is not counted.
+
+Clients and nodes: the server asks every connected node for its ``node_config``. A node with
+``partition-id = i`` and ``num-partitions = P`` hosts the clients ``i, i + P, i + 2P, ...`` of the
+run's population (with ``P`` = number of clients, one client per node as in Flower's examples).
+Every node builds the run's federation itself from the run config (same data, partition, supernet
+and search cache), and keeps its clients' states on its own disk under ``state-dir`` (node
+config; default ``~/.cache/rafl/flower-states``) in versioned files (:class:`ClientStore`), so a
+resumed run repeats an interrupted round from the committed versions.
+
+A node that replies with an error, or does not reply within ``engine.round_timeout_s``, loses its
+clients for that round: they count as failed (the metrics row names them in ``lost``), and the
+round completes with the rest, as with simulated dropout.
+
+Entry points:
+
+* :func:`simulate` -- Flower's Simulation Runtime (``flwr.simulation.run_simulation``, Ray), the
+  backend of ``rafl federate --set engine.backend=flower``;
+* :data:`server_app` / :data:`client_app` -- a Flower App for a real SuperLink and SuperNodes
+  (``flwr run``; the run config keys are ``config``, ``out`` and ``resume``); see the README.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rafl.errors import UserInputError
+from rafl.federation.engine import (
+    Federation,
+    client_context,
+    evaluate_client,
+    train_client,
+)
+from rafl.federation.payload import Payload
+from rafl.federation.store import ClientStore
+
+#: Record names in a Flower message's ``RecordDict``.
+ARRAYS, META, CONTROL = "payload.arrays", "payload.meta", "rafl"
+#: Message types: the ServerApp's node query and the two client steps.
+QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
+
+
+def _flwr():
+    try:
+        from flwr import app
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise UserInputError("the Flower backend needs flwr: pip install 'rafl[flower]'",
+                             field="engine.backend") from None
+    return app
+
+
+# ---------------------------------------------------------------------- payload <-> records
+def payload_to_records(payload: Payload) -> dict[str, Any]:
+    """``{ARRAYS: ArrayRecord, META: ConfigRecord}`` holding ``payload`` (names verbatim)."""
+    app = _flwr()
+    arrays = app.ArrayRecord({k: app.Array.from_torch_tensor(v.contiguous()) for k, v in payload.tensors.items()})
+    return {ARRAYS: arrays, META: app.ConfigRecord(dict(payload.meta))}
+
+
+def records_to_payload(content: Any, sender: str) -> Payload:
+    """Inverse of :func:`payload_to_records`.
+
+    Raises:
+        UserInputError: a message without the payload records, naming ``sender``."""
+    import numpy as np
+    import torch
+
+    if ARRAYS not in content.array_records or META not in content.config_records:
+        raise UserInputError(f"carries no rafl payload (records {sorted(content.keys())})", source=sender)
+    tensors = {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in content.array_records[ARRAYS].items()}
+    meta = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in content.config_records[META].items()}
+    return Payload(tensors, meta)
+
+
+# ---------------------------------------------------------------------- server side
+def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float) -> tuple[dict[Any, Any], dict[Any, str]]:
+    """Push ``(key, Message)`` pairs and pull the replies until every one arrived or ``timeout``
+    seconds passed. Returns ``(replies by key, reasons by key)`` for replies and for failures
+    (an error reply, or no reply in time)."""
+    keys = [k for k, _ in messages]
+    ids = list(grid.push_messages([m for _, m in messages]))
+    key_of = dict(zip(ids, keys))
+    replies: dict[Any, Any] = {}
+    lost: dict[Any, str] = {}
+    pending = set(ids)
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for reply in grid.pull_messages(list(pending)):
+            mid = reply.metadata.reply_to_message_id
+            if mid not in pending:
+                continue
+            pending.discard(mid)
+            if reply.has_error():
+                lost[key_of[mid]] = f"node error: {reply.error.reason}"
+            else:
+                replies[key_of[mid]] = reply
+        if pending:
+            time.sleep(0.05)
+    for mid in pending:
+        lost[key_of[mid]] = f"no reply within {timeout:g} s"
+    return replies, lost
+
+
+def discover_nodes(grid: Any, n_clients: int, timeout: float) -> dict[int, int]:
+    """Map every client id of the population to the node that hosts it.
+
+    Waits up to ``timeout`` seconds for nodes to connect and answer the query.
+
+    Raises:
+        UserInputError: a client id no node hosts (naming the node configs seen and the allowed
+            values), or two nodes claiming the same client.
+    """
+    app = _flwr()
+    deadline = time.monotonic() + timeout
+    seen: dict[int, tuple[int, int]] = {}
+    while True:
+        nodes = sorted(set(grid.get_node_ids()) - set(seen))
+        if nodes:
+            msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"ask": "node_config"})}),
+                                      dst_node_id=nid, message_type=QUERY)) for nid in nodes]
+            replies, _ = _exchange(grid, msgs, max(1.0, deadline - time.monotonic()))
+            for nid, reply in replies.items():
+                rec = reply.content.config_records[CONTROL]
+                seen[nid] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+        node_of: dict[int, int] = {}
+        for nid, (pid, parts) in sorted(seen.items()):
+            for cid in range(pid, n_clients, max(1, parts)):
+                if cid in node_of:
+                    raise UserInputError(f"nodes {node_of[cid]} and {nid} both host client {cid}: give every "
+                                         "SuperNode its own partition-id in 0..num-partitions-1",
+                                         field="node_config.partition-id")
+                node_of[cid] = nid
+        missing = [c for c in range(n_clients) if c not in node_of]
+        if not missing:
+            return node_of
+        if time.monotonic() >= deadline:
+            got = ", ".join(f"node {nid}: partition-id={p} num-partitions={q}" for nid, (p, q) in sorted(seen.items()))
+            raise UserInputError(
+                f"no connected SuperNode hosts client(s) {missing[:10]}{'...' if len(missing) > 10 else ''} of the "
+                f"{n_clients} clients after {timeout:g} s ({got or 'no node answered'}); start SuperNodes with "
+                f"--node-config \"partition-id=I num-partitions=P\" for I in 0..P-1, P <= {n_clients}",
+                field="node_config")
+        time.sleep(0.2)
+
+
+class FlowerClients:
+    """The engine's client runner over a Flower :class:`~flwr.serverapp.Grid`.
+
+    Args:
+        fed: the federation (server side; used for client infos only).
+        store: the engine's :class:`ClientStore`; only its committed/pending version maps are
+            used here (the files live on the nodes).
+        seed: the run seed (travels implicitly: nodes rebuild it from ``config_text``).
+        grid: the ServerApp's grid.
+        node_of: ``client id -> node id`` (:func:`discover_nodes`).
+        config_text: the resolved run config as YAML.
+        run_key: names this run's state folder on the nodes.
+        timeout: seconds to wait for a round's replies.
+        state_dir: where the nodes keep client states when they share this machine's disk (the
+            Simulation Runtime: the run dir's ``clients/``, as in-process, so a run can resume
+            on either backend); "" = each node's own ``state-dir``.
+    """
+
+    def __init__(self, fed: Federation, store: ClientStore, seed: int, *, grid: Any, node_of: dict[int, int],
+                 config_text: str, run_key: str, timeout: float, state_dir: str = ""):
+        self.fed, self.store, self.seed = fed, store, seed
+        self.state_dir = state_dir
+        self.grid, self.node_of, self.config_text = grid, node_of, config_text
+        self.run_key, self.timeout = run_key, timeout
+
+    def _message(self, kind: str, cid: int, rnd: int, payload: Payload) -> Any:
+        app = _flwr()
+        control = app.ConfigRecord({"client_id": cid, "round": rnd, "state_version": self.store.committed.get(cid, -1),
+                                    "run_key": self.run_key, "config": self.config_text,
+                                    "state_dir": self.state_dir})
+        return app.Message(app.RecordDict({**payload_to_records(payload), CONTROL: control}),
+                           dst_node_id=self.node_of[cid], message_type=kind, group_id=str(rnd))
+
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+        """Send every ``(client_id, broadcast)`` job to its node; returns the uploads in job order,
+        the clients lost with the reason, and the wall seconds the round's client steps took."""
+        t0 = time.perf_counter()
+        replies, lost = _exchange(self.grid, [(cid, self._message(TRAIN, cid, rnd, down)) for cid, down in jobs],
+                                  self.timeout)
+        uploads = []
+        for cid, _ in jobs:
+            if cid in replies:
+                uploads.append((cid, records_to_payload(replies[cid].content, f"client {cid}")))
+                self.store.pending[cid] = rnd  # the node wrote version rnd; committed with the checkpoint
+        return uploads, lost, time.perf_counter() - t0
+
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> dict[int, dict[str, float]]:
+        """The evaluation contract's counts of every client in ``ids``, computed on its node.
+
+        Raises:
+            UserInputError: a node that fails to evaluate (evaluation has no partial result)."""
+        replies, lost = _exchange(self.grid, [(cid, self._message(EVALUATE, cid, rnd, broadcast)) for cid in ids],
+                                  self.timeout)
+        if lost:
+            cid, why = min(lost.items())
+            raise UserInputError(f"evaluation of round {rnd} failed on client {cid}'s node: {why}",
+                                 source=f"node {self.node_of[cid]}")
+        return {cid: {k: float(v) for k, v in replies[cid].content.metric_records["metrics"].items()} for cid in ids}
+
+
+def run_key_of(run_dir: Path, config_text: str) -> str:
+    """A short stable key naming a run's client-state folder on the nodes."""
+    return hashlib.sha256(f"{Path(run_dir).resolve()}\n{config_text}".encode()).hexdigest()[:16]
+
+
+def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, progress: bool = True,
+                shared_disk: bool = False) -> dict[str, Any]:
+    """Run a prepared federation (:func:`rafl.federation.pipeline.prepare`) with its client steps
+    on the grid's SuperNodes; the rest as :func:`rafl.federation.pipeline.run` (same run dir).
+    ``shared_disk``: the nodes run on this machine (simulation) and keep client states in the
+    run dir's ``clients/``."""
+    from rafl.federation import pipeline
+
+    cfg = prep.cfg
+    config_text = yaml.safe_dump(cfg.resolved(), sort_keys=True)
+    timeout = float(cfg.engine.round_timeout_s)
+    node_of = discover_nodes(grid, len(prep.federation.clients), timeout)
+    key = run_key_of(run_dir, config_text)
+
+    def runner(fed: Federation, store: ClientStore, seed: int) -> FlowerClients:
+        return FlowerClients(fed, store, seed, grid=grid, node_of=node_of, config_text=config_text, run_key=key,
+                             timeout=timeout, state_dir=str(Path(run_dir).resolve() / "clients") if shared_disk else "")
+
+    return pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner)
+
+
+# ---------------------------------------------------------------------- client side
+_PREPARED: dict[str, Any] = {}
+
+
+def _node_federation(config_text: str) -> tuple[Federation, int]:
+    """The run's federation built on this node from the run config (cached per config)."""
+    key = hashlib.sha256(config_text.encode()).hexdigest()
+    if key not in _PREPARED:
+        from rafl.config import RunConfig
+        from rafl.federation import pipeline
+
+        cfg = RunConfig.model_validate(yaml.safe_load(config_text))
+        _PREPARED.clear()  # one run at a time per ClientApp process
+        _PREPARED[key] = (pipeline.prepare(cfg, progress=False).federation, cfg.seed)
+    return _PREPARED[key]
+
+
+def _state_root(node_config: dict[str, Any]) -> Path:
+    root = node_config.get("state-dir") or os.environ.get("RAFL_FLOWER_STATE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "rafl" / "flower-states"
+
+
+def _node_step(msg: Any, context: Any, kind: str) -> Any:
+    app = _flwr()
+    ctl = msg.content.config_records[CONTROL]
+    cid, rnd, version = int(ctl["client_id"]), int(ctl["round"]), int(ctl["state_version"])
+    pid, parts = int(context.node_config.get("partition-id", 0)), int(context.node_config.get("num-partitions", 1))
+    if cid % max(1, parts) != pid:
+        raise UserInputError(f"client {cid} is not hosted by this node (partition-id={pid}, num-partitions={parts})",
+                             field="node_config")
+    fed, seed = _node_federation(str(ctl["config"]))
+    hint = str(ctl.get("state_dir", "") or "")  # the simulation's run dir: the in-process engine's folder
+    folder = Path(hint) if hint and "state-dir" not in context.node_config else (
+        _state_root(context.node_config) / str(ctl["run_key"]))
+    store = ClientStore(folder, committed={cid: version} if version >= 0 else None)
+    store.cleanup(cid)  # only the version the server committed survives (an interrupted round is repeated)
+    down = records_to_payload(msg.content, "the server")
+    ctx = client_context(fed, seed, cid, rnd)
+    if kind == TRAIN:
+        upload, seconds = train_client(fed, store, ctx, down)
+        return app.Message(app.RecordDict({**payload_to_records(upload),
+                                           CONTROL: app.ConfigRecord({"client_id": cid, "seconds": seconds})}),
+                           reply_to=msg)
+    metrics = evaluate_client(fed, store, ctx, down)
+    return app.Message(app.RecordDict({"metrics": app.MetricRecord({k: float(v) for k, v in metrics.items()})}),
+                       reply_to=msg)
+
+
+def _make_client_app() -> Any:
+    from flwr.clientapp import ClientApp
+
+    capp = ClientApp()
+
+    @capp.query()
+    def _query(msg: Any, context: Any) -> Any:
+        app = _flwr()
+        nc = context.node_config
+        return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
+            "partition-id": int(nc.get("partition-id", 0)), "num-partitions": int(nc.get("num-partitions", 1))})}),
+            reply_to=msg)
+
+    @capp.train()
+    def _train(msg: Any, context: Any) -> Any:
+        return _node_step(msg, context, TRAIN)
+
+    @capp.evaluate()
+    def _evaluate(msg: Any, context: Any) -> Any:
+        return _node_step(msg, context, EVALUATE)
+
+    return capp
+
+
+# ---------------------------------------------------------------------- entry points
+def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run ``prep`` on Flower's Simulation Runtime (Ray): ``engine.supernodes`` virtual SuperNodes
+    (default one per client), one CPU per ClientApp.
+
+    Raises:
+        UserInputError: anything the run raises (re-raised from the ServerApp), or a run that
+            ended without a summary (the Simulation Runtime's own failure)."""
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    out: dict[str, Any] = {}
+    sapp = ServerApp()
+
+    @sapp.main()
+    def _main(grid: Any, context: Any) -> None:
+        try:
+            out["summary"] = run_on_grid(grid, prep, run_dir, resume=resume, progress=progress, shared_disk=True)
+        except BaseException as err:  # re-raised in the caller's thread below
+            out["error"] = err
+
+    n_nodes = prep.cfg.engine.supernodes or len(prep.federation.clients)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    run_simulation(sapp, client_app, num_supernodes=n_nodes, backend_config={
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {"num_cpus": max(1, min(os.cpu_count() or 1, n_nodes)), "include_dashboard": False,
+                      "log_to_driver": False}})
+    if "error" in out:
+        raise out["error"]
+    if "summary" not in out:
+        raise UserInputError("the Flower Simulation Runtime ended without finishing the run (see its log above)",
+                             field="engine.backend")
+    return out["summary"]
+
+
+APP_PYPROJECT = """\
+# A Flower App that runs rafl's federation on a SuperLink and its SuperNodes (written by
+# `rafl flower-app`). Run it with `flwr run <this folder> <superlink connection>`.
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "rafl-flower-app"
+version = "{version}"
+description = "rafl: resource-aware heterogeneous federated learning on Flower"
+license = "Apache-2.0"
+dependencies = ["rafl[flower]"]
+
+[tool.flwr.app]
+publisher = "rafl"
+
+[tool.flwr.app.components]
+serverapp = "rafl.federation.flower:server_app"
+clientapp = "rafl.federation.flower:client_app"
+
+[tool.flwr.app.config]
+# absolute paths on the SuperLink's machine (the ServerApp does not run in your shell's folder)
+config = {config}   # a rafl run config (YAML, as for `rafl federate --config`); "" = the defaults
+out = {out}         # run dirs are created under this folder
+resume = ""           # a run dir to continue from its last complete round instead
+"""
+
+
+def _absolute(value: Any, key: str) -> Path | None:
+    text = str(value or "")
+    if not text:
+        return None
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        raise UserInputError(f"is {text!r}; allowed: an absolute path (the ServerApp runs in the SuperLink's "
+                             "process, not in your shell's folder)", field=f"run_config.{key}")
+    return path
+
+
+def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
+    """``(prepared, run_dir, resume)`` from a ``flwr run`` run config (keys ``config``: path of
+    the rafl run YAML on the SuperLink's machine, ``out``: run dir parent, ``resume``: a run dir;
+    absolute paths).
+
+    Raises:
+        UserInputError: a relative path, a missing file, a run dir that exists (not resuming) or
+            an invalid run config."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    resume = _absolute(run_config.get("resume"), "resume")
+    if resume is not None:
+        if not (resume / "checkpoint.safetensors").is_file():
+            raise UserInputError("is not a rafl run dir with a checkpoint (nothing to resume)", source=resume,
+                                 field="run_config.resume")
+        cfg = load_run_config(resume / "config.yaml")
+        return pipeline.prepare(cfg, progress=False), resume, True
+    cfg = load_run_config(_absolute(run_config.get("config"), "config"))
+    out = _absolute(run_config.get("out"), "out")
+    if out is None:
+        raise UserInputError("is empty; allowed: an absolute folder for run dirs", field="run_config.out")
+    name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return pipeline.prepare(cfg, progress=False), out / name, False
+
+
+def write_app(folder: str | Path, *, config: str | Path | None = None, out: str | Path = "runs") -> Path:
+    """Write the Flower App (``pyproject.toml`` naming this module's ``server_app`` and
+    ``client_app``) into ``folder``; ``config``/``out`` become the run config's defaults
+    (made absolute). Returns the ``pyproject.toml`` path.
+
+    Raises:
+        UserInputError: ``folder`` holds a pyproject.toml already."""
+    from rafl import __version__
+    from rafl.io import atomic_write_text
+
+    folder = Path(folder)
+    target = folder / "pyproject.toml"
+    if target.exists():
+        raise UserInputError("already holds a pyproject.toml (choose an empty folder)", source=folder, field="--out")
+    folder.mkdir(parents=True, exist_ok=True)
+    quoted = json.dumps  # a JSON string is a TOML basic string (backslashes of Windows paths escaped)
+    text = APP_PYPROJECT.format(version=__version__, config=quoted(str(Path(config).resolve()) if config else ""),
+                                out=quoted(str(Path(out).resolve())))
+    atomic_write_text(target, text)
+    return target
+
+
+def _make_server_app() -> Any:
+    from flwr.serverapp import ServerApp
+
+    sapp = ServerApp()
+
+    @sapp.main()
+    def _main(grid: Any, context: Any) -> None:
+        try:
+            prep, run_dir, resume = _load_from_run_config(dict(context.run_config))
+            summary = run_on_grid(grid, prep, run_dir, resume=resume, progress=False)
+        except UserInputError as err:  # one line in the run's log, and the run ends as failed
+            print(f"error: {err}", flush=True)
+            raise
+        final = summary["final"]
+        print(f"rafl: {summary['rounds']} rounds; model accuracy: mean over clients "
+              f"{final.get('model.acc_mean_over_clients', float('nan')):.3f}, sample-weighted "
+              f"{final.get('model.acc_sample_weighted', float('nan')):.3f}; {summary['cum_mb']:.2f} MB; "
+              f"run dir {run_dir}", flush=True)
+
+    return sapp
+
+
+class LocalFleet:
+    """A Flower SuperLink and ``n_nodes`` SuperNodes on 127.0.0.1, for a deployment on one machine
+    (tests, ``bench/flower_overhead.py``, trying ``flwr run`` before a real fleet).
+
+    Each process runs in its own session with ``FLWR_HOME = workdir/flwr-home`` and runtime
+    dependency installation disabled; node ``i`` has node config ``partition-id=i
+    num-partitions=n_nodes``. Leaving the ``with`` block stops them and everything they started
+    (their SuperExec and ClientApp processes). Logs: ``workdir/superlink.log``, ``node<i>.log``.
+
+    Args:
+        n_nodes: SuperNodes (>= 1).
+        workdir: a folder for logs, the SuperLink's database and FLWR_HOME.
+        state_dir: the nodes' client-state folder (``RAFL_FLOWER_STATE_DIR``), default
+            ``workdir/node-states``.
+    """
+
+    CONNECTION = "rafl-local"
+
+    def __init__(self, n_nodes: int, workdir: str | Path, state_dir: str | Path | None = None):
+        import sys
+
+        if n_nodes < 1:
+            raise UserInputError(f"is {n_nodes}; allowed: >= 1", field="n_nodes")
+        self.n_nodes, self.workdir = n_nodes, Path(workdir)
+        self.bindir = Path(sys.executable).parent
+        self.home = self.workdir / "flwr-home"
+        self.env = {**os.environ, "FLWR_HOME": str(self.home),
+                    "RAFL_FLOWER_STATE_DIR": str(state_dir or self.workdir / "node-states")}
+        self.procs: list[Any] = []
+
+    @staticmethod
+    def _free_port() -> int:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
+    def _start(self, args: list[str], log: str) -> None:
+        import subprocess
+
+        with (self.workdir / log).open("w") as fh:
+            self.procs.append(subprocess.Popen([str(self.bindir / args[0]), *args[1:]], stdout=fh,
+                                               stderr=subprocess.STDOUT, env=self.env, start_new_session=True))
+
+    def _wait_for(self, port: int, log: str, timeout: float = 60.0) -> None:
+        """Block until 127.0.0.1:``port`` accepts connections (RuntimeError naming ``log`` if the
+        process exits or ``timeout`` seconds pass)."""
+        import socket
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[-1].poll() is not None:
+                raise RuntimeError(f"{log[:-4]} exited with status {self.procs[-1].returncode}; see "
+                                   f"{self.workdir / log}")
+            with socket.socket() as sock:
+                sock.settimeout(0.5)
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"127.0.0.1:{port} did not open within {timeout:g} s; see {self.workdir / log}")
+
+    def __enter__(self) -> LocalFleet:
+        self.home.mkdir(parents=True, exist_ok=True)
+        port = self._free_port()
+        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{self.CONNECTION}"\n\n'
+                                               f'[superlink.{self.CONNECTION}]\naddress = "127.0.0.1:{port}"\n'
+                                               "insecure = true\n")
+        try:
+            self._start(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                         "--disable-runtime-dependency-installation", "--database",
+                         str(self.workdir / "superlink.db")], "superlink.log")
+            self._wait_for(port, "superlink.log")
+            for i in range(self.n_nodes):
+                self._start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--host",
+                             "127.0.0.1", "--port", str(self._free_port()), "--node-config",
+                             f"partition-id={i} num-partitions={self.n_nodes}"], f"node{i}.log")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def run(self, app_dir: str | Path, timeout: float = 3600, run_config: str | None = None) -> Any:
+        """``flwr run APP_DIR rafl-local --stream`` (blocks until the run ends); the completed
+        process (``stdout`` holds the ServerApp's log)."""
+        import subprocess
+
+        extra = ["--run-config", run_config] if run_config else []
+        return subprocess.run([str(self.bindir / "flwr"), "run", str(app_dir), self.CONNECTION, "--stream", *extra],
+                              capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
+
+    def logs(self) -> str:
+        """The SuperLink's and SuperNodes' logs, concatenated."""
+        return "".join(f"==> {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.workdir.glob("*.log")))
+
+    def stop(self) -> None:
+        """SIGTERM every process group started here (SIGKILL after 20 s)."""
+        import signal
+        import subprocess
+
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        deadline = time.monotonic() + 20  # the groups' other members (SuperExec, ClientApps) end too
+        for proc in self.procs:
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+            else:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.procs = []
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+try:  # the Flower App's components (``flwr run`` finds them by name); rafl itself imports without flwr
+    client_app = _make_client_app()
+    server_app = _make_server_app()
+except ImportError:  # pragma: no cover - depends on the environment
+    client_app = server_app = None
+
+
+#: Callable type of a runner factory (``Engine(clients=...)``).
+RunnerFactory = Callable[[Federation, ClientStore, int], FlowerClients]
+
+__all__ = [
+    "ARRAYS",
+    "CONTROL",
+    "META",
+    "FlowerClients",
+    "LocalFleet",
+    "client_app",
+    "discover_nodes",
+    "payload_to_records",
+    "records_to_payload",
+    "run_key_of",
+    "run_on_grid",
+    "server_app",
+    "simulate",
+    "write_app",
+]

@@ -1,0 +1,207 @@
+"""The Flower backend: payload records, lost nodes, node discovery, and whole runs on Flower's
+Simulation Runtime and on a real SuperLink with two SuperNodes (127.0.0.1 only), each compared
+number for number with the in-process engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import flwr.app as flwr_app  # rafl[test] installs rafl[flower]
+import pytest
+import torch
+from click.testing import CliRunner
+
+from rafl.cli import cli
+from rafl.errors import UserInputError
+from rafl.federation import flower
+from rafl.federation.payload import Payload
+from rafl.supernet import SearchSpace, build_supernet, save_supernet
+
+ARGS = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "engine.rounds=2",
+        "--set", "algorithm.name=fedgh"]
+
+
+@pytest.fixture(scope="module")
+def tiny_supernet(tmp_path_factory):
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    d = tmp_path_factory.mktemp("supernet")
+    save_supernet(d, build_supernet(space).eval(), config={"public_fraction": 0.3, "public_seed": 0}, metrics={})
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _flower_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    monkeypatch.setenv("RAFL_FLOWER_STATE_DIR", str(tmp_path / "node-states"))
+
+
+def _federate(args):
+    res = CliRunner().invoke(cli, ["federate", "--no-progress", *args])
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock columns."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_supernet, tmp_path_factory):
+    out = tmp_path_factory.mktemp("inproc")
+    _federate(["--out", str(out), "--set", "name=ref", "--set", f"supernet.path={tiny_supernet}", *ARGS])
+    return out / "ref"
+
+
+# ---------------------------------------------------------------------- records
+def test_payload_round_trips_through_flower_records():
+    p = Payload({"w": torch.randn(3, 4), "ids": torch.arange(5), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 7)},
+                {"n_samples": 12, "lr": 0.1, "class_ids": [0, 3, 9], "none_yet": [], "name": "fedgh", "ok": True})
+    back = flower.records_to_payload(flwr_app.RecordDict(flower.payload_to_records(p)), "test")
+    assert back.meta == p.meta and back.to_bytes() == p.to_bytes()
+    for k, v in p.tensors.items():
+        assert back.tensors[k].dtype == v.dtype and torch.equal(back.tensors[k], v)
+    with pytest.raises(UserInputError, match="carries no rafl payload"):
+        flower.records_to_payload(flwr_app.RecordDict({}), "node 7")
+
+
+# ---------------------------------------------------------------------- a fake grid
+@pytest.fixture
+def task_identity(monkeypatch):
+    """Flower stamps messages with the run and node of the process (set by its runtimes)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+
+
+class FakeGrid:
+    """Answers pushed messages with ``handler(message) -> RecordDict | Exception | None`` (None:
+    the node never replies)."""
+
+    def __init__(self, handler, nodes=(11, 22)):
+        self.handler, self.nodes, self.out, self.n = handler, list(nodes), {}, 0
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            self.n += 1
+            mid = f"m{self.n}"
+            ans = self.handler(m)
+            if ans is not None:
+                meta = SimpleNamespace(reply_to_message_id=mid)
+                if isinstance(ans, Exception):
+                    self.out[mid] = SimpleNamespace(metadata=meta, has_error=lambda: True,
+                                                    error=SimpleNamespace(reason=str(ans)))
+                else:
+                    self.out[mid] = SimpleNamespace(metadata=meta, has_error=lambda: False, content=ans)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.out.pop(i) for i in list(ids) if i in self.out]
+
+
+def test_exchange_counts_an_error_reply_and_a_silent_node_as_lost(task_identity):
+    def handler(m):
+        node = m.metadata.dst_node_id
+        return {11: flwr_app.RecordDict({}), 22: RuntimeError("CUDA out of memory"), 33: None}[node]
+
+    grid = FakeGrid(handler)
+    msgs = [(cid, flwr_app.Message(flwr_app.RecordDict({}), dst_node_id=node, message_type="train"))
+            for cid, node in ((0, 11), (1, 22), (2, 33))]
+    replies, lost = flower._exchange(grid, msgs, timeout=0.3)
+    assert sorted(replies) == [0]
+    assert lost == {1: "node error: CUDA out of memory", 2: "no reply within 0.3 s"}
+
+
+def _query_handler(configs):
+    def handler(m):
+        pid, parts = configs[m.metadata.dst_node_id]
+        return flwr_app.RecordDict({flower.CONTROL: flwr_app.ConfigRecord({"partition-id": pid, "num-partitions": parts})})
+    return handler
+
+
+def test_discover_nodes_hosts_clients_round_robin_by_partition_id(task_identity):
+    grid = FakeGrid(_query_handler({11: (0, 2), 22: (1, 2)}))
+    assert flower.discover_nodes(grid, 5, timeout=2) == {0: 11, 1: 22, 2: 11, 3: 22, 4: 11}
+
+
+def test_discover_nodes_names_the_clients_no_node_hosts(task_identity):
+    grid = FakeGrid(_query_handler({11: (0, 3), 22: (1, 3)}))
+    with pytest.raises(UserInputError, match=r"no connected SuperNode hosts client\(s\) \[2, 5\] of the 6 clients"):
+        flower.discover_nodes(grid, 6, timeout=0.5)
+    grid = FakeGrid(_query_handler({11: (0, 2), 22: (0, 2)}))
+    with pytest.raises(UserInputError, match="nodes 11 and 22 both host client 0"):
+        flower.discover_nodes(grid, 2, timeout=0.5)
+
+
+def test_flower_run_config_paths_must_be_absolute(tmp_path):
+    with pytest.raises(UserInputError, match=r"run_config.config: is 'run.yaml'; allowed: an absolute path"):
+        flower._load_from_run_config({"config": "run.yaml", "out": str(tmp_path)})
+    with pytest.raises(UserInputError, match="nothing to resume"):
+        flower._load_from_run_config({"resume": str(tmp_path)})
+
+
+def test_flower_app_command_writes_the_app_once(tmp_path):
+    res = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app"), "--runs", str(tmp_path / "runs")])
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "app" / "pyproject.toml").read_text()
+    assert 'serverapp = "rafl.federation.flower:server_app"' in text and str(tmp_path / "runs") in text
+    again = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app")])
+    assert again.exit_code == 2 and "already holds a pyproject.toml" in again.output
+
+
+def test_compare_refuses_the_flower_backend(tmp_path):
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--set", "engine.backend=flower",
+                                   "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 2 and "engine.backend: is 'flower'; rafl compare runs its methods in-process" in res.output
+    assert not (tmp_path / "cmp").exists()
+
+
+# ---------------------------------------------------------------------- whole runs
+@pytest.mark.slow
+def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, tiny_supernet, in_process):
+    """Flower's Simulation Runtime (Ray) computes the in-process engine's numbers; a run started on
+    Flower resumes in-process from the same client states (the run dir's clients/)."""
+    sn = ["--set", f"supernet.path={tiny_supernet}"]
+    _federate(["--out", str(tmp_path), "--set", "name=sim", *sn, *ARGS, "--set", "engine.backend=flower"])
+    assert _rows(tmp_path / "sim") == _rows(in_process)
+    _federate(["--out", str(tmp_path), "--set", "name=half", *sn, *ARGS, "--set", "engine.backend=flower",
+               "--set", "engine.rounds=1"])
+    _federate(["--resume", str(tmp_path / "half"), "--set", "engine.rounds=2", "--set", "engine.backend=in-process"])
+    assert _rows(tmp_path / "half") == _rows(in_process)
+
+
+@pytest.mark.slow
+def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, tiny_supernet, in_process):
+    """`rafl flower-app` + `flwr run` against a real SuperLink and two SuperNodes hosting the three
+    clients (node 0: clients 0 and 2, node 1: client 1) ends with the in-process numbers."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"name: deployed\nsupernet: {{path: {tiny_supernet}}}\ndata: {{limit_per_class: 10}}\n"
+                   "clients: {n: 3}\nengine: {rounds: 2, round_timeout_s: 300}\nalgorithm: {name: fedgh}\n")
+    res = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app"), "--config", str(cfg),
+                                   "--runs", str(tmp_path / "runs")])
+    assert res.exit_code == 0, res.output
+    with flower.LocalFleet(2, tmp_path / "fleet") as fleet:
+        run = fleet.run(tmp_path / "app", timeout=600)
+        assert "rafl: 2 rounds" in run.stdout, (run.stdout + run.stderr + fleet.logs())[-4000:]
+        pids = [p.pid for p in fleet.procs]
+    for pid in pids:  # stopped, with their process groups
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+    run_dir = tmp_path / "runs" / "deployed"
+    assert _rows(run_dir) == _rows(in_process)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final"] == json.loads((in_process / "summary.json").read_text())["final"]
+    states = sorted(p.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st"))  # the nodes' own disk
+    assert states == ["0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
