@@ -168,6 +168,67 @@ def test_compare_refuses_the_flower_backend(tmp_path):
     assert not (tmp_path / "cmp").exists()
 
 
+class DirectGrid:
+    """A grid that hands every message to rafl's ClientApp in this process (nodes 1..n with
+    node config partition-id / num-partitions; an exception becomes an error reply, as on a
+    SuperNode). Exercises the whole message path without Ray or processes."""
+
+    def __init__(self, n_nodes: int):
+        from flwr.app import Context
+
+        self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, state=flwr_app.RecordDict(), run_config={},
+                                        node_config={"partition-id": i, "num-partitions": n_nodes})
+                         for i in range(n_nodes)}
+        self.out, self.n = {}, 0
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            self.n += 1
+            m.metadata.__dict__["_message_id"] = f"m{self.n}"  # as the SuperLink does (linkstate/utils.py)
+            try:
+                reply = flower.client_app(m, self.contexts[m.metadata.dst_node_id])
+            except Exception as err:  # noqa: BLE001 - a SuperNode turns it into an error reply
+                reply = flwr_app.Message(flwr_app.Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=m)
+            self.out[m.metadata.message_id] = reply
+            ids.append(m.metadata.message_id)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.out.pop(i) for i in list(ids) if i in self.out]
+
+
+ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", "fedkd", "feddf", "standalone",
+               "fedavg", "fedprox", "fednova"]
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, tiny_supernet, task_identity, method):
+    """Each registered method, its broadcasts, uploads and client states carried by Flower
+    messages to ClientApps on two nodes (three clients), ends with the in-process numbers."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+    from rafl.federation.algorithms.base import ALGORITHMS
+
+    assert sorted(ALL_METHODS) == sorted(ALGORITHMS)  # a new method joins this test
+    same_model = ["clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"]
+    three_models = ["clients.archs={pi4: r16_k7e6.k3e4|k7e4.k5e6|k7e4.k3e3|k5e3.k7e4|k3e3.k3e4, "  # no search
+                    "jetson-nano: r16_k7e4.k7e4.k3e6|k7e4.k5e3.k7e3|k7e3.k5e3|k5e3.k7e4|k5e3.k7e6.k5e3, "
+                    "phone: r16_k5e4.k3e4|k3e4.k5e6.k7e3|k7e3.k7e4.k5e4.k5e6|k5e6.k7e4.k7e4|k5e6.k5e6.k3e4.k3e4}"]
+    sets = [f"supernet.path={tiny_supernet}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=2",
+            f"algorithm.name={method}", *(same_model if method in ("fedavg", "fedprox", "fednova") else three_models)]
+    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
+    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
+    got = flower.run_on_grid(DirectGrid(2), prep, tmp_path / "msg", progress=False)  # nodes prepare their own
+    assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref")
+    assert got["final"] == ref["final"] and got["cum_bytes_up"] == ref["cum_bytes_up"]
+    assert sorted(f.name for f in (tmp_path / "node-states").rglob("*.st")) == [
+        "0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
+
+
 # ---------------------------------------------------------------------- whole runs
 @pytest.mark.slow
 def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, tiny_supernet, in_process):
