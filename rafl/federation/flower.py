@@ -340,6 +340,7 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     Raises:
         UserInputError: anything the run raises (re-raised from the ServerApp), or a run that
             ended without a summary (the Simulation Runtime's own failure)."""
+    _flwr()  # a clear error without rafl[flower]
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
