@@ -229,6 +229,92 @@ def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, ti
         "0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
 
 
+class FaultyGrid(DirectGrid):
+    """A :class:`DirectGrid` whose node ``dead`` stops replying from round ``dead_from`` on, and
+    which raises :class:`flower.Stopped` (Ctrl-C) after delivering the ``interrupt`` =
+    ``(message type, round)`` messages."""
+
+    def __init__(self, n_nodes, dead=None, dead_from=1, interrupt=None):
+        super().__init__(n_nodes)
+        self.dead, self.dead_from, self.interrupt = dead, dead_from, interrupt
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:  # ids in message order, as a grid returns them
+            if m.metadata.dst_node_id == self.dead and int(m.metadata.group_id or 0) >= self.dead_from:
+                self.n += 1
+                ids.append(f"m{self.n}")  # never answered
+            else:
+                ids += super().push_messages([m])
+        if self.interrupt and any((m.metadata.message_type, int(m.metadata.group_id or 0)) == self.interrupt
+                                  for m in messages):
+            raise flower.Stopped("Ctrl-C")
+        return ids
+
+
+def _tiny_sets(tiny_supernet, method="fedgh", rounds=3):
+    return [f"supernet.path={tiny_supernet}", "data.limit_per_class=10", "clients.n=3", f"engine.rounds={rounds}",
+            f"algorithm.name={method}", "engine.round_timeout_s=1",
+            "clients.archs={pi4: r16_k7e6.k3e4|k7e4.k5e6|k7e4.k3e3|k5e3.k7e4|k3e3.k3e4, "
+            "jetson-nano: r16_k7e4.k7e4.k3e6|k7e4.k5e3.k7e3|k7e3.k5e3|k5e3.k7e4|k5e3.k7e6.k5e3, "
+            "phone: r16_k5e4.k3e4|k3e4.k5e6.k7e3|k7e3.k7e4.k5e4.k5e6|k5e6.k7e4.k7e4|k5e6.k5e6.k3e4.k3e4}"]
+
+
+def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, tiny_supernet, task_identity):
+    """Ctrl-C while round 2 is being evaluated: the nodes keep the round-1 states the checkpoint
+    names (evaluation deletes nothing), and the resumed run ends with the uninterrupted numbers."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(tiny_supernet)), progress=False)
+    ref = flower.run_on_grid(DirectGrid(2), prep, tmp_path / "ref", progress=False)
+    with pytest.raises(flower.Stopped):
+        flower.run_on_grid(FaultyGrid(2, interrupt=("evaluate", 2)), prep, tmp_path / "cut", progress=False)
+    assert len(_rows(tmp_path / "cut")) == 1  # round 1 is the last complete round
+    got = flower.run_on_grid(DirectGrid(2), prep, tmp_path / "cut", resume=True, progress=False)
+    assert _rows(tmp_path / "cut") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
+
+
+def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, tiny_supernet, task_identity):
+    """Node 2 (client 1) stops replying in round 2: client 1 counts as failed in training and is
+    left out of the evaluation (named with the reason); the run still ends after 3 rounds."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(tiny_supernet)), progress=False)
+    summary = flower.run_on_grid(FaultyGrid(2, dead=2, dead_from=2), prep, tmp_path / "run", progress=False)
+    rows = _rows(tmp_path / "run")
+    assert summary["rounds"] == 3 and [r["failed"] for r in rows] == [0, 1, 1]
+    assert rows[1]["lost"] == {"1": "no reply within 1 s"} and rows[2]["eval_lost"] == {"1": "no reply within 1 s"}
+    assert sorted(summary["clients"]) == ["0", "2"]
+
+
+def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, tiny_supernet, task_identity):
+    """Diverged local training is the run's fault, not the node's: the same one-line error as
+    in-process (naming the client, its model and the node), no round committed."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    prep = pipeline.prepare(load_run_config(None, [*_tiny_sets(tiny_supernet), "algorithm.lr=1e12"]), progress=False)
+    with pytest.raises(UserInputError) as in_process:
+        pipeline.run(prep, tmp_path / "a", progress=False)
+    with pytest.raises(UserInputError) as on_flower:
+        flower.run_on_grid(DirectGrid(2), prep, tmp_path / "b", progress=False)
+    assert "diverged" in on_flower.value.message and on_flower.value.message == in_process.value.message
+    assert on_flower.value.source == f"{in_process.value.source} on node {flower.discover_nodes(DirectGrid(2), 3, 1)[int(in_process.value.source.split()[1])]}"
+    assert not (tmp_path / "b" / "checkpoint.safetensors").exists()
+
+
+def test_every_client_lost_stops_the_run(tmp_path, tiny_supernet, task_identity):
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(tiny_supernet, rounds=1)), progress=False)
+    grid = FaultyGrid(1, dead=1, dead_from=1)
+    with pytest.raises(UserInputError, match=r"round 1: all 3 sampled clients were lost \(client 0: no reply within 1 s\)"):
+        flower.run_on_grid(grid, prep, tmp_path / "run", progress=False)
+
+
 # ---------------------------------------------------------------------- whole runs
 @pytest.mark.slow
 def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, tiny_supernet, in_process):

@@ -248,10 +248,11 @@ class InProcessClients:
             seconds += sec
         return uploads, {}, seconds
 
-    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> dict[int, dict[str, float]]:
-        """The evaluation contract's counts of every client in ``ids`` (committed states)."""
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
+        """The evaluation contract's counts of every client in ``ids`` (committed states), and the
+        clients that could not be evaluated with the reason (never any here)."""
         return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast)
-                for cid in ids}
+                for cid in ids}, {}
 
 
 class Engine:
@@ -340,10 +341,13 @@ class Engine:
         return ck
 
     # ------------------------------------------------------------------ evaluation
-    def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
         ids = list(range(len(self.fed.clients))) if self.cfg.eval_clients == "all" else sorted(self.store.committed)
-        per_client = self.clients.evaluate(rnd, ids, broadcast)
-        return summarize_eval(per_client), per_client
+        per_client, lost = self.clients.evaluate(rnd, ids, broadcast)
+        summary: dict[str, Any] = summarize_eval(per_client)
+        if lost:  # a Flower node that failed or timed out: its clients are left out of this round's accuracies
+            summary["eval_lost"] = {str(cid): why for cid, why in sorted(lost.items())}
+        return summary, per_client
 
     # ------------------------------------------------------------------ main loop
     def run(self, resume: bool = False) -> dict[str, Any]:

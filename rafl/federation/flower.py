@@ -48,6 +48,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -104,10 +106,30 @@ def records_to_payload(content: Any, sender: str) -> Payload:
 
 
 # ---------------------------------------------------------------------- server side
-def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float) -> tuple[dict[Any, Any], dict[Any, str]]:
+class Stopped(Exception):
+    """The run was interrupted (Ctrl-C / SIGTERM in the caller) while waiting for nodes: the
+    round in progress is abandoned, nothing more is committed."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def one_line(reason: str, limit: int = 300) -> str:
+    """The last meaningful line of a node's error (a remote traceback ends with the exception),
+    without terminal colours, at most ``limit`` characters."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(reason)).splitlines() if ln.strip()]
+    text = lines[-1] if lines else "unknown error"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float,
+              stop: threading.Event | None = None) -> tuple[dict[Any, Any], dict[Any, str]]:
     """Push ``(key, Message)`` pairs and pull the replies until every one arrived or ``timeout``
     seconds passed. Returns ``(replies by key, reasons by key)`` for replies and for failures
-    (an error reply, or no reply in time)."""
+    (an error reply, reason on one line; or no reply in time).
+
+    Raises:
+        Stopped: ``stop`` was set while waiting."""
     keys = [k for k, _ in messages]
     ids = list(grid.push_messages([m for _, m in messages]))
     key_of = dict(zip(ids, keys))
@@ -116,13 +138,15 @@ def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float) -> tup
     pending = set(ids)
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise Stopped("interrupted while waiting for the nodes' replies")
         for reply in grid.pull_messages(list(pending)):
             mid = reply.metadata.reply_to_message_id
             if mid not in pending:
                 continue
             pending.discard(mid)
             if reply.has_error():
-                lost[key_of[mid]] = f"node error: {reply.error.reason}"
+                lost[key_of[mid]] = f"node error: {one_line(reply.error.reason)}"
             else:
                 replies[key_of[mid]] = reply
         if pending:
@@ -132,7 +156,8 @@ def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float) -> tup
     return replies, lost
 
 
-def discover_nodes(grid: Any, n_clients: int, timeout: float) -> dict[int, int]:
+def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: bool = False,
+                   stop: threading.Event | None = None) -> dict[int, int]:
     """Map every client id of the population to the node that hosts it.
 
     Waits up to ``timeout`` seconds for nodes to connect and answer the query.
@@ -149,7 +174,7 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float) -> dict[int, int]:
         if nodes:
             msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"ask": "node_config"})}),
                                       dst_node_id=nid, message_type=QUERY)) for nid in nodes]
-            replies, _ = _exchange(grid, msgs, max(1.0, deadline - time.monotonic()))
+            replies, _ = _exchange(grid, msgs, max(1.0, deadline - time.monotonic()), stop)
             for nid, reply in replies.items():
                 rec = reply.content.config_records[CONTROL]
                 seen[nid] = (int(rec["partition-id"]), int(rec["num-partitions"]))
@@ -166,11 +191,16 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float) -> dict[int, int]:
             return node_of
         if time.monotonic() >= deadline:
             got = ", ".join(f"node {nid}: partition-id={p} num-partitions={q}" for nid, (p, q) in sorted(seen.items()))
+            if simulation:
+                raise UserInputError(f"the Simulation Runtime's virtual SuperNodes did not answer within {timeout:g} s "
+                                     f"({got or 'none answered'}); see the Ray log above", field="engine.backend")
             raise UserInputError(
                 f"no connected SuperNode hosts client(s) {missing[:10]}{'...' if len(missing) > 10 else ''} of the "
                 f"{n_clients} clients after {timeout:g} s ({got or 'no node answered'}); start SuperNodes with "
                 f"--node-config \"partition-id=I num-partitions=P\" for I in 0..P-1, P <= {n_clients}",
                 field="node_config")
+        if stop is not None and stop.is_set():
+            raise Stopped("interrupted while waiting for SuperNodes")
         time.sleep(0.2)
 
 
@@ -190,12 +220,16 @@ class FlowerClients:
         state_dir: where the nodes keep client states when they share this machine's disk (the
             Simulation Runtime: the run dir's ``clients/``, as in-process, so a run can resume
             on either backend); "" = each node's own ``state-dir``.
+        stop: set by the caller to abandon the round in progress (:class:`Stopped`).
+        simulation: Flower's Simulation Runtime: a lost client is an error there (virtual nodes
+            do not drop out; one fails only when the run is broken or interrupted).
     """
 
     def __init__(self, fed: Federation, store: ClientStore, seed: int, *, grid: Any, node_of: dict[int, int],
-                 config_text: str, run_key: str, timeout: float, state_dir: str = ""):
+                 config_text: str, run_key: str, timeout: float, state_dir: str = "",
+                 stop: threading.Event | None = None, simulation: bool = False):
         self.fed, self.store, self.seed = fed, store, seed
-        self.state_dir = state_dir
+        self.state_dir, self.stop, self.simulation = state_dir, stop, simulation
         self.grid, self.node_of, self.config_text = grid, node_of, config_text
         self.run_key, self.timeout = run_key, timeout
 
@@ -207,12 +241,43 @@ class FlowerClients:
         return app.Message(app.RecordDict({**payload_to_records(payload), CONTROL: control}),
                            dst_node_id=self.node_of[cid], message_type=kind, group_id=str(rnd))
 
+    def _replies(self, kind: str, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[dict[int, Any], dict[int, str]]:
+        """Exchange one message per job. A client step that raised a :class:`UserInputError` on its
+        node (e.g. diverged local training) stops the run here, as in-process; any other node
+        failure only loses that client.
+
+        Raises:
+            UserInputError: the node's error, naming the client and node.
+            Stopped: the caller set ``stop``."""
+        replies, lost = _exchange(self.grid, [(cid, self._message(kind, cid, rnd, p)) for cid, p in jobs],
+                                  self.timeout, self.stop)
+        if lost and self.simulation:  # a virtual node fails only when the run is broken or stopped
+            cid, why = min(lost.items())
+            if self.stop is not None and self.stop.is_set():
+                raise Stopped("interrupted")
+            raise UserInputError(f"{kind} in round {rnd} failed: {why}", source=f"client {cid} (Simulation Runtime)")
+        for cid in sorted(replies):
+            rec = replies[cid].content.config_records.get(CONTROL)
+            if rec is not None and "user_error" in rec:
+                source = str(rec.get("user_error_source", "")) or f"client {cid}"
+                raise UserInputError(str(rec["user_error"]), source=f"{source} on node {self.node_of[cid]}",
+                                     field=str(rec.get("user_error_field", "")) or None)
+        return replies, lost
+
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
         """Send every ``(client_id, broadcast)`` job to its node; returns the uploads in job order,
-        the clients lost with the reason, and the wall seconds the round's client steps took."""
+        the clients lost with the reason, and the wall seconds the round's client steps took.
+
+        Raises:
+            UserInputError: a client's own error (see :meth:`_replies`), or every client of the
+                round lost (nothing to aggregate: the fleet is down or the app is broken).
+            Stopped: the caller set ``stop``."""
         t0 = time.perf_counter()
-        replies, lost = _exchange(self.grid, [(cid, self._message(TRAIN, cid, rnd, down)) for cid, down in jobs],
-                                  self.timeout)
+        replies, lost = self._replies(TRAIN, rnd, jobs)
+        if jobs and not replies:
+            cid, why = min(lost.items())
+            raise UserInputError(f"round {rnd}: all {len(jobs)} sampled clients were lost (client {cid}: {why})",
+                                 source=f"node {self.node_of[cid]}")
         uploads = []
         for cid, _ in jobs:
             if cid in replies:
@@ -220,18 +285,36 @@ class FlowerClients:
                 self.store.pending[cid] = rnd  # the node wrote version rnd; committed with the checkpoint
         return uploads, lost, time.perf_counter() - t0
 
-    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> dict[int, dict[str, float]]:
-        """The evaluation contract's counts of every client in ``ids``, computed on its node.
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
+        """The evaluation contract's counts of every client in ``ids``, computed on its node, and
+        the clients whose node failed or did not reply (left out of the round's accuracies).
 
         Raises:
-            UserInputError: a node that fails to evaluate (evaluation has no partial result)."""
-        replies, lost = _exchange(self.grid, [(cid, self._message(EVALUATE, cid, rnd, broadcast)) for cid in ids],
-                                  self.timeout)
-        if lost:
+            UserInputError: a client's own error, or no client evaluated at all.
+            Stopped: the caller set ``stop``."""
+        replies, lost = self._replies(EVALUATE, rnd, [(cid, broadcast) for cid in ids])
+        if ids and not replies:
             cid, why = min(lost.items())
-            raise UserInputError(f"evaluation of round {rnd} failed on client {cid}'s node: {why}",
+            raise UserInputError(f"evaluation of round {rnd}: all {len(ids)} clients were lost (client {cid}: {why})",
                                  source=f"node {self.node_of[cid]}")
-        return {cid: {k: float(v) for k, v in replies[cid].content.metric_records["metrics"].items()} for cid in ids}
+        return ({cid: {k: float(v) for k, v in replies[cid].content.metric_records["metrics"].items()}
+                 for cid in ids if cid in replies}, lost)
+
+
+    def finish(self) -> dict[int, str]:
+        """After the final checkpoint: tell every node which state version of its clients the
+        run ended on, so it deletes the older ones (training messages do it during the run; the
+        final round's evaluation deletes nothing). Best effort: returns the nodes that did not
+        confirm, with the reason."""
+        app = _flwr()
+        by_node: dict[int, dict[str, int]] = {}
+        for cid, version in self.store.committed.items():
+            by_node.setdefault(self.node_of[cid], {})[str(cid)] = int(version)
+        msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
+            "ask": "commit", "committed": json.dumps(versions), "run_key": self.run_key,
+            "state_dir": self.state_dir})}), dst_node_id=nid, message_type=QUERY)) for nid, versions in by_node.items()]
+        _, lost = _exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop)
+        return lost
 
 
 def run_key_of(run_dir: Path, config_text: str) -> str:
@@ -240,24 +323,31 @@ def run_key_of(run_dir: Path, config_text: str) -> str:
 
 
 def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, progress: bool = True,
-                shared_disk: bool = False) -> dict[str, Any]:
+                shared_disk: bool = False, stop: threading.Event | None = None) -> dict[str, Any]:
     """Run a prepared federation (:func:`rafl.federation.pipeline.prepare`) with its client steps
     on the grid's SuperNodes; the rest as :func:`rafl.federation.pipeline.run` (same run dir).
     ``shared_disk``: the nodes run on this machine (simulation) and keep client states in the
-    run dir's ``clients/``."""
+    run dir's ``clients/``. ``stop``: set it to abandon the run (:class:`Stopped`); the last
+    checkpoint stays the last complete round."""
     from rafl.federation import pipeline
 
     cfg = prep.cfg
     config_text = yaml.safe_dump(cfg.resolved(), sort_keys=True)
     timeout = float(cfg.engine.round_timeout_s)
-    node_of = discover_nodes(grid, len(prep.federation.clients), timeout)
+    node_of = discover_nodes(grid, len(prep.federation.clients), max(timeout, 60.0), simulation=shared_disk, stop=stop)
     key = run_key_of(run_dir, config_text)
 
-    def runner(fed: Federation, store: ClientStore, seed: int) -> FlowerClients:
-        return FlowerClients(fed, store, seed, grid=grid, node_of=node_of, config_text=config_text, run_key=key,
-                             timeout=timeout, state_dir=str(Path(run_dir).resolve() / "clients") if shared_disk else "")
+    made: list[FlowerClients] = []
 
-    return pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner)
+    def runner(fed: Federation, store: ClientStore, seed: int) -> FlowerClients:
+        made.append(FlowerClients(fed, store, seed, grid=grid, node_of=node_of, config_text=config_text, run_key=key,
+                             timeout=timeout, state_dir=str(Path(run_dir).resolve() / "clients") if shared_disk else "",
+                             stop=stop, simulation=shared_disk))
+        return made[-1]
+
+    summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner)
+    made[-1].finish()
+    return summary
 
 
 # ---------------------------------------------------------------------- client side
@@ -282,6 +372,16 @@ def _state_root(node_config: dict[str, Any]) -> Path:
     return Path(root) if root else Path.home() / ".cache" / "rafl" / "flower-states"
 
 
+def _state_folder(ctl: Any, node_config: dict[str, Any]) -> Path:
+    """This node's folder of the run's client states: the server's hint (the simulation's run
+    dir ``clients/``, shared with the in-process engine) unless the node config names its own
+    ``state-dir``; else ``<state root>/<run key>``."""
+    hint = str(ctl.get("state_dir", "") or "")
+    if hint and "state-dir" not in node_config:
+        return Path(hint)
+    return _state_root(node_config) / str(ctl["run_key"])
+
+
 def _node_step(msg: Any, context: Any, kind: str) -> Any:
     app = _flwr()
     ctl = msg.content.config_records[CONTROL]
@@ -291,14 +391,14 @@ def _node_step(msg: Any, context: Any, kind: str) -> Any:
         raise UserInputError(f"client {cid} is not hosted by this node (partition-id={pid}, num-partitions={parts})",
                              field="node_config")
     fed, seed = _node_federation(str(ctl["config"]))
-    hint = str(ctl.get("state_dir", "") or "")  # the simulation's run dir: the in-process engine's folder
-    folder = Path(hint) if hint and "state-dir" not in context.node_config else (
-        _state_root(context.node_config) / str(ctl["run_key"]))
-    store = ClientStore(folder, committed={cid: version} if version >= 0 else None)
-    store.cleanup(cid)  # only the version the server committed survives (an interrupted round is repeated)
+    store = ClientStore(_state_folder(ctl, context.node_config), committed={cid: version} if version >= 0 else None)
     down = records_to_payload(msg.content, "the server")
     ctx = client_context(fed, seed, cid, rnd)
     if kind == TRAIN:
+        # A train message carries the version of the server's last checkpoint: the only one a
+        # resumed run can need (an interrupted round's files go). Evaluation deletes nothing: the
+        # server evaluates states it has not checkpointed yet.
+        store.cleanup(cid)
         upload, seconds = train_client(fed, store, ctx, down)
         return app.Message(app.RecordDict({**payload_to_records(upload),
                                            CONTROL: app.ConfigRecord({"client_id": cid, "seconds": seconds})}),
@@ -306,6 +406,22 @@ def _node_step(msg: Any, context: Any, kind: str) -> Any:
     metrics = evaluate_client(fed, store, ctx, down)
     return app.Message(app.RecordDict({"metrics": app.MetricRecord({k: float(v) for k, v in metrics.items()})}),
                        reply_to=msg)
+
+
+def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
+    """A ClientApp function: :func:`_node_step`, with a :class:`UserInputError` (bad input or
+    diverged training: a fact about the run, not about the node) sent back as a record, so the
+    server stops with the same one-line error as in-process; other exceptions become Flower
+    error replies (the node's clients are lost for the round)."""
+    def handler(msg: Any, context: Any) -> Any:
+        try:
+            return _node_step(msg, context, kind)
+        except UserInputError as err:
+            app = _flwr()
+            return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
+                "user_error": err.message, "user_error_source": err.source or "",
+                "user_error_field": err.field or ""})}), reply_to=msg)
+    return handler
 
 
 def _make_client_app() -> Any:
@@ -317,17 +433,18 @@ def _make_client_app() -> Any:
     def _query(msg: Any, context: Any) -> Any:
         app = _flwr()
         nc = context.node_config
+        ctl = msg.content.config_records[CONTROL]
+        if ctl.get("ask") == "commit":  # the run ended: keep only the final version of each client
+            folder = _state_folder(ctl, nc)
+            for cid, version in json.loads(str(ctl["committed"])).items():
+                ClientStore(folder, committed={int(cid): int(version)}).cleanup(int(cid))
+            return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
         return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
             "partition-id": int(nc.get("partition-id", 0)), "num-partitions": int(nc.get("num-partitions", 1))})}),
             reply_to=msg)
 
-    @capp.train()
-    def _train(msg: Any, context: Any) -> Any:
-        return _node_step(msg, context, TRAIN)
-
-    @capp.evaluate()
-    def _evaluate(msg: Any, context: Any) -> Any:
-        return _node_step(msg, context, EVALUATE)
+    capp.train()(_node_handler(TRAIN))
+    capp.evaluate()(_node_handler(EVALUATE))
 
     return capp
 
@@ -345,21 +462,26 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     from flwr.simulation import run_simulation
 
     out: dict[str, Any] = {}
+    stop = threading.Event()
     sapp = ServerApp()
 
     @sapp.main()
     def _main(grid: Any, context: Any) -> None:
         try:
-            out["summary"] = run_on_grid(grid, prep, run_dir, resume=resume, progress=progress, shared_disk=True)
+            out["summary"] = run_on_grid(grid, prep, run_dir, resume=resume, progress=progress, shared_disk=True,
+                                         stop=stop)
         except BaseException as err:  # re-raised in the caller's thread below
             out["error"] = err
 
     n_nodes = prep.cfg.engine.supernodes or len(prep.federation.clients)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    run_simulation(sapp, client_app, num_supernodes=n_nodes, backend_config={
-        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-        "init_args": {"num_cpus": max(1, min(os.cpu_count() or 1, n_nodes)), "include_dashboard": False,
-                      "log_to_driver": False}})
+    try:
+        run_simulation(sapp, client_app, num_supernodes=n_nodes, backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": max(1, min(os.cpu_count() or 1, n_nodes)), "include_dashboard": False,
+                          "log_to_driver": False}})
+    finally:  # Ctrl-C / SIGTERM: the ServerApp thread abandons the round in progress and ends
+        stop.set()
     if "error" in out:
         raise out["error"]
     if "summary" not in out:
@@ -394,6 +516,7 @@ clientapp = "rafl.federation.flower:client_app"
 config = {config}   # a rafl run config (YAML, as for `rafl federate --config`); "" = the defaults
 out = {out}         # run dirs are created under this folder
 resume = ""           # a run dir to continue from its last complete round instead
+rounds = 0            # > 0 sets engine.rounds (e.g. more rounds for a resumed run)
 """
 
 
@@ -408,30 +531,60 @@ def _absolute(value: Any, key: str) -> Path | None:
     return path
 
 
+def _absolute_paths(cfg: Any, base: Path) -> Any:
+    """``cfg`` with a relative ``supernet.path`` / ``data.root`` made absolute against ``base``
+    (the run YAML's folder): the ServerApp and every node read them, each in its own folder."""
+    update = {}
+    for section, key in (("supernet", "path"), ("data", "root")):
+        value = getattr(getattr(cfg, section), key)
+        if value and not Path(value).expanduser().is_absolute():
+            update[section] = getattr(cfg, section).model_copy(update={key: str((base / value).resolve())})
+    return cfg.model_copy(update=update) if update else cfg
+
+
 def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
     """``(prepared, run_dir, resume)`` from a ``flwr run`` run config (keys ``config``: path of
-    the rafl run YAML on the SuperLink's machine, ``out``: run dir parent, ``resume``: a run dir;
-    absolute paths).
+    the rafl run YAML on the SuperLink's machine, ``out``: run dir parent, ``resume``: a run dir,
+    ``rounds``: > 0 sets ``engine.rounds`` (e.g. to extend a resumed run); absolute paths).
+    Relative paths inside the YAML are taken relative to its folder.
 
     Raises:
-        UserInputError: a relative path, a missing file, a run dir that exists (not resuming) or
-            an invalid run config."""
+        UserInputError: a relative path, a missing file, a run dir that exists (not resuming), a
+            ``rounds`` below the completed rounds, or an invalid run config."""
     from rafl.config import load_run_config
     from rafl.federation import pipeline
 
+    rounds = int(run_config.get("rounds", 0) or 0)
+    overrides = [f"engine.rounds={rounds}"] if rounds > 0 else []
     resume = _absolute(run_config.get("resume"), "resume")
     if resume is not None:
         if not (resume / "checkpoint.safetensors").is_file():
             raise UserInputError("is not a rafl run dir with a checkpoint (nothing to resume)", source=resume,
                                  field="run_config.resume")
-        cfg = load_run_config(resume / "config.yaml")
-        return pipeline.prepare(cfg, progress=False), resume, True
-    cfg = load_run_config(_absolute(run_config.get("config"), "config"))
+        cfg = load_run_config(resume / "config.yaml", overrides)
+        metrics = resume / "metrics.jsonl"
+        done = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+        if cfg.engine.rounds < done:
+            raise UserInputError(f"is {cfg.engine.rounds} but the run has completed {done} rounds; allowed: an "
+                                 f"integer >= {done}", field="run_config.rounds")
+        prep = pipeline.prepare(cfg, progress=False)
+        from rafl.io import atomic_write_yaml
+
+        atomic_write_yaml(resume / "config.yaml", cfg.resolved())
+        return prep, resume, True
+    config = _absolute(run_config.get("config"), "config")
+    cfg = load_run_config(config, overrides)
+    if config is not None:
+        cfg = _absolute_paths(cfg, config.parent)
     out = _absolute(run_config.get("out"), "out")
     if out is None:
         raise UserInputError("is empty; allowed: an absolute folder for run dirs", field="run_config.out")
     name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return pipeline.prepare(cfg, progress=False), out / name, False
+    run_dir = out / name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UserInputError(f"already exists; continue it with --run-config \"resume='{run_dir}'\", or set another "
+                             "name (run YAML) or out (run config)", source=run_dir, field="run_config.out")
+    return pipeline.prepare(cfg, progress=False), run_dir, False
 
 
 def write_app(folder: str | Path, *, config: str | Path | None = None, out: str | Path = "runs") -> Path:
@@ -466,9 +619,9 @@ def _make_server_app() -> Any:
         try:
             prep, run_dir, resume = _load_from_run_config(dict(context.run_config))
             summary = run_on_grid(grid, prep, run_dir, resume=resume, progress=False)
-        except UserInputError as err:  # one line in the run's log, and the run ends as failed
+        except UserInputError as err:  # one line first in the run's log; the run ends as failed
             print(f"error: {err}", flush=True)
-            raise
+            raise  # Flower logs the traceback after it (a SystemExit here would lose the streamed line)
         final = summary["final"]
         print(f"rafl: {summary['rounds']} rounds; model accuracy: mean over clients "
               f"{final.get('model.acc_mean_over_clients', float('nan')):.3f}, sample-weighted "
@@ -502,7 +655,7 @@ class LocalFleet:
         if n_nodes < 1:
             raise UserInputError(f"is {n_nodes}; allowed: >= 1", field="n_nodes")
         self.n_nodes, self.workdir = n_nodes, Path(workdir)
-        self.bindir = Path(sys.executable).parent
+        self.bindir = Path(sys.executable).parent  # fallback when the venv's bin is not on PATH
         self.home = self.workdir / "flwr-home"
         self.env = {**os.environ, "FLWR_HOME": str(self.home),
                     "RAFL_FLOWER_STATE_DIR": str(state_dir or self.workdir / "node-states")}
@@ -516,11 +669,17 @@ class LocalFleet:
             sock.bind(("127.0.0.1", 0))
             return int(sock.getsockname()[1])
 
+    def _program(self, name: str) -> str:
+        """``name`` from PATH, else beside this Python (a venv not activated)."""
+        import shutil
+
+        return shutil.which(name) or str(self.bindir / name)
+
     def _start(self, args: list[str], log: str) -> None:
         import subprocess
 
         with (self.workdir / log).open("w") as fh:
-            self.procs.append(subprocess.Popen([str(self.bindir / args[0]), *args[1:]], stdout=fh,
+            self.procs.append(subprocess.Popen([self._program(args[0]), *args[1:]], stdout=fh,
                                                stderr=subprocess.STDOUT, env=self.env, start_new_session=True))
 
     def _wait_for(self, port: int, log: str, timeout: float = 60.0) -> None:
@@ -566,7 +725,7 @@ class LocalFleet:
         import subprocess
 
         extra = ["--run-config", run_config] if run_config else []
-        return subprocess.run([str(self.bindir / "flwr"), "run", str(app_dir), self.CONNECTION, "--stream", *extra],
+        return subprocess.run([self._program("flwr"), "run", str(app_dir), self.CONNECTION, "--stream", *extra],
                               capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
 
     def logs(self) -> str:
