@@ -152,6 +152,16 @@ def test_flower_run_config_paths_must_be_absolute(tmp_path):
         flower._load_from_run_config({"resume": str(tmp_path)})
 
 
+def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, in_process):
+    from rafl.config import load_run_config
+
+    with pytest.raises(UserInputError, match="run_config.rounds: is 1 but the run has completed 2 rounds; allowed: an "
+                                             "integer >= 2"):
+        flower._load_from_run_config({"resume": str(in_process), "rounds": 1})
+    cfg = flower._absolute_paths(load_run_config(None, ["supernet.path=sn", "data.root=../data"]), tmp_path / "cfg")
+    assert cfg.supernet.path == str(tmp_path / "cfg" / "sn") and cfg.data.root == str(tmp_path / "data")
+
+
 def test_flower_app_command_writes_the_app_once(tmp_path):
     res = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app"), "--runs", str(tmp_path / "runs")])
     assert res.exit_code == 0, res.output

@@ -106,11 +106,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
                    if getattr(cfg, k) != getattr(old, k)}
         if changed:
             raise UserInputError(f"--resume may change only engine.rounds, not {sorted(changed)}", field="--set")
-        metrics = resume_dir / "metrics.jsonl"
-        done = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
-        if cfg.engine.rounds < done:
-            raise UserInputError(f"is {cfg.engine.rounds} but the run has completed {done} rounds; allowed: "
-                                 f"an integer >= {done}", field="engine.rounds")
+        pipeline.check_resume_rounds(resume_dir, cfg.engine.rounds, "engine.rounds")
         prep = pipeline.prepare(cfg, progress=progress)
         summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
         from rafl.io import atomic_write_yaml

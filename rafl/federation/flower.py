@@ -562,11 +562,7 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
             raise UserInputError("is not a rafl run dir with a checkpoint (nothing to resume)", source=resume,
                                  field="run_config.resume")
         cfg = load_run_config(resume / "config.yaml", overrides)
-        metrics = resume / "metrics.jsonl"
-        done = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
-        if cfg.engine.rounds < done:
-            raise UserInputError(f"is {cfg.engine.rounds} but the run has completed {done} rounds; allowed: an "
-                                 f"integer >= {done}", field="run_config.rounds")
+        pipeline.check_resume_rounds(resume, cfg.engine.rounds, "run_config.rounds")
         prep = pipeline.prepare(cfg, progress=False)
         from rafl.io import atomic_write_yaml
 

@@ -468,6 +468,20 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                                                   "supernet": supernet_id})
 
 
+def check_resume_rounds(run_dir: str | Path, rounds: int, field: str) -> int:
+    """The number of rounds ``run_dir`` completed (rows of ``metrics.jsonl``).
+
+    Raises:
+        UserInputError: ``rounds`` (the resumed run's ``engine.rounds``, set through ``field``)
+            below that number."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    done = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+    if rounds < done:
+        raise UserInputError(f"is {rounds} but the run has completed {done} rounds; allowed: an integer >= {done}",
+                             field=field)
+    return done
+
+
 def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
         clients: Any = None) -> dict[str, Any]:
     """Run the prepared federation in ``run_dir`` (created here unless resuming); returns the
@@ -505,5 +519,5 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
     return summary
 
 
-__all__ = ["prepare", "run", "build_federation", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
+__all__ = ["prepare", "run", "check_resume_rounds", "build_federation", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
            "largest_feasible", "model_macs_params", "fast_clone", "QUICKSTART_POOL"]
