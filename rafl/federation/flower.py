@@ -174,7 +174,9 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: boo
         if nodes:
             msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"ask": "node_config"})}),
                                       dst_node_id=nid, message_type=QUERY)) for nid in nodes]
-            replies, _ = _exchange(grid, msgs, max(1.0, deadline - time.monotonic()), stop)
+            # short attempts: a node that left (still listed until its heartbeat expires) must not
+            # hold up a population the other nodes already cover; silent nodes are asked again
+            replies, _ = _exchange(grid, msgs, min(5.0, max(1.0, deadline - time.monotonic())), stop)
             for nid, reply in replies.items():
                 rec = reply.content.config_records[CONTROL]
                 seen[nid] = (int(rec["partition-id"]), int(rec["num-partitions"]))
