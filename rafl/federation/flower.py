@@ -31,16 +31,24 @@ and search cache), and keeps its clients' states on its own disk under ``state-d
 config; default ``~/.cache/rafl/flower-states``) in versioned files (:class:`ClientStore`), so a
 resumed run repeats an interrupted round from the committed versions.
 
-A node that replies with an error, or does not reply within ``engine.round_timeout_s``, loses its
-clients for that round: they count as failed (the metrics row names them in ``lost``), and the
-round completes with the rest, as with simulated dropout.
+Failures. A client step that raises a :class:`UserInputError` on its node (diverged training, a
+missing state file) is the run's fault: the server stops with the same error as in-process,
+naming the node. A node that replies with any other error, or not within
+``engine.round_timeout_s``, loses its clients for that round: they count as failed (the metrics
+row names them under ``lost``, or ``eval_lost`` for evaluation, with a one-line reason) and the
+round completes with the rest, as with simulated dropout; a round with every client lost stops
+the run. On the Simulation Runtime any loss is an error (virtual nodes do not drop out). Only
+training messages delete superseded state versions (and one message after the final
+checkpoint): the server evaluates states it has not checkpointed yet.
 
 Entry points:
 
 * :func:`simulate` -- Flower's Simulation Runtime (``flwr.simulation.run_simulation``, Ray), the
   backend of ``rafl federate --set engine.backend=flower``;
 * :data:`server_app` / :data:`client_app` -- a Flower App for a real SuperLink and SuperNodes
-  (``flwr run``; the run config keys are ``config``, ``out`` and ``resume``); see the README.
+  (``flwr run``; the run config keys are ``config``, ``out``, ``resume`` and ``rounds``), written
+  by ``rafl flower-app``; see the README;
+* :class:`LocalFleet` -- a SuperLink and SuperNodes on 127.0.0.1 for a deployment on one machine.
 """
 
 from __future__ import annotations
