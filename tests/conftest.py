@@ -28,6 +28,21 @@ def shared_cifar10_tarball() -> Path:
     return SHARED_CIFAR10
 
 
+@pytest.fixture(scope="module")
+def tiny_supernet(tmp_path_factory):
+    """``(folder, space)``: a width-0.25, 16 px supernet saved like `rafl supernet train` does,
+    recording its public pool (fraction 0.3, seed 0)."""
+    import torch
+
+    from rafl.supernet import SearchSpace, build_supernet, save_supernet
+
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    d = tmp_path_factory.mktemp("supernet")
+    save_supernet(d, build_supernet(space).eval(), config={"public_fraction": 0.3, "public_seed": 0}, metrics={})
+    return d, space
+
+
 def pytest_configure(config):
     import torch
 

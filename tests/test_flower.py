@@ -18,19 +18,15 @@ from rafl.cli import cli
 from rafl.errors import UserInputError
 from rafl.federation import flower
 from rafl.federation.payload import Payload
-from rafl.supernet import SearchSpace, build_supernet, save_supernet
 
 ARGS = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "engine.rounds=2",
         "--set", "algorithm.name=fedgh"]
 
 
 @pytest.fixture(scope="module")
-def tiny_supernet(tmp_path_factory):
-    torch.manual_seed(0)
-    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
-    d = tmp_path_factory.mktemp("supernet")
-    save_supernet(d, build_supernet(space).eval(), config={"public_fraction": 0.3, "public_seed": 0}, metrics={})
-    return d
+def supernet_dir(tiny_supernet):
+    """The folder of conftest's tiny supernet (width 0.25, 16 px)."""
+    return tiny_supernet[0]
 
 
 @pytest.fixture(autouse=True)
@@ -52,9 +48,9 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def in_process(tiny_supernet, tmp_path_factory):
+def in_process(supernet_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("inproc")
-    _federate(["--out", str(out), "--set", "name=ref", "--set", f"supernet.path={tiny_supernet}", *ARGS])
+    _federate(["--out", str(out), "--set", "name=ref", "--set", f"supernet.path={supernet_dir}", *ARGS])
     return out / "ref"
 
 
@@ -216,7 +212,7 @@ ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", 
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
-def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, tiny_supernet, task_identity, method):
+def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, supernet_dir, task_identity, method):
     """Each registered method, its broadcasts, uploads and client states carried by Flower
     messages to ClientApps on two nodes (three clients), ends with the in-process numbers."""
     from rafl.config import load_run_config
@@ -228,7 +224,7 @@ def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, ti
     three_models = ["clients.archs={pi4: r16_k7e6.k3e4|k7e4.k5e6|k7e4.k3e3|k5e3.k7e4|k3e3.k3e4, "  # no search
                     "jetson-nano: r16_k7e4.k7e4.k3e6|k7e4.k5e3.k7e3|k7e3.k5e3|k5e3.k7e4|k5e3.k7e6.k5e3, "
                     "phone: r16_k5e4.k3e4|k3e4.k5e6.k7e3|k7e3.k7e4.k5e4.k5e6|k5e6.k7e4.k7e4|k5e6.k5e6.k3e4.k3e4}"]
-    sets = [f"supernet.path={tiny_supernet}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=2",
+    sets = [f"supernet.path={supernet_dir}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=2",
             f"algorithm.name={method}", *(same_model if method in ("fedavg", "fedprox", "fednova") else three_models)]
     prep = pipeline.prepare(load_run_config(None, sets), progress=False)
     ref = pipeline.run(prep, tmp_path / "ref", progress=False)
@@ -262,21 +258,21 @@ class FaultyGrid(DirectGrid):
         return ids
 
 
-def _tiny_sets(tiny_supernet, method="fedgh", rounds=3):
-    return [f"supernet.path={tiny_supernet}", "data.limit_per_class=10", "clients.n=3", f"engine.rounds={rounds}",
+def _tiny_sets(supernet_dir, method="fedgh", rounds=3):
+    return [f"supernet.path={supernet_dir}", "data.limit_per_class=10", "clients.n=3", f"engine.rounds={rounds}",
             f"algorithm.name={method}", "engine.round_timeout_s=1",
             "clients.archs={pi4: r16_k7e6.k3e4|k7e4.k5e6|k7e4.k3e3|k5e3.k7e4|k3e3.k3e4, "
             "jetson-nano: r16_k7e4.k7e4.k3e6|k7e4.k5e3.k7e3|k7e3.k5e3|k5e3.k7e4|k5e3.k7e6.k5e3, "
             "phone: r16_k5e4.k3e4|k3e4.k5e6.k7e3|k7e3.k7e4.k5e4.k5e6|k5e6.k7e4.k7e4|k5e6.k5e6.k3e4.k3e4}"]
 
 
-def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, tiny_supernet, task_identity):
+def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, supernet_dir, task_identity):
     """Ctrl-C while round 2 is being evaluated: the nodes keep the round-1 states the checkpoint
     names (evaluation deletes nothing), and the resumed run ends with the uninterrupted numbers."""
     from rafl.config import load_run_config
     from rafl.federation import pipeline
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(tiny_supernet)), progress=False)
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
     ref = flower.run_on_grid(DirectGrid(2), prep, tmp_path / "ref", progress=False)
     with pytest.raises(flower.Stopped):
         flower.run_on_grid(FaultyGrid(2, interrupt=("evaluate", 2)), prep, tmp_path / "cut", progress=False)
@@ -285,13 +281,13 @@ def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, t
     assert _rows(tmp_path / "cut") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
 
 
-def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, tiny_supernet, task_identity):
+def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_dir, task_identity):
     """Node 2 (client 1) stops replying in round 2: client 1 counts as failed in training and is
     left out of the evaluation (named with the reason); the run still ends after 3 rounds."""
     from rafl.config import load_run_config
     from rafl.federation import pipeline
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(tiny_supernet)), progress=False)
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
     summary = flower.run_on_grid(FaultyGrid(2, dead=2, dead_from=2), prep, tmp_path / "run", progress=False)
     rows = _rows(tmp_path / "run")
     assert summary["rounds"] == 3 and [r["failed"] for r in rows] == [0, 1, 1]
@@ -299,13 +295,13 @@ def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, tiny_supe
     assert sorted(summary["clients"]) == ["0", "2"]
 
 
-def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, tiny_supernet, task_identity):
+def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet_dir, task_identity):
     """Diverged local training is the run's fault, not the node's: the same one-line error as
     in-process (naming the client, its model and the node), no round committed."""
     from rafl.config import load_run_config
     from rafl.federation import pipeline
 
-    prep = pipeline.prepare(load_run_config(None, [*_tiny_sets(tiny_supernet), "algorithm.lr=1e12"]), progress=False)
+    prep = pipeline.prepare(load_run_config(None, [*_tiny_sets(supernet_dir), "algorithm.lr=1e12"]), progress=False)
     with pytest.raises(UserInputError) as in_process:
         pipeline.run(prep, tmp_path / "a", progress=False)
     with pytest.raises(UserInputError) as on_flower:
@@ -315,11 +311,11 @@ def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, tiny_sup
     assert not (tmp_path / "b" / "checkpoint.safetensors").exists()
 
 
-def test_every_client_lost_stops_the_run(tmp_path, tiny_supernet, task_identity):
+def test_every_client_lost_stops_the_run(tmp_path, supernet_dir, task_identity):
     from rafl.config import load_run_config
     from rafl.federation import pipeline
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(tiny_supernet, rounds=1)), progress=False)
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
     grid = FaultyGrid(1, dead=1, dead_from=1)
     with pytest.raises(UserInputError, match=r"round 1: all 3 sampled clients were lost \(client 0: no reply within 1 s\)"):
         flower.run_on_grid(grid, prep, tmp_path / "run", progress=False)
@@ -327,10 +323,10 @@ def test_every_client_lost_stops_the_run(tmp_path, tiny_supernet, task_identity)
 
 # ---------------------------------------------------------------------- whole runs
 @pytest.mark.slow
-def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, tiny_supernet, in_process):
+def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, supernet_dir, in_process):
     """Flower's Simulation Runtime (Ray) computes the in-process engine's numbers; a run started on
     Flower resumes in-process from the same client states (the run dir's clients/)."""
-    sn = ["--set", f"supernet.path={tiny_supernet}"]
+    sn = ["--set", f"supernet.path={supernet_dir}"]
     _federate(["--out", str(tmp_path), "--set", "name=sim", *sn, *ARGS, "--set", "engine.backend=flower"])
     assert _rows(tmp_path / "sim") == _rows(in_process)
     _federate(["--out", str(tmp_path), "--set", "name=half", *sn, *ARGS, "--set", "engine.backend=flower",
@@ -340,11 +336,11 @@ def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, t
 
 
 @pytest.mark.slow
-def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, tiny_supernet, in_process):
+def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, in_process):
     """`rafl flower-app` + `flwr run` against a real SuperLink and two SuperNodes hosting the three
     clients (node 0: clients 0 and 2, node 1: client 1) ends with the in-process numbers."""
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"name: deployed\nsupernet: {{path: {tiny_supernet}}}\ndata: {{limit_per_class: 10}}\n"
+    cfg.write_text(f"name: deployed\nsupernet: {{path: {supernet_dir}}}\ndata: {{limit_per_class: 10}}\n"
                    "clients: {n: 3}\nengine: {rounds: 2, round_timeout_s: 300}\nalgorithm: {name: fedgh}\n")
     res = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app"), "--config", str(cfg),
                                    "--runs", str(tmp_path / "runs")])

@@ -5,22 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import yaml
 from click.testing import CliRunner
 
 from rafl.cli import cli
-from rafl.supernet import SearchSpace, build_supernet, save_supernet
-
-
-@pytest.fixture(scope="module")
-def tiny_supernet(tmp_path_factory):
-    """A width-0.25 supernet saved like `rafl supernet train` does, recording its public pool."""
-    torch.manual_seed(0)
-    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
-    d = tmp_path_factory.mktemp("supernet")
-    save_supernet(d, build_supernet(space).eval(), config={"public_fraction": 0.3, "public_seed": 0}, metrics={})
-    return d, space
+from rafl.supernet import build_supernet, save_supernet
 
 
 def _invoke(args):
