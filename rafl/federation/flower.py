@@ -177,15 +177,19 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: boo
     app = _flwr()
     deadline = time.monotonic() + timeout
     seen: dict[int, tuple[int, int]] = {}
+    asked: dict[str, int] = {}  # message id -> node: one query per node at a time
     while True:
-        nodes = sorted(set(grid.get_node_ids()) - set(seen))
-        if nodes:
-            msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"ask": "node_config"})}),
-                                      dst_node_id=nid, message_type=QUERY)) for nid in nodes]
-            # short attempts: a node that left (still listed until its heartbeat expires) must not
-            # hold up a population the other nodes already cover; silent nodes are asked again
-            replies, _ = _exchange(grid, msgs, min(5.0, max(1.0, deadline - time.monotonic())), stop)
-            for nid, reply in replies.items():
+        # Each node is asked once and its reply awaited while others answer: a node that left
+        # (listed until its heartbeat expires) must not hold up a population the others cover,
+        # and a node that starts a ClientApp process per message must not be asked again and again.
+        new = [nid for nid in sorted(grid.get_node_ids()) if nid not in seen and nid not in asked.values()]
+        if new:
+            msgs = [app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"ask": "node_config"})}),
+                                dst_node_id=nid, message_type=QUERY) for nid in new]
+            asked.update(zip(grid.push_messages(msgs), new))
+        for reply in grid.pull_messages(list(asked)) if asked else []:
+            nid = asked.pop(reply.metadata.reply_to_message_id, None)
+            if nid is not None and not reply.has_error():  # a node that failed is asked again
                 rec = reply.content.config_records[CONTROL]
                 seen[nid] = (int(rec["partition-id"]), int(rec["num-partitions"]))
         node_of: dict[int, int] = {}
