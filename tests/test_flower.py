@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import flwr.app as flwr_app  # rafl[test] installs rafl[flower]
 import pytest
@@ -78,8 +77,9 @@ def task_identity(monkeypatch):
 
 
 class FakeGrid:
-    """Answers pushed messages with ``handler(message) -> RecordDict | Exception | None`` (None:
-    the node never replies)."""
+    """A grid in this process: every pushed message gets ``answer(message)`` as its reply, an
+    ``Exception`` as an error reply (as a SuperNode sends), None as no reply at all. Here
+    ``answer`` is ``handler(message) -> RecordDict | Exception | None``."""
 
     def __init__(self, handler, nodes=(11, 22)):
         self.handler, self.nodes, self.out, self.n = handler, list(nodes), {}, 0
@@ -87,20 +87,22 @@ class FakeGrid:
     def get_node_ids(self):
         return list(self.nodes)
 
+    def answer(self, m):
+        return self.handler(m)
+
     def push_messages(self, messages):
         ids = []
-        for m in messages:
+        for m in messages:  # ids in message order, as a grid returns them
             self.n += 1
-            mid = f"m{self.n}"
-            ans = self.handler(m)
+            m.metadata.__dict__["_message_id"] = f"m{self.n}"  # as the SuperLink does (linkstate/utils.py)
+            ans = self.answer(m)
+            if isinstance(ans, Exception):
+                ans = flwr_app.Message(flwr_app.Error(code=0, reason=str(ans)), reply_to=m)
+            elif isinstance(ans, flwr_app.RecordDict):
+                ans = flwr_app.Message(ans, reply_to=m)
             if ans is not None:
-                meta = SimpleNamespace(reply_to_message_id=mid)
-                if isinstance(ans, Exception):
-                    self.out[mid] = SimpleNamespace(metadata=meta, has_error=lambda: True,
-                                                    error=SimpleNamespace(reason=str(ans)))
-                else:
-                    self.out[mid] = SimpleNamespace(metadata=meta, has_error=lambda: False, content=ans)
-            ids.append(mid)
+                self.out[m.metadata.message_id] = ans
+            ids.append(m.metadata.message_id)
         return ids
 
     def pull_messages(self, ids):
@@ -174,7 +176,7 @@ def test_compare_refuses_the_flower_backend(tmp_path):
     assert not (tmp_path / "cmp").exists()
 
 
-class DirectGrid:
+class DirectGrid(FakeGrid):
     """A grid that hands every message to rafl's ClientApp in this process (nodes 1..n with
     node config partition-id / num-partitions; an exception becomes an error reply, as on a
     SuperNode). Exercises the whole message path without Ray or processes."""
@@ -185,26 +187,13 @@ class DirectGrid:
         self.contexts = {i + 1: Context(run_id=1, node_id=i + 1, state=flwr_app.RecordDict(), run_config={},
                                         node_config={"partition-id": i, "num-partitions": n_nodes})
                          for i in range(n_nodes)}
-        self.out, self.n = {}, 0
+        super().__init__(None, nodes=self.contexts)
 
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        ids = []
-        for m in messages:
-            self.n += 1
-            m.metadata.__dict__["_message_id"] = f"m{self.n}"  # as the SuperLink does (linkstate/utils.py)
-            try:
-                reply = flower.client_app(m, self.contexts[m.metadata.dst_node_id])
-            except Exception as err:  # noqa: BLE001 - a SuperNode turns it into an error reply
-                reply = flwr_app.Message(flwr_app.Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=m)
-            self.out[m.metadata.message_id] = reply
-            ids.append(m.metadata.message_id)
-        return ids
-
-    def pull_messages(self, ids):
-        return [self.out.pop(i) for i in list(ids) if i in self.out]
+    def answer(self, m):
+        try:
+            return flower.client_app(m, self.contexts[m.metadata.dst_node_id])
+        except Exception as err:  # noqa: BLE001 - a SuperNode turns it into an error reply
+            return Exception(f"{type(err).__name__}: {err}")
 
 
 ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", "fedkd", "feddf", "standalone",
@@ -244,14 +233,13 @@ class FaultyGrid(DirectGrid):
         super().__init__(n_nodes)
         self.dead, self.dead_from, self.interrupt = dead, dead_from, interrupt
 
+    def answer(self, m):
+        if m.metadata.dst_node_id == self.dead and int(m.metadata.group_id or 0) >= self.dead_from:
+            return None  # never answered
+        return super().answer(m)
+
     def push_messages(self, messages):
-        ids = []
-        for m in messages:  # ids in message order, as a grid returns them
-            if m.metadata.dst_node_id == self.dead and int(m.metadata.group_id or 0) >= self.dead_from:
-                self.n += 1
-                ids.append(f"m{self.n}")  # never answered
-            else:
-                ids += super().push_messages([m])
+        ids = super().push_messages(messages)
         if self.interrupt and any((m.metadata.message_type, int(m.metadata.group_id or 0)) == self.interrupt
                                   for m in messages):
             raise flower.Stopped("Ctrl-C")

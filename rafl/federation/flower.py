@@ -784,9 +784,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     client_app = server_app = None
 
 
-#: Callable type of a runner factory (``Engine(clients=...)``).
-RunnerFactory = Callable[[Federation, ClientStore, int], FlowerClients]
-
 __all__ = [
     "ARRAYS",
     "CONTROL",
