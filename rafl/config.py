@@ -352,8 +352,8 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
         raise UserInputError(e.message, source=blame(e.field, set_keys, source), field=e.field) from None
     from rafl.federation.algorithms import get_algorithm
 
-    cls = get_algorithm(cfg.algorithm.name)
     try:
+        cls = get_algorithm(cfg.algorithm.name)
         hp = cls.check_hparams(cfg.algorithm.hparams())
     except UserInputError as err:
         field = err.field or "algorithm"

@@ -12,13 +12,14 @@ from rafl.cli import cli
 
 TINY = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "partition.scheme=pathological",
         "--set", "partition.k=2", "--set", "partition.public_fraction=0.0", "--set", "engine.rounds=1",
-        "--set", "algorithm.fedtgp.server_epochs=2", "--set", "train.threads=1", "--set", "train.batch_size=16",
+        "--set", "train.threads=1", "--set", "train.batch_size=16",
         "--models", "cnn4-small,cnn3-small", "--feature-dim", "16", "--quiet"]
 
 
 def test_compare_smoke(tmp_path):
     out = tmp_path / "cmp"
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedgh,fedtgp,standalone", *TINY,
+                                   "--set", "algorithm.fedtgp.server_epochs=2",
                                    "--set", "algorithm.fedgh.label_prior=local", "--set", "algorithm.lr=0.02",
                                    "--set", "algorithm.fedtgp.local_epochs=1", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -82,6 +83,12 @@ def test_compare_row_pools_the_clients_test_samples():
     (["--algorithms", "fedgh,fedavg", "--set", "clients.n=3"], "--models: 'htfe-tiny' gives the clients 3 different "
                                                                "architectures, but fedavg averages whole models"),
     (["--algorithms", "fedgh", "--config", "missing.yaml"], "no such file"),
+    # a --set for a method that is not compared is a slip, not silently ignored
+    (["--algorithms", "fedgh", "--set", "algorithm.fedtgp.server_epochs=5"],
+     "--set: algorithm.fedtgp.server_epochs: sets a hyperparameter of fedtgp, which --algorithms does not select"),
+    # more clients per round than clients: an error, not a silent clamp
+    (["--algorithms", "fedgh", "--set", "clients.n=4", "--set", "engine.clients_per_round=5"],
+     "engine.clients_per_round: is 5, more than the 4 clients (clients.n); allowed: a fraction in (0, 1] or a count in 1..4"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, msg):
     out = tmp_path / "cmp"

@@ -43,6 +43,15 @@ def _one_error_line(result):
     (["--set", "train.device=cuda:99"], "train.device: "),  # no CUDA here, or not 100 devices
     (["--set", "partition.split=[0.5,0.6,-0.1]"], "partition.split: not a valid split (got [0.5, 0.6, -0.1]); "
                                                   "allowed: three fractions train > 0"),
+    # a fixed arch for a profile no client uses is a typo (it used to be ignored: the client got a search)
+    (["--set", "clients.n=3", "--set", "clients.archs={jetson_nano: r16_x}"],
+     "error: clients.archs: names profile(s) ['jetson_nano'] that no client uses"),
+    # more clients per round than clients: an error, not a silent clamp to clients.n
+    (["--set", "clients.n=3", "--set", "engine.clients_per_round=5"],
+     "error: engine.clients_per_round: is 5, more than the 3 clients (clients.n); allowed: a fraction in (0, 1] "
+     "or a count in 1..3"),
+    (["--set", "clients.n=4", "--set", "engine.available=2", "--set", "engine.clients_per_round=3"],
+     "error: engine.clients_per_round: is 3, more than the 2 available clients"),
 ])
 def test_bad_input_exits_2_without_run_dir(tmp_path, tiny_supernet, args, expected):
     path, _ = tiny_supernet
@@ -91,8 +100,16 @@ def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     assert saved["engine"]["rounds"] == 1 and saved["algorithm"]["temperature"] == 1.0  # resolved defaults
     clients = json.loads((run_dir / "clients.json").read_text())["clients"]
     assert [c["profile"] for c in clients] == ["pi4", "phone", "pi4"]
+    # the table's MACs are the cost model's conv + linear count, the quantity the budgets limit
+    from rafl.search.cost import CostModel
+
+    assert clients[0]["macs_m"] == pytest.approx(CostModel(space).cost(space.smallest()).macs_m, rel=1e-9)
     # same name again: refused, nothing overwritten
     assert "already exists" in _one_error_line(_invoke(["--config", str(cfile), "--out", str(out)]))
+    (out / "other").mkdir()
+    (out / "other" / "x").write_text("not a run")
+    assert "other: already exists and is not a rafl federate run dir" in _one_error_line(
+        _invoke(["--config", str(cfile), "--out", str(out), "--set", "name=other"]))
     res = _invoke(["--resume", str(run_dir), "--set", "engine.rounds=2"])
     assert res.exit_code == 0, res.output
     rounds = [json.loads(ln)["round"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -156,6 +173,8 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
         else:
             assert (out / "r" / "checkpoint.safetensors").is_file()
             done = len((out / "r" / "metrics.jsonl").read_text().splitlines())
+            assert f"interrupted: {done} complete round(s) checkpointed in {out / 'r'}; continue with: rafl " \
+                   f"federate --resume {out / 'r'}" in err, err
             res = _invoke(["--resume", str(out / "r"), "--set", f"engine.rounds={done + 1}"])
             assert res.exit_code == 0, res.output
     # Ctrl-C (SIGINT) unwinds the same way and exits 130 (128 + SIGINT), the shell's convention
@@ -209,3 +228,18 @@ def test_the_quickstart_supernet_refuses_a_sample_of_digits(tmp_path):
     assert line.startswith("error: data.limit_per_class: the quickstart supernet trained on limit_per_class=null, "
                            "the run loads data.limit_per_class=30")
     assert not out.exists()
+
+
+def test_a_given_arch_over_a_device_budget_runs_with_a_warning(tmp_path, tiny_supernet):
+    """``clients.arch`` / ``clients.archs`` are the user's choice (e.g. one model for every device):
+    a subnet over a profile's budget runs, but stderr and clients.json say which budget it breaks."""
+    path, space = tiny_supernet
+    out = tmp_path / "runs"
+    res = _invoke(["--out", str(out), "--set", "name=r", "--set", f"supernet.path={path}",
+                   "--set", "data.limit_per_class=10", "--set", "clients.n=2", "--set", "clients.profiles=[pi4]",
+                   "--set", "clients.budgets={pi4: {macs_m: 0.01}}", "--set", "algorithm.name=standalone",
+                   "--set", "engine.rounds=1", "--set", f"clients.archs={{pi4: '{space.smallest().to_string()}'}}"])
+    assert res.exit_code == 0, res.output
+    assert "warning: clients.archs.pi4 does not fit device profile 'pi4' (macs_m: " in res.output
+    clients = json.loads((out / "r" / "clients.json").read_text())["clients"]
+    assert all(c["subnet_source"].startswith("given (over budget: macs_m: ") for c in clients), clients

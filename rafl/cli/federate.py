@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -108,7 +109,11 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             raise UserInputError(f"--resume may change only engine.rounds, not {sorted(changed)}", field="--set")
         pipeline.check_resume_rounds(resume_dir, cfg.engine.rounds, "engine.rounds")
         prep = pipeline.prepare(cfg, progress=progress)
-        summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
+        try:
+            summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
+        except (KeyboardInterrupt, click.exceptions.Abort, SystemExit):
+            _say_how_to_resume(resume_dir)
+            raise
         from rafl.io import atomic_write_yaml
 
         atomic_write_yaml(resume_dir / "config.yaml", cfg.resolved())
@@ -126,6 +131,9 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             name = f"{stem}-{i}"
             run_dir = out / name
     if run_dir.exists():
+        if not (run_dir / "config.yaml").is_file():
+            raise UserInputError("already exists and is not a rafl federate run dir (choose another name or --out)",
+                                 source=run_dir)
         if not (run_dir / "checkpoint.safetensors").is_file():  # e.g. killed (SIGKILL) before round 1 ended
             raise UserInputError("already exists but never completed a round (no checkpoint.safetensors): delete "
                                  "it and run again, or choose another name or --out", source=run_dir)
@@ -137,10 +145,23 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     try:
         prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; nothing written yet
         summary = pipeline.run(prep, run_dir, progress=progress)
-    except BaseException:
+    except BaseException as err:
         if run_dir.exists() and not (run_dir / "checkpoint.safetensors").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
         if not out_existed and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
+        if isinstance(err, (KeyboardInterrupt, click.exceptions.Abort, SystemExit)):
+            _say_how_to_resume(run_dir)
         raise
     print_table(summary, run_dir)
+
+
+def _say_how_to_resume(run_dir: Path) -> None:
+    """After Ctrl-C / SIGTERM: one stderr line with the rounds the checkpoint holds and the command
+    that continues the run (nothing when no round completed: the run dir is gone then)."""
+    if not (run_dir / "checkpoint.safetensors").is_file():
+        return
+    metrics = run_dir / "metrics.jsonl"
+    done = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    click.echo(f"interrupted: {done} complete round(s) checkpointed in {run_dir}; continue with: "
+               f"rafl federate --resume {shlex.quote(str(run_dir))}", err=True)

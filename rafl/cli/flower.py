@@ -19,8 +19,13 @@ def flower_app(folder: Path, config: Path | None, runs: Path) -> None:
     metrics) on the SuperLink's machine and its ClientApp runs each client's step on the SuperNode
     that hosts it (node config partition-id=I num-partitions=P hosts clients I, I+P, ...).
     """
+    from rafl.config import load_run_config
     from rafl.federation.flower import write_app
 
+    # the run config is read on the SuperLink only when `flwr run` starts it, and `flwr run`
+    # exits 0 whatever happens there: check what can be checked here (schema, algorithm and its
+    # hyperparameters; not the data or the supernet, which live on the SuperLink's machine)
+    load_run_config(config)
     path = write_app(folder, config=config, out=runs)
     click.echo(f"wrote {path}")
     click.echo(f"run it: flwr run {folder} <superlink connection> --stream")

@@ -31,7 +31,7 @@ import yaml
 from rafl.config import RunConfig
 from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
-from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
+from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation, participation
 from rafl.io import atomic_write_json, atomic_write_text
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
@@ -165,6 +165,13 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         raise UserInputError(err.message, field="--algorithms") from None
     # per-method sections: any registered method (sections of methods not selected are ignored)
     per_method = {k: algo_section.pop(k) for k in list(algo_section) if k.lower() in ALGORITHMS}
+    selected = {cls.name for cls in classes.values()}
+    for key, _ in parsed:  # a --set for a method not compared is a slip (a file may hold sections for many)
+        parts = key.split(".")
+        if parts[0] == "algorithm" and len(parts) > 2 and parts[1].lower() in ALGORITHMS \
+                and get_algorithm(parts[1]).name not in selected:
+            raise UserInputError(f"sets a hyperparameter of {parts[1]}, which --algorithms does not select "
+                                 f"(selected: {', '.join(sorted(selected))})", source="--set", field=key)
     for key in algo_section:
         if not any(key in cls.defaults for cls in classes.values()):
             raise UserInputError(f"no selected method accepts {key!r}; allowed: "
@@ -357,6 +364,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         raise UserInputError(f"is {cfg.engine.backend!r}; rafl compare runs its methods in-process (allowed: "
                              "in-process); run one method on Flower with rafl federate", field="engine.backend")
     ecfg = engine_config(cfg)
+    participation(ecfg, cfg.clients.n)  # a count larger than the population is an error before writing
     out_existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
     from rafl.io import atomic_write_yaml

@@ -91,12 +91,28 @@ class EngineConfig:
     seed: int = 0
 
 
-def _count(spec: float | int, n: int, name: str) -> int:
+def _count(spec: float | int, n: int, name: str, of: str) -> int:
     if isinstance(spec, float) and 0 < spec <= 1:
         return max(1, int(math.ceil(spec * n - 1e-9)))
-    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1:
-        return min(spec, n)
+    if isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= n:
+        return spec
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec > n:
+        raise UserInputError(f"is {spec}, more than the {n} {of}; allowed: a fraction in (0, 1] or a count "
+                             f"in 1..{n}", field=f"engine.{name}")
     raise UserInputError(f"is {shown(spec)}; allowed: a fraction in (0, 1] or a count >= 1", field=f"engine.{name}")
+
+
+def participation(config: EngineConfig, n_clients: int) -> tuple[int, int]:
+    """``(available, sampled per round)`` client counts of ``config`` for ``n_clients`` clients.
+
+    Raises:
+        UserInputError: ``engine.available`` or ``engine.clients_per_round`` is not a fraction in
+            (0, 1] or a count >= 1, or a count larger than the clients it picks from (the
+            population, resp. the available clients).
+    """
+    available = _count(config.available, n_clients, "available", "clients (clients.n)")
+    return available, _count(config.clients_per_round, available, "clients_per_round",
+                             "available clients" if available < n_clients else "clients (clients.n)")
 
 
 def seed_of(*parts: int) -> int:
@@ -293,8 +309,7 @@ class Engine:
             raise UserInputError("rounds and eval_every must be >= 1", field="engine")
         if config.eval_clients not in ("all", "sampled"):
             raise UserInputError(f"is {shown(config.eval_clients)}; allowed: all, sampled", field="engine.eval_clients")
-        self.n_available = _count(config.available, n, "available")
-        self.n_sampled = _count(config.clients_per_round, self.n_available, "clients_per_round")
+        self.n_available, self.n_sampled = participation(config, n)
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
         self.clients = (clients or InProcessClients)(fed, self.store, config.seed)
@@ -567,6 +582,6 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
         atomic_write_bytes(run_dir / fname, buf.getvalue())
 
 
-__all__ = ["Engine", "EngineConfig", "Federation", "RoundTimes", "InProcessClients", "client_context",
+__all__ = ["Engine", "EngineConfig", "Federation", "participation", "RoundTimes", "InProcessClients", "client_context",
            "load_or_init", "train_client", "evaluate_client", "LoaderFactory", "summarize_eval",
            "write_metrics", "make_summary", "plot_metrics", "seed_of", "sample_clients", "sporadic_update"]

@@ -28,7 +28,7 @@ from torch import nn
 from rafl.config import RunConfig
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
-from rafl.federation.engine import Engine, EngineConfig, Federation
+from rafl.federation.engine import Engine, EngineConfig, Federation, participation
 from rafl.io import atomic_write_json, atomic_write_yaml
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -111,16 +111,22 @@ def fast_clone(module: nn.Module) -> nn.Module:
     return new
 
 
+MAC_OPS = ("conv", "linear", "matmul", "addmm", "bmm", "einsum")  # fvcore's names of multiply-add ops
+
+
 def model_macs_params(model: nn.Module, resolution: int, channels: int = 3) -> tuple[float, float]:
     """``(MACs in millions, parameters in millions)`` of ``model`` for one image of
-    ``resolution`` px, counted by fvcore on a deep copy (fvcore counts one multiply-add as one)."""
+    ``resolution`` px: fvcore's ``conv`` + ``linear`` counts on a deep copy (one multiply-add
+    counts one), the quantity the cost model and the device budgets use (``macs_m``,
+    :mod:`rafl.search.cost`); BatchNorm, activations, pooling and the SE gating multiply, which
+    fvcore also counts, are left out as there."""
     from rafl.reports.profile_report import count_fvcore
 
     m = copy.deepcopy(model).eval()
     x = torch.zeros(1, channels, resolution, resolution)
     with torch.no_grad():
         _, per_op = count_fvcore(m, x)
-    macs = sum(per_op.values())
+    macs = sum(v for op, v in per_op.items() if op in MAC_OPS)
     params = sum(p.numel() for p in model.parameters())
     return macs / 1e6, params / 1e6
 
@@ -177,16 +183,24 @@ def subnets_for_profiles(cfg: RunConfig, supernet, profiles: list, val: tuple[to
     Raises:
         UserInputError: a malformed fixed arch, or a profile no subnet fits.
     """
+    from rafl.errors import warn
+    from rafl.search.cost import CostModel
+
     space: SearchSpace = supernet.space
     out: dict[str, dict[str, Any]] = {}
     todo = []
     for p in profiles:
-        if cfg.clients.arch is not None:
-            out[p.name] = {"arch": _resolve_arch(cfg.clients.arch, space, "clients.arch"), "source": "given",
-                           "search_accuracy": None}
-        elif p.name in cfg.clients.archs:
-            out[p.name] = {"arch": _resolve_arch(cfg.clients.archs[p.name], space, f"clients.archs.{p.name}"),
-                           "source": "given", "search_accuracy": None}
+        if cfg.clients.arch is not None or p.name in cfg.clients.archs:
+            where = "clients.arch" if cfg.clients.arch is not None else f"clients.archs.{p.name}"
+            arch = _resolve_arch(cfg.clients.arch if cfg.clients.arch is not None else cfg.clients.archs[p.name],
+                                 space, where)
+            cm = CostModel(space, p)
+            over = cm.violations(cm.cost(arch))
+            if over:  # the user's choice (e.g. one model for every device): run it, but say so
+                warn(f"{where} does not fit device profile {p.name!r} ({'; '.join(over)}); running it anyway "
+                     "(clients.json records it)")
+            out[p.name] = {"arch": arch, "source": "given" if not over else "given (over budget: "
+                           + "; ".join(over) + ")", "search_accuracy": None}
         else:
             todo.append(p)
     if not todo:
@@ -402,6 +416,10 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     if unknown:
         raise UserInputError(f"names profile(s) {sorted(unknown)} that no client uses; clients.profiles is "
                              f"{cfg.clients.profiles}", field="clients.budgets")
+    unknown = set(cfg.clients.archs) - set(cfg.clients.profiles) - {pr.name for pr in profiles} - set(list_profiles())
+    if unknown:
+        raise UserInputError(f"names profile(s) {sorted(unknown)} that no client uses; clients.profiles is "
+                             f"{cfg.clients.profiles}", field="clients.archs")
     ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
                       limit_per_class=cfg.data.limit_per_class)
     labels = ds.labels.numpy()
@@ -462,6 +480,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     ecfg = EngineConfig(rounds=e.rounds, clients_per_round=e.clients_per_round, sporadic_rate=e.sporadic_rate,
                         available=e.available, dropout=e.dropout, eval_every=e.eval_every,
                         eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
+    participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
     return Prepared(cfg, fed, ecfg, table, part, {"profiles": {n: {"arch": v["arch"].to_string(), "source": v["source"],
                                                                    "search_accuracy": v["search_accuracy"]}
                                                                for n, v in arch_of.items()},
