@@ -165,3 +165,54 @@ def test_nan_width_is_a_usage_error_not_a_traceback(tmp_path):
                                    "--out", str(tmp_path / "out"), "--no-measure"])
     assert res.exit_code == 2 and "'--width-mult': nan is not a finite number" in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_search_subnet_yaml_carries_its_space_else_the_error_says_pass_supernet(tmp_path):
+    """A subnet.yaml from `rafl search` records its search space: `rafl profile --arch subnet.yaml`
+    uses it without --supernet (here a 16 px space the default 24-32 px one rejects); an arch file
+    without one, outside the default space, fails naming --supernet DIR."""
+    from rafl.search.runner import write_subnet_yaml
+    from rafl.supernet import build_supernet, save_supernet
+    from rafl.supernet.arch import ArchConfig
+
+    space = SearchSpace(width_mult=0.25, resolutions=(12, 16))
+    arch = space.smallest()
+    run = tmp_path / "search" / "pi4"
+    run.mkdir(parents=True)
+    write_subnet_yaml(run / "subnet.yaml", arch, space, "runs/sn16")
+    assert ArchConfig.load(run / "subnet.yaml", space) == arch  # still a plain arch file
+    res = _run(["profile", "--arch", str(run / "subnet.yaml"), "--device-profile", "pi4", "--out",
+                str(tmp_path / "p"), "--no-measure"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "p" / "cost_report.json").read_text())
+    assert doc["search_space"] == space.to_dict()
+    # an explicit --width-mult that contradicts the recorded space is an error, not a silent override
+    res = CliRunner().invoke(cli, ["profile", "--arch", str(run / "subnet.yaml"), "--width-mult", "1.0",
+                                   "--device-profile", "pi4", "--out", str(tmp_path / "w"), "--no-measure"])
+    assert res.exit_code == 2 and "--width-mult" in res.output and "0.25" in res.output, res.output
+    # --supernet with another space than recorded: an error naming the recorded supernet
+    torch.manual_seed(0)
+    save_supernet(tmp_path / "sn32", build_supernet(SPACE), {}, {})
+    res = CliRunner().invoke(cli, ["profile", "--arch", str(run / "subnet.yaml"), "--supernet", str(tmp_path / "sn32"),
+                                   "--device-profile", "pi4", "--out", str(tmp_path / "s"), "--no-measure"])
+    assert res.exit_code == 2 and "runs/sn16" in res.output and "--supernet" in res.output, res.output
+    assert not (tmp_path / "w").exists() and not (tmp_path / "s").exists()
+    # a bare arch file (no recorded space, nothing beside it): the error says to pass --supernet DIR
+    bare = tmp_path / "bare.yaml"
+    arch.save(bare)
+    res = CliRunner().invoke(cli, ["profile", "--arch", str(bare), "--device-profile", "pi4", "--out",
+                                   str(tmp_path / "b"), "--no-measure"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "r: is 12, allowed: one of 24, 28, 32" in lines[0] and "pass --supernet DIR" in lines[0]
+    assert not (tmp_path / "b").exists()
+    # an older search's subnet.yaml (no space inside): the result.json beside it records the space
+    old = tmp_path / "old" / "pi4"
+    old.mkdir(parents=True)
+    arch.save(old / "subnet.yaml")
+    (old / "result.json").write_text(json.dumps({"arch": arch.to_dict(), "search_space": space.to_dict(),
+                                                 "supernet": "runs/sn16"}))
+    res = _run(["profile", "--arch", str(old / "subnet.yaml"), "--device-profile", "pi4", "--out",
+                str(tmp_path / "o"), "--no-measure"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "o" / "cost_report.json").read_text())["search_space"] == space.to_dict()

@@ -199,3 +199,45 @@ def test_archconfig_roundtrip_through_population():
     a = ArchConfig.from_string("r28_k3e4.k5e6|k7e3.k3e3.k5e4|k3e6.k3e6|k5e4.k7e6.k3e3.k3e3|k5e6.k7e6", SPACE)
     pop = Population.from_archs(SPACE, [a])
     assert pop.arch(0) == a.canonical(SPACE)
+
+
+def test_pick_shared_gives_a_looser_profile_the_tight_profiles_better_finalist():
+    """The reviewer's case: pi4-like (tightest) measured 0.30, the looser profiles only 0.20 on
+    their own finalists, although pi4's pick fits them: they must end with pi4's 0.30 pick."""
+    from rafl.search.evolution import Finalist, pick_shared
+
+    small, mid, big = SPACE.smallest(), SPACE.middle().canonical(SPACE), SPACE.largest()
+    rng = np.random.default_rng(0)
+    cost = {a: analytic_cost(Population.from_archs(SPACE, [a]))["macs_m"][0] for a in (small, mid, big)}
+    assert cost[small] < cost[mid] < cost[big]
+    other = next(a for a in (SPACE.sample(rng) for _ in range(1000))
+                 if cost[small] < analytic_cost(Population.from_archs(SPACE, [a]))["macs_m"][0] <= cost[mid])
+    limits = {"tight": {"macs_m": float(cost[small])}, "mid": {"macs_m": float(cost[mid])},
+              "loose": {"macs_m": float(cost[big])}}
+    fin = {"tight": [Finalist(small, 0.30, 0.50, "tight")],
+           "mid": [Finalist(mid, 0.20, 0.60, "mid"), Finalist(other, 0.20, 0.55, "mid")],
+           "loose": [Finalist(big, 0.20, 0.70, "loose"), Finalist(other, 0.25, 0.55, "loose")]}
+    picks = pick_shared(SPACE, fin, {k: analytic_cost for k in fin}, limits)
+    assert list(picks) == ["tight", "mid", "loose"]
+    assert picks["tight"].pick == fin["tight"][0]  # nothing else fits the tightest profile
+    for name in ("mid", "loose"):
+        assert picks[name].pick.arch == small and picks[name].pick.accuracy == 0.30
+        assert picks[name].pick.found_for == "tight"
+    # what tight considered: every other finalist once (an arch found twice is named by the first
+    # profile that found it), none feasible, each with the budget it violates
+    considered = picks["tight"].considered
+    assert [c["arch"] for c in considered] == [mid.to_string(), other.to_string(), big.to_string()]
+    assert [c["found_for"] for c in considered] == ["mid", "mid", "loose"]
+    assert all(not c["feasible"] and c["violates"] == ["macs_m"] for c in considered)
+    loose_seen = {c["arch"]: c for c in picks["loose"].considered}
+    assert loose_seen[small.to_string()]["feasible"] and loose_seen[mid.to_string()]["feasible"]
+    # the invariant: no profile ends below a finalist of another profile that it can run
+    for name, p in picks.items():
+        for c in p.considered:
+            assert not c["feasible"] or p.pick.accuracy >= c["accuracy"]
+    # ties go to the profile's own finalist; a single profile keeps its own top-k pick
+    fin["mid"][0] = Finalist(mid, 0.30, 0.10, "mid")
+    picks = pick_shared(SPACE, fin, {k: analytic_cost for k in fin}, limits)
+    assert picks["mid"].pick == fin["mid"][0] and picks["loose"].pick.found_for == "tight"
+    alone = pick_shared(SPACE, {"loose": fin["loose"]}, {"loose": analytic_cost}, {"loose": limits["loose"]})
+    assert alone["loose"].pick == fin["loose"][1] and alone["loose"].considered == []

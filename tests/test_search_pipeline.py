@@ -71,8 +71,11 @@ def test_every_profile_gets_a_complete_folder(searched):
         fit = result["predictor_fit"]
         assert fit["n_holdout"] == 8 and fit["folds"] == 4
         assert np.isnan(fit["kendall_tau"]) or -1 <= fit["kendall_tau"] <= 1
-        # the winner is the best *measured* of the re-measured top-k
-        assert res.accuracy == max(t["accuracy"] for t in result["top_k"])
+        # the winner is the best *measured* of the re-measured top-k of every profile that fits
+        shared = [c for c in result["shared_candidates"] if c["feasible"]]
+        assert res.accuracy == max(t["accuracy"] for t in result["top_k"] + shared)
+        assert result["found_for"] == res.found_for and result["searched_with"] == PROFILES
+        assert summary["profiles"][name]["found_for"] == res.found_for
         pareto = json.loads((d / "pareto.json").read_text())
         for key in ("latency_ms", "macs_m"):
             front = pareto[f"accuracy_vs_{key}"]
@@ -102,6 +105,69 @@ def test_found_subnets_meet_every_budget_rechecked(searched):
         if "macs_m" in dict(prof.effective_budgets()):
             assert macs_m <= dict(prof.effective_budgets())["macs_m"]
         assert sum(p.numel() for p in sub.parameters()) / 1e6 == pytest.approx(cost.params_m, rel=1e-6)
+
+
+def test_no_profile_ends_below_a_finalist_it_can_run(searched):
+    """Cross-profile sharing: every profile's pick is at least as accurate (measured) as every
+    finalist of the other profile that meets all of its budgets (re-checked with the cost model)."""
+    out, results = searched
+    finalists = {name: [(ArchConfig.from_string(t["arch"], SPACE), t["accuracy"]) for t in res.top_k]
+                 for name, res in results.items()}
+    for name, res in results.items():
+        prof = load_profile(name)
+        model = CostModel(SPACE, prof)
+        assert model.violations(model.cost(res.arch), prof) == []
+        for other, cands in finalists.items():
+            for arch, acc in cands:
+                if not model.violations(model.cost(arch), prof):
+                    assert res.accuracy >= acc, (name, other, arch.to_string())
+        if res.found_for != name:  # taken from another profile's finalists: strictly better than its own
+            assert res.arch in [a for a, _ in finalists[res.found_for]]
+            assert res.accuracy > max(t["accuracy"] for t in res.top_k)
+        summary = json.loads((out / "search.json").read_text())
+        assert summary["profiles"][name]["found_for"] == res.found_for
+
+
+def test_second_search_into_the_same_out_keeps_search_json_complete(searched, supernet_dir, tmp_path):
+    """A later `rafl search` into the same --out replaces only its own profiles' folders, and
+    search.json lists every profile folder present (rebuilt from their result.json files)."""
+    import shutil
+
+    src, _ = searched
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    before = {n: (out / n / "result.json").read_text() for n in PROFILES}
+    res = _run(["--device-profile", "phone", "--device-profile", PROFILES[1], "--supernet", str(supernet_dir),
+                "--out", str(out),
+                "--generations", "1", "--population", "4", "--predictor-samples", "4", "--top-k", "1", "--quiet"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "search.json").read_text())
+    assert list(summary["profiles"]) == ["phone", PROFILES[1], PROFILES[0]]  # this run's first, then the rest
+    assert summary["latest_run"] == ["phone", PROFILES[1]]
+    assert summary["config"]["population"] == 4
+    assert (out / PROFILES[0] / "result.json").read_text() == before[PROFILES[0]]  # untouched
+    assert (out / PROFILES[1] / "result.json").read_text() != before[PROFILES[1]]  # replaced
+    for name, entry in summary["profiles"].items():
+        result = json.loads((out / name / "result.json").read_text())
+        assert entry["arch"] == result["arch_string"] and entry["accuracy"] == result["accuracy"]
+        assert entry["dir"] == str(out / name) and entry["latest_run"] == (name != PROFILES[0])
+    assert summary["profiles"][PROFILES[0]]["searched_with"] == PROFILES
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_searched_subnet_yaml_profiles_without_supernet(searched, tmp_path):
+    """`rafl profile --arch OUT/pi4/subnet.yaml` (no --supernet) profiles the arch in the space
+    subnet.yaml records (here width 0.35), with the cost the search reported."""
+    out, results = searched
+    name = PROFILES[0]
+    doc = yaml.safe_load((out / name / "subnet.yaml").read_text())
+    assert doc["search_space"] == SPACE.to_dict() and Path(doc["supernet"]).is_dir()
+    res = CliRunner().invoke(cli, ["profile", "--arch", str(out / name / "subnet.yaml"), "--device-profile", name,
+                                   "--out", str(tmp_path / "p"), "--no-measure"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "p" / "cost_report.json").read_text())
+    assert report["search_space"]["width_mult"] == SPACE.width_mult and report["feasible"] is True
+    assert report["cost"]["macs_m"] == pytest.approx(results[name].cost.macs_m)
 
 
 def test_onnx_export_runs_like_pytorch(searched):

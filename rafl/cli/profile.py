@@ -27,16 +27,71 @@ def _space(width_mult: float, n_classes: int, supernet_dir: Path | None):
     return SearchSpace(width_mult=width_mult, n_classes=n_classes), None
 
 
-def _load_arch(text: str, space):
+def _load_arch(text: str, space, hint: str | None = None):
+    """The arch of ``text`` (a file or an arch string), validated against ``space``; ``hint``
+    is appended to the error of an arch outside the space."""
     from rafl.supernet.arch import ArchConfig
 
     path = Path(text)
-    if path.is_file() or path.suffix in (".yaml", ".yml", ".json"):
-        return ArchConfig.load(path, space)
-    return ArchConfig.from_string(text, space)
+    try:
+        if path.is_file() or path.suffix in (".yaml", ".yml", ".json"):
+            return ArchConfig.load(path, space)
+        return ArchConfig.from_string(text, space)
+    except UserInputError as err:
+        outside = (err.field or "").split("[")[0] in ("ks", "e", "d", "r")  # ArchConfig.validate's fields
+        if hint is None or not outside:
+            raise
+        raise UserInputError(f"{err.message}; {hint}", source=err.source, field=err.field) from None
 
 
-def _load_model(path: Path, arch_text: str | None, space):
+def _recorded_space(text: str | None):
+    """``(SearchSpace, supernet path or None, file)`` recorded with an arch file, or None.
+
+    ``rafl search`` writes ``search_space`` and ``supernet`` into its ``subnet.yaml``; for a
+    ``subnet.yaml`` written before it did, the ``result.json`` beside it (same arch) records them.
+    """
+    import json
+
+    import yaml
+
+    from rafl.supernet.arch import SearchSpace
+
+    if text is None:
+        return None
+    path = Path(text)
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return None  # ArchConfig.load reports it
+    if not isinstance(data, dict):
+        return None
+    source, rec = path, data
+    if not isinstance(rec.get("search_space"), dict):
+        beside = path.parent / "result.json"
+        try:
+            rec = json.loads(beside.read_text()) if beside.is_file() else None
+        except (OSError, ValueError):
+            rec = None
+        if not (isinstance(rec, dict) and isinstance(rec.get("search_space"), dict)
+                and rec.get("arch") == data.get("arch", data)):
+            return None
+        source = beside
+    try:
+        space = SearchSpace.from_dict(rec["search_space"], source=source)
+    except (UserInputError, TypeError, ValueError) as err:
+        raise UserInputError(f"search_space is malformed ({err})", source=source, field="search_space") from None
+    supernet = rec.get("supernet")
+    return space, (str(supernet) if supernet else None), source
+
+
+def _space_note(space) -> str:
+    return (f"width x{space.width_mult:g}, {space.n_classes} classes, "
+            f"{'/'.join(str(r) for r in space.resolutions)} px")
+
+
+def _load_model(path: Path, arch_text: str | None, space, hint: str | None = None):
     """``(subnet, arch, space)`` from a subnet.safetensors (arch + space in its metadata) or a
     ``.pt`` state dict (needs --arch; loaded with ``weights_only=True``)."""
     if not path.exists():
@@ -49,7 +104,7 @@ def _load_model(path: Path, arch_text: str | None, space):
         if arch_text is None:
             raise UserInputError("a .pt state dict needs --arch (the subnet's arch file or string)", source=path,
                                  field="--model")
-        arch = _load_arch(arch_text, space)
+        arch = _load_arch(arch_text, space, hint)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any unpickling/format problem is bad input
@@ -86,16 +141,17 @@ def _is_latency_lut(path: Path) -> bool:
 @click.option("--device-profile", "device_profile", required=True,
               help="Shipped profile name (pi4, jetson-nano, phone, mcu, server-gpu) or a YAML path.")
 @click.option("--arch", "arch_text", default=None,
-              help="Subnet arch: a YAML/JSON file (ks, e, d, r) or an arch string like 'r32_k3e4.k5e6|...'.")
+              help="Subnet arch: a YAML/JSON file (ks, e, d, r) or an arch string like 'r32_k3e4.k5e6|...'. "
+                   "A subnet.yaml from `rafl search` records its search space, which is used without --supernet.")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
               help="Subnet weights: subnet.safetensors from `rafl search` (arch and space inside), or a "
                    ".pt state dict together with --arch.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
               help="Supernet folder: its search space (and weights) are used.")
 @click.option("--width-mult", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Search-space width multiplier (without --supernet).")
+              help="Search-space width multiplier (without --supernet or a recorded space).")
 @click.option("--n-classes", type=click.IntRange(min=2), default=10, show_default=True,
-              help="Classes of the classifier (without --supernet).")
+              help="Classes of the classifier (without --supernet or a recorded space).")
 @click.option("--build-lut", is_flag=True,
               help="Measure the latency of every distinct layer of the space on THIS machine and write a "
                    "LUT (YAML) that a profile can reference with `latency_lut: PATH`.")
@@ -120,7 +176,7 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
     """Cost report of a subnet on a device, or (--build-lut) a measured per-layer latency table.
 
     \b
-    rafl profile --arch subnet.yaml --device-profile pi4 --out report/
+    rafl profile --arch runs/search/pi4/subnet.yaml --device-profile pi4 --out report/
     rafl profile --model runs/search/pi4/subnet.safetensors --device-profile pi4 --out report/
     rafl profile --build-lut --device-profile pi4 --out pi4-lut.yaml
     """
@@ -168,12 +224,33 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
             raise UserInputError(f"folder holds other files ({', '.join(sorted(foreign)[:3])}); choose a new "
                                  "or empty folder", source=out, field="--out")
     space, supernet = _space(width_mult, n_classes, supernet_dir)
+    recorded = _recorded_space(arch_text)
+    hint = None
+    if recorded is not None:
+        rec_space, rec_supernet, rec_file = recorded
+        origin = f"supernet {rec_supernet}" if rec_supernet else "its supernet"
+        if supernet_dir is not None and supernet.space != rec_space:
+            raise UserInputError(f"--supernet has another search space ({_space_note(supernet.space)}) than "
+                                 f"{rec_file} records for this arch ({_space_note(rec_space)}, from {origin}); "
+                                 "pass the supernet it was searched in, or drop --supernet",
+                                 source=supernet_dir, field="--supernet")
+        if supernet_dir is None:
+            ctx = click.get_current_context()
+            for name, opt, value in (("width_mult", "--width-mult", width_mult), ("n_classes", "--n-classes", n_classes)):
+                if (ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+                        and value != getattr(rec_space, name)):
+                    raise UserInputError(f"is {value:g}, but {rec_file} records a search space with {name} "
+                                         f"{getattr(rec_space, name):g} (from {origin}); drop {opt}", field=opt)
+            space = rec_space  # the arch file's own space (as `rafl search` wrote it)
+    elif supernet_dir is None:
+        hint = (f"the arch is not in the search space used ({_space_note(space)}: --width-mult/--n-classes or their defaults); "
+                "pass --supernet DIR (the supernet it was searched in)")
     model = None
     if model_path is not None:
-        model, arch, space = _load_model(model_path, arch_text, space)
+        model, arch, space = _load_model(model_path, arch_text, space, hint)
         supernet = None
     else:
-        arch = _load_arch(arch_text, space)
+        arch = _load_arch(arch_text, space, hint)
     from rafl.io import atomic_dir
     from rafl.reports.profile_report import fmt_cost, write_profile_report
 

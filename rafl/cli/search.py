@@ -29,7 +29,8 @@ def _check_out(out: Path, names: list[str]) -> None:
               help="Supernet folder from `rafl supernet train` [default: the quickstart supernet on "
                    "digits, trained once and cached].")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/search"), show_default=True,
-              help="Output folder; one subfolder per profile (replaced atomically).")
+              help="Output folder; one subfolder per profile (replaced atomically; other profiles' "
+                   "folders from earlier searches are kept and listed in OUT/search.json).")
 @click.option("--generations", type=click.IntRange(min=0), default=500, show_default=True,
               help="Evolution generations (OFA: 500).")
 @click.option("--population", type=click.IntRange(min=2), default=100, show_default=True,
@@ -42,7 +43,8 @@ def _check_out(out: Path, names: list[str]) -> None:
 @click.option("--predictor-samples", type=click.IntRange(min=4), default=48, show_default=True,
               help="Subnets measured to train the predictor.")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Final candidates re-measured per profile; the best measured wins.")
+              help="Final candidates re-measured per profile; the best measured one that meets the "
+                   "profile's budgets wins (any profile's finalists, when several are searched).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed (the search is deterministic).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, generations: int, population: int,
@@ -53,7 +55,10 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
 
     Writes OUT/<profile>/: subnet.yaml, subnet.safetensors (BN recalibrated), subnet.onnx
     (checked), cost.json (+ the cost model's report), history.jsonl, pareto.json/.png,
-    result.json; and OUT/search.json. Prints one line per profile.
+    result.json; and OUT/search.json, the index of every profile folder in OUT (a later search
+    into the same OUT replaces its own profiles' folders and keeps the others). Each profile gets
+    the best measured finalist of any profile searched in the same command that meets its
+    budgets ("found for X" when another profile's search found it). Prints one line per profile.
     """
     from rafl.search.evolution import SearchConfig
     from rafl.search.profile import load_profile
@@ -77,6 +82,7 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
                    f"{fit['n_holdout']} measured subnets, RMSE {fit['rmse']:.3f})")
     for name, res in results.items():
         c = res.cost
-        click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} (measured)  "
+        where = "" if res.found_for == name else f", found for {res.found_for}"
+        click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} (measured{where})  "
                    f"{c.macs_m:.2f} M MACs  {c.latency_ms:.3g} ms  peak {c.peak_memory_mb:.3g} MiB  "
                    f"-> {out / name}")

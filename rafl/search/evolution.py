@@ -21,7 +21,9 @@ What differs from OFA's ``EvolutionFinder``:
 
 :func:`search_subnets` is the library entry point (the default pipeline's search step): one
 accuracy predictor and one pass over the supernet shared by all profiles, evolution per profile,
-then the final top-k of every profile re-measured and the best measured one returned.
+then the final top-k of every profile re-measured; each profile returns the best measured
+finalist of *any* profile that meets its own budgets (:func:`pick_shared`), so a looser profile
+never ends with a lower measured accuracy than a subnet another profile found and it could run.
 """
 
 from __future__ import annotations
@@ -428,10 +430,16 @@ class SearchResult:
         predicted_accuracy: the estimator's value for ``arch`` during the evolution.
         estimator: ``"predictor"`` or ``"measured"``.
         predictor_fit: cross-validated Kendall tau / RMSE of the shared predictor (or None).
-        top_k: the re-measured finalists, ``[{"arch", "predicted_accuracy", "accuracy"}]``.
+        top_k: this profile's re-measured finalists, ``[{"arch", "predicted_accuracy", "accuracy"}]``.
         history: per-generation records of :func:`evolve`.
         outcome: the raw :class:`EvolutionOutcome` (archive for the Pareto front).
         budgets: the limits searched under, ``{key: limit}``.
+        found_for: the profile whose evolution found ``arch`` (this profile, or another profile
+            of the same call whose finalist is feasible here and measured better; see
+            :func:`pick_shared`).
+        shared_candidates: the other profiles' finalists this profile considered,
+            ``[{"arch", "accuracy", "predicted_accuracy", "found_for", "feasible", "violates"}]``
+            (``violates``: the budget keys of this profile it exceeds).
     """
 
     arch: ArchConfig
@@ -445,6 +453,93 @@ class SearchResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     outcome: EvolutionOutcome | None = None
     budgets: dict[str, float] = field(default_factory=dict)
+    found_for: str = ""
+    shared_candidates: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.found_for:
+            self.found_for = self.profile
+
+
+@dataclass(frozen=True)
+class Finalist:
+    """One re-measured finalist of a profile's evolution.
+
+    Attributes:
+        arch: the subnet (canonical). accuracy: its measured accuracy (fraction 0..1).
+        predicted_accuracy: the (shared) estimator's value for it.
+        found_for: the profile whose evolution found it.
+    """
+
+    arch: ArchConfig
+    accuracy: float
+    predicted_accuracy: float
+    found_for: str
+
+
+@dataclass
+class SharedPick:
+    """What :func:`pick_shared` chose for one profile: ``pick`` and every other profile's
+    finalist it considered (``considered``: dicts as in :attr:`SearchResult.shared_candidates`)."""
+
+    pick: Finalist
+    considered: list[dict[str, Any]]
+
+
+def pick_shared(space: SearchSpace, finalists: dict[str, list[Finalist]], cost_fns: dict[str, CostFn],
+                limits: dict[str, dict[str, float]]) -> dict[str, SharedPick]:
+    """The final pick of every profile among the measured finalists of *all* profiles.
+
+    Profile ``p`` picks, among its own finalists and every other profile's finalist that meets
+    all of ``p``'s budgets (re-checked with ``cost_fns[p]`` against ``limits[p]``), the one with
+    the highest measured accuracy; ties go to ``p``'s own finalists, then to the higher
+    predicted accuracy, then to the earlier candidate (own finalists in rank order, then the
+    others in profile order). So a profile never ends with a lower measured accuracy than a
+    finalist of another profile it could run, and a profile alone (or one whose own pick is
+    best) keeps exactly the pick of its own top-k.
+
+    Args:
+        space: the search space of every arch.
+        finalists: ``{profile: [Finalist, ...]}``, each profile's re-measured top-k (own finalists
+            are feasible for their profile by construction), in profile order.
+        cost_fns: ``{profile: Population -> {key: (P,) array}}`` (see :func:`cost_fn_for`).
+        limits: ``{profile: {key: limit}}``.
+
+    Returns:
+        ``{profile: SharedPick}`` in the order of ``finalists``.
+    """
+    pool: dict[ArchConfig, Finalist] = {}
+    for cands in finalists.values():
+        for c in cands:
+            pool.setdefault(c.arch, c)  # an arch found by several profiles: the first one names it
+    out: dict[str, SharedPick] = {}
+    for name, own in finalists.items():
+        if not own:
+            raise ValueError(f"profile {name!r} has no finalist")
+        own_archs = {c.arch for c in own}
+        foreign = [c for c in pool.values() if c.arch not in own_archs]
+        considered: list[dict[str, Any]] = []
+        usable: list[Finalist] = []
+        if foreign:
+            costs = cost_fns[name](Population.from_archs(space, [c.arch for c in foreign]))
+            lim = limits[name]
+            ok = feasible_mask(costs, lim)
+            for i, c in enumerate(foreign):
+                considered.append({
+                    "arch": c.arch.to_string(), "accuracy": float(c.accuracy),
+                    "predicted_accuracy": float(c.predicted_accuracy), "found_for": c.found_for,
+                    "feasible": bool(ok[i]),
+                    "violates": [k for k, v in lim.items() if not costs[k][i] <= v]})
+                if ok[i]:
+                    usable.append(c)
+        cands = [(c, True) for c in own] + [(c, False) for c in usable]
+        best = max(range(len(cands)), key=lambda j: (cands[j][0].accuracy, cands[j][1],
+                                                     cands[j][0].predicted_accuracy, -j))
+        pick = cands[best][0]
+        if cands[best][1] and pick.found_for != name:
+            pick = Finalist(pick.arch, pick.accuracy, pick.predicted_accuracy, name)
+        out[name] = SharedPick(pick, considered)
+    return out
 
 
 def profile_limits(profile) -> dict[str, float]:
@@ -505,8 +600,10 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
 
     One :class:`MeasuredAccuracy` cache and (for ``estimator="predictor"``) one accuracy predictor
     trained on ``config.predictor_samples`` measured subnets are shared by all profiles; each
-    profile then runs :func:`evolve`; its final top-k are measured and the best measured one is
-    returned.
+    profile then runs :func:`evolve` and its final top-k are measured. After all profiles, each
+    profile returns the best measured finalist of *any* profile that meets its own budgets
+    (re-checked with its cost model; :func:`pick_shared`); :attr:`SearchResult.found_for` names
+    the profile whose evolution found it.
 
     Args:
         supernet: a trained :class:`rafl.supernet.Supernet`.
@@ -565,33 +662,44 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     else:
         score_fn = measured
 
-    results: dict[str, SearchResult] = {}
+    evolved: dict[str, EvolutionOutcome] = {}
+    finalists: dict[str, list[Finalist]] = {}
+    limits = {p.name: profile_limits(p) for p in profs}
     for p in profs:
-        limits = profile_limits(p)
-        out = evolve(space, score_fn, cost_fns[p.name], limits, config, profile_name=p.name)
-        # the top-k distinct finalists, re-measured; the best measured wins (ties: the estimate)
-        keys, finalists = set(), []
+        out = evolve(space, score_fn, cost_fns[p.name], limits[p.name], config, profile_name=p.name)
+        # the top-k distinct finalists, re-measured
+        keys, idx = set(), []
         for i, key in enumerate(out.population.keys()):
             if key not in keys:
                 keys.add(key)
-                finalists.append(i)
-            if len(finalists) >= config.top_k:
+                idx.append(i)
+            if len(idx) >= config.top_k:
                 break
-        archs = [out.population.arch(i) for i in finalists]
+        archs = [out.population.arch(i) for i in idx]
         acc = measured.measure(archs, progress=config.progress, desc=f"re-measuring top-{len(archs)} for {p.name}")
-        best_j = max(range(len(archs)), key=lambda j: (acc[j], out.scores[finalists[j]], -j))
-        arch = archs[best_j]
-        cost = models[p.name].cost(arch)
+        evolved[p.name] = out
+        finalists[p.name] = [Finalist(a, float(m), float(out.scores[i]), p.name)
+                             for a, i, m in zip(archs, idx, acc)]
+    # every profile picks the best measured finalist of any profile that meets its own budgets
+    # (ties: its own finalists, then the estimate)
+    picks = pick_shared(space, finalists, cost_fns, limits)
+
+    results: dict[str, SearchResult] = {}
+    for p in profs:
+        out = evolved[p.name]
+        pick = picks[p.name].pick
         results[p.name] = SearchResult(
-            arch=arch, accuracy=float(acc[best_j]), cost=cost, profile=p.name,
-            predicted_accuracy=float(out.scores[finalists[best_j]]), estimator=config.estimator,
+            arch=pick.arch, accuracy=pick.accuracy, cost=models[p.name].cost(pick.arch), profile=p.name,
+            predicted_accuracy=pick.predicted_accuracy, estimator=config.estimator,
             predictor_fit=fit,
-            top_k=[{"arch": a.to_string(), "predicted_accuracy": float(out.scores[i]), "accuracy": float(m)}
-                   for a, i, m in zip(archs, finalists, acc)],
-            history=out.history, outcome=out, budgets=limits)
+            top_k=[{"arch": f.arch.to_string(), "predicted_accuracy": f.predicted_accuracy, "accuracy": f.accuracy}
+                   for f in finalists[p.name]],
+            history=out.history, outcome=out, budgets=limits[p.name], found_for=pick.found_for,
+            shared_candidates=picks[p.name].considered)
     return results
 
 
 __all__ = ["SearchConfig", "SearchResult", "EvolutionOutcome", "evolve", "search_subnets", "feasible_mask",
+           "Finalist", "SharedPick", "pick_shared",
            "check_satisfiable",
            "infeasibility_error", "profile_limits", "cost_fn_for"]

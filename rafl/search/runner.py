@@ -3,7 +3,9 @@
 Output per profile, in ``<out>/<profile>/`` (each folder is built under a temp name and renamed
 when complete, so an interrupted run leaves nothing half-written):
 
-- ``subnet.yaml``: the chosen :class:`ArchConfig`;
+- ``subnet.yaml``: the chosen :class:`ArchConfig` (``arch``, ``string``), with the
+  ``search_space`` it belongs to and the ``supernet`` folder it was searched in (so
+  ``rafl profile --arch subnet.yaml`` needs no ``--supernet``);
 - ``subnet.safetensors``: its weights, BN recalibrated on the server's pool-train data, with the
   arch and search space in the safetensors metadata (load with :func:`load_searched_subnet`);
 - ``subnet.onnx``: an ONNX export for deployment, checked by ``onnx.checker`` and by running it
@@ -12,7 +14,14 @@ when complete, so an interrupted run leaves nothing half-written):
 - ``history.jsonl``: one line per generation (best feasible accuracy so far, best arch, ...);
 - ``pareto.json`` / ``pareto.png``: accuracy vs latency and vs MACs of every evaluated arch;
 - ``result.json``: the summary (arch, measured and predicted accuracy, cost, budgets, predictor
-  Kendall tau, the re-measured top-k, the resolved search config and the supernet used).
+  Kendall tau, the re-measured top-k, ``found_for``: the profile whose evolution found the arch,
+  ``shared_candidates``: the other profiles' finalists considered, the resolved search config and
+  the supernet used).
+
+And ``<out>/search.json``: one entry per profile folder present in ``<out>`` (a later search into
+the same folder adds or replaces its own profiles' folders and keeps the others, so the index is
+rebuilt from every ``<out>/<profile>/result.json`` after each folder is written, atomically), with
+the supernet, data and config of the latest run.
 """
 
 from __future__ import annotations
@@ -260,27 +269,67 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     results = search_subnets(supernet, profs, val, calib, config, cost_models=models)
 
     out = Path(out)
-    summary: dict[str, Any] = {"supernet": meta.get("path"), "data": data_info, "config": config.model_dump(),
-                               "profiles": {}}
+    run = {"supernet": meta.get("path"), "data": data_info, "config": config.model_dump()}
+    names = [p.name for p in profs]
     from rafl.search.predictor import torch_threads
 
     for prof in profs:
         res = results[prof.name]
         with atomic_dir(out / prof.name, overwrite=True) as tmp, torch_threads(config.threads):
-            _write_profile(tmp, res, prof, supernet, calib, config, meta, data_info, models[prof.name])
-        summary["profiles"][prof.name] = {"arch": res.arch.to_string(), "accuracy": res.accuracy,
-                                          "cost": _cost_dict(res.cost), "dir": str(out / prof.name)}
-    atomic_write_json(out / "search.json", summary)
+            _write_profile(tmp, res, prof, supernet, calib, config, meta, data_info, models[prof.name], names)
+        write_search_index(out, run, names)  # after every folder: the index always matches the folders
     return results
 
 
+def write_search_index(out: str | Path, run: dict[str, Any], run_profiles: Sequence[str]) -> dict[str, Any]:
+    """(Re)write ``out/search.json`` atomically from the profile folders present in ``out``.
+
+    Every ``out/<name>/result.json`` (hidden temp folders skipped) gives one entry under
+    ``profiles``: this run's profiles first (in ``run_profiles`` order), then earlier searches'
+    folders by name. ``run`` (``supernet``, ``data``, ``config`` of the latest run) is copied to
+    the top level; ``latest_run`` lists the profiles it searched. Returns the document written.
+    """
+    out = Path(out)
+    present = sorted(p.name for p in out.iterdir()
+                     if p.is_dir() and not p.name.startswith(".") and (p / "result.json").is_file())
+    order = [n for n in run_profiles if n in present] + [n for n in present if n not in run_profiles]
+    entries: dict[str, Any] = {}
+    for name in order:
+        d = out / name
+        try:
+            r = json.loads((d / "result.json").read_text())
+        except (OSError, ValueError):
+            r = None
+        if not isinstance(r, dict):
+            entries[name] = {"dir": str(d), "error": "result.json is not a readable JSON object"}
+            continue
+        entries[name] = {"arch": r.get("arch_string"), "accuracy": r.get("accuracy"),
+                         "found_for": r.get("found_for", name), "cost": r.get("cost"), "dir": str(d),
+                         "supernet": r.get("supernet"), "searched_with": r.get("searched_with", [name]),
+                         "latest_run": name in run_profiles}
+    doc = {**run, "latest_run": list(run_profiles), "profiles": entries}
+    atomic_write_json(out / "search.json", doc)
+    return doc
+
+
+def write_subnet_yaml(path: str | Path, arch: ArchConfig, space: SearchSpace, supernet: str | None) -> None:
+    """``subnet.yaml``: the arch (``arch``, ``string``, as :meth:`ArchConfig.save` writes; read
+    back by :meth:`ArchConfig.load`) plus the ``search_space`` it belongs to and the ``supernet``
+    folder it came from, so that ``rafl profile --arch subnet.yaml`` profiles it in its own space."""
+    import yaml
+
+    atomic_write_text(path, yaml.safe_dump({"arch": arch.to_dict(), "string": arch.to_string(space),
+                                            "search_space": space.to_dict(), "supernet": supernet},
+                                           sort_keys=False))
+
+
 def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tensor, config: SearchConfig,
-                   meta: dict[str, Any], data_info: dict[str, Any], cost_model) -> None:
+                   meta: dict[str, Any], data_info: dict[str, Any], cost_model, searched_with: list[str]) -> None:
     from rafl.search.pareto import save_fronts
     from rafl.supernet import extract_subnet, recalibrate_bn
 
     space = supernet.space
-    res.arch.save(d / "subnet.yaml")
+    write_subnet_yaml(d / "subnet.yaml", res.arch, space, meta.get("path"))
     supernet.eval()
     sub = extract_subnet(supernet, res.arch)
     batches = [calib[i:i + config.batch_size] for i in range(0, calib.shape[0], config.batch_size)]
@@ -303,10 +352,12 @@ def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tens
                                                    "split after BN recalibration",
         "predicted_accuracy": res.predicted_accuracy, "estimator": res.estimator,
         "predictor_fit": res.predictor_fit, "cost": _cost_dict(res.cost), "budgets": res.budgets,
-        "top_k": res.top_k, "generations_run": len(res.history), "onnx": onnx_check, "cost_reports": reports,
+        "top_k": res.top_k, "found_for": res.found_for, "searched_with": searched_with,
+        "shared_candidates": res.shared_candidates,
+        "generations_run": len(res.history), "onnx": onnx_check, "cost_reports": reports,
         "config": config.model_dump(), "supernet": meta.get("path"), "data": data_info,
         "search_space": space.to_dict()})
 
 
 __all__ = ["run_search", "server_eval_data", "load_searched_subnet", "save_subnet_weights", "export_onnx",
-           "write_cost_report", "load_search_supernet"]
+           "write_cost_report", "load_search_supernet", "write_search_index", "write_subnet_yaml"]
