@@ -305,6 +305,10 @@ def _error(err: ValidationError, source: str | None) -> UserInputError:
             parent = parent.model_fields[p].annotation
         allowed = ", ".join(parent.model_fields)
         return UserInputError(f"unknown key; allowed: {allowed}", source=source, field=".".join(loc))
+    if first.get("type") == "model_type" and isinstance(model, type) and hasattr(model, "model_fields"):
+        # a section given a scalar, e.g. --set engine=5: say what the section holds
+        return UserInputError(f"is {shown(first.get('input'))}; allowed: a mapping of the section's keys "
+                              f"({', '.join(model.model_fields)})", source=source, field=".".join(loc))
     hint = f"; allowed: {info.description}" if info is not None and info.description else ""
     msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
     return UserInputError(f"{msg} (got {shown(first.get('input'))}){hint}", source=source, field=".".join(loc))

@@ -43,6 +43,7 @@ def _one_error_line(result):
     (["--set", "train.device=cuda:99"], "train.device: "),  # no CUDA here, or not 100 devices
     (["--set", "partition.split=[0.5,0.6,-0.1]"], "partition.split: not a valid split (got [0.5, 0.6, -0.1]); "
                                                   "allowed: three fractions train > 0"),
+    (["--set", "engine=5"], "error: --set: engine: is 5; allowed: a mapping of the section's keys (rounds, "),
     # a fixed arch for a profile no client uses is a typo (it used to be ignored: the client got a search)
     (["--set", "clients.n=3", "--set", "clients.archs={jetson_nano: r16_x}"],
      "error: clients.archs: names profile(s) ['jetson_nano'] that no client uses"),

@@ -222,3 +222,18 @@ def test_cli_resume_with_a_config_that_does_not_fit_the_checkpoint_is_one_error(
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert "resume.pt: resume: its weights do not fit the supernet config.json describes (size mismatch" in lines[0]
+
+
+def test_a_dataset_without_data_root_is_one_clear_line_and_honours_rafl_data_root(monkeypatch):
+    """The cross-field check reads as one sentence (no pydantic prefix, no dump of every option),
+    and ``$RAFL_DATA_ROOT`` is the default data root, as for ``rafl data`` and the run config."""
+    from rafl.errors import UserInputError
+
+    monkeypatch.delenv("RAFL_DATA_ROOT", raising=False)
+    with pytest.raises(UserInputError) as err:
+        TrainConfig.from_options(dataset="cifar10", epochs_per_phase=1)
+    assert str(err.value) == ("dataset 'cifar10' needs a data root: --data-root (config key data_root) "
+                              "or $RAFL_DATA_ROOT")
+    monkeypatch.setenv("RAFL_DATA_ROOT", "/some/where")
+    assert TrainConfig.from_options(dataset="cifar10", epochs_per_phase=1).data_root == "/some/where"
+    assert TrainConfig.from_options(dataset="cifar10", data_root="/given").data_root == "/given"

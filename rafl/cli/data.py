@@ -26,7 +26,8 @@ def _parse_split(text: str) -> tuple[float, float, float]:
     except ValueError:
         vals = ()
     if len(vals) != 3 or any(v < 0 or math.isnan(v) for v in vals) or vals[0] <= 0 or sum(vals) <= 0:
-        raise UserInputError(f"is {text!r}, allowed: three non-negative numbers like 8:1:1 or 0.8,0.1,0.1",
+        raise UserInputError(f"is {text!r}, allowed: three non-negative numbers train:val:test with train > 0, "
+                             "like 8:1:1 or 0.8,0.1,0.1",
                              field="--split")
     total = sum(vals)
     return tuple(v / total for v in vals)  # type: ignore[return-value]

@@ -206,7 +206,9 @@ def subnets_for_profiles(cfg: RunConfig, supernet, profiles: list, val: tuple[to
     if not todo:
         return out
     s = cfg.search
-    key_src = json.dumps({"supernet": supernet_id, "profiles": [p.model_dump(mode="json") for p in todo],
+    # "picks": 2 = every profile picks among all profiles' measured finalists (search_subnets'
+    # shared pick); results cached before it are searched again
+    key_src = json.dumps({"picks": 2, "supernet": supernet_id, "profiles": [p.model_dump(mode="json") for p in todo],
                           "search": s.model_dump(mode="json"), "seed": cfg.seed}, sort_keys=True, default=str)
     cache = _cache_dir() / "federate-search" / (hashlib.sha256(key_src.encode()).hexdigest()[:20] + ".json")
     if cache.is_file():
@@ -433,6 +435,8 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         from rafl.config import partition_error
 
         mapped = partition_error(err)
+        if mapped.source is not None:  # a partition file that is missing or malformed: not an impossible split
+            raise UserInputError(mapped.message, source=mapped.source, field="partition.scheme") from None
         raise UserInputError(f"impossible partition of {ds.name} ({len(labels)} samples) over clients.n="
                              f"{cfg.clients.n} clients: {mapped.message}", source=mapped.source,
                              field=mapped.field or "partition") from None

@@ -277,7 +277,7 @@ class ArchConfig:
         except (ValueError, IndexError):
             raise UserInputError(
                 f"cannot parse arch string {text!r}; expected e.g. 'r32_k3e4.k5e6|k7e3.k3e3|...' "
-                f"with {space.n_stages} stages of 1..{space.max_depth} blocks", field="arch") from None
+                f"with {space.n_stages} stages of {'/'.join(map(str, sorted(space.d_choices)))} blocks", field="arch") from None
         return cls(ks=tuple(ks), e=tuple(e), d=tuple(d), r=r).validate(space)
 
     # ----------------------------------------------------------------- files

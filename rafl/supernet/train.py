@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -112,7 +113,8 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.dataset != "digits" and self.data_root is None:
-            raise ValueError(f"dataset {self.dataset!r} needs data_root")
+            raise ValueError(f"dataset {self.dataset!r} needs a data root: --data-root (config key data_root) "
+                             "or $RAFL_DATA_ROOT")
         if sum(self.phase_epochs()) == 0:
             raise ValueError("all phases have 0 epochs")
         return self
@@ -142,6 +144,8 @@ class TrainConfig(BaseModel):
         ``epochs_per_phase`` sets the epochs of all four phases.
         """
         opts = {k: v for k, v in options.items() if v is not None}
+        if opts.get("dataset", "digits") != "digits" and not opts.get("data_root") and os.environ.get("RAFL_DATA_ROOT"):
+            opts["data_root"] = os.environ["RAFL_DATA_ROOT"]  # as `rafl data` and the run config take it
         per_phase = opts.pop("epochs_per_phase", None)
         if per_phase is not None:
             for name in PHASES:
@@ -156,9 +160,12 @@ class TrainConfig(BaseModel):
                                      source=source, field=loc) from None
             if per_phase is not None and loc.startswith("epochs_") and options.get(loc) is None:
                 loc = "epochs_per_phase"  # the value the user gave, copied into every phase
+            msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+            if not first["loc"]:  # a check across fields: its message says what is wrong (no input dump)
+                raise UserInputError(msg, source=source, field=None) from None
             info = cls.model_fields.get(loc)
             allowed_text = f"; allowed: {info.description}" if info is not None and info.description else ""
-            raise UserInputError(f"{first['msg']} (got {first.get('input')!r}){allowed_text}", source=source,
+            raise UserInputError(f"{msg} (got {first.get('input')!r}){allowed_text}", source=source,
                                  field=loc) from None
 
 
