@@ -549,11 +549,15 @@ _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_st
          ("settings", "non-default settings")]
 
 
-def _fmt(v: Any) -> str:
+#: decimals per column kind: accuracies 4, MB 3, seconds 1 (one precision per column)
+_DECIMALS = {"mb_up": 3, "mb_down": 3, "mb_total": 3, "wall_s": 1}
+
+
+def _fmt(v: Any, key: str = "") -> str:
     if v is None or (isinstance(v, float) and np.isnan(v)):
         return "-"
     if isinstance(v, float):
-        return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+        return f"{v:.{_DECIMALS.get(key, 4)}f}"
     return str(v)
 
 
@@ -567,7 +571,7 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
               f"clients are too small to get a test sample); models: {models}; ")
              + "MB = payload bytes up + down / 1e6.", "",
              "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(r.get(k), k) for k, _ in cols) + " |" for r in rows]
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n")
     keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "algorithm", k))
     buf = io.StringIO()
@@ -591,8 +595,10 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     names = [r["algorithm"] for r in rows]
     x = np.arange(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(6, 1.2 * len(rows) + 4), 3.6))
-    ax1.bar(x, [r.get("model.acc_mean", 0) for r in rows], yerr=[r.get("model.acc_std", 0) for r in rows],
-            capsize=3, color="tab:blue")
+    mean = np.array([r.get("model.acc_mean", 0) for r in rows], dtype=float)
+    std = np.array([r.get("model.acc_std", 0) for r in rows], dtype=float)
+    # error bars clipped to the [0, 1] an accuracy lives in
+    ax1.bar(x, mean, yerr=np.stack([np.minimum(std, mean), np.minimum(std, 1 - mean)]), capsize=3, color="tab:blue")
     ax1.set_xticks(x, names, rotation=30, ha="right")
     ax1.set_ylabel("client test accuracy")
     ax1.set_ylim(0, 1)

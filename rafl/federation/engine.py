@@ -568,7 +568,7 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
             x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
             name = "deployed model" if m == "model" else m
             ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
-            ax.fill_between(x, y - s, y + s, alpha=0.15)
+            ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
