@@ -169,6 +169,21 @@ def test_flower_app_command_writes_the_app_once(tmp_path):
     assert again.exit_code == 2 and "already holds a pyproject.toml" in again.output
 
 
+@pytest.mark.parametrize("text, msg", [
+    ("engine: {roundz: 2}\n", "run.yaml: engine.roundz: unknown key; allowed: rounds"),
+    ("algorithm: {name: fedfoo}\n", "run.yaml: algorithm.name: unknown algorithm 'fedfoo'"),
+    ("algorithm: {name: fedgh, server_mode: sideways}\n", "run.yaml: algorithm.server_mode: is 'sideways'"),
+])
+def test_flower_app_checks_the_run_config_before_writing(tmp_path, text, msg):
+    """`flwr run` exits 0 whatever the ServerApp meets, so a bad run config is caught here."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    res = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app"), "--config", str(cfg)])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and msg in lines[0], res.output
+    assert not (tmp_path / "app").exists()
+
+
 def test_compare_refuses_the_flower_backend(tmp_path):
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--set", "engine.backend=flower",
                                    "--out", str(tmp_path / "cmp")])
@@ -346,3 +361,53 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     assert summary["final"] == json.loads((in_process / "summary.json").read_text())["final"]
     states = sorted(p.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st"))  # the nodes' own disk
     assert states == ["0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_simulation_backend_exits_130_promptly_and_resumes(tmp_path, supernet_dir):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while Flower's Simulation
+    Runtime has ClientApps in progress: the process exits 130 within seconds with no traceback (it
+    used to hang forever at exit, Flower's worker threads waiting in ray.get after ray.shutdown()),
+    the last complete round stays checkpointed and --resume finishes the run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "runs" / "int"
+    sets = ["supernet.path=" + str(supernet_dir), "data.limit_per_class=10", "clients.n=2", "engine.rounds=200",
+            "algorithm.name=fedgh", "algorithm.local_epochs=40", "engine.backend=flower",  # ~1 s client steps
+            "clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"]  # no search
+    cmd = [sys.executable, "-m", "rafl", "federate", "--no-progress", "--out", str(tmp_path / "runs"), "--set",
+           "name=int", *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                metrics.exists() and metrics.read_text().count("\n") >= 1):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.3)  # round 2's ClientApps are running (the ray.get calls Flower's threads wait in)
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rafl federate did not exit within 30 s of Ctrl-C")
+        took = time.monotonic() - t0
+    finally:
+        try:  # whatever is left of the run (a hung driver, Ray's processes)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert took < 20 and "Traceback" not in err and "ActorDiedError" not in err, (took, err[-3000:])
+    done = len(metrics.read_text().splitlines())
+    assert done >= 1 and (run_dir / "checkpoint.safetensors").is_file()
+    _federate(["--resume", str(run_dir), "--set", f"engine.rounds={done + 1}"])  # in this process, on Flower
+    assert [r["round"] for r in _rows(run_dir)] == list(range(1, done + 2))
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    assert raybackend.RayBackend.__module__ == raybackend.__name__  # simulate() put Flower's backend back

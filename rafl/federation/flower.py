@@ -53,10 +53,13 @@ Entry points:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -464,9 +467,54 @@ def _make_client_app() -> Any:
 
 
 # ---------------------------------------------------------------------- entry points
+class _Quiet(logging.Filter):
+    """Drops Flower's log records (installed on the ``flwr`` logger while an interrupted
+    simulation is torn down: the killed ClientApps' errors are the interrupt, not news)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def _interruptible_ray_backend(stop: threading.Event, quiet: logging.Filter) -> type:
+    """Flower's ``RayBackend`` whose ``terminate`` first ends the ClientApps in progress when the
+    Simulation Runtime is being torn down by Ctrl-C / SIGTERM (a ``KeyboardInterrupt`` or
+    ``SystemExit`` unwinding the caller's thread).
+
+    Why: Flower (1.42) ends a simulation with ``ray.shutdown()`` while its worker threads may
+    still wait in ``ray.get`` for a ClientApp's reply. After a shutdown that ``ray.get`` never
+    returns, and the interpreter waits for those (non-daemon) threads at exit: the process hangs
+    forever after "Aborted!". Killing the busy actors first makes every pending ``ray.get`` raise
+    ``ActorDiedError`` at once; the workers see Flower's stop event and end, and the process
+    exits. ``stop`` is set first, so the ServerApp abandons the round instead of counting the
+    killed clients as failed, and Flower's log of those errors is muted (``quiet``). A run that
+    ends normally or with an error is torn down exactly as by Flower."""
+    import ray
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    class RayBackend(raybackend.RayBackend):
+        def terminate(self) -> None:
+            # Called from Flower's ``finally`` (the caller's thread): sys.exc_info() is what unwinds.
+            if isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)) and self.pool is not None:
+                stop.set()
+                logging.getLogger("flwr").addFilter(quiet)
+                busy = list(dict(getattr(self.pool, "_future_to_actor", {})).items())
+                for _, actor in busy:
+                    with contextlib.suppress(Exception):  # already dead: nothing to end
+                        ray.kill(actor, no_restart=True)
+                if busy:  # their ray.get must have returned before ray.shutdown() below
+                    ray.wait([f for f, _ in busy], num_returns=len(busy), timeout=10)
+            super().terminate()
+
+    return RayBackend
+
+
 def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run ``prep`` on Flower's Simulation Runtime (Ray): ``engine.supernodes`` virtual SuperNodes
     (default one per client), one CPU per ClientApp.
+
+    Ctrl-C abandons the round in progress (the last complete round stays checkpointed), ends the
+    ClientApps in progress and shuts Ray down, then unwinds as in-process (the CLI exits with 130
+    within seconds).
 
     Raises:
         UserInputError: anything the run raises (re-raised from the ServerApp), or a run that
@@ -474,6 +522,11 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     _flwr()  # a clear error without rafl[flower]
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
+
+    try:
+        from flwr.server.superlink.fleet.vce.backend import raybackend
+    except ImportError:  # pragma: no cover - no ray: run_simulation says what to install
+        raybackend = None
 
     out: dict[str, Any] = {}
     stop = threading.Event()
@@ -489,13 +542,28 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
 
     n_nodes = prep.cfg.engine.supernodes or len(prep.federation.clients)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    quiet = _Quiet()
+    before = set(threading.enumerate())
+    flwr_backend = getattr(raybackend, "RayBackend", None)  # the Simulation Runtime looks it up here when it starts
+    if flwr_backend is not None:
+        raybackend.RayBackend = _interruptible_ray_backend(stop, quiet)
     try:
         run_simulation(sapp, client_app, num_supernodes=n_nodes, backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             "init_args": {"num_cpus": max(1, min(os.cpu_count() or 1, n_nodes)), "include_dashboard": False,
                           "log_to_driver": False}})
-    finally:  # Ctrl-C / SIGTERM: the ServerApp thread abandons the round in progress and ends
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C / SIGTERM: the ServerApp abandons the round in progress
         stop.set()
+        deadline = time.monotonic() + 10  # Flower's threads end now (see _interruptible_ray_backend)
+        for th in set(threading.enumerate()) - before:
+            if not th.daemon:
+                th.join(max(0.0, deadline - time.monotonic()))
+        raise
+    finally:
+        stop.set()
+        if flwr_backend is not None:
+            raybackend.RayBackend = flwr_backend
+        logging.getLogger("flwr").removeFilter(quiet)
     if "error" in out:
         raise out["error"]
     if "summary" not in out:
