@@ -26,7 +26,7 @@ import click
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
               help="Continue an interrupted comparison in this folder with its own config.yaml: finished "
                    "methods are kept, an interrupted one continues from its last complete round.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
 def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...], models: str, feature_dim: int,
             out: Path | None, resume_dir: Path | None, quiet: bool) -> None:
     """Run several FL methods on the same data partition, client models and seed, and write a

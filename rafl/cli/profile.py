@@ -169,7 +169,7 @@ def _is_latency_lut(path: Path) -> bool:
               help="LUT timing clock: wall clock (a quiet device), or the thread's CPU time (a shared, "
                    "loaded host; use with --threads 1).")
 @click.option("--no-measure", is_flag=True, help="Skip the host latency measurement in the report.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bar.")
 def profile(device_profile: str, arch_text: str | None, model_path: Path | None, supernet_dir: Path | None,
             width_mult: float, n_classes: int, build_lut: bool, out: Path, batch_size: int | None, threads: int,
             warmup: int, repeats: int, clock: str, no_measure: bool, quiet: bool) -> None:

@@ -46,7 +46,7 @@ def _check_out(out: Path, names: list[str]) -> None:
               help="Final candidates re-measured per profile; the best measured one that meets the "
                    "profile's budgets wins (any profile's finalists, when several are searched).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed (the search is deterministic).")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
 def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, generations: int, population: int,
            time_budget_s: float | None, estimator: str, predictor_samples: int, top_k: int, seed: int,
            quiet: bool) -> None:

@@ -45,7 +45,7 @@ def supernet() -> None:
               help="YAML/JSON file with any TrainConfig fields (options given here override it).")
 @click.option("--resume", type=click.Path(path_type=Path), default=None,
               help="Continue the interrupted run in this folder (same result as an uninterrupted run).")
-@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@click.option("--no-progress", "--quiet", "no_progress", is_flag=True, help="Hide the progress bar.")
 def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, resolutions, batch_size,
           limit_per_class, config_file, resume, no_progress) -> None:
     """Train a supernet by progressive shrinking on the server's public pool.
