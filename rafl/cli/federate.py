@@ -159,9 +159,10 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
 def _say_how_to_resume(run_dir: Path) -> None:
     """After Ctrl-C / SIGTERM: one stderr line with the rounds the checkpoint holds and the command
     that continues the run (nothing when no round completed: the run dir is gone then)."""
+    from rafl.federation.pipeline import completed_rounds
+
     if not (run_dir / "checkpoint.safetensors").is_file():
         return
-    metrics = run_dir / "metrics.jsonl"
-    done = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    done = completed_rounds(run_dir)
     click.echo(f"interrupted: {done} complete round(s) checkpointed in {run_dir}; continue with: "
                f"rafl federate --resume {shlex.quote(str(run_dir))}", err=True)

@@ -48,7 +48,8 @@ Entry points:
 * :data:`server_app` / :data:`client_app` -- a Flower App for a real SuperLink and SuperNodes
   (``flwr run``; the run config keys are ``config``, ``out``, ``resume`` and ``rounds``), written
   by ``rafl flower-app``; see the README;
-* :class:`LocalFleet` -- a SuperLink and SuperNodes on 127.0.0.1 for a deployment on one machine.
+* :class:`LocalFleet` (:mod:`rafl.federation.flower_fleet`, re-exported here) -- a SuperLink and
+  SuperNodes on 127.0.0.1 for a deployment on one machine.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from rafl.federation.engine import (
     evaluate_client,
     train_client,
 )
+from rafl.federation.flower_fleet import LocalFleet
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore
 
@@ -707,142 +709,6 @@ def _make_server_app() -> Any:
               f"run dir {run_dir}", flush=True)
 
     return sapp
-
-
-class LocalFleet:
-    """A Flower SuperLink and ``n_nodes`` SuperNodes on 127.0.0.1, for a deployment on one machine
-    (tests, ``bench/flower_overhead.py``, trying ``flwr run`` before a real fleet).
-
-    Each process runs in its own session with ``FLWR_HOME = workdir/flwr-home`` and runtime
-    dependency installation disabled; node ``i`` has node config ``partition-id=i
-    num-partitions=n_nodes``. Leaving the ``with`` block stops them and everything they started
-    (their SuperExec and ClientApp processes). Logs: ``workdir/superlink.log``, ``node<i>.log``.
-
-    Args:
-        n_nodes: SuperNodes (>= 1).
-        workdir: a folder for logs, the SuperLink's database and FLWR_HOME.
-        state_dir: the nodes' client-state folder (``RAFL_FLOWER_STATE_DIR``), default
-            ``workdir/node-states``.
-    """
-
-    CONNECTION = "rafl-local"
-
-    def __init__(self, n_nodes: int, workdir: str | Path, state_dir: str | Path | None = None):
-        import sys
-
-        if n_nodes < 1:
-            raise UserInputError(f"is {n_nodes}; allowed: >= 1", field="n_nodes")
-        self.n_nodes, self.workdir = n_nodes, Path(workdir)
-        self.bindir = Path(sys.executable).parent  # fallback when the venv's bin is not on PATH
-        self.home = self.workdir / "flwr-home"
-        self.env = {**os.environ, "FLWR_HOME": str(self.home),
-                    "RAFL_FLOWER_STATE_DIR": str(state_dir or self.workdir / "node-states")}
-        self.procs: list[Any] = []
-
-    @staticmethod
-    def _free_port() -> int:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
-
-    def _program(self, name: str) -> str:
-        """``name`` from PATH, else beside this Python (a venv not activated)."""
-        import shutil
-
-        return shutil.which(name) or str(self.bindir / name)
-
-    def _start(self, args: list[str], log: str) -> None:
-        import subprocess
-
-        with (self.workdir / log).open("w") as fh:
-            self.procs.append(subprocess.Popen([self._program(args[0]), *args[1:]], stdout=fh,
-                                               stderr=subprocess.STDOUT, env=self.env, start_new_session=True))
-
-    def _wait_for(self, port: int, log: str, timeout: float = 60.0) -> None:
-        """Block until 127.0.0.1:``port`` accepts connections (RuntimeError naming ``log`` if the
-        process exits or ``timeout`` seconds pass)."""
-        import socket
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.procs[-1].poll() is not None:
-                raise RuntimeError(f"{log[:-4]} exited with status {self.procs[-1].returncode}; see "
-                                   f"{self.workdir / log}")
-            with socket.socket() as sock:
-                sock.settimeout(0.5)
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"127.0.0.1:{port} did not open within {timeout:g} s; see {self.workdir / log}")
-
-    def __enter__(self) -> LocalFleet:
-        self.home.mkdir(parents=True, exist_ok=True)
-        port = self._free_port()
-        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{self.CONNECTION}"\n\n'
-                                               f'[superlink.{self.CONNECTION}]\naddress = "127.0.0.1:{port}"\n'
-                                               "insecure = true\n")
-        try:
-            self._start(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                         "--disable-runtime-dependency-installation", "--database",
-                         str(self.workdir / "superlink.db")], "superlink.log")
-            self._wait_for(port, "superlink.log")
-            for i in range(self.n_nodes):
-                self._start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--host",
-                             "127.0.0.1", "--port", str(self._free_port()), "--node-config",
-                             f"partition-id={i} num-partitions={self.n_nodes}"], f"node{i}.log")
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def run(self, app_dir: str | Path, timeout: float = 3600, run_config: str | None = None) -> Any:
-        """``flwr run APP_DIR rafl-local --stream`` (blocks until the run ends); the completed
-        process (``stdout`` holds the ServerApp's log)."""
-        import subprocess
-
-        extra = ["--run-config", run_config] if run_config else []
-        return subprocess.run([self._program("flwr"), "run", str(app_dir), self.CONNECTION, "--stream", *extra],
-                              capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
-
-    def logs(self) -> str:
-        """The SuperLink's and SuperNodes' logs, concatenated."""
-        return "".join(f"==> {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.workdir.glob("*.log")))
-
-    def stop(self) -> None:
-        """SIGTERM every process group started here (SIGKILL after 20 s)."""
-        import signal
-        import subprocess
-
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        deadline = time.monotonic() + 20  # the groups' other members (SuperExec, ClientApps) end too
-        for proc in self.procs:
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.procs = []
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 try:  # the Flower App's components (``flwr run`` finds them by name); rafl itself imports without flwr

@@ -412,16 +412,13 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
             overrides = cfg.clients.budgets.get(name, cfg.clients.budgets.get(profile.name, {}))
             profile = profile.with_budgets(overrides, source=f"clients.budgets.{name}")
         profiles.append(profile)
-    # Overrides of shipped profiles that this run does not use are fine (the defaults name pi4
-    # and jetson-nano); any other name is a typo.
-    unknown = set(cfg.clients.budgets) - set(cfg.clients.profiles) - {pr.name for pr in profiles} - set(list_profiles())
-    if unknown:
-        raise UserInputError(f"names profile(s) {sorted(unknown)} that no client uses; clients.profiles is "
-                             f"{cfg.clients.profiles}", field="clients.budgets")
-    unknown = set(cfg.clients.archs) - set(cfg.clients.profiles) - {pr.name for pr in profiles} - set(list_profiles())
-    if unknown:
-        raise UserInputError(f"names profile(s) {sorted(unknown)} that no client uses; clients.profiles is "
-                             f"{cfg.clients.profiles}", field="clients.archs")
+    # Budgets or archs for shipped profiles that this run does not use are fine (the defaults name
+    # pi4 and jetson-nano); any other name is a typo.
+    known = set(cfg.clients.profiles) | {pr.name for pr in profiles} | set(list_profiles())
+    for key, named in (("clients.budgets", cfg.clients.budgets), ("clients.archs", cfg.clients.archs)):
+        if set(named) - known:
+            raise UserInputError(f"names profile(s) {sorted(set(named) - known)} that no client uses; "
+                                 f"clients.profiles is {cfg.clients.profiles}", field=key)
     ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
                       limit_per_class=cfg.data.limit_per_class)
     labels = ds.labels.numpy()
@@ -491,14 +488,19 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                                                   "supernet": supernet_id})
 
 
+def completed_rounds(run_dir: str | Path) -> int:
+    """Rounds ``run_dir`` completed: the rows of its ``metrics.jsonl`` (0 without one)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    return sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+
+
 def check_resume_rounds(run_dir: str | Path, rounds: int, field: str) -> int:
     """The number of rounds ``run_dir`` completed (rows of ``metrics.jsonl``).
 
     Raises:
         UserInputError: ``rounds`` (the resumed run's ``engine.rounds``, set through ``field``)
             below that number."""
-    metrics = Path(run_dir) / "metrics.jsonl"
-    done = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+    done = completed_rounds(run_dir)
     if rounds < done:
         raise UserInputError(f"is {rounds} but the run has completed {done} rounds; allowed: an integer >= {done}",
                              field=field)
@@ -543,4 +545,4 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
 
 
 __all__ = ["prepare", "run", "check_resume_rounds", "build_federation", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
-           "largest_feasible", "model_macs_params", "fast_clone", "QUICKSTART_POOL"]
+           "largest_feasible", "model_macs_params", "completed_rounds", "fast_clone", "QUICKSTART_POOL"]
