@@ -60,6 +60,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -480,7 +481,8 @@ class _Quiet(logging.Filter):
 def _interruptible_ray_backend(stop: threading.Event, quiet: logging.Filter) -> type:
     """Flower's ``RayBackend`` whose ``terminate`` first ends the ClientApps in progress when the
     Simulation Runtime is being torn down by Ctrl-C / SIGTERM (a ``KeyboardInterrupt`` or
-    ``SystemExit`` unwinding the caller's thread).
+    ``SystemExit`` unwinding the caller's thread), and whose ``init_ray`` keeps the caller's SIGTERM
+    handler (``ray.init`` replaces it with one that exits 15 at once, skipping rafl's cleanup).
 
     Why: Flower (1.42) ends a simulation with ``ray.shutdown()`` while its worker threads may
     still wait in ``ray.get`` for a ClientApp's reply. After a shutdown that ``ray.get`` never
@@ -494,6 +496,15 @@ def _interruptible_ray_backend(stop: threading.Event, quiet: logging.Filter) -> 
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
     class RayBackend(raybackend.RayBackend):
+        def init_ray(self, *args: Any, **kwargs: Any) -> None:
+            # ray.init() (in the caller's thread) replaces the caller's SIGTERM handler with one that
+            # exits 15 at once; keep the CLI's (it unwinds like Ctrl-C and exits 143)
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.getsignal(signal.SIGTERM) if main else None
+            super().init_ray(*args, **kwargs)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
         def terminate(self) -> None:
             # Called from Flower's ``finally`` (the caller's thread): sys.exc_info() is what unwinds.
             if isinstance(sys.exc_info()[1], (KeyboardInterrupt, SystemExit)) and self.pool is not None:
@@ -521,6 +532,11 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     Raises:
         UserInputError: anything the run raises (re-raised from the ServerApp), or a run that
             ended without a summary (the Simulation Runtime's own failure)."""
+    # Ray's driver installs abseil's failure-signal handler, which takes SIGTERM over: it prints a
+    # stack dump and aborts the process (exit 134) after rafl's handler has run, instead of the
+    # 143 every other backend exits with. rafl handles the signals itself. Ray reads the switch
+    # once, when it is first imported: set it before Flower imports Ray.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     _flwr()  # a clear error without rafl[flower]
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
