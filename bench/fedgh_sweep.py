@@ -59,24 +59,36 @@ def summarize(name: str, runs: list[dict], epochs: list[int]) -> dict:
     """Per ``server_epochs`` and inference rule (mean over clients, and pooled where every seed has
     it): mean accuracy over seeds, per-seed paired difference vs Standalone on the same metric
     (points), its mean, and on how many seeds it is positive."""
-    sa = [r["rows"]["standalone"]["model.acc_tail"] for r in runs]
-    sa_pooled = [r["rows"]["standalone"].get("model.acc_tail_pooled") for r in runs]
+    # a run that diverged (:func:`htfl_bench.run_method`) is named and left out of the comparisons
+    # on its seed
+    diverged = [f"{'Standalone' if tag == 'standalone' else f'server_epochs {tag}'}, seed {r['seed']}, round "
+                f"{row['diverged_round']}: {row['diverged']}" for r in runs for tag, row in r["rows"].items()
+                if "diverged" in row]
+    runs_sa = [r for r in runs if "diverged" not in r["rows"]["standalone"]]
+    sa = [r["rows"]["standalone"]["model.acc_tail"] for r in runs_sa]
+    sa_pooled = [r["rows"]["standalone"].get("model.acc_tail_pooled") for r in runs_sa]
     table = []
     for e in epochs:
+        done = [r for r in runs_sa if "diverged" not in r["rows"][e]]
+        if not done:
+            continue
         # each rule on the mean over clients, then (where every run recorded it) on the pooled test
-        # samples of all clients, against Standalone's pooled accuracy
-        rules = [(rule, key, sa) for rule, key in RULES] + [(f"{rule}, pooled", key + "_pooled", sa_pooled)
-                                                            for rule, key in RULES]
-        for rule, key, base in rules:
-            acc = [r["rows"][e].get(key) for r in runs]
+        # samples of all clients, against Standalone's accuracy on the same metric
+        rules = [(rule, key, "model.acc_tail") for rule, key in RULES] + [
+            (f"{rule}, pooled", key + "_pooled", "model.acc_tail_pooled") for rule, key in RULES]
+        for rule, key, base_key in rules:
+            acc = [r["rows"][e].get(key) for r in done]
+            base = [r["rows"]["standalone"].get(base_key) for r in done]
             if None in acc or None in base:
                 continue
             diffs = [100 * (a - b) for a, b in zip(acc, base)]
             table.append({"server_epochs": e, "rule": rule, "acc": statistics.fmean(acc), "per_seed": diffs,
-                          "mean": statistics.fmean(diffs), "holds": sum(d > 0 for d in diffs), "n": len(diffs),
+                          "seeds": [r["seed"] for r in done], "mean": statistics.fmean(diffs),
+                          "holds": sum(d > 0 for d in diffs), "n": len(diffs),
                           "wall_s": statistics.fmean(r["rows"][e]["wall_s"] for r in runs)})
-    return {"scenario": name, "standalone": statistics.fmean(sa), "standalone_per_seed": sa,
-            "standalone_pooled": None if None in sa_pooled else statistics.fmean(sa_pooled), "table": table}
+    return {"scenario": name, "standalone": statistics.fmean(sa) if sa else None, "standalone_per_seed": sa,
+            "standalone_pooled": None if not sa or None in sa_pooled else statistics.fmean(sa_pooled),
+            "table": table, "diverged": diverged}
 
 
 def report(results: list[dict], args, argv: list[str]) -> str:
@@ -90,13 +102,20 @@ def report(results: list[dict], args, argv: list[str]) -> str:
              "Differences are paired per seed (same partition, init and data order as Standalone).", ""]
     for res in results:
         pooled = "" if res["standalone_pooled"] is None else f", pooled {res['standalone_pooled']:.4f}"
-        lines += [f"## {res['scenario']} (Standalone {res['standalone']:.4f}{pooled})", "",
+        sa = "diverged" if res["standalone"] is None else f"{res['standalone']:.4f}"
+        lines += [f"## {res['scenario']} (Standalone {sa}{pooled})", "",
                   "| server_epochs | rule | acc | vs Standalone, per seed (points) | mean | holds on | wall s / seed |",
                   "|---|---|---|---|---|---|---|"]
         for t in res["table"]:
+            partial = len(t.get("seeds", args.seeds)) < len(args.seeds)  # a diverged run left a seed out
+            per = ", ".join(f"seed {sd} {d:+.2f}" if partial else f"{d:+.2f}"
+                            for sd, d in zip(t.get("seeds", args.seeds), t["per_seed"]))
             lines.append(f"| {t['server_epochs']} | {t['rule']} | {t['acc']:.4f} | "
-                         f"{', '.join(f'{d:+.2f}' for d in t['per_seed'])} | {t['mean']:+.2f} | "
+                         f"{per} | {t['mean']:+.2f} | "
                          f"{t['holds']}/{t['n']} seeds | {t['wall_s']:.0f} |")
+        if res.get("diverged"):
+            lines += ["", "Diverged runs (left out of the comparisons on their seed):", ""]
+            lines += [f"- {d}" for d in res["diverged"]]
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -29,7 +29,9 @@ seed as it finishes. Each method run takes 4-8 min per CIFAR-10 scenario and see
 core (single-threaded torch), 1-4 min on digits; run scenarios as separate processes (``--only``) or
 seeds in parallel (``--jobs``) to use more cores. Results are cached per method and seed under
 ``DIR`` (:func:`run_seed`), so a rerun with more seeds, or after one method changed, only runs what is
-missing.
+missing. A method whose training diverges (rafl stops it with an error naming the client and model)
+is a result, not a crash: the report lists it with its round and error, leaves it out of the means,
+and makes each comparison on the seeds where both methods completed (saying which were left out).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 
 from rafl.federation.compare import _prepare_group, load_compare_config, read_history, run_compare
 from rafl.federation.payload import Payload
+from rafl.errors import UserInputError
 from rafl.federation.prototypes import to_payload_tensors
 from rafl.io import atomic_write_json, atomic_write_text
 
@@ -99,21 +102,34 @@ def run_method(name: str, method: str, cfg, hparams: dict, held: list[list[int]]
     run_out = out / name / f"seed{seed}" / (tag or method)
     shutil.rmtree(run_out, ignore_errors=True)  # a run of other settings, or one interrupted: start afresh
     t0 = time.perf_counter()
-    (row,) = run_compare(cfg, {method: hparams}, run_out, models=MODELS, feature_dim=dim, progress=False)
-    hist = read_history(run_out / method)
+    try:
+        (row,) = run_compare(cfg, {method: hparams}, run_out, models=MODELS, feature_dim=dim, progress=False)
+    except UserInputError as err:
+        if "diverged" not in err.message:
+            raise
+        # a diverged method is a result of the bench, not a crash of it: recorded, reported, and
+        # left out of the means (its accuracies are None)
+        hist = read_history(run_out / method)
+        row = {"method": method, "diverged": str(err), "diverged_round": len(hist) + 1,
+               "model.acc_mean": None, "model.acc_std": None, "mb_up": None, "mb_total": None}
+        print(f"  {name} seed {seed} {tag or method:<11} DIVERGED in round {len(hist) + 1}: {err}", flush=True)
+    else:
+        hist = read_history(run_out / method)
     row |= {"wall_s": time.perf_counter() - t0,
             "curve": [round(h["model.acc_mean_over_clients"], 4) for h in hist]}
     for rule in RULES:
-        row[f"{rule}.acc_tail"] = _tail_mean(hist, f"{rule}.acc_mean_over_clients", tail)
+        row[f"{rule}.acc_tail"] = None if "diverged" in row else _tail_mean(hist, f"{rule}.acc_mean_over_clients", tail)
         # HtFLlib's / PFLlib's "Averaged Test Accuracy": all clients' correct / all their test samples
-        row[f"{rule}.acc_tail_pooled"] = _tail_mean(hist, f"{rule}.acc_sample_weighted", tail)
-    extra = "".join(f"  {rule} {row[f'{rule}.acc_tail']:.4f}" for rule in RULES[1:]
-                    if row[f"{rule}.acc_tail"] is not None)
-    print(f"  {name} seed {seed} {tag or method:<11} acc last-{tail} {row['model.acc_tail']:.4f} (final "
-          f"{row['model.acc_mean']:.4f}, pooled {row['model.acc_tail_pooled']:.4f}){extra}  MB {row['mb_total']:.3f}  "
-          f"{row['wall_s']:.0f}s", flush=True)
+        row[f"{rule}.acc_tail_pooled"] = (None if "diverged" in row
+                                          else _tail_mean(hist, f"{rule}.acc_sample_weighted", tail))
+    if "diverged" not in row:
+        extra = "".join(f"  {rule} {row[f'{rule}.acc_tail']:.4f}" for rule in RULES[1:]
+                        if row[f"{rule}.acc_tail"] is not None)
+        print(f"  {name} seed {seed} {tag or method:<11} acc last-{tail} {row['model.acc_tail']:.4f} (final "
+              f"{row['model.acc_mean']:.4f}, pooled {row['model.acc_tail_pooled']:.4f}){extra}  "
+              f"MB {row['mb_total']:.3f}  {row['wall_s']:.0f}s", flush=True)
     result = {"row": row, "bytes": None, "checks": {}}
-    if method in UPLOAD_PREFIX:
+    if method in UPLOAD_PREFIX and hist:  # the rounds it completed (a diverged run's too)
         per_client = [expected_upload(method, h, dim) for h in held]
         formula = sum(f for f, _ in per_client)
         header = sum(h for _, h in per_client)
@@ -226,20 +242,43 @@ CLAIMS = [("FedGH > Standalone", ("fedgh", "model"), ("standalone", "model"), Fa
 PAIRS += [(f"{label}, pooled", (ma, ka + "_pooled"), (mb, kb + "_pooled")) for label, (ma, ka), (mb, kb) in PAIRS]
 
 
+def completed_pairs(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> tuple[list[tuple], list[str]] | None:
+    """``([(seed, value a, value b)], notes)`` over the seeds on which neither method diverged
+    (``notes`` name the seeds left out: "fedproto diverged on seed 0"; no rows when one diverged
+    on every seed), or None when a completed run lacks a value (a rule the method does not have, or a metric cached runs predate): a
+    comparison is made on every completed seed or not at all."""
+    rows, notes = [], []
+    for r in runs:
+        (ma, ka), (mb, kb) = a, b
+        div = [m for m in dict.fromkeys((ma, mb)) if "diverged" in r["methods"][m]]
+        if div:
+            notes.append(f"{', '.join(div)} diverged on seed {r['seed']}")
+            continue
+        va, vb = r["methods"][ma].get(ka), r["methods"][mb].get(kb)
+        if va is None or vb is None:
+            return None
+        rows.append((r["seed"], va, vb))
+    return rows, notes
+
+
 def paired_differences(runs: list[dict]) -> list[dict]:
     """Per comparison of :data:`PAIRS`: the per-seed difference in points (both methods ran on the
     same partition, initialization and data order), its mean, its standard deviation over seeds,
-    and on how many seeds it is positive (>= 0 for FedTGP - FedProto). The seed moves every method
-    by several points (the partition changes), so the paired difference is the sharper measure."""
+    and on how many seeds it is positive (>= 0 for FedTGP - FedProto), over the seeds on which
+    neither method diverged (:func:`completed_pairs`; the others are named in ``left_out``). The
+    seed moves every method by several points (the partition changes), so the paired difference is
+    the sharper measure."""
     out = []
-    for label, (ma, ka), (mb, kb) in PAIRS:
-        diffs = [100 * (r["methods"][ma][ka] - r["methods"][mb][kb]) for r in runs
-                 if r["methods"][ma].get(ka) is not None and r["methods"][mb].get(kb) is not None]
-        if not diffs or len(diffs) < len(runs):  # a comparison on every seed or none (as the summary)
+    for label, a, b in PAIRS:
+        pairs = completed_pairs(runs, a, b)
+        if pairs is None or not pairs[0]:
             continue
+        rows, notes = pairs
+        diffs = [100 * (va - vb) for _, va, vb in rows]
         ok = [d >= 0 if "FedProto" in label else d > 0 for d in diffs]
-        out.append({"comparison": label, "per_seed": diffs, "mean": statistics.fmean(diffs),
-                    "sd": statistics.stdev(diffs) if len(diffs) > 1 else 0.0, "holds": sum(ok), "n": len(diffs)})
+        out.append({"comparison": label, "per_seed": diffs, "seeds": [sd for sd, _, _ in rows],
+                    "mean": statistics.fmean(diffs), "sd": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                    "holds": sum(ok), "n": len(diffs), "left_out": notes})
     return out
 
 
@@ -249,12 +288,23 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
     claims on the mean over seeds, the byte checks per seed."""
     t0 = time.perf_counter()
     runs = map_seeds(_run_seed_star, [(name, overrides, out, rounds, dim, s, tail, device) for s in seeds], jobs)
+    return summarize(name, runs) | {"elapsed_s": time.perf_counter() - t0}
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    """:func:`scenario`'s result from the per-seed results of :func:`run_seed`: per method the
+    means over seeds (diverged runs left out and listed), the claims of :data:`CLAIMS` (``checks``;
+    a claim whose methods never both completed a seed is listed in ``unmeasured``), the byte
+    checks per seed, the paired differences."""
 
     def stat(method: str, key: str) -> tuple[float | None, float | None, list[float]]:
         vals = [r["methods"][method][key] for r in runs if r["methods"][method].get(key) is not None]
         if not vals:
             return None, None, []
         return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0), vals
+
+    def first(method: str, key: str):
+        return next((r["methods"][method][key] for r in runs if r["methods"][method].get(key) is not None), None)
 
     summary = {}
     for m in METHODS:
@@ -263,33 +313,43 @@ def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, 
         qmean, _, qvals = stat(m, "prior.acc_tail")
         lmean, _, lvals = stat(m, "local.acc_tail")
         pooled = {rule: stat(m, f"{rule}.acc_tail_pooled") for rule in RULES}
-        # a pooled mean only when every seed has it (runs cached before it was recorded have none)
-        pooled = {rule: (v[0] if len(v[2]) == len(runs) else None) for rule, v in pooled.items()}
+        # a pooled mean only when every completed seed has it (runs cached before it was recorded have none)
+        done = sum("diverged" not in r["methods"][m] for r in runs)
+        pooled = {rule: (v[0] if done and len(v[2]) == done else None) for rule, v in pooled.items()}
         summary[m] = {"acc": mean, "acc_sd_seeds": sd, "acc_per_seed": vals, "proto": pmean, "proto_sd_seeds": psd,
                       "proto_per_seed": pvals, "prior": qmean, "prior_per_seed": qvals,
                       "local": lmean, "local_per_seed": lvals, "pooled": pooled,
-                      "client_std": statistics.fmean(r["methods"][m]["model.acc_std"] for r in runs),
-                      "mb_up": runs[0]["methods"][m]["mb_up"], "mb_total": runs[0]["methods"][m]["mb_total"],
-                      "wall_s": statistics.fmean(r["methods"][m]["wall_s"] for r in runs)}
-    # per metric, each method's mean accuracy per rule ("model" = the deployed model)
-    means = {"": {m: {"model": summary[m]["acc"], "proto": summary[m]["proto"], "prior": summary[m]["prior"],
-                      "local": summary[m]["local"]} for m in METHODS},
-             ", pooled": {m: summary[m]["pooled"] for m in METHODS}}
-    checks = {}
-    for suffix, mean in means.items():
-        if any(mean[m]["model"] is None for m in METHODS):  # pooled: runs cached before it was recorded
-            continue
+                      "client_std": (statistics.fmean(v for r in runs if (v := r["methods"][m]["model.acc_std"])
+                                                      is not None) if vals else None),
+                      "mb_up": first(m, "mb_up"), "mb_total": first(m, "mb_total"),
+                      "wall_s": statistics.fmean(r["methods"][m]["wall_s"] for r in runs),
+                      # (seed, round, error) of every seed on which the method diverged
+                      "diverged": [(r["seed"], r["methods"][m]["diverged_round"], r["methods"][m]["diverged"])
+                                   for r in runs if "diverged" in r["methods"][m]]}
+    # each claim on the mean over seeds of each side, over the seeds on which neither method
+    # diverged (the label then says which were left out); per metric: the mean over clients and
+    # the pooled accuracy (skipped where cached runs predate it)
+    checks, unmeasured = {}, []
+    for suffix, key in (("", "acc_tail"), (", pooled", "acc_tail_pooled")):
         for label, (ma, ra), (mb, rb), at_least in CLAIMS:
-            a, b = mean[ma][ra], mean[mb][rb]
-            checks[label + suffix] = a >= b if at_least else a > b
+            pairs = completed_pairs(runs, (ma, f"{ra}.{key}"), (mb, f"{rb}.{key}"))
+            if pairs is None:
+                continue
+            rows, notes = pairs
+            if not rows:
+                unmeasured.append(f"{label}{suffix} ({'; '.join(notes)})")
+                continue
+            a, b = statistics.fmean(v for _, v, _ in rows), statistics.fmean(v for _, _, v in rows)
+            checks[label + suffix + (f" (without seeds where {'; '.join(notes)})" if notes else "")] = \
+                a >= b if at_least else a > b
     for r in runs:
         for k, v in r["checks"].items():
             checks[f"{k}, seed {r['seed']}"] = v
     # the compute the scenario took: every method run of every seed (also when seeds were reused from
     # the cache or ran in parallel; this call itself took elapsed_s)
-    return {"scenario": name, "summary": summary, "checks": checks, "paired": paired_differences(runs), "runs": runs,
+    return {"scenario": name, "summary": summary, "checks": checks, "unmeasured": unmeasured,
+            "paired": paired_differences(runs), "runs": runs,
             "wall_s": sum(r["methods"][m]["wall_s"] for r in runs for m in METHODS),
-            "elapsed_s": time.perf_counter() - t0,
             "n_clients": runs[0]["n_clients"], "classes_held": runs[0]["classes_held"]}
 
 
@@ -322,8 +382,15 @@ def report(results: list[dict], args, argv: list[str]) -> str:
                   "local acc | per seed | pooled, per rule | client std | MB up | MB total | "
                   "wall s / seed |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        def fmt(v: float | None) -> str:
+            return "-" if v is None else f"{v:.4f}"
+
         for m, s in res["summary"].items():
-            per = ", ".join(f"{v:.4f}" for v in s["acc_per_seed"])
+            # per seed in seed order, "diverged (round N)" where it did
+            per = ", ".join(f"diverged (round {r['methods'][m]['diverged_round']})" if "diverged" in r["methods"][m]
+                            else fmt(r["methods"][m]["model.acc_tail"]) for r in res["runs"])
+            acc = fmt(s["acc"])
+            gain = "-" if s["acc"] is None or base is None else f"{100 * (s['acc'] - base):+.2f}"
             proto = f"{s['proto']:.4f}" if s["proto"] is not None else "-"
             pper = ", ".join(f"{v:.4f}" for v in s["proto_per_seed"]) or "-"
             prior = f"{s['prior']:.4f}" if s["prior"] is not None else "-"
@@ -331,9 +398,13 @@ def report(results: list[dict], args, argv: list[str]) -> str:
             local = f"{s['local']:.4f}" if s["local"] is not None else "-"
             lper = ", ".join(f"{v:.4f}" for v in s["local_per_seed"]) or "-"
             pooled = ", ".join(f"{r} {v:.4f}" for r, v in s["pooled"].items() if v is not None) or "-"
-            lines.append(f"| {m} | {s['acc']:.4f} | {per} | {100 * (s['acc'] - base):+.2f} | {proto} | {pper} | "
+            lines.append(f"| {m} | {acc} | {per} | {gain} | {proto} | {pper} | "
                          f"{prior} | {qper} | {local} | {lper} | {pooled} | "
-                         f"{s['client_std']:.4f} | {s['mb_up']:.4f} | {s['mb_total']:.4f} | {s['wall_s']:.0f} |")
+                         f"{fmt(s['client_std'])} | {fmt(s['mb_up'])} | {fmt(s['mb_total'])} | {s['wall_s']:.0f} |")
+        diverged = [(m, d) for m, s in res["summary"].items() for d in s["diverged"]]
+        if diverged:
+            lines += ["", "Diverged runs (left out of every mean, and out of each comparison on that seed):", ""]
+            lines += [f"- {m}, seed {seed}, round {rnd}: {msg}" for m, (seed, rnd, msg) in diverged]
         lines += ["", "| upload per round (seed " + str(res["runs"][0]["seed"]) + ") | formula bytes | "
                   "+ safetensors header | = expected | measured | header overhead |", "|---|---|---|---|---|---|"]
         for b in res["runs"][0]["bytes"]:
@@ -344,9 +415,14 @@ def report(results: list[dict], args, argv: list[str]) -> str:
             lines += ["", "| paired difference (points) | per seed | mean | sd over seeds | holds on |",
                       "|---|---|---|---|---|"]
             for d in res["paired"]:
-                lines.append(f"| {d['comparison']} | {', '.join(f'{v:+.2f}' for v in d['per_seed'])} | "
+                per = ", ".join(f"{v:+.2f}" for v in d["per_seed"])
+                if d.get("left_out"):
+                    per = ", ".join(f"seed {sd} {v:+.2f}" for sd, v in zip(d["seeds"], d["per_seed"])) + \
+                        f" ({'; '.join(d['left_out'])})"
+                lines.append(f"| {d['comparison']} | {per} | "
                              f"{d['mean']:+.2f} | {d['sd']:.2f} | {d['holds']}/{d['n']} seeds |")
-        lines += [""] + [f"- {'PASS' if v else 'FAIL'}: {k}" for k, v in res["checks"].items()] + [""]
+        lines += [""] + [f"- {'PASS' if v else 'FAIL'}: {k}" for k, v in res["checks"].items()]
+        lines += [f"- NOT MEASURED: {k}" for k in res.get("unmeasured", [])] + [""]
     return "\n".join(lines) + "\n"
 
 
@@ -415,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         for k, v in res["checks"].items():
             print(f"  {'PASS' if v else 'FAIL'} {k}", flush=True)
+        for k in res["unmeasured"]:
+            print(f"  NOT MEASURED {k}", flush=True)
     text = report(results, args, argv)
     print(text)
     write_results("htfl_bench", only, args, text, results)
