@@ -368,3 +368,21 @@ def test_diverged_server_training_names_server_lr(digits, edge_partition):
         header.weight.fill_(float("inf"))
     with pytest.raises(UserInputError, match="^algorithm.server_lr: server training of the global header diverged"):
         train_global_header(header, [{0: torch.ones(D)}], lr=0.01)
+
+
+def test_untrained_client_keeps_one_initial_model_whatever_the_round(digits, edge_partition, tmp_path):
+    """A client not trained yet (not sampled, or failed) is built from a per-(run, client) seed:
+    evaluated in round 2 and round 5 it is the same model (it used to be re-drawn every round),
+    and it is the model round 1 would have built."""
+    from rafl.federation.engine import client_context, load_or_init
+    from rafl.federation.store import ClientStore
+
+    algo = get_algorithm("fedproto")()
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8, seed=0)
+    store = ClientStore(tmp_path)
+    states = [load_or_init(fed, store, client_context(fed, 3, 1, rnd))["model"] for rnd in (1, 2, 5)]
+    for state in states[1:]:
+        assert state.keys() == states[0].keys()
+        assert all(torch.equal(state[k], states[0][k]) for k in state)
+    other = load_or_init(fed, store, client_context(fed, 4, 1, 2))["model"]   # another run seed: another init
+    assert not all(torch.equal(other[k], states[0][k]) for k in other)

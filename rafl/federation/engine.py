@@ -190,16 +190,16 @@ def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientCont
         train_loader=fed.loaders(cid, "train", cseed),
         val_loader=fed.loaders(cid, "val", cseed),
         test_loader=fed.loaders(cid, "test", cseed),
-        n_classes=fed.n_classes, device=fed.device, seed=cseed,
+        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=seed_of(seed, cid, 1),
         rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
 
 
 def load_or_init(fed: Federation, store: ClientStore, ctx: ClientContext) -> Any:
     """The client's committed state from ``store``, or ``init_client`` (torch seeded by the
-    context's seed) for a client that has none yet."""
+    context's ``init_seed``: the same initial model in every round) for a client that has none yet."""
     if store.has(ctx.client_id):
         return store.load(ctx.client_id)
-    torch.manual_seed(ctx.seed)
+    torch.manual_seed(ctx.init_seed)
     return fed.algorithm.init_client(ctx)
 
 

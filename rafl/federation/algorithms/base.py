@@ -82,8 +82,12 @@ class ClientContext:
         n_classes: number of classes.
         device: torch device for local computation.
         seed: per-(run, client, round) seed; ``rng`` and ``torch_generator`` are seeded from it.
+        init_seed: per-(run, client) seed of the client's initial state (torch is seeded with it
+            before :meth:`Algorithm.init_client`): the same in every round, so a client that has
+            not trained yet (not sampled, or failed) keeps one initial model, whichever round
+            first builds it. It equals round 1's ``seed``.
         rng: numpy Generator for this client and round.
-        round: current round (1-based; 0 during ``init_client``).
+        round: current round (1-based).
         hparams: the algorithm's hyperparameters (the validated config's ``algorithm`` section).
         space: the supernet's search space (to resolve archs such as RaFL's knowledge network),
             or None when the models are not supernet subnets.
@@ -97,6 +101,7 @@ class ClientContext:
     n_classes: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
+    init_seed: int = 0
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
     hparams: dict[str, Any] = field(default_factory=dict)
@@ -151,6 +156,7 @@ class ServerContext:
     supernet: nn.Module | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
+    init_seed: int = 0
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
     hparams: dict[str, Any] = field(default_factory=dict)
