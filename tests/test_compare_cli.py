@@ -86,6 +86,11 @@ def test_compare_row_pools_the_clients_test_samples():
     # a --set for a method that is not compared is a slip, not silently ignored
     (["--algorithms", "fedgh", "--set", "algorithm.fedtgp.server_epochs=5"],
      "--set: algorithm.fedtgp.server_epochs: sets a hyperparameter of fedtgp, which --algorithms does not select"),
+    # checked before anything runs (they used to end in a traceback in the first client's training)
+    (["--algorithms", "fedgh", "--set", "algorithm.optimizer=rmsprop"],
+     "algorithm.fedgh.optimizer: is 'rmsprop'; allowed: sgd, adam"),
+    (["--algorithms", "fedtgp", "--set", "algorithm.fedtgp.server_hidden_dim=-1"],
+     "algorithm.fedtgp.server_hidden_dim: is -1; allowed: an integer >= 0"),
     # more clients per round than clients: an error, not a silent clamp
     (["--algorithms", "fedgh", "--set", "clients.n=4", "--set", "engine.clients_per_round=5"],
      "engine.clients_per_round: is 5, more than the 4 clients (clients.n); allowed: a fraction in (0, 1] or a count in 1..4"),
@@ -361,3 +366,45 @@ def test_errors_name_set_when_a_set_value_is_wrong_and_the_file_otherwise(tmp_pa
         res = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out")])
         assert res.exit_code == 2 and msg in res.output, (args, res.output)
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("algorithm: [1, 2]\n", "algorithm: is [1, 2]; allowed: a mapping of hyperparameters"),
+    ("algorithm: 5\n", "algorithm: is 5; allowed: a mapping"),
+    # one method, two spellings: which one wins would be a guess
+    ("algorithm:\n  FedTGP: {server_epochs: 2}\n  fedtgp: {server_epochs: 3}\n",
+     "algorithm: has 2 sections for fedtgp (FedTGP, fedtgp); allowed: one per method"),
+])
+def test_malformed_algorithm_section_of_a_config_is_one_line_naming_the_file(tmp_path, text, msg):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", "--config", str(cfg), "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {cfg}: ") and msg in lines[0], res.output
+    assert not out.exists()
+
+
+def test_set_into_a_config_key_that_is_not_a_section(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("algorithm:\n  fedtgp: 5\n")
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", "--config", str(cfg), "--set",
+                                   "algorithm.fedtgp.server_epochs=2", "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 2
+    assert f"error: --set: algorithm.fedtgp: is not a section in {cfg} (it is 5)" in res.output
+
+
+def test_empty_method_section_in_a_config_takes_set_values_and_unused_weights_are_warned(tmp_path):
+    """``fedtgp:`` with nothing under it (YAML null) is an empty section; a FedTGP weight that the
+    chosen distance does not use is accepted with a warning."""
+    from rafl.federation.compare import load_compare_config
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("algorithm:\n  fedtgp:\n")
+    _, hps = load_compare_config(cfg, ["algorithm.fedtgp.server_epochs=2"], ["fedtgp"])
+    assert hps["fedtgp"]["server_epochs"] == 2
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", *TINY, "--set", "algorithm.fedtgp.server_epochs=2",
+                                   "--set", "algorithm.fedtgp.lambda_mse=3", "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 0, res.output
+    assert "warning: fedtgp: algorithm.lambda_mse has no effect with distance: euclidean" in res.stderr

@@ -136,7 +136,14 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
 
     data = read_config_file(path)
     source = str(path) if path is not None else "--set"
-    algo_section = dict(data.pop("algorithm", None) or {})
+    algo_section = data.pop("algorithm", None)
+    if algo_section is None:
+        algo_section = {}
+    if not isinstance(algo_section, dict):
+        raise UserInputError(f"is {shown(algo_section)}; allowed: a mapping of hyperparameters (shared keys such "
+                             "as lr, and per-method sections such as fedtgp: {server_epochs: 50})",
+                             source=source, field="algorithm")
+    algo_section = dict(algo_section)
     rest: list[str] = []
     parsed = parse_overrides(list(overrides))
     # the --set keys, shared algorithm keys also as every method's own (errors name a method's key)
@@ -147,9 +154,13 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
             parts = key.split(".")[1:]
             node = algo_section
             for part in parts[:-1]:
-                node = node.setdefault(part, {})
+                if node.get(part) is None:  # absent, or an empty section in the file (`fedtgp:`)
+                    node[part] = {}
+                node = node[part]
                 if not isinstance(node, dict):
-                    raise UserInputError(f"{part} is not a section", field=key)
+                    raise UserInputError(f"is not a section in {source if path is not None else 'the config'} "
+                                         f"(it is {shown(node)}), so --set {key} cannot set a key in it",
+                                         source="--set", field=f"algorithm.{part}")
             node[parts[-1]] = value
         else:
             rest.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
@@ -165,6 +176,14 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         raise UserInputError(err.message, field="--algorithms") from None
     # per-method sections: any registered method (sections of methods not selected are ignored)
     per_method = {k: algo_section.pop(k) for k in list(algo_section) if k.lower() in ALGORITHMS}
+    spellings: dict[str, list[str]] = {}
+    for k in per_method:
+        spellings.setdefault(get_algorithm(k).name, []).append(k)
+    twice = {name: ks for name, ks in spellings.items() if len(ks) > 1}
+    if twice:  # `FedTGP:` and `fedtgp:` in one file: which one wins would be a guess
+        name, ks = next(iter(twice.items()))
+        raise UserInputError(f"has {len(ks)} sections for {name} ({', '.join(ks)}); allowed: one per method",
+                             source=source, field="algorithm")
     selected = {cls.name for cls in classes.values()}
     for key, _ in parsed:  # a --set for a method not compared is a slip (a file may hold sections for many)
         parts = key.split(".")

@@ -286,19 +286,25 @@ __all__ = ["Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State",
            "ModelFactory", "ALGORITHMS", "register", "get_algorithm"]
 
 
+#: the local optimizers of ``algorithm.optimizer`` (:func:`rafl.federation.training.make_optimizer`)
+OPTIMIZERS = ("sgd", "adam")
+
+
 def _checked_hparam(name: str, value: Any, default: Any) -> Any:
     """``value`` coerced to the type of ``default`` and checked against the range its name implies.
 
     YAML 1.1 reads ``1e-3`` as a string, so numeric strings are parsed. Ranges by name: learning
     rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
     ``momentum`` in [0, 1); ``*_width``, ``energy_start``/``energy_end`` in (0, 1];
-    ``energy_rounds`` >= 1; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*``, ``*_norm`` >= 0;
-    every float finite.
+    ``energy_rounds`` >= 1; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*``, ``*_norm``,
+    ``*_dim`` (0 = a default width) >= 0; every float finite; ``optimizer`` one of :data:`OPTIMIZERS`.
 
     Raises:
         UserInputError: naming ``algorithm.<name>``, the value and what is allowed.
     """
     field_name = f"algorithm.{name}"
+    if name == "optimizer" and value not in OPTIMIZERS:  # the local optimizer (training.make_optimizer)
+        raise UserInputError(f"is {shown(value)}; allowed: {', '.join(OPTIMIZERS)}", field=field_name)
     if default is None or isinstance(default, str | list | dict | tuple):
         return value
     if isinstance(default, bool):
@@ -328,7 +334,7 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
     elif name.endswith("epochs") or name.endswith("batch_size"):
         low = 1
     elif (name in ("weight_decay", "mu", "alpha", "gamma", "momentum") or name.startswith("lambda")
-          or name.endswith("_norm")):
+          or name.endswith("_norm") or name.endswith("_dim")):
         low = 0
     if low is not None and (number <= low if strict else number < low):
         raise UserInputError(f"is {shown(value)}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)

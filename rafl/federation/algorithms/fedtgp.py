@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rafl.errors import UserInputError, shown
+from rafl.errors import UserInputError, shown, warn
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.fedproto import FedProto
@@ -112,10 +112,16 @@ class FedTGP(Algorithm):
 
     @classmethod
     def check_hparams(cls, hparams):
-        """Defaults merged with ``hparams``; also rejects an unknown ``distance``."""
+        """Defaults merged with ``hparams``; also rejects an unknown ``distance``, and warns when a
+        weight is set that the chosen distance does not use (``lambda_mse`` with ``euclidean``,
+        ``lambda`` with ``mse``)."""
         hp = super().check_hparams(hparams)
         if hp["distance"] not in ("euclidean", "mse"):
             raise UserInputError(f"is {shown(hp['distance'])}; allowed: euclidean, mse", field="algorithm.distance")
+        unused = "lambda_mse" if hp["distance"] == "euclidean" else "lambda"
+        if unused in hparams:
+            warn(f"fedtgp: algorithm.{unused} has no effect with distance: {hp['distance']} (its weight is "
+                 f"algorithm.{'lambda' if unused == 'lambda_mse' else 'lambda_mse'})")
         return hp
 
     def _net(self, n_classes: int, dim: int) -> TrainablePrototypes:
