@@ -408,3 +408,41 @@ def test_empty_method_section_in_a_config_takes_set_values_and_unused_weights_ar
                                    "--set", "algorithm.fedtgp.lambda_mse=3", "--out", str(tmp_path / "cmp")])
     assert res.exit_code == 0, res.output
     assert "warning: fedtgp: algorithm.lambda_mse has no effect with distance: euclidean" in res.stderr
+
+
+def test_resume_after_the_user_model_changed_is_one_line_error(tmp_path, monkeypatch):
+    """A user's model whose layers changed between a comparison and its --resume: the stored client
+    states no longer fit. One line naming the client and model (it was a load_state_dict
+    traceback); the completed round stays."""
+    import yaml
+
+    (tmp_path / "qa_resume_plug.py").write_text(
+        "import os\nfrom torch import nn\n"
+        "class N(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        extra = [nn.Linear(16, 16)] if os.environ.get('QA_PLUG_WIDER') else []\n"
+        "        self.f = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 16), *extra)\n"
+        "        self.head = nn.Linear(16, 10)\n"
+        "    def features(self, x):\n"
+        "        return self.f(x)\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.features(x))\n"
+        "def make():\n"
+        "    return N()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("QA_PLUG_WIDER", raising=False)
+    out = tmp_path / "cmp"
+    args = ["compare", "--algorithms", "fedproto",
+            *[a if a != "cnn4-small,cnn3-small" else "qa_resume_plug:make" for a in TINY], "--out", str(out)]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg["engine"]["rounds"] = 2
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("QA_PLUG_WIDER", "1")
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: client 0 (model qa_resume_plug:make): its stored state "
+                                                   "does not fit the model built now"), res.output
+    assert len((out / "fedproto" / "metrics.jsonl").read_text().splitlines()) == 1

@@ -235,11 +235,22 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
 
 def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
     """Evaluate the client's committed state (``prepare_evaluation`` with its view of
-    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``."""
+    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``.
+
+    Raises:
+        UserInputError: from the method (e.g. a stored state that does not fit the model), naming
+            the client.
+    """
     algo = fed.algorithm
-    state = load_or_init(fed, store, ctx)
-    state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
-    return algo.evaluate(state, ctx)
+    try:
+        state = load_or_init(fed, store, ctx)
+        state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
+        return algo.evaluate(state, ctx)
+    except UserInputError as err:
+        if err.source is not None:
+            raise
+        raise UserInputError(err.message, source=f"client {ctx.client_id} (model {ctx.info.model_key})",
+                             field=err.field) from None
 
 
 class InProcessClients:

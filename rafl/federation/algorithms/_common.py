@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import ClientContext
 from rafl.federation.training import make_optimizer
 
@@ -23,10 +24,21 @@ LOCAL_DEFAULTS: dict[str, Any] = {
 
 def build(client: ClientContext, weights: Mapping[str, torch.Tensor] | None = None, arch: Any = None) -> nn.Module:
     """A fresh model from the client's factory (own model, or subnet ``arch``) with ``weights``
-    loaded (strict) when given, on ``client.device``, in train mode."""
+    loaded (strict) when given, on ``client.device``, in train mode.
+
+    Raises:
+        UserInputError: ``weights`` (a stored client state, e.g. of a resumed run) do not fit the
+            model the factory builds now (a user's model changed between the run and its resume);
+            the engine adds the client and model.
+    """
     model = client.make_model() if arch is None else client.make_model(arch)
     if weights is not None:
-        model.load_state_dict(dict(weights), strict=True)
+        try:
+            model.load_state_dict(dict(weights), strict=True)
+        except RuntimeError as err:  # missing / unexpected keys, size mismatches
+            detail = " ".join(str(err).split())
+            raise UserInputError(f"its stored state does not fit the model built now ({detail[:300]}); allowed: "
+                                 "the model the run was started with (a changed model starts a new run)") from None
     return model.to(client.device).train()
 
 
