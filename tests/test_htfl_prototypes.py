@@ -120,6 +120,21 @@ def test_margin_loss_prefers_own_class_and_margin_increases_it():
     assert float(l1) > float(l0)
 
 
+def test_prototype_accuracy_without_prototypes_is_not_measured():
+    """No global prototype yet (every client failed so far): (0, 0), so the round reports no
+    proto accuracy instead of 0."""
+    from rafl.federation.engine import summarize_eval
+    from rafl.federation.prototypes import evaluate_prototype_accuracy
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 2))
+    model.features = model.forward
+    loader = [(torch.zeros(3, 4), torch.tensor([0, 1, 1]))]
+    assert evaluate_prototype_accuracy(model, loader, {}) == (0, 0)
+    assert evaluate_prototype_accuracy(model, loader, {1: torch.zeros(2)}) == (2, 3)
+    summary = summarize_eval({0: {"model.correct": 1.0, "model.total": 3.0, "proto.correct": 0.0, "proto.total": 0.0}})
+    assert "model.acc_mean_over_clients" in summary and not any(k.startswith("proto.") for k in summary)
+
+
 def test_nearest_prototype_and_weighted_average():
     protos = {1: torch.tensor([0.0, 0.0]), 6: torch.tensor([10.0, 10.0])}
     pred = nearest_prototype(torch.tensor([[1.0, 0.0], [9.0, 9.0]]), protos)

@@ -51,7 +51,9 @@ class NoSingletonBatches:
 
 
 def prototype_regularizer(protos: Mapping[int, torch.Tensor], lam: float, distance: str = "euclidean") -> Regularizer:
-    """``lam * mean_i d(f(x_i), P_{y_i})`` over the samples whose class has a prototype.
+    """``lam * (1/B) sum_i d(f(x_i), P_{y_i})``: the sum over the samples whose class has a
+    prototype, divided by the whole batch size B (a sample without one adds 0, as with HtFLlib's
+    ``MSELoss`` over a target that equals the representation there).
 
     Args:
         protos: ``{class id: (r,)}`` global prototypes (constants).

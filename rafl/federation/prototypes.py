@@ -219,14 +219,17 @@ def nearest_prototype(features: torch.Tensor, protos: Mapping[int, torch.Tensor]
 def evaluate_prototype_accuracy(model: nn.Module, loader: Iterable[Batch], protos: Mapping[int, torch.Tensor], *,
                                 device: torch.device | str = "cpu") -> tuple[int, int]:
     """``(correct, total)`` of nearest-prototype inference on ``model.features`` (eval mode).
-    With no prototypes every sample counts as wrong."""
+    With no prototypes (no round has aggregated any yet, e.g. every client failed) the accuracy is
+    not measured: ``(0, 0)``, which the engine's summary leaves out (no ``proto.acc_*`` that round)
+    rather than report 0."""
+    if not protos:
+        return 0, 0
     was = model.training
     model.eval()
     correct = total = 0
     for images, labels in loader:
-        if protos:
-            pred = nearest_prototype(model.features(images.to(device)), protos).cpu()
-            correct += int((pred == labels).sum())
+        pred = nearest_prototype(model.features(images.to(device)), protos).cpu()
+        correct += int((pred == labels).sum())
         total += int(labels.numel())
     model.train(was)
     return correct, total
