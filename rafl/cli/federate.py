@@ -69,7 +69,7 @@ def print_table(summary: dict, run_dir: Path) -> None:
               help="Continue RUN_DIR from its last complete round (same config; --set may extend engine.rounds).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
               help="Parent folder of the run dir.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars.")
+@click.option("--progress/--no-progress", " /--quiet", default=True, show_default=True, help="Progress bars.")
 def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: Path | None, out: Path,
              progress: bool) -> None:
     """Federate specialized subnets across simulated devices.
