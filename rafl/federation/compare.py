@@ -622,9 +622,21 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     ax1.set_ylabel("client test accuracy")
     ax1.set_ylim(0, 1)
     ax1.set_title("accuracy (mean ± std over clients)")
-    ax2.bar(x, [r["mb_total"] for r in rows], color="tab:orange")
+    mb = np.array([r["mb_total"] for r in rows], dtype=float)
+    positive = mb[mb > 0]
+    # the methods' traffic spans orders of magnitude (prototypes: kB; whole models: MB): a log axis
+    # then, so the small bars stay visible; every bar carries its value (0 for Standalone)
+    log = len(positive) > 1 and positive.max() / positive.min() > 20
+    low = positive.min() / 3 if log else 0.0
+    ax2.bar(x, np.where(mb > 0, mb, low) if log else mb, color="tab:orange")
+    if log:
+        ax2.set_yscale("log")
+        ax2.set_ylim(low, positive.max() * 4)
+    for xi, v in zip(x, mb):
+        ax2.annotate(f"{v:.3g}", (xi, max(v, low)), ha="center", va="bottom", fontsize=7,
+                     xytext=(0, 2), textcoords="offset points")
     ax2.set_xticks(x, names, rotation=30, ha="right")
-    ax2.set_ylabel("MB (up + down)")
+    ax2.set_ylabel("MB (up + down)" + (", log scale" if log else ""))
     ax2.set_title("communication")
     fig.tight_layout()
     buf = io.BytesIO()
