@@ -160,6 +160,8 @@ def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path
     out = tmp_path / "cmp"
     res = CliRunner().invoke(cli, [*args, "--out", str(out)])
     assert res.exit_code != 0 and (out / "fedtgp" / "checkpoint.safetensors").is_file()
+    assert f"interrupted: finished methods and complete rounds are kept in {out}; continue with: rafl compare " \
+           f"--resume {out}" in res.stderr
     assert not (out / "standalone").exists()
     fedgh_metrics = (out / "fedgh" / "metrics.jsonl").read_text()
     monkeypatch.setattr(FedTGP, "client_update", original)

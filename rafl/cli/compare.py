@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -46,8 +49,9 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError(f"cannot be combined with {', '.join(given)} (the folder's config.yaml is used)",
                                  field="--resume")
         cfg, hparams, models, feature_dim = load_compare_resume(resume_dir)
-        rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim, progress=not quiet,
-                           resume=True)
+        with _say_how_to_resume(resume_dir):
+            rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim,
+                               progress=not quiet, resume=True)
         out = resume_dir
     else:
         if out is None:
@@ -61,9 +65,23 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         resolve_models(models)
         cfg, hparams = load_compare_config(config_path, overrides, names)
         _warn_ignored(cfg, models, click.get_current_context())
-        rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
+        with _say_how_to_resume(out):
+            rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")
+
+
+@contextlib.contextmanager
+def _say_how_to_resume(out: Path) -> Iterator[None]:
+    """After Ctrl-C / SIGTERM: one stderr line with what the folder keeps and the command that
+    continues the comparison (nothing when no method completed a round: the folder is gone then)."""
+    try:
+        yield
+    except (KeyboardInterrupt, click.exceptions.Abort, SystemExit):
+        if (out / "config.yaml").is_file():
+            click.echo(f"interrupted: finished methods and complete rounds are kept in {out}; continue with: "
+                       f"rafl compare --resume {shlex.quote(str(out))}", err=True)
+        raise
 
 
 def _warn_ignored(cfg, models: str, ctx: click.Context) -> None:
