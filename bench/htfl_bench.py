@@ -374,7 +374,6 @@ def report(results: list[dict], args, argv: list[str]) -> str:
              "Accuracy\" HtFLlib and PFLlib report, where a client counts by its test samples; `-` where the "
              "cached runs predate it.", ""]
     for res in results:
-        base = res["summary"]["standalone"]["acc"]
         lines += [f"## {res['scenario']} ({res['n_clients']} clients, classes held per client (seed "
                   f"{args.seeds[0]}): min {min(res['classes_held'])}, max {max(res['classes_held'])}; "
                   f"{res['wall_s']:.0f} s of method runs)", "",
@@ -390,7 +389,14 @@ def report(results: list[dict], args, argv: list[str]) -> str:
             per = ", ".join(f"diverged (round {r['methods'][m]['diverged_round']})" if "diverged" in r["methods"][m]
                             else fmt(r["methods"][m]["model.acc_tail"]) for r in res["runs"])
             acc = fmt(s["acc"])
-            gain = "-" if s["acc"] is None or base is None else f"{100 * (s['acc'] - base):+.2f}"
+            # vs Standalone on the seeds where both completed (paired: a mean over other seeds than
+            # Standalone's would mix partitions)
+            pairs = completed_pairs(res["runs"], (m, "model.acc_tail"), ("standalone", "model.acc_tail"))
+            gain = "-" if not pairs or not pairs[0] else f"{100 * statistics.fmean(a - b for _, a, b in pairs[0]):+.2f}"
+            if s["diverged"]:
+                done = [sd for sd, _, _ in pairs[0]] if pairs else []
+                acc += f" (seed{'s' if len(done) != 1 else ''} {', '.join(map(str, done)) or 'none'})"
+                gain += f" (seed{'s' if len(done) != 1 else ''} {', '.join(map(str, done)) or 'none'})"
             proto = f"{s['proto']:.4f}" if s["proto"] is not None else "-"
             pper = ", ".join(f"{v:.4f}" for v in s["proto_per_seed"]) or "-"
             prior = f"{s['prior']:.4f}" if s["prior"] is not None else "-"
