@@ -156,7 +156,6 @@ class ServerContext:
     supernet: nn.Module | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
-    init_seed: int = 0
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
     hparams: dict[str, Any] = field(default_factory=dict)
