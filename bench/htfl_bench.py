@@ -245,8 +245,8 @@ PAIRS += [(f"{label}, pooled", (ma, ka + "_pooled"), (mb, kb + "_pooled")) for l
 def completed_pairs(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> tuple[list[tuple], list[str]] | None:
     """``([(seed, value a, value b)], notes)`` over the seeds on which neither method diverged
     (``notes`` name the seeds left out: "fedproto diverged on seed 0"; no rows when one diverged
-    on every seed), or None when a completed run lacks a value (a rule the method does not have, or a metric cached runs predate): a
-    comparison is made on every completed seed or not at all."""
+    on every seed), or None when a completed run lacks a value (a rule the method does not have,
+    or a metric cached runs predate): a comparison is made on every completed seed or not at all."""
     rows, notes = [], []
     for r in runs:
         (ma, ka), (mb, kb) = a, b
