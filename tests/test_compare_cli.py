@@ -406,8 +406,9 @@ def test_empty_method_section_in_a_config_takes_set_values_and_unused_weights_ar
     cfg.write_text("algorithm:\n  fedtgp:\n")
     _, hps = load_compare_config(cfg, ["algorithm.fedtgp.server_epochs=2"], ["fedtgp"])
     assert hps["fedtgp"]["server_epochs"] == 2
-    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", *TINY, "--set", "algorithm.fedtgp.server_epochs=2",
-                                   "--set", "algorithm.fedtgp.lambda_mse=3", "--out", str(tmp_path / "cmp")])
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", *TINY,
+                                   "--set", "algorithm.fedtgp.server_epochs=2", "--set", "algorithm.fedtgp.lambda_mse=3",
+                                   "--out", str(tmp_path / "cmp")])
     assert res.exit_code == 0, res.output
     assert "warning: fedtgp: algorithm.lambda_mse has no effect with distance: euclidean" in res.stderr
 
