@@ -34,12 +34,13 @@ resumed run ends with the same metrics as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,20 @@ def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientCont
         rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
 
 
+@contextlib.contextmanager
+def naming_client(ctx: ClientContext) -> Iterator[None]:
+    """Re-raise a :class:`UserInputError` without a source (a method's own check: diverged
+    training, a stored state that does not fit the model) with the client and its model as the
+    source, so the one error line says where it happened."""
+    try:
+        yield
+    except UserInputError as err:
+        if err.source is not None:
+            raise
+        raise UserInputError(err.message, source=f"client {ctx.client_id} (model {ctx.info.model_key})",
+                             field=err.field) from None
+
+
 def load_or_init(fed: Federation, store: ClientStore, ctx: ClientContext) -> Any:
     """The client's committed state from ``store``, or ``init_client`` (torch seeded by the
     context's ``init_seed``: the same initial model in every round) for a client that has none yet."""
@@ -221,13 +236,8 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
     if not fresh:
         tc = time.perf_counter()  # loading a stored state is engine time
     torch.manual_seed(ctx.seed)
-    try:
+    with naming_client(ctx):  # e.g. diverged local training: say which client and model
         state, upload = fed.algorithm.client_update(state, down, ctx)
-    except UserInputError as err:  # e.g. diverged local training: say which client and model
-        if err.source is not None:
-            raise
-        raise UserInputError(err.message, source=f"client {cid} (model {ctx.info.model_key})",
-                             field=err.field) from None
     seconds = time.perf_counter() - tc
     store.save(cid, ctx.round, state)
     return upload, seconds
@@ -242,15 +252,10 @@ def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, bro
             the client.
     """
     algo = fed.algorithm
-    try:
+    with naming_client(ctx):
         state = load_or_init(fed, store, ctx)
         state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
         return algo.evaluate(state, ctx)
-    except UserInputError as err:
-        if err.source is not None:
-            raise
-        raise UserInputError(err.message, source=f"client {ctx.client_id} (model {ctx.info.model_key})",
-                             field=err.field) from None
 
 
 class InProcessClients:
@@ -594,5 +599,5 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
 
 
 __all__ = ["Engine", "EngineConfig", "Federation", "participation", "RoundTimes", "InProcessClients", "client_context",
-           "load_or_init", "train_client", "evaluate_client", "LoaderFactory", "summarize_eval",
+           "load_or_init", "naming_client", "train_client", "evaluate_client", "LoaderFactory", "summarize_eval",
            "write_metrics", "make_summary", "plot_metrics", "seed_of", "sample_clients", "sporadic_update"]
