@@ -66,6 +66,8 @@ RULES = ("model", "proto", "prior", "local")
 # every client holds batch_size / (1 - train_ratio) = 10 / 0.25 samples (dataset_utils.separate_data,
 # ``least_samples``)
 DIRICHLET_MIN_SAMPLES = 40
+# rounds per window of the report's accuracy-gap-by-round table (:func:`gap_by_window`)
+WINDOW = 10
 # bump a method's version when its training or evaluation changes, so cached results are re-measured
 METHOD_VERSION = {"fedgh": 2}  # 2: reports the local header (local.*)
 
@@ -204,9 +206,11 @@ def map_seeds(fn, work: list[tuple], jobs: int) -> list:
 
 
 def write_results(stem: str, only: list[str], args, text: str, results: list[dict], variant: str = "") -> None:
-    """``bench/results/<stem>[_<only>][<variant>][_limit<N>][_dirmin<M>].md`` (``text``) and ``.json``
-    (the arguments and ``results``)."""
+    """``bench/results/<stem>[_<only>][<variant>][_rounds<R>][_limit<N>][_dirmin<M>].md`` (``text``) and
+    ``.json`` (the arguments and ``results``); the bracketed parts appear where the run differs from the
+    defaults, so a longer run does not overwrite the committed 30-round report."""
     suffix = ("_" + "_".join(only) if only else "") + variant + (
+        f"_rounds{args.rounds}" if args.rounds != 30 else "") + (
         f"_limit{args.limit_per_class}" if args.limit_per_class != 250 else "") + (
         f"_dirmin{args.dir_min_samples}" if args.dir_min_samples != DIRICHLET_MIN_SAMPLES else "")
     dest = ROOT / "bench" / "results"
@@ -282,6 +286,29 @@ def paired_differences(runs: list[dict]) -> list[dict]:
     return out
 
 
+def gap_by_window(runs: list[dict], window: int = WINDOW) -> dict[str, dict]:
+    """Per method but Standalone: its deployed model's mean client accuracy minus Standalone's, in
+    points, paired per round, averaged over each ``window`` rounds and then over the seeds where
+    both completed (``{"gaps": [...], "n": seeds}``). The tail accuracy of the claims is one point
+    of this curve; the windows show when a gain appears or fades (a method that converges slower
+    than Standalone trails early and can lead later)."""
+    out = {}
+    for m in METHODS:
+        if m == "standalone":
+            continue
+        per_seed = []
+        for r in runs:
+            a, b = r["methods"][m], r["methods"]["standalone"]
+            ca, cb = a.get("curve"), b.get("curve")
+            if "diverged" in a or "diverged" in b or not ca or len(ca) != len(cb or []):
+                continue
+            diffs = [100 * (x - y) for x, y in zip(ca, cb)]
+            per_seed.append([statistics.fmean(diffs[i:i + window]) for i in range(0, len(diffs), window)])
+        if per_seed:
+            out[m] = {"gaps": [statistics.fmean(col) for col in zip(*per_seed)], "n": len(per_seed)}
+    return out
+
+
 def scenario(name: str, overrides: list[str], out: Path, rounds: int, dim: int, seeds: list[int], tail: int,
              device: str = "cpu", jobs: int = 1) -> dict:
     """All seeds of one scenario (``jobs`` seeds at a time, each in its own process), the accuracy
@@ -348,7 +375,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
     # the compute the scenario took: every method run of every seed (also when seeds were reused from
     # the cache or ran in parallel; this call itself took elapsed_s)
     return {"scenario": name, "summary": summary, "checks": checks, "unmeasured": unmeasured,
-            "paired": paired_differences(runs), "runs": runs,
+            "paired": paired_differences(runs), "by_window": gap_by_window(runs), "runs": runs,
             "wall_s": sum(r["methods"][m]["wall_s"] for r in runs for m in METHODS),
             "n_clients": runs[0]["n_clients"], "classes_held": runs[0]["classes_held"]}
 
@@ -427,6 +454,15 @@ def report(results: list[dict], args, argv: list[str]) -> str:
                         f" ({'; '.join(d['left_out'])})"
                 lines.append(f"| {d['comparison']} | {per} | "
                              f"{d['mean']:+.2f} | {d['sd']:.2f} | {d['holds']}/{d['n']} seeds |")
+        if res.get("by_window"):
+            n_rounds = max(len(r["methods"]["standalone"].get("curve") or []) for r in res["runs"])
+            heads = [f"{i + 1}-{min(i + WINDOW, n_rounds)}" for i in range(0, n_rounds, WINDOW)]
+            lines += ["", f"Deployed model's mean client accuracy minus Standalone's (points), per {WINDOW}-round "
+                      "window, paired per round, mean over seeds:", "",
+                      "| method | seeds | " + " | ".join(f"rounds {h}" for h in heads) + " |",
+                      "|---|---|" + "---|" * len(heads)]
+            for m, w in res["by_window"].items():
+                lines.append(f"| {m} | {w['n']} | " + " | ".join(f"{g:+.2f}" for g in w["gaps"]) + " |")
         lines += [""] + [f"- {'PASS' if v else 'FAIL'}: {k}" for k, v in res["checks"].items()]
         lines += [f"- NOT MEASURED: {k}" for k in res.get("unmeasured", [])] + [""]
     return "\n".join(lines) + "\n"
