@@ -24,7 +24,7 @@ FedGH / FedTGP ``(S + S*r) x 32`` bits per client (S classes held, r = D), FedPr
 ``(2S + S*r) x 32`` (its per-class counts, Eq. 6).
 
 Run: ``python bench/htfl_bench.py [--rounds 30] [--seeds 0,1] [--only cifar10-pat2] [--jobs 2] --out DIR``;
-writes ``bench/results/htfl_bench[_<only>][_limit<N>].md`` and ``.json``, and prints one line per method and
+writes ``bench/results/htfl_bench[_<only>][_rounds<R>][_limit<N>].md`` and ``.json``, and prints one line per method and
 seed as it finishes. Each method run takes 4-8 min per CIFAR-10 scenario and seed at 30 rounds on one
 core (single-threaded torch), 1-4 min on digits; run scenarios as separate processes (``--only``) or
 seeds in parallel (``--jobs``) to use more cores. Results are cached per method and seed under
