@@ -383,8 +383,11 @@ def test_interrupting_the_simulation_backend_exits_promptly_and_resumes(tmp_path
             "clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"]  # no search
     cmd = [sys.executable, "-m", "rafl", "federate", "--no-progress", "--out", str(tmp_path / "runs"), "--set",
            "name=int", *[a for s in sets for a in ("--set", s)]]
+    # SIGINT at its default in the child, so Python turns it into KeyboardInterrupt: a shell without job
+    # control starts background jobs (`pytest &`) with SIGINT ignored, and children inherit that
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline and not (
