@@ -85,6 +85,15 @@ def _exit_on_sigterm(signum, frame):  # noqa: ARG001 (signal handler signature)
     raise SystemExit(128 + signal.SIGTERM)
 
 
+def exit_interrupted(err: BaseException) -> BaseException:
+    """The exception to raise once a command has told the user how to continue after Ctrl-C or
+    SIGTERM: SIGTERM's ``SystemExit`` (143) as it is; Ctrl-C as exit status 130 (128 + SIGINT)
+    without click's blank line and "Aborted!", which would follow the command's own line."""
+    if isinstance(err, SystemExit):
+        return err
+    return click.exceptions.Exit(128 + signal.SIGINT)
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="rafl")
 def cli() -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from rafl.cli import exit_interrupted
+
 
 @click.command("compare")
 @click.option("--algorithms", default="rafl,fedgh,fedtgp,fedproto,lg-fedavg,fd,standalone", show_default=True,
@@ -77,10 +79,11 @@ def _say_how_to_resume(out: Path) -> Iterator[None]:
     continues the comparison (nothing when no method completed a round: the folder is gone then)."""
     try:
         yield
-    except (KeyboardInterrupt, click.exceptions.Abort, SystemExit):
+    except (KeyboardInterrupt, click.exceptions.Abort, SystemExit) as err:
         if (out / "config.yaml").is_file():
             click.echo(f"interrupted: finished methods and complete rounds are kept in {out}; continue with: "
                        f"rafl compare --resume {shlex.quote(str(out))}", err=True)
+            raise exit_interrupted(err) from None
         raise
 
 

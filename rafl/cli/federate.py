@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from rafl.cli import exit_interrupted
 from rafl.errors import UserInputError, shown
 
 
@@ -111,8 +112,9 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         prep = pipeline.prepare(cfg, progress=progress)
         try:
             summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
-        except (KeyboardInterrupt, click.exceptions.Abort, SystemExit):
-            _say_how_to_resume(resume_dir)
+        except (KeyboardInterrupt, click.exceptions.Abort, SystemExit) as err:
+            if _say_how_to_resume(resume_dir):
+                raise exit_interrupted(err) from None
             raise
         from rafl.io import atomic_write_yaml
 
@@ -150,19 +152,20 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
         if not out_existed and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
-        if isinstance(err, (KeyboardInterrupt, click.exceptions.Abort, SystemExit)):
-            _say_how_to_resume(run_dir)
+        if isinstance(err, (KeyboardInterrupt, click.exceptions.Abort, SystemExit)) and _say_how_to_resume(run_dir):
+            raise exit_interrupted(err) from None
         raise
     print_table(summary, run_dir)
 
 
-def _say_how_to_resume(run_dir: Path) -> None:
+def _say_how_to_resume(run_dir: Path) -> bool:
     """After Ctrl-C / SIGTERM: one stderr line with the rounds the checkpoint holds and the command
-    that continues the run (nothing when no round completed: the run dir is gone then)."""
+    that continues the run; ``False`` (nothing said) when no round completed: the run dir is gone then."""
     from rafl.federation.pipeline import completed_rounds
 
     if not (run_dir / "checkpoint.safetensors").is_file():
-        return
+        return False
     done = completed_rounds(run_dir)
     click.echo(f"interrupted: {done} complete round(s) checkpointed in {run_dir}; continue with: "
                f"rafl federate --resume {shlex.quote(str(run_dir))}", err=True)
+    return True
