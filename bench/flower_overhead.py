@@ -89,8 +89,9 @@ def main() -> None:
         flower.write_app(work / "app", config=cfg_file, out=work / "runs")
         with flower.LocalFleet(args.nodes, work / "fleet") as fleet:
             run = fleet.run(work / "app", timeout=3600)
-            if "rafl:" not in run.stdout:
-                sys.exit(f"the deployment failed:\n{run.stdout}\n{run.stderr}\n{fleet.logs()[-5000:]}")
+            if not run.completed:
+                sys.exit(f"the deployment failed ({run.status}: {run.status_details}):\n{run.stdout}\n{run.stderr}\n"
+                         f"{fleet.logs()[-5000:]}")
         return work / "runs" / "deployed"
 
     timed("in-process", in_process)

@@ -350,6 +350,7 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     assert res.exit_code == 0, res.output
     with flower.LocalFleet(2, tmp_path / "fleet") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600)
+        assert run.completed and run.status == "finished:completed", (run, fleet.logs()[-4000:])
         assert "rafl: 2 rounds" in run.stdout, (run.stdout + run.stderr + fleet.logs())[-4000:]
         pids = [p.pid for p in fleet.procs]
     for pid in pids:  # stopped, with their process groups
@@ -361,6 +362,22 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     assert summary["final"] == json.loads((in_process / "summary.json").read_text())["final"]
     states = sorted(p.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st"))  # the nodes' own disk
     assert states == ["0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
+
+
+@pytest.mark.slow
+def test_a_failed_serverapp_is_reported_as_failed_although_flwr_run_exits_0(tmp_path):
+    """`flwr run` exits 0 when the ServerApp raises (Flower 1.42); LocalFleet.run reads the run's
+    status from the SuperLink instead: finished:failed, with rafl's one-line error as the details."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"name: bad\nsupernet: {{path: {tmp_path / 'missing'}}}\nclients: {{n: 2}}\n")
+    flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
+    with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
+        run = fleet.run(tmp_path / "app", timeout=300)
+    assert run.returncode == 0 and run.run_id is not None  # Flower's exit status says nothing
+    assert not run.completed and run.status == "finished:failed", run
+    assert f"{tmp_path / 'missing'}: no such file" in run.status_details, run.status_details
+    assert f"error: {tmp_path / 'missing'}: no such file" in run.stdout  # the ServerApp's log, streamed
+    assert not (tmp_path / "runs" / "bad").exists()
 
 
 @pytest.mark.slow

@@ -77,7 +77,7 @@ from rafl.federation.engine import (
     evaluate_client,
     train_client,
 )
-from rafl.federation.flower_fleet import LocalFleet
+from rafl.federation.flower_fleet import FleetRun, LocalFleet
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore
 
@@ -738,6 +738,7 @@ __all__ = [
     "ARRAYS",
     "CONTROL",
     "META",
+    "FleetRun",
     "FlowerClients",
     "LocalFleet",
     "client_app",

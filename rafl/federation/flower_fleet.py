@@ -5,12 +5,39 @@ management has nothing to do with how rafl's payloads travel."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from rafl.errors import UserInputError
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetRun:
+    """One ``flwr run`` on a :class:`LocalFleet`, with the outcome Flower keeps for it.
+
+    ``flwr run`` exits 0 whether the ServerApp completed or raised (Flower 1.42), so ``returncode``
+    says only that the run was submitted and streamed; ``status`` is the SuperLink's record of the
+    run (``flwr ls --run-id ID --format json``): ``finished:completed``, ``finished:failed`` (the
+    error in ``status_details``), ... or ``None`` when no run was started (``stdout`` and
+    ``stderr`` say why).
+    """
+
+    returncode: int
+    stdout: str   # `flwr run --stream`: the ServerApp's log
+    stderr: str
+    run_id: int | None
+    status: str | None
+    status_details: str
+
+    @property
+    def completed(self) -> bool:
+        """Whether the ServerApp returned without an exception (``status == "finished:completed"``)."""
+        return self.status == "finished:completed"
 
 
 class LocalFleet:
@@ -101,14 +128,35 @@ class LocalFleet:
             raise
         return self
 
-    def run(self, app_dir: str | Path, timeout: float = 3600, run_config: str | None = None) -> Any:
-        """``flwr run APP_DIR rafl-local --stream`` (blocks until the run ends); the completed
-        process (``stdout`` holds the ServerApp's log)."""
+    def run(self, app_dir: str | Path, timeout: float = 3600, run_config: str | None = None) -> FleetRun:
+        """``flwr run APP_DIR rafl-local --stream`` (blocks until the run ends, at most ``timeout``
+        seconds: ``subprocess.TimeoutExpired``), then the run's final status from the SuperLink
+        (:class:`FleetRun`: check ``.completed``, not the exit status)."""
         import subprocess
 
         extra = ["--run-config", run_config] if run_config else []
-        return subprocess.run([self._program("flwr"), "run", str(app_dir), self.CONNECTION, "--stream", *extra],
+        proc = subprocess.run([self._program("flwr"), "run", str(app_dir), self.CONNECTION, "--stream", *extra],
                               capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
+        found = re.search(r"Successfully started run (\d+)", proc.stdout)
+        run_id = int(found.group(1)) if found else None
+        status, details = self.run_status(run_id) if run_id is not None else (None, "")
+        return FleetRun(proc.returncode, proc.stdout, proc.stderr, run_id, status, details)
+
+    def run_status(self, run_id: int) -> tuple[str, str]:
+        """``(status, status details)`` of run ``run_id`` as the SuperLink records it (``flwr ls
+        --run-id ID --format json``), e.g. ``("finished:failed", "ServerApp failed with exception:
+        ...")``. Raises RuntimeError when ``flwr ls`` fails or does not know the run."""
+        import subprocess
+
+        ls = subprocess.run([self._program("flwr"), "ls", self.CONNECTION, "--run-id", str(run_id), "--format",
+                             "json"], capture_output=True, text=True, timeout=120, env=self.env, check=False)
+        try:
+            runs = json.loads(ls.stdout)["runs"]
+            row = next(r for r in runs if int(r["run-id"]) == run_id)
+        except (ValueError, KeyError, TypeError, StopIteration):
+            raise RuntimeError(f"flwr ls --run-id {run_id} (exit status {ls.returncode}) did not list the run: "
+                               f"{(ls.stdout + ls.stderr)[-500:]}") from None
+        return str(row["status"]), str(row.get("status-details") or "")
 
     def logs(self) -> str:
         """The SuperLink's and SuperNodes' logs, concatenated."""
