@@ -414,6 +414,20 @@ def test_empty_method_section_in_a_config_takes_set_values_and_unused_weights_ar
     assert "warning: fedtgp: algorithm.lambda_mse has no effect with distance: euclidean" in res.stderr
 
 
+def test_fedtgp_at_its_defaults_warns_about_no_weight(capsys):
+    """The resolved hyperparameters hold both weights at their defaults: no reason to warn (every
+    default FedTGP run used to warn about lambda_mse); a changed unused weight still warns."""
+    from rafl.errors import reset_warnings
+    from rafl.federation.algorithms.fedtgp import FedTGP
+
+    reset_warnings()
+    FedTGP.check_hparams(FedTGP.check_hparams({}))
+    FedTGP.check_hparams(FedTGP.check_hparams({"distance": "mse"}))
+    assert capsys.readouterr().err == ""
+    FedTGP.check_hparams({"distance": "mse", "lambda": 0.5})
+    assert "warning: fedtgp: algorithm.lambda has no effect with distance: mse" in capsys.readouterr().err
+
+
 def test_resume_after_the_user_model_changed_is_one_line_error(tmp_path, monkeypatch):
     """A user's model whose layers changed between a comparison and its --resume: the stored client
     states no longer fit. One line naming the client and model (it was a load_state_dict

@@ -113,13 +113,14 @@ class FedTGP(Algorithm):
     @classmethod
     def check_hparams(cls, hparams):
         """Defaults merged with ``hparams``; also rejects an unknown ``distance``, and warns when a
-        weight is set that the chosen distance does not use (``lambda_mse`` with ``euclidean``,
-        ``lambda`` with ``mse``)."""
+        weight is set to a non-default value that the chosen distance does not use (``lambda_mse``
+        with ``euclidean``, ``lambda`` with ``mse``; ``hparams`` may be a resolved config holding
+        every default, which is no reason to warn)."""
         hp = super().check_hparams(hparams)
         if hp["distance"] not in ("euclidean", "mse"):
             raise UserInputError(f"is {shown(hp['distance'])}; allowed: euclidean, mse", field="algorithm.distance")
         unused = "lambda_mse" if hp["distance"] == "euclidean" else "lambda"
-        if unused in hparams:
+        if unused in hparams and hparams[unused] != cls.defaults[unused]:
             warn(f"fedtgp: algorithm.{unused} has no effect with distance: {hp['distance']} (its weight is "
                  f"algorithm.{'lambda' if unused == 'lambda_mse' else 'lambda_mse'})")
         return hp
