@@ -246,3 +246,24 @@ def test_a_given_arch_over_a_device_budget_runs_with_a_warning(tmp_path, tiny_su
     assert "warning: clients.archs.pi4 does not fit device profile 'pi4' (macs_m: " in res.output
     clients = json.loads((out / "r" / "clients.json").read_text())["clients"]
     assert all(c["subnet_source"].startswith("given (over budget: macs_m: ") for c in clients), clients
+
+
+def test_fedtgp_prints_head_and_nearest_prototype_accuracy(tmp_path, tiny_supernet):
+    """Issue 7: FedTGP reports both head and nearest-prototype accuracy; `rafl federate` prints
+    both per client, their means, and each one's mean / sample-weighted / std line (it printed
+    the head's only; the prototype accuracy was in summary.json alone)."""
+    path, space = tiny_supernet
+    out = tmp_path / "runs"
+    res = _invoke(["--out", str(out), "--set", "name=r", "--set", f"supernet.path={path}",
+                   "--set", "data.limit_per_class=10", "--set", "clients.n=2", "--set", "algorithm.name=fedtgp",
+                   "--set", "algorithm.server_epochs=2", "--set", "engine.rounds=2",
+                   "--set", f"clients.arch={space.smallest().to_string()}"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "r" / "summary.json").read_text())
+    mean = summary["means"]["proto.acc"]
+    assert mean == pytest.approx(sum(r["proto.acc"] for r in summary["table"]) / 2)
+    assert "acc nearest prototype" in res.output and "warning" not in res.output
+    assert f"nearest-prototype accuracy: mean over clients {summary['final']['proto.acc_mean_over_clients']:.3f}" \
+        in res.output
+    mean_row = next(line for line in res.output.splitlines() if "mean" in line and "│" in line)
+    assert f"{summary['means']['model.acc']:.3f}" in mean_row and f"{mean:.3f}" in mean_row

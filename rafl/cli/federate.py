@@ -13,19 +13,32 @@ from rafl.cli import exit_interrupted
 from rafl.errors import UserInputError, shown
 
 
+#: the accuracies a method reports besides its deployed model's (``model.acc``), in table order:
+#: metric prefix -> (column label, what it measures); the same rules as ``rafl compare``'s table
+EXTRA_ACCURACIES = {
+    "knowledge": ("acc knowledge", "knowledge network accuracy"),              # RaFL
+    "proto": ("acc nearest prototype", "nearest-prototype accuracy"),          # FedTGP, FedProto
+    "prior": ("acc +prior", "global header + local label prior accuracy"),     # FedGH
+    "local": ("acc local header", "locally fine-tuned header accuracy"),       # FedGH
+    "global": ("acc shared", "shared model accuracy"),                         # FML, FedKD
+}
+
+
 def print_table(summary: dict, run_dir: Path) -> None:
-    """The per-client table (profile, subnet MACs/params, accuracies) with means, and the run dir."""
+    """The per-client table (profile, subnet MACs/params, the deployed model's accuracy and every
+    other accuracy the method reports, e.g. FedTGP's nearest-prototype accuracy) with means, and
+    the run dir."""
     from rich.console import Console
     from rich.table import Table
 
     rows = summary["table"]
-    has_k = any(r.get("knowledge.acc") is not None for r in rows)
+    extra = [k for k in EXTRA_ACCURACIES if any(r.get(f"{k}.acc") is not None for r in rows)]
     t = Table(title=f"{summary['algorithm']}: final round {summary['rounds']}, accuracy on each client's own test split")
     for col in ("client", "profile", "MACs (M)", "params (M)", "train", "test"):
         t.add_column(col, justify="right" if col != "profile" else "left")
-    t.add_column("acc specialized" if has_k else "acc", justify="right")
-    if has_k:
-        t.add_column("acc knowledge", justify="right")
+    t.add_column("acc specialized" if "knowledge" in extra else "acc", justify="right")
+    for k in extra:
+        t.add_column(EXTRA_ACCURACIES[k][0], justify="right")
 
     def f(v, d=2):
         return "-" if v is None else f"{v:.{d}f}"
@@ -33,21 +46,18 @@ def print_table(summary: dict, run_dir: Path) -> None:
     for r in rows:
         cells = [str(r["client"]), r["profile"], f(r["macs_m"]), f(r["params_m"], 3), str(r["n_train"]),
                  str(r["n_test"]), f(r.get("model.acc"), 3)]
-        if has_k:
-            cells.append(f(r.get("knowledge.acc"), 3))
-        t.add_row(*cells)
+        t.add_row(*cells, *(f(r.get(f"{k}.acc"), 3) for k in extra))
     m = summary["means"]
     cells = ["mean", "", f(m.get("macs_m")), f(m.get("params_m"), 3), "", "", f(m.get("model.acc"), 3)]
-    if has_k:
-        cells.append(f(m.get("knowledge.acc"), 3))
-    t.add_row(*cells, style="bold")
+    t.add_row(*cells, *(f(m.get(f"{k}.acc"), 3) for k in extra), style="bold")
     con = Console(width=max(100, Console().width))
     con.print(t)
     fin = summary["final"]
-    if "model.acc_sample_weighted" in fin:
-        con.print(f"model accuracy: mean over clients {fin['model.acc_mean_over_clients']:.3f}, "
-                  f"sample-weighted {fin['model.acc_sample_weighted']:.3f}, std over clients "
-                  f"{fin['model.acc_std_over_clients']:.3f}")
+    for prefix, label in (("model", "model accuracy"), *((k, EXTRA_ACCURACIES[k][1]) for k in extra)):
+        if f"{prefix}.acc_sample_weighted" in fin:
+            con.print(f"{label}: mean over clients {fin[f'{prefix}.acc_mean_over_clients']:.3f}, "
+                      f"sample-weighted {fin[f'{prefix}.acc_sample_weighted']:.3f}, std over clients "
+                      f"{fin[f'{prefix}.acc_std_over_clients']:.3f}")
     co = summary.get("co_mb_to_target")
     con.print(f"communication: {summary['cum_mb']:.2f} MB total (up {summary['cum_bytes_up'] / 1e6:.2f}, down "
               f"{summary['cum_bytes_down'] / 1e6:.2f}); upload per client per round "

@@ -537,8 +537,9 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
         accs = summary["clients"].get(str(row["client"]), {})
         rows.append({**row, **{k: v for k, v in accs.items() if k.endswith(".acc")}})
     summary["table"] = rows
+    acc_keys = sorted({k for r in rows for k in r if k.endswith(".acc")})  # model.acc, proto.acc, knowledge.acc, ...
     summary["means"] = {k: float(np.mean([r[k] for r in rows if r.get(k) is not None]))
-                        for k in ("macs_m", "params_m", "model.acc", "knowledge.acc")
+                        for k in ("macs_m", "params_m", *acc_keys)
                         if any(r.get(k) is not None for r in rows)}
     atomic_write_json(run_dir / "summary.json", summary)
     return summary
