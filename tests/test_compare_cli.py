@@ -44,6 +44,12 @@ def test_compare_smoke(tmp_path):
     md = (out / "compare.md").read_text()
     assert "non-default settings" in md and "label_prior=local" in md and "local-header acc" in md
     assert "pooled acc" in md
+    # `rafl federate --resume` on this folder points to `rafl compare --resume` (it used to say
+    # "never completed a round ... delete it", which would destroy a finished comparison)
+    res = CliRunner().invoke(cli, ["federate", "--resume", str(out)])
+    assert res.exit_code == 2 and "delete" not in res.output, res.output
+    assert f"{out}: --resume: is a rafl compare folder, not a rafl federate run dir; continue it with: rafl " \
+           f"compare --resume {out}" in res.output, res.output
 
 
 def test_compare_row_pools_the_clients_test_samples():

@@ -103,6 +103,9 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)",
                                  field="--config")
         cfg_file = resume_dir / "config.yaml"
+        if _is_compare_folder(cfg_file):
+            raise UserInputError("is a rafl compare folder, not a rafl federate run dir; continue it with: rafl "
+                                 f"compare --resume {shlex.quote(str(resume_dir))}", source=resume_dir, field="--resume")
         if cfg_file.is_file() and not (resume_dir / "checkpoint.safetensors").is_file():
             raise UserInputError("never completed a round (no checkpoint.safetensors), so there is nothing to "
                                  "resume: delete it and run the command again", source=resume_dir, field="--resume")
@@ -166,6 +169,17 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             raise exit_interrupted(err) from None
         raise
     print_table(summary, run_dir)
+
+
+def _is_compare_folder(cfg_file: Path) -> bool:
+    """Whether ``cfg_file`` is the config.yaml ``rafl compare`` writes (it lists ``algorithms``)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False  # not readable as a compare config: the checks below say what it is
+    return isinstance(data, dict) and "algorithms" in data
 
 
 def _say_how_to_resume(run_dir: Path) -> bool:
