@@ -23,6 +23,7 @@ Example (every key optional)::
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -323,6 +324,8 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     p = Path(path)
+    if p.is_dir():
+        raise UserInputError("is a folder; expected a YAML run config file", source=p)
     if not p.is_file():
         raise UserInputError("no such file (expected a YAML run config)", source=p)
     try:
@@ -332,6 +335,21 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserInputError("expected a mapping at the top level", source=p)
     return data
+
+
+def reject_compare_record(data: dict[str, Any], path: str | Path | None) -> None:
+    """Refuse the ``config.yaml`` that ``rafl compare`` writes into its folder (it lists
+    ``algorithms``: every method's resolved hyperparameters) where a run config is expected.
+
+    Raises:
+        UserInputError: naming the file and the command that continues that comparison.
+    """
+    if path is not None and "algorithms" in data:
+        folder = shlex.quote(str(Path(path).parent))
+        raise UserInputError("is the record rafl compare keeps in its folder, not a run config; continue that "
+                             f"comparison with: rafl compare --resume {folder} (a run config has the keys of "
+                             "rafl/config.py: data, partition, clients, supernet, algorithm, engine, ...)",
+                             source=path, field="algorithms")
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -344,6 +362,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
             the dotted field and listing the allowed values.
     """
     data = read_config_file(path)
+    reject_compare_record(data, path)
     source = None if path is None else str(path)
     parsed = parse_overrides(list(overrides))
     for key, value in parsed:

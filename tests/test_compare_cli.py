@@ -50,6 +50,14 @@ def test_compare_smoke(tmp_path):
     assert res.exit_code == 2 and "delete" not in res.output, res.output
     assert f"{out}: --resume: is a rafl compare folder, not a rafl federate run dir; continue it with: rafl " \
            f"compare --resume {out}" in res.output, res.output
+    # its config.yaml (the comparison's record) as --config: one line saying what it is, either command
+    for command in (["compare", "--out", str(tmp_path / "again")], ["federate", "--out", str(tmp_path / "again")]):
+        res = CliRunner().invoke(cli, [*command, "--config", str(out / "config.yaml")])
+        assert res.exit_code == 2 and not (tmp_path / "again").exists(), res.output
+        assert f"{out / 'config.yaml'}: algorithms: is the record rafl compare keeps in its folder, not a run " \
+               f"config; continue that comparison with: rafl compare --resume {out} " in res.output, res.output
+    res = CliRunner().invoke(cli, ["compare", "--config", str(out), "--out", str(tmp_path / "again")])
+    assert res.exit_code == 2 and f"{out}: is a folder; expected a YAML run config file" in res.output, res.output
 
 
 def test_compare_row_pools_the_clients_test_samples():

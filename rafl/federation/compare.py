@@ -132,9 +132,10 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
             no selected method accepts.
     """
-    from rafl.config import blame, parse_overrides, read_config_file
+    from rafl.config import blame, parse_overrides, read_config_file, reject_compare_record
 
     data = read_config_file(path)
+    reject_compare_record(data, path)
     source = str(path) if path is not None else "--set"
     algo_section = data.pop("algorithm", None)
     if algo_section is None:
