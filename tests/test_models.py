@@ -92,6 +92,11 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
                   "        return z, z\n"
                   "def tuple_head():\n"
                   "    return TupleHead()\n"
+                  "class ConvMap(Net):\n"
+                  "    def features(self, x):\n"
+                  "        return torch.zeros(x.shape[0], 16, 32, 32)\n"
+                  "def conv_map():\n"
+                  "    return ConvMap(10, 16)\n"
                   "def kwargs_only(**kw):\n"
                   "    return Net(kw['n_classes'], kw['feature_dim'])\n")
     (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('config server down')\n")
@@ -100,10 +105,12 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
     assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     # a **kwargs factory gets both keywords
     assert build_plugin_model("my_plugin:kwargs_only", 10, 16).head.out_features == 10
-    cases = {"my_plugin:bad_width": "expected \\[2, 16\\]", "my_plugin:not_a_model": "nn.Module",
+    cases = {"my_plugin:bad_width": "features\\(\\) gives shape \\[2, 5\\], expected a tensor of shape \\[2, 16\\]",
+             "my_plugin:conv_map": "features\\(\\) gives shape \\[2, 16, 32, 32\\], expected a tensor of shape "
+                                   "\\[2, 16\\] \\(the group's common width D\\)", "my_plugin:not_a_model": "nn.Module",
              "my_plugin:no_head": "features", "my_plugin:boom": "RuntimeError",
              "my_plugin:missing": "no callable", "my_plugin:wrong_forward": "forward gives shape \\[2, 16\\]", "no_such_module_xyz:f": "cannot import",
-             "bad spec": "not package", "my_plugin:tuple_head": "head returns tuple, expected a tensor",
+             "bad spec": "not package", "my_plugin:tuple_head": "head gives tuple, expected a tensor of shape \\[2, 10\\] \\(logits\\)",
              "broken_at_import:f": "importing 'broken_at_import' raised RuntimeError: config server down",
              "bad_syntax:f": "importing 'bad_syntax' raised SyntaxError"}
     for spec, msg in cases.items():

@@ -94,27 +94,31 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
     check_split_model(model, f"--models {spec}")
     was = model.training
     model.eval()
-    try:
-        with torch.no_grad():
-            feats = model.features(torch.zeros(2, in_channels, resolution, resolution))
-            logits = model.head(feats)
-    except Exception as err:
-        raise UserInputError(f"{spec}: features/head fail on a (2, {in_channels}, {resolution}, {resolution}) "
-                             f"batch ({err.__class__.__name__}: {err})", field="--models") from None
-    for what, value in (("features()", feats), ("head", logits)):
-        if not isinstance(value, torch.Tensor):
-            raise UserInputError(f"{spec}: {what} returns {type(value).__name__}, expected a tensor "
-                                 f"({'(2, D)' if what == 'features()' else '(2, K) logits'})", field="--models")
+    batch = (2, in_channels, resolution, resolution)
+    # features() first, its shape checked before head sees it: a (B, C, H, W) map from a conv
+    # trunk without pooling is then named as such, not as head's matmul error
+    for what, call, expected in (("features()", model.features, f"[2, {feature_dim}] (the group's common width D)"),
+                                 ("head", model.head, f"[2, {n_classes}] (logits)")):
+        try:
+            with torch.no_grad():
+                value = call(torch.zeros(batch) if what == "features()" else feats)
+        except Exception as err:  # the user's code: report, do not crash with a traceback
+            model.train(was)
+            raise UserInputError(f"{spec}: {what} fails on " + (f"a {batch} batch" if what == "features()" else
+                                 f"features of shape {list(feats.shape)}") + f" ({err.__class__.__name__}: {err})",
+                                 field="--models") from None
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (2, feature_dim if what == "features()"
+                                                                          else n_classes):
+            model.train(was)
+            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise UserInputError(f"{spec}: {what} gives {got}, expected a tensor of shape {expected}",
+                                 field="--models")
+        if what == "features()":
+            feats = value
     if type(model).forward is nn.Module.forward:
         # bound to this instance; deepcopy rebinds it to the copy (copy's MethodType handler)
         model.forward = types.MethodType(_features_then_head, model)
     model.train(was)
-    if tuple(feats.shape) != (2, feature_dim):
-        raise UserInputError(f"{spec}: features() gives shape {list(feats.shape)}, expected [2, {feature_dim}] "
-                             "(the group's common width D)", field="--models")
-    if tuple(logits.shape) != (2, n_classes):
-        raise UserInputError(f"{spec}: head gives shape {list(logits.shape)}, expected [2, {n_classes}]",
-                             field="--models")
     with torch.no_grad():
         model.eval()
         try:
