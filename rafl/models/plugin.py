@@ -60,6 +60,23 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     return factory
 
 
+def _probe(spec: str, what: str, call, arg: torch.Tensor, arg_text: str, shape: tuple[int, int],
+           meaning: str) -> torch.Tensor:
+    """``call(arg)`` without gradients, checked to be a tensor of ``shape``; the user's exception or
+    a wrong result becomes one UserInputError naming ``what`` and the expected shape."""
+    try:
+        with torch.no_grad():
+            value = call(arg)
+    except Exception as err:  # the user's code: report, do not crash with a traceback
+        raise UserInputError(f"{spec}: {what} fails on {arg_text} ({err.__class__.__name__}: {err})",
+                             field="--models") from None
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise UserInputError(f"{spec}: {what} gives {got}, expected a tensor of shape {list(shape)} {meaning}",
+                             field="--models")
+    return value
+
+
 def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels: int = 3,
                        resolution: int = 32) -> nn.Module:
     """Build and check a user model.
@@ -95,30 +112,17 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
     was = model.training
     model.eval()
     batch = (2, in_channels, resolution, resolution)
-    # features() first, its shape checked before head sees it: a (B, C, H, W) map from a conv
-    # trunk without pooling is then named as such, not as head's matmul error
-    for what, call, expected in (("features()", model.features, f"[2, {feature_dim}] (the group's common width D)"),
-                                 ("head", model.head, f"[2, {n_classes}] (logits)")):
-        try:
-            with torch.no_grad():
-                value = call(torch.zeros(batch) if what == "features()" else feats)
-        except Exception as err:  # the user's code: report, do not crash with a traceback
-            model.train(was)
-            raise UserInputError(f"{spec}: {what} fails on " + (f"a {batch} batch" if what == "features()" else
-                                 f"features of shape {list(feats.shape)}") + f" ({err.__class__.__name__}: {err})",
-                                 field="--models") from None
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (2, feature_dim if what == "features()"
-                                                                          else n_classes):
-            model.train(was)
-            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise UserInputError(f"{spec}: {what} gives {got}, expected a tensor of shape {expected}",
-                                 field="--models")
-        if what == "features()":
-            feats = value
+    try:
+        # features() first, its shape checked before head sees it: a (B, C, H, W) map from a conv
+        # trunk without pooling is then named as such, not as head's matmul error
+        feats = _probe(spec, "features()", model.features, torch.zeros(batch), f"a {batch} batch",
+                       (2, feature_dim), "(the group's common width D)")
+        _probe(spec, "head", model.head, feats, f"features of shape {list(feats.shape)}", (2, n_classes), "(logits)")
+    finally:
+        model.train(was)
     if type(model).forward is nn.Module.forward:
         # bound to this instance; deepcopy rebinds it to the copy (copy's MethodType handler)
         model.forward = types.MethodType(_features_then_head, model)
-    model.train(was)
     with torch.no_grad():
         model.eval()
         try:
