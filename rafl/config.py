@@ -114,7 +114,8 @@ QUICKSTART_BUDGETS: dict[str, dict[str, float | None]] = {
 
 
 class ClientsConfig(_Strict):
-    """The client population: how many, their device profiles, optional fixed archs.
+    """The client population: how many, their device profiles, optional fixed archs, or a
+    heterogeneous model group instead of supernet subnets.
 
     ``profiles`` are assigned round-robin to clients 0..n-1 (or give exactly ``n`` entries).
     ``archs`` maps a profile name to a fixed subnet (arch string or arch YAML/JSON path), which
@@ -122,6 +123,10 @@ class ClientsConfig(_Strict):
     (homogeneous population, e.g. for FedAvg). ``budgets`` replaces some budgets of a profile for
     this run (same device, another application: e.g. ``{pi4: {latency_ms: 1.2}}``); the shipped
     profiles' budgets are sized for 24-32 px models, the quickstart's digits supernet is smaller.
+    ``models`` other than ``nas`` gives client ``i`` member ``i % len(members)`` of a model group
+    (:func:`rafl.models.resolve_models`: the FedTGP paper's HtFE groups, zoo names, plug-ins), each
+    with a feature extractor of width ``feature_dim`` and its own header; no supernet, profile or
+    search is used then.
     """
 
     n: int = Field(10, ge=1, description="an integer >= 1")
@@ -132,6 +137,12 @@ class ClientsConfig(_Strict):
     budgets: dict[str, dict[str, float | None]] = Field(
         default_factory=lambda: {k: dict(v) for k, v in QUICKSTART_BUDGETS.items()},
         description="profile name -> {budget name: limit} overrides")
+    models: str = Field("nas", min_length=1,
+                        description="nas (a searched subnet of the supernet per device profile) or a model group: "
+                                    "htfe4, htfe8, htfe-tiny, model names or package.module:factory plug-ins, "
+                                    "comma-separated, assigned round-robin")
+    feature_dim: int = Field(128, ge=1, description="an integer >= 1 (the model group's common representation "
+                                                   "width D; nas keeps the supernet's)")
 
 
 class SupernetConfig(_Strict):

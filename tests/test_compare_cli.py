@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from rafl.cli import cli
@@ -85,7 +86,8 @@ def test_compare_row_pools_the_clients_test_samples():
     (["--algorithms", "fedgh", "--models", "htfe5"], "unknown model"),
     # make_partition's own names (k, n_clients, --clients) restated as the run config's keys
     (["--algorithms", "fedgh", "--set", "partition.scheme=pathological", "--set", "partition.k=11"],
-     "partition.k: is 11, allowed: an integer 1..10"),
+     "partition.k: impossible partition of digits (1797 samples) over clients.n=10 clients: is 11, allowed: an "
+     "integer 1..10"),
     (["--algorithms", "fedgh", "--set", "data.limit_per_class=10", "--set", "clients.n=40"],
      "lower clients.n or partition.min_samples"),
     (["--algorithms", "fedgh", "--set", "engine.clients_per_round=1.5"],
@@ -478,3 +480,29 @@ def test_resume_after_the_user_model_changed_is_one_line_error(tmp_path, monkeyp
     assert len(lines) == 1 and lines[0].startswith("error: client 0 (model qa_resume_plug:make): its stored state "
                                                    "does not fit the model built now"), res.output
     assert len((out / "fedproto" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_compare_takes_the_model_group_from_the_config_unless_models_is_given(tmp_path):
+    """`clients.models` / `clients.feature_dim` in the run config (the keys rafl federate uses) pick
+    compare's model group too; --models / --feature-dim on the command line win. The record
+    (config.yaml) says which models ran."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("clients: {models: cnn3-small, feature_dim: 8}\n")
+    base = [a for a in TINY if a not in ("--models", "cnn4-small,cnn3-small", "--feature-dim", "16")]
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--config", str(cfg), *base,
+                                   "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "a" / "compare.json").read_text())["models"] == "cnn3-small"
+    ran = yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["clients"]
+    assert (ran["models"], ran["feature_dim"]) == ("cnn3-small", 8)
+    clients = json.loads((tmp_path / "a" / "standalone" / "clients.json").read_text())["clients"]
+    assert {c["model"] for c in clients} == {"cnn3-small"}
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--config", str(cfg), *base,
+                                   "--models", "cnn4-small", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    record = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    assert (record["models"], record["clients"]["models"], record["feature_dim"]) == ("cnn4-small", "cnn4-small", 8)
+    bad = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--config", str(cfg), *base,
+                                   "--set", "clients.models=htfe9", "--out", str(tmp_path / "c")])
+    assert bad.exit_code == 2 and "clients.models: unknown model 'htfe9'" in bad.output, bad.output
+    assert not (tmp_path / "c").exists()

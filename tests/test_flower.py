@@ -339,6 +339,18 @@ def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, s
 
 
 @pytest.mark.slow
+def test_a_model_group_on_the_simulation_backend_matches_in_process(tmp_path):
+    """Issue 7's model groups (`clients.models`) run on Flower too: the nodes rebuild the group from
+    the run config, and every metric of every round equals the in-process run's."""
+    group = [*ARGS, "--set", "clients.models=cnn4-small,cnn3-small", "--set", "clients.feature_dim=16"]
+    _federate(["--out", str(tmp_path), "--set", "name=ref", *group])
+    _federate(["--out", str(tmp_path), "--set", "name=sim", *group, "--set", "engine.backend=flower"])
+    assert _rows(tmp_path / "sim") == _rows(tmp_path / "ref")
+    assert [c["model"] for c in json.loads((tmp_path / "sim" / "clients.json").read_text())["clients"]] == \
+        ["cnn4-small", "cnn3-small", "cnn4-small"]
+
+
+@pytest.mark.slow
 def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, in_process):
     """`rafl flower-app` + `flwr run` against a real SuperLink and two SuperNodes hosting the three
     clients (node 0: clients 0 and 2, node 1: client 1) ends with the in-process numbers."""

@@ -267,3 +267,53 @@ def test_fedtgp_prints_head_and_nearest_prototype_accuracy(tmp_path, tiny_supern
         in res.output
     mean_row = next(line for line in res.output.splitlines() if "mean" in line and "│" in line)
     assert f"{summary['means']['model.acc']:.3f}" in mean_row and f"{mean:.3f}" in mean_row
+
+
+def test_a_model_group_federates_resumes_and_rejects_bad_members(tmp_path, monkeypatch):
+    """Issue 7: `clients.models` gives rafl federate a heterogeneous model group (no supernet,
+    profile or search), plug-ins included; the run resumes like any other, and a bad group or a
+    whole-model method over different architectures is one line, exit 2, nothing written."""
+    (tmp_path / "tiny_user_model.py").write_text(
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, n_classes, feature_dim):\n"
+        "        super().__init__()\n"
+        "        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),\n"
+        "                                      nn.Flatten(), nn.Linear(8, feature_dim))\n"
+        "        self.head = nn.Linear(feature_dim, n_classes)\n"
+        "def factory(n_classes, feature_dim):\n"
+        "    return Net(n_classes, feature_dim)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "runs"
+    sets = ["--set", "data.limit_per_class=20", "--set", "clients.n=3", "--set", "algorithm.name=fedtgp",
+            "--set", "algorithm.local_epochs=1", "--set", "clients.feature_dim=16",
+            "--set", "clients.models=cnn4-small,tiny_user_model:factory"]
+    res = _invoke(["--out", str(out), "--set", "name=g", *sets, "--set", "engine.rounds=1",
+                   "--set", "algorithm.server_epochs=2"])
+    assert res.exit_code == 0, res.output
+    clients = json.loads((out / "g" / "clients.json").read_text())
+    assert [c["model"] for c in clients["clients"]] == ["cnn4-small", "tiny_user_model:factory", "cnn4-small"]
+    assert clients["models"] == "cnn4-small,tiny_user_model:factory" and clients["feature_dim"] == 16
+    assert "tiny_user_model:factory" in res.output and "acc nearest prototype" in res.output
+    assert "subnets:" not in res.output and "warning" not in res.output
+    up = json.loads((out / "g" / "metrics.jsonl").read_text().splitlines()[0])["bytes_up"]
+    assert up > 0
+    res = _invoke(["--resume", str(out / "g"), "--set", "engine.rounds=2"])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(r)["round"] for r in (out / "g" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+    bad = {"clients.models=htfe9": "error: clients.models: unknown model 'htfe9'; allowed: nas, a group (htfe4",
+           "clients.models=nas,cnn4": "error: clients.models: nas cannot be mixed with other models",
+           "clients.models=tiny_user_model:nothing": "error: clients.models: ",
+           "algorithm.name=fedavg": "error: clients.models: is 'cnn4-small,tiny_user_model:factory', which gives the "
+                                    "clients 2 different architectures, but fedavg averages whole models"}
+    for setting, msg in bad.items():
+        res = _invoke(["--out", str(tmp_path / "bad"), "--set", "name=b", *sets, "--set", setting])
+        assert res.exit_code == 2 and msg in res.output, (setting, res.output)
+        assert len(res.output.strip().splitlines()) == 1, res.output
+        assert not (tmp_path / "bad").exists()
+    # subnet settings do nothing for a model group: said once, the run goes on
+    res = _invoke(["--out", str(out), "--set", "name=w", *sets, "--set", "engine.rounds=1",
+                   "--set", "clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"])
+    assert res.exit_code == 0 and "warning: clients.arch applies to clients.models: nas (supernet subnets) only; " \
+        "ignored with clients.models: cnn4-small,tiny_user_model:factory" in res.output, res.output

@@ -23,9 +23,11 @@ from rafl.cli import exit_interrupted
               help="Override a config field, e.g. --set engine.rounds=5 --set algorithm.fedgh.server_lr=0.05.")
 @click.option("--models", default="htfe-tiny", show_default=True,
               help="nas (resource-aware subnets of the supernet), a model group (htfe4, htfe8, htfe-tiny), "
-                   "or a comma list of model names / package.module:factory plug-ins (round-robin).")
+                   "or a comma list of model names / package.module:factory plug-ins (round-robin). "
+                   "Default: the config's clients.models if it sets one, else htfe-tiny.")
 @click.option("--feature-dim", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Common representation width D of model-group clients.")
+              help="Common representation width D of model-group clients (default: the config's "
+                   "clients.feature_dim if it sets one).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Output folder (new or empty): compare.md/.csv/.json, compare.png, one run dir per method.")
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
@@ -45,8 +47,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         ctx = click.get_current_context()
         flags = {"algorithms": "--algorithms", "config_path": "--config", "overrides": "--set", "models": "--models",
                  "feature_dim": "--feature-dim", "out": "--out"}
-        given = [flag for param, flag in flags.items()
-                 if (src := ctx.get_parameter_source(param)) is not None and src.name == "COMMANDLINE"]
+        given = [flag for param, flag in flags.items() if _given(ctx, param)]
         if given:
             raise UserInputError(f"cannot be combined with {', '.join(given)} (the folder's config.yaml is used)",
                                  field="--resume")
@@ -64,13 +65,30 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError("is empty; give comma-separated method names", field="--algorithms")
         if len(set(names)) != len(names):
             raise UserInputError(f"lists a method twice ({algorithms})", field="--algorithms")
-        resolve_models(models)
+        ctx = click.get_current_context()
+        if _given(ctx, "models"):
+            resolve_models(models)  # a bad --models before the config is read
         cfg, hparams = load_compare_config(config_path, overrides, names)
-        _warn_ignored(cfg, models, click.get_current_context())
+        # clients.models / clients.feature_dim set in the config (or --set) count unless the option is given
+        if not _given(ctx, "models") and "models" in cfg.clients.model_fields_set:
+            models = cfg.clients.models
+            try:
+                resolve_models(models)
+            except UserInputError as err:
+                raise UserInputError(err.message, source=config_path, field="clients.models") from None
+        if not _given(ctx, "feature_dim") and "feature_dim" in cfg.clients.model_fields_set:
+            feature_dim = cfg.clients.feature_dim
+        _warn_ignored(cfg, models, ctx)
         with _say_how_to_resume(out):
             rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")
+
+
+def _given(ctx: click.Context, param: str) -> bool:
+    """Whether option ``param`` was given on the command line (not its default)."""
+    src = ctx.get_parameter_source(param)
+    return src is not None and src.name == "COMMANDLINE"
 
 
 @contextlib.contextmanager

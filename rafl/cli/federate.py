@@ -32,10 +32,12 @@ def print_table(summary: dict, run_dir: Path) -> None:
     from rich.table import Table
 
     rows = summary["table"]
+    group = any("model" in r for r in rows)  # clients.models: a model group (no profiles, no subnets)
     extra = [k for k in EXTRA_ACCURACIES if any(r.get(f"{k}.acc") is not None for r in rows)]
     t = Table(title=f"{summary['algorithm']}: final round {summary['rounds']}, accuracy on each client's own test split")
-    for col in ("client", "profile", "MACs (M)", "params (M)", "train", "test"):
-        t.add_column(col, justify="right" if col != "profile" else "left")
+    for col in ("client", "model", "params (M)", "train", "test") if group else \
+            ("client", "profile", "MACs (M)", "params (M)", "train", "test"):
+        t.add_column(col, justify="left" if col in ("profile", "model") else "right")
     t.add_column("acc specialized" if "knowledge" in extra else "acc", justify="right")
     for k in extra:
         t.add_column(EXTRA_ACCURACIES[k][0], justify="right")
@@ -44,12 +46,12 @@ def print_table(summary: dict, run_dir: Path) -> None:
         return "-" if v is None else f"{v:.{d}f}"
 
     for r in rows:
-        cells = [str(r["client"]), r["profile"], f(r["macs_m"]), f(r["params_m"], 3), str(r["n_train"]),
-                 str(r["n_test"]), f(r.get("model.acc"), 3)]
-        t.add_row(*cells, *(f(r.get(f"{k}.acc"), 3) for k in extra))
+        who = [r["model"]] if group else [r["profile"], f(r["macs_m"])]
+        t.add_row(str(r["client"]), *who, f(r["params_m"], 3), str(r["n_train"]), str(r["n_test"]),
+                  f(r.get("model.acc"), 3), *(f(r.get(f"{k}.acc"), 3) for k in extra))
     m = summary["means"]
-    cells = ["mean", "", f(m.get("macs_m")), f(m.get("params_m"), 3), "", "", f(m.get("model.acc"), 3)]
-    t.add_row(*cells, *(f(m.get(f"{k}.acc"), 3) for k in extra), style="bold")
+    t.add_row("mean", *([""] if group else ["", f(m.get("macs_m"))]), f(m.get("params_m"), 3), "", "",
+              f(m.get("model.acc"), 3), *(f(m.get(f"{k}.acc"), 3) for k in extra), style="bold")
     con = Console(width=max(100, Console().width))
     con.print(t)
     fin = summary["final"]
@@ -66,7 +68,8 @@ def print_table(summary: dict, run_dir: Path) -> None:
                  else f"target accuracy {summary['target_accuracy']} not reached"
                  if summary["target_accuracy"] is not None else "no target accuracy set")
               + f"; failed clients: {summary['failures']}")
-    con.print("subnets: " + ", ".join(sorted({f"{r['profile']}={r['arch']}" for r in rows})), soft_wrap=True)
+    if not group:
+        con.print("subnets: " + ", ".join(sorted({f"{r['profile']}={r['arch']}" for r in rows})), soft_wrap=True)
     con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 

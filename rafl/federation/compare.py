@@ -30,95 +30,15 @@ import yaml
 
 from rafl.config import RunConfig
 from rafl.errors import UserInputError, shown
-from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
-from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation, participation
+from rafl.federation.algorithms import get_algorithm
+from rafl.federation.engine import CHECKPOINT, Engine, Federation, participation
+from rafl.federation.pipeline import build_group_federation, engine_config, load_data_and_partition
 from rafl.io import atomic_write_json, atomic_write_text
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
 
 
 # ---------------------------------------------------------------------- federation of a model group
-def build_group_federation(dataset, partition, members: list[str], algorithm, *, feature_dim: int = 128,
-                           knowledge_model: str | None = None, batch_size: int = 32,
-                           device: torch.device | str = "cpu", seed: int = 0,
-                           hparams: dict[str, Any] | None = None) -> tuple[Federation, list[dict[str, Any]]]:
-    """A :class:`Federation` whose clients use models of a heterogeneous group (round-robin).
-
-    Args:
-        dataset: :class:`rafl.data.Dataset` (images ``(N, C, H, W)``).
-        partition: :class:`rafl.data.Partition`; its public pool becomes the server's unlabeled
-            ``public_images``.
-        members: model names / plug-in specs (:func:`rafl.models.resolve_models`); client ``i``
-            gets ``members[i % len(members)]``.
-        algorithm: an Algorithm instance.
-        feature_dim: the common representation width D.
-        knowledge_model: the shared model of RaFL/FML/FedKD (``make_model("knowledge")``);
-            default :data:`rafl.models.KNOWLEDGE_MODEL`.
-        batch_size: local mini-batch size (no drop_last).
-        device, seed: as named.
-        hparams: the algorithm's hyperparameters (default ``algorithm.hparams``).
-
-    Returns:
-        ``(federation, table)``: one row per client (client, model, params_m, n_train, n_test).
-
-    Raises:
-        UserInputError: an unknown member, a plug-in that does not fit, or a population the
-            algorithm rejects (e.g. FedAvg over different models).
-    """
-    from rafl.data import make_loader
-    from rafl.models import KNOWLEDGE_MODEL, make_member
-
-    if not members or "nas" in members:
-        raise UserInputError("needs model-group members (nas goes through the federate pipeline)", field="--models")
-    n = len(partition.clients)
-    device = torch.device(device)
-    n_classes = dataset.num_classes
-    channels, res = int(dataset.images.shape[1]), int(dataset.images.shape[-1])
-    know = knowledge_model or KNOWLEDGE_MODEL
-    names = [members[i % len(members)] for i in range(n)]
-
-    def make(name: str) -> torch.nn.Module:
-        return make_member(name, n_classes, feature_dim, channels, res)
-
-    params: dict[str, float] = {}
-    for name in sorted(set(names)):
-        params[name] = sum(p.numel() for p in make(name).parameters()) / 1e6   # also checks plug-ins now
-    infos = [ClientInfo(client_id=cid, profile="custom", arch=None, model_key=names[cid],
-                        n_samples=len(partition.clients[cid].train)) for cid in range(n)]
-    algorithm.check_population(infos)
-    table = [{"client": cid, "model": names[cid], "params_m": params[names[cid]],
-              "n_train": len(partition.clients[cid].train), "n_test": len(partition.clients[cid].test)}
-             for cid in range(n)]
-
-    def loaders(cid: int, split: str, seed_: int):
-        idx = getattr(partition.clients[cid], split)
-        if split == "val" and len(idx) == 0:
-            return None
-        return make_loader(dataset, idx, batch_size, shuffle=(split == "train"), seed=seed_ % (2**63))
-
-    def client_model(cid: int, arch=None):
-        if arch is None:
-            return make(names[cid]).train()
-        if arch == "knowledge":
-            return make(know).train()
-        raise UserInputError(f"model group clients have no subnet {arch!r}; the shared model is 'knowledge'",
-                             field="algorithm.knowledge_arch")
-
-    def server_model(arch=None, client_id=None):
-        if arch is None:
-            return make(names[0 if client_id is None else client_id]).train()
-        return client_model(0, arch)
-
-    public = np.asarray(partition.public, dtype=np.int64)
-    pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
-    hp = dict(algorithm.hparams if hparams is None else hparams)
-    server = ServerContext(clients=infos, make_model=server_model, public_images=pub_images, n_classes=n_classes,
-                           space=None, supernet=None, device=device, seed=seed, hparams=hp)
-    fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
-                     n_classes=n_classes, hparams=hp, device=device)
-    return fed, table
-
-
 # ---------------------------------------------------------------------- config
 def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
                         algorithms: list[str]) -> tuple[RunConfig, dict[str, dict[str, Any]]]:
@@ -233,45 +153,6 @@ def _validate(text: str, overrides: list[str], source: str) -> RunConfig:
 
 
 # ---------------------------------------------------------------------- running
-def _prepare_group(cfg: RunConfig, members: list[str], feature_dim: int):
-    from rafl.data import load_dataset, make_partition
-
-    ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
-                      limit_per_class=cfg.data.limit_per_class)
-    p = cfg.partition
-    try:
-        part = make_partition(ds.labels.numpy(), p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
-                              k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
-                              public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
-                              split=tuple(p.split), dataset=ds.name)
-    except UserInputError as err:
-        from rafl.config import partition_error
-
-        raise partition_error(err) from None
-    _check_disjoint(part)
-    from rafl.config import warn_about_test_data
-
-    warn_about_test_data(cfg, part)
-    return ds, part
-
-
-def _check_disjoint(partition) -> None:
-    """The public pool and every client's train/val/test index sets are pairwise disjoint."""
-    sets = [np.asarray(partition.public, dtype=np.int64)]
-    sets += [np.asarray(getattr(c, s), dtype=np.int64) for c in partition.clients for s in ("train", "val", "test")]
-    allidx = np.concatenate(sets)
-    if len(np.unique(allidx)) != len(allidx):
-        raise UserInputError("the partition's index sets overlap (leakage)", field="partition")
-
-
-def engine_config(cfg: RunConfig) -> EngineConfig:
-    """The :class:`EngineConfig` of a run config's ``engine`` section and seed."""
-    e = cfg.engine
-    return EngineConfig(rounds=e.rounds, clients_per_round=e.clients_per_round, sporadic_rate=e.sporadic_rate,
-                        available=e.available, dropout=e.dropout, eval_every=e.eval_every,
-                        eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
-
-
 def method_settings(name: str, hp: dict[str, Any], all_hparams: dict[str, dict[str, Any]] | None = None) -> str:
     """The method's hyperparameters that differ from its defaults, ``"key=value, ..."`` (e.g.
     ``"label_prior=local"``, which changes what FedGH's ``acc`` measures), so the table says which
@@ -343,6 +224,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError("already exists and is not empty; choose another --out (or --resume it)", source=out)
     members = resolve_models(models)
+    cfg = cfg.model_copy(deep=True)  # the record (config.yaml) says in clients.models which models ran
+    cfg.clients.models, cfg.clients.feature_dim = models, feature_dim
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     feds: dict[str, tuple[Federation, list]] = {}
@@ -362,7 +245,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise UserInputError(err.message, source=err.source, field="--algorithms") from None
             feds[name] = (prep.federation, prep.clients_table)
     else:
-        ds, part = _prepare_group(cfg, members, feature_dim)
+        ds, part = load_data_and_partition(cfg)
         device = torch.device(cfg.train.device)
         for name, hp in hparams.items():
             algo = get_algorithm(name)(**hp)
@@ -400,7 +283,11 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             raise UserInputError("is not a folder (a method's run dir); remove it to rerun the method", source=run_dir)
         # what the method's run was started with: a resumed run must continue with the same settings
         # (engine left out: only the number of rounds may differ, and it is checked per row)
-        started = json.loads(json.dumps({**shared, "engine": None, "hparams": hparams[name]}, default=str))
+        # (clients.models / clients.feature_dim are the top-level models / feature_dim: compared there,
+        # so folders written before the clients section had them still resume)
+        clients = {k: v for k, v in shared["clients"].items() if k not in ("models", "feature_dim")}
+        started = json.loads(json.dumps({**shared, "clients": clients, "engine": None, "hparams": hparams[name]},
+                                        default=str))
         done = previous.get(name)
         continuing = resume and (run_dir / CHECKPOINT).is_file()
         if done is not None or continuing:

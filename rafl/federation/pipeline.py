@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from rafl.config import RunConfig
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, warn
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
 from rafl.federation.engine import Engine, EngineConfig, Federation, participation
 from rafl.io import atomic_write_json, atomic_write_yaml
@@ -324,6 +324,95 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
 
 
 # ---------------------------------------------------------------------- prepare / run
+def build_group_federation(dataset, partition, members: list[str], algorithm, *, feature_dim: int = 128,
+                           knowledge_model: str | None = None, batch_size: int = 32,
+                           device: torch.device | str = "cpu", seed: int = 0,
+                           hparams: dict[str, Any] | None = None) -> tuple[Federation, list[dict[str, Any]]]:
+    """A :class:`Federation` whose clients use models of a heterogeneous group (round-robin).
+
+    Args:
+        dataset: :class:`rafl.data.Dataset` (images ``(N, C, H, W)``).
+        partition: :class:`rafl.data.Partition`; its public pool becomes the server's unlabeled
+            ``public_images``.
+        members: model names / plug-in specs (:func:`rafl.models.resolve_models`); client ``i``
+            gets ``members[i % len(members)]``.
+        algorithm: an Algorithm instance.
+        feature_dim: the common representation width D.
+        knowledge_model: the shared model of RaFL/FML/FedKD (``make_model("knowledge")``);
+            default :data:`rafl.models.KNOWLEDGE_MODEL`.
+        batch_size: local mini-batch size (no drop_last).
+        device, seed: as named.
+        hparams: the algorithm's hyperparameters (default ``algorithm.hparams``).
+
+    Returns:
+        ``(federation, table)``: one row per client (client, model, params_m, n_train, n_test).
+
+    Raises:
+        UserInputError: an unknown member, a plug-in that does not fit, or a population the
+            algorithm rejects (e.g. FedAvg over different models).
+    """
+    from rafl.data import make_loader
+    from rafl.models import KNOWLEDGE_MODEL, make_member
+
+    if not members or "nas" in members:
+        raise UserInputError("needs model-group members (nas goes through the federate pipeline)", field="--models")
+    n = len(partition.clients)
+    device = torch.device(device)
+    n_classes = dataset.num_classes
+    channels, res = int(dataset.images.shape[1]), int(dataset.images.shape[-1])
+    know = knowledge_model or KNOWLEDGE_MODEL
+    names = [members[i % len(members)] for i in range(n)]
+
+    def make(name: str) -> torch.nn.Module:
+        return make_member(name, n_classes, feature_dim, channels, res)
+
+    params: dict[str, float] = {}
+    for name in sorted(set(names)):
+        params[name] = sum(p.numel() for p in make(name).parameters()) / 1e6   # also checks plug-ins now
+    infos = [ClientInfo(client_id=cid, profile="custom", arch=None, model_key=names[cid],
+                        n_samples=len(partition.clients[cid].train)) for cid in range(n)]
+    algorithm.check_population(infos)
+    table = [{"client": cid, "model": names[cid], "params_m": params[names[cid]],
+              "n_train": len(partition.clients[cid].train), "n_test": len(partition.clients[cid].test)}
+             for cid in range(n)]
+
+    def loaders(cid: int, split: str, seed_: int):
+        idx = getattr(partition.clients[cid], split)
+        if split == "val" and len(idx) == 0:
+            return None
+        return make_loader(dataset, idx, batch_size, shuffle=(split == "train"), seed=seed_ % (2**63))
+
+    def client_model(cid: int, arch=None):
+        if arch is None:
+            return make(names[cid]).train()
+        if arch == "knowledge":
+            return make(know).train()
+        raise UserInputError(f"model group clients have no subnet {arch!r}; the shared model is 'knowledge'",
+                             field="algorithm.knowledge_arch")
+
+    def server_model(arch=None, client_id=None):
+        if arch is None:
+            return make(names[0 if client_id is None else client_id]).train()
+        return client_model(0, arch)
+
+    public = np.asarray(partition.public, dtype=np.int64)
+    pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
+    hp = dict(algorithm.hparams if hparams is None else hparams)
+    server = ServerContext(clients=infos, make_model=server_model, public_images=pub_images, n_classes=n_classes,
+                           space=None, supernet=None, device=device, seed=seed, hparams=hp)
+    fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
+                     n_classes=n_classes, hparams=hp, device=device)
+    return fed, table
+
+
+def engine_config(cfg: RunConfig) -> EngineConfig:
+    """The :class:`EngineConfig` of a run config's ``engine`` section and seed."""
+    e = cfg.engine
+    return EngineConfig(rounds=e.rounds, clients_per_round=e.clients_per_round, sporadic_rate=e.sporadic_rate,
+                        available=e.available, dropout=e.dropout, eval_every=e.eval_every,
+                        eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
+
+
 @dataclass
 class Prepared:
     """Everything validated and built before the run dir exists."""
@@ -384,41 +473,15 @@ def _check_same_data(cfg: RunConfig, trained: dict[str, Any], what: str) -> None
                 "this data", field=f"data.{key}")
 
 
-def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
-    """Validate ``cfg`` against the data, profiles and supernet and build the federation.
+def load_data_and_partition(cfg: RunConfig):
+    """``(dataset, partition)`` of a run config's ``data``, ``partition`` and ``clients.n``, the
+    partition checked for leakage (disjoint index sets) and warned about clients without test data.
 
     Raises:
-        UserInputError: unknown algorithm/hyperparameter, unknown profile, an impossible
-            partition, a profile no subnet fits, a public pool that differs from the one the
-            supernet trained on (leakage), FedAvg-like methods with heterogeneous models, ...
+        UserInputError: an unknown/missing dataset, or an impossible or malformed partition.
     """
     from rafl.data import load_dataset, make_partition
-    from rafl.search.profile import list_profiles, load_profile
 
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    algo_cls = get_algorithm(cfg.algorithm.name)
-    algorithm = algo_cls(**cfg.algorithm.hparams())
-    device = torch.device(cfg.train.device)  # validated by the run config (TrainSection)
-    profiles = []
-    for name in cfg.clients.profiles:
-        try:
-            profile = load_profile(name)
-        except UserInputError as err:
-            if err.source is not None:  # a profile file: name it and its field
-                raise UserInputError(err.message, source=err.source, field=err.field) from None
-            raise UserInputError(err.message, field="clients.profiles") from None
-        if name in cfg.clients.budgets or profile.name in cfg.clients.budgets:
-            overrides = cfg.clients.budgets.get(name, cfg.clients.budgets.get(profile.name, {}))
-            profile = profile.with_budgets(overrides, source=f"clients.budgets.{name}")
-        profiles.append(profile)
-    # Budgets or archs for shipped profiles that this run does not use are fine (the defaults name
-    # pi4 and jetson-nano); any other name is a typo.
-    known = set(cfg.clients.profiles) | {pr.name for pr in profiles} | set(list_profiles())
-    for key, named in (("clients.budgets", cfg.clients.budgets), ("clients.archs", cfg.clients.archs)):
-        if set(named) - known:
-            raise UserInputError(f"names profile(s) {sorted(set(named) - known)} that no client uses; "
-                                 f"clients.profiles is {cfg.clients.profiles}", field=key)
     ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
                       limit_per_class=cfg.data.limit_per_class)
     labels = ds.labels.numpy()
@@ -444,11 +507,91 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     from rafl.config import warn_about_test_data
 
     warn_about_test_data(cfg, part)
+    return ds, part
+
+
+def _group_members(cfg: RunConfig) -> list[str] | None:
+    """The model group of ``clients.models`` (:func:`rafl.models.resolve_models`), ``None`` for nas."""
+    from rafl.models import resolve_models
+
+    try:
+        members = resolve_models(cfg.clients.models)
+    except UserInputError as err:
+        raise UserInputError(err.message, source=err.source, field="clients.models") from None
+    if members == ["nas"]:
+        return None
+    for key, value in (("clients.arch", cfg.clients.arch), ("clients.archs", cfg.clients.archs),
+                       ("supernet.path", cfg.supernet.path)):
+        if value:
+            warn(f"{key} applies to clients.models: nas (supernet subnets) only; ignored with clients.models: "
+                 f"{cfg.clients.models}")
+    return members
+
+
+def _prepare_group(cfg: RunConfig, ds, part, members: list[str], algorithm, device: torch.device) -> Prepared:
+    """:func:`prepare` for a model group: client ``i`` gets ``members[i % len(members)]``."""
+    used = {members[i % len(members)] for i in range(len(part.clients))}
+    if algorithm.requires_homogeneous and len(used) > 1:
+        raise UserInputError(f"is {cfg.clients.models!r}, which gives the clients {len(used)} different "
+                             f"architectures, but {cfg.algorithm.name} averages whole models; allowed for it: one "
+                             "architecture (e.g. cnn4-small)", field="clients.models")
+    try:
+        fed, table = build_group_federation(ds, part, members, algorithm, feature_dim=cfg.clients.feature_dim,
+                                            batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
+                                            hparams=cfg.algorithm.hparams())
+    except UserInputError as err:  # a plug-in that does not fit
+        if err.field != "--models":
+            raise
+        raise UserInputError(err.message, source=err.source, field="clients.models") from None
+    ecfg = engine_config(cfg)
+    participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
+    return Prepared(cfg, fed, ecfg, table, part, {"models": cfg.clients.models, "feature_dim": cfg.clients.feature_dim})
+
+
+def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
+    """Validate ``cfg`` against the data, profiles and supernet and build the federation.
+
+    Raises:
+        UserInputError: unknown algorithm/hyperparameter, unknown profile, an impossible
+            partition, a profile no subnet fits, a public pool that differs from the one the
+            supernet trained on (leakage), FedAvg-like methods with heterogeneous models, ...
+    """
+    from rafl.search.profile import list_profiles, load_profile
+
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    algo_cls = get_algorithm(cfg.algorithm.name)
+    algorithm = algo_cls(**cfg.algorithm.hparams())
+    device = torch.device(cfg.train.device)  # validated by the run config (TrainSection)
+    members = _group_members(cfg)  # None: nas
+    profiles = []
+    for name in cfg.clients.profiles if members is None else ():
+        try:
+            profile = load_profile(name)
+        except UserInputError as err:
+            if err.source is not None:  # a profile file: name it and its field
+                raise UserInputError(err.message, source=err.source, field=err.field) from None
+            raise UserInputError(err.message, field="clients.profiles") from None
+        if name in cfg.clients.budgets or profile.name in cfg.clients.budgets:
+            overrides = cfg.clients.budgets.get(name, cfg.clients.budgets.get(profile.name, {}))
+            profile = profile.with_budgets(overrides, source=f"clients.budgets.{name}")
+        profiles.append(profile)
+    # Budgets or archs for shipped profiles that this run does not use are fine (the defaults name
+    # pi4 and jetson-nano); any other name is a typo.
+    known = set(cfg.clients.profiles) | {pr.name for pr in profiles} | set(list_profiles())
+    for key, named in (("clients.budgets", cfg.clients.budgets), ("clients.archs", cfg.clients.archs)):
+        if members is None and set(named) - known:
+            raise UserInputError(f"names profile(s) {sorted(set(named) - known)} that no client uses; "
+                                 f"clients.profiles is {cfg.clients.profiles}", field=key)
+    ds, part = load_data_and_partition(cfg)
     if algorithm.uses_public_pool or cfg.algorithm.hparams().get("distill"):
         if len(part.public) == 0:
             raise UserInputError(f"{cfg.algorithm.name} needs the server's public pool; set "
                                  "partition.public_fraction > 0", field="partition.public_fraction")
+    if members is not None:
+        return _prepare_group(cfg, ds, part, members, algorithm, device)
     supernet, supernet_id, pool = _load_supernet(cfg, ds, progress)
+    p = cfg.partition
     if pool is not None and (abs(pool[0] - p.public_fraction) > 1e-12 or pool[1] != p.public_seed):
         raise UserInputError(
             f"the supernet trained on the public pool carve_public_pool(labels, {pool[0]}, seed={pool[1]}); "
@@ -477,10 +620,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                                   calib_images=calib, hparams=cfg.algorithm.hparams())
     for row in table:
         row["subnet_source"] = arch_of[row["profile"]]["source"]
-    e = cfg.engine
-    ecfg = EngineConfig(rounds=e.rounds, clients_per_round=e.clients_per_round, sporadic_rate=e.sporadic_rate,
-                        available=e.available, dropout=e.dropout, eval_every=e.eval_every,
-                        eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
+    ecfg = engine_config(cfg)
     participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
     return Prepared(cfg, fed, ecfg, table, part, {"profiles": {n: {"arch": v["arch"].to_string(), "source": v["source"],
                                                                    "search_accuracy": v["search_accuracy"]}
