@@ -47,8 +47,9 @@ from pathlib import Path
 
 import torch
 
-from rafl.federation.compare import _prepare_group, load_compare_config, read_history, run_compare
+from rafl.federation.compare import load_compare_config, read_history, run_compare
 from rafl.federation.payload import Payload
+from rafl.federation.pipeline import load_data_and_partition
 from rafl.errors import UserInputError
 from rafl.federation.prototypes import to_payload_tensors
 from rafl.io import atomic_write_json, atomic_write_text
@@ -170,7 +171,7 @@ def cached_method(name: str, method: str, sets: list[str], cfg, hparams: dict, h
 
 def client_classes(cfg, dim: int) -> list[list[int]]:
     """The classes each client holds in its training split, for the upload-bytes formulas."""
-    ds, part = _prepare_group(cfg, [], dim)
+    ds, part = load_data_and_partition(cfg)
     labels = ds.labels.numpy()
     return [sorted(set(labels[c.train].tolist())) for c in part.clients]
 
