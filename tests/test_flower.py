@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import flwr.app as flwr_app  # rafl[test] installs rafl[flower]
@@ -374,6 +375,29 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     assert summary["final"] == json.loads((in_process / "summary.json").read_text())["final"]
     states = sorted(p.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st"))  # the nodes' own disk
     assert states == ["0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
+    # the README's resume with more rounds, on a fresh fleet whose nodes keep the same state-dir
+    # (the nodes' state folder was keyed by the config with engine.rounds, so round 3 found no state)
+    with flower.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states") as fleet:
+        run = fleet.run(tmp_path / "app", timeout=600, run_config=f"resume='{run_dir}' rounds=3")
+        assert run.completed, (run, fleet.logs()[-4000:])
+    shutil.copytree(in_process, tmp_path / "ref3")
+    _federate(["--resume", str(tmp_path / "ref3"), "--set", "engine.rounds=3"])
+    assert _rows(run_dir) == _rows(tmp_path / "ref3") and len(_rows(run_dir)) == 3
+
+
+@pytest.mark.slow
+def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
+    """As in-process: a run whose round 1 fails (a client's NaN payload) leaves no half-made run dir
+    behind on the ServerApp's side (it left config.yaml and clients.json, which `--resume` refused)."""
+    cfg = tmp_path / "div.yaml"
+    cfg.write_text("name: div\ndata: {limit_per_class: 10}\nclients: {n: 2, models: cnn3-small, feature_dim: 16}\n"
+                   "algorithm: {name: fedproto, lr: 1.0e+6}\nengine: {rounds: 1, round_timeout_s: 300}\n")
+    flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
+    with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
+        run = fleet.run(tmp_path / "app", timeout=600)
+    assert run.status == "finished:failed", (run, fleet.logs()[-3000:])
+    assert "payload from client 0 (model cnn3-small): proto.values: contains NaN or Inf values" in run.status_details
+    assert not (tmp_path / "runs" / "div").exists(), list((tmp_path / "runs").rglob("*"))
 
 
 @pytest.mark.slow

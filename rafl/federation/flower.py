@@ -60,6 +60,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -337,9 +338,13 @@ class FlowerClients:
         return lost
 
 
-def run_key_of(run_dir: Path, config_text: str) -> str:
-    """A short stable key naming a run's client-state folder on the nodes."""
-    return hashlib.sha256(f"{Path(run_dir).resolve()}\n{config_text}".encode()).hexdigest()[:16]
+def run_key_of(run_dir: Path, resolved: dict[str, Any]) -> str:
+    """A short stable key naming a run's client-state folder on the nodes: the run dir and its
+    resolved config (:meth:`RunConfig.resolved`) without the ``engine`` section, the settings a
+    resume may change (``engine.rounds`` to extend a run, ``engine.backend``, timeouts); the key
+    used to include them, so a run extended with more rounds looked in an empty folder."""
+    text = yaml.safe_dump({k: v for k, v in resolved.items() if k != "engine"}, sort_keys=True)
+    return hashlib.sha256(f"{Path(run_dir).resolve()}\n{text}".encode()).hexdigest()[:16]
 
 
 def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, progress: bool = True,
@@ -355,7 +360,7 @@ def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, pr
     config_text = yaml.safe_dump(cfg.resolved(), sort_keys=True)
     timeout = float(cfg.engine.round_timeout_s)
     node_of = discover_nodes(grid, len(prep.federation.clients), max(timeout, 60.0), simulation=shared_disk, stop=stop)
-    key = run_key_of(run_dir, config_text)
+    key = run_key_of(run_dir, cfg.resolved())
 
     made: list[FlowerClients] = []
 
@@ -712,11 +717,15 @@ def _make_server_app() -> Any:
 
     @sapp.main()
     def _main(grid: Any, context: Any) -> None:
+        run_dir = None
         try:
             prep, run_dir, resume = _load_from_run_config(dict(context.run_config))
             summary = run_on_grid(grid, prep, run_dir, resume=resume, progress=False)
-        except UserInputError as err:  # one line first in the run's log; the run ends as failed
-            print(f"error: {err}", flush=True)
+        except BaseException as err:
+            if run_dir is not None and not resume and not (run_dir / "checkpoint.safetensors").is_file():
+                shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
+            if isinstance(err, UserInputError):  # one line first in the run's log; the run ends as failed
+                print(f"error: {err}", flush=True)
             raise  # Flower logs the traceback after it (a SystemExit here would lose the streamed line)
         final = summary["final"]
         print(f"rafl: {summary['rounds']} rounds; model accuracy: mean over clients "

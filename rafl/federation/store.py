@@ -112,7 +112,8 @@ def load_state(path: Path) -> Any:
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise UserInputError("missing state file (run dir incomplete?)", source=path) from None
+        raise UserInputError("missing state file (is the run dir's clients/ or, on Flower, the node's state-dir "
+                             "incomplete?)", source=path) from None
     try:
         return state_from_bytes(data)
     except Exception as err:  # truncated/corrupt file
