@@ -116,11 +116,15 @@ def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     rounds = [json.loads(ln)["round"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
-    assert "may change only engine.rounds" in _one_error_line(
+    assert "error: --set: --resume may change only engine settings (engine.rounds to extend the run, engine.backend, " \
+           "...), not ['algorithm.temperature']" in _one_error_line(
         _invoke(["--resume", str(run_dir), "--set", "algorithm.temperature=3.0"]))
+    # another method: the same refusal (it used to report the run's hyperparameters as unknown to it)
+    assert "not ['algorithm.name', 'clients.models']" in _one_error_line(_invoke(
+        ["--resume", str(run_dir), "--set", "algorithm.name=fedgh", "--set", "clients.models=htfe-tiny"]))
     # an invalid --set value is blamed on --set, not on the run's (valid) config.yaml
-    line = _one_error_line(_invoke(["--resume", str(run_dir), "--set", "algorithm.temperature=-1"]))
-    assert line.startswith("error: --set: algorithm.temperature") and "config.yaml" not in line, line
+    line = _one_error_line(_invoke(["--resume", str(run_dir), "--set", "engine.eval_every=0"]))
+    assert line.startswith("error: --set: engine.eval_every") and "config.yaml" not in line, line
     assert "--out: cannot be combined with --resume" in _one_error_line(
         _invoke(["--resume", str(run_dir), "--out", str(tmp_path / "elsewhere"), "--set", "engine.rounds=3"]))
     assert "completed 2 rounds; allowed: an integer >= 2" in _one_error_line(

@@ -93,7 +93,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     searched subnet per profile, RaFL. Prints a per-client table and the run dir, which holds
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
-    from rafl.config import RunConfig, load_run_config
+    from rafl.config import RunConfig, load_run_config, parse_overrides
     from rafl.federation import pipeline
     from rafl.io import check_output_dir
 
@@ -115,6 +115,10 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         if not cfg_file.is_file():
             raise UserInputError("is not a rafl federate run dir (no config.yaml)", source=resume_dir,
                                  field="--resume")
+        fixed = sorted({key for key, _ in parse_overrides(overrides) if key.split(".")[0] != "engine"})
+        if fixed:  # before the values are read: e.g. another algorithm.name would fail on the run's hparams
+            raise UserInputError(f"--resume may change only engine settings (engine.rounds to extend the run, "
+                                 f"engine.backend, ...), not {fixed}", field="--set")
         old = load_run_config(cfg_file)
         try:
             cfg = load_run_config(cfg_file, overrides)
@@ -123,7 +127,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         changed = {k for k in ("data", "partition", "clients", "supernet", "search", "algorithm", "train", "seed")
                    if getattr(cfg, k) != getattr(old, k)}
         if changed:
-            raise UserInputError(f"--resume may change only engine.rounds, not {sorted(changed)}", field="--set")
+            raise UserInputError(f"--resume may change only engine settings, not {sorted(changed)}", field="--set")
         pipeline.check_resume_rounds(resume_dir, cfg.engine.rounds, "engine.rounds")
         prep = pipeline.prepare(cfg, progress=progress)
         try:
