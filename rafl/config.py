@@ -141,8 +141,9 @@ class ClientsConfig(_Strict):
                         description="nas (a searched subnet of the supernet per device profile) or a model group: "
                                     "htfe4, htfe8, htfe-tiny, model names or package.module:factory plug-ins, "
                                     "comma-separated, assigned round-robin")
-    feature_dim: int = Field(128, ge=1, description="an integer >= 1 (the model group's common representation "
-                                                   "width D; nas keeps the supernet's)")
+    feature_dim: int = Field(128, ge=1, le=4096,
+                             description="an integer 1..4096 (the model group's common representation width D; "
+                                         "nas keeps the supernet's; FedTGP's server network holds D x D weights)")
 
 
 class SupernetConfig(_Strict):

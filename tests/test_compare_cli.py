@@ -495,8 +495,9 @@ def test_compare_takes_the_model_group_from_the_config_unless_models_is_given(tm
     assert json.loads((tmp_path / "a" / "compare.json").read_text())["models"] == "cnn3-small"
     ran = yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["clients"]
     assert (ran["models"], ran["feature_dim"]) == ("cnn3-small", 8)
-    clients = json.loads((tmp_path / "a" / "standalone" / "clients.json").read_text())["clients"]
-    assert {c["model"] for c in clients} == {"cnn3-small"}
+    clients = json.loads((tmp_path / "a" / "standalone" / "clients.json").read_text())
+    assert {c["model"] for c in clients["clients"]} == {"cnn3-small"}
+    assert (clients["models"], clients["feature_dim"]) == ("cnn3-small", 8)
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--config", str(cfg), *base,
                                    "--models", "cnn4-small", "--out", str(tmp_path / "b")])
     assert res.exit_code == 0, res.output

@@ -246,7 +246,7 @@ def test_headers_of_different_shapes_are_a_clear_error_before_round_1(name, digi
     algo = get_algorithm(name)()
     fed, _ = build_group_federation(digits, edge_partition, ["cnn4-small", "odd_models:factory"], algo,
                                     feature_dim=D, batch_size=8)
-    with pytest.raises(UserInputError, match="^--models: .*header"):
+    with pytest.raises(UserInputError, match="^clients.models: .*header"):
         Engine(fed, EngineConfig(rounds=1), tmp_path / "run", progress=False).run()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

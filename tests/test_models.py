@@ -39,7 +39,7 @@ def test_resolve_models():
     assert resolve_models("nas") == ["nas"]
     assert resolve_models("mypkg.models:factory,cnn4") == ["mypkg.models:factory", "cnn4"]
     for bad in ("", "nas,cnn4", "resnet9000", "htfe5"):
-        with pytest.raises(UserInputError, match="--models"):
+        with pytest.raises(UserInputError, match="clients.models"):
             resolve_models(bad)
 
 

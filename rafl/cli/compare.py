@@ -25,7 +25,7 @@ from rafl.cli import exit_interrupted
               help="nas (resource-aware subnets of the supernet), a model group (htfe4, htfe8, htfe-tiny), "
                    "or a comma list of model names / package.module:factory plug-ins (round-robin). "
                    "Default: the config's clients.models if it sets one, else htfe-tiny.")
-@click.option("--feature-dim", type=click.IntRange(min=1), default=128, show_default=True,
+@click.option("--feature-dim", type=click.IntRange(min=1, max=4096), default=128, show_default=True,
               help="Common representation width D of model-group clients (default: the config's "
                    "clients.feature_dim if it sets one).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
@@ -67,22 +67,35 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError(f"lists a method twice ({algorithms})", field="--algorithms")
         ctx = click.get_current_context()
         if _given(ctx, "models"):
-            resolve_models(models)  # a bad --models before the config is read
+            with _models_option():
+                resolve_models(models)  # a bad --models before the config is read
         cfg, hparams = load_compare_config(config_path, overrides, names)
         # clients.models / clients.feature_dim set in the config (or --set) count unless the option is given
-        if not _given(ctx, "models") and "models" in cfg.clients.model_fields_set:
+        from_config = not _given(ctx, "models") and "models" in cfg.clients.model_fields_set
+        if from_config:
             models = cfg.clients.models
-            try:
-                resolve_models(models)
-            except UserInputError as err:
-                raise UserInputError(err.message, source=config_path, field="clients.models") from None
+            resolve_models(models)
         if not _given(ctx, "feature_dim") and "feature_dim" in cfg.clients.model_fields_set:
             feature_dim = cfg.clients.feature_dim
-        _warn_ignored(cfg, models, ctx)
-        with _say_how_to_resume(out):
+        _warn_ignored(cfg, models)
+        with _say_how_to_resume(out), (contextlib.nullcontext() if from_config else _models_option()):
             rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")
+
+
+@contextlib.contextmanager
+def _models_option() -> Iterator[None]:
+    """The client models came from ``--models`` (or its default): an error about them names the
+    option, not the config key ``clients.models`` the library reports."""
+    from rafl.errors import UserInputError
+
+    try:
+        yield
+    except UserInputError as err:
+        if err.field != "clients.models":
+            raise
+        raise UserInputError(err.message, source=err.source, field="--models") from None
 
 
 def _given(ctx: click.Context, param: str) -> bool:
@@ -105,13 +118,11 @@ def _say_how_to_resume(out: Path) -> Iterator[None]:
         raise
 
 
-def _warn_ignored(cfg, models: str, ctx: click.Context) -> None:
+def _warn_ignored(cfg, models: str) -> None:
     """Warn about settings that are valid but do nothing in this comparison (``algorithm.name``:
     :func:`rafl.federation.compare.load_compare_config`)."""
     from rafl.errors import warn
 
-    src = ctx.get_parameter_source("feature_dim")
-    if models.strip() == "nas" and src is not None and src.name == "COMMANDLINE":
-        warn("--feature-dim applies to model groups only; the NAS subnets keep the supernet's representation width")
+    # (--feature-dim with nas: rafl.federation.pipeline warns about clients.feature_dim, which it sets)
     if models.strip() != "nas" and (cfg.clients.arch or cfg.clients.archs):
         warn("clients.arch / clients.archs pick supernet subnets and apply to --models nas only; ignored here")

@@ -257,7 +257,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise UserInputError(
                     f"{models!r} gives the clients {len(used)} different architectures, but {name} averages "
                     "whole models; allowed for it: one architecture (e.g. --models cnn4-small), or leave it out of "
-                    "--algorithms", field="--models")
+                    "--algorithms", field="clients.models")
             feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
                                                 batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
                                                 hparams=hp)
@@ -304,7 +304,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             if run_dir.exists():  # an attempt that never completed round 1
                 shutil.rmtree(run_dir)
             run_dir.mkdir()
-            atomic_write_json(run_dir / "clients.json", {"clients": table})
+            group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
+            atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
             atomic_write_json(run_dir / STARTED_WITH, started)
         engine = Engine(fed, ecfg, run_dir, progress=progress)
         t0 = time.perf_counter()

@@ -96,7 +96,7 @@ def common_header(make_model: Callable[..., nn.Module], clients: list, method: s
             raise UserInputError(
                 f"{method} shares one header, but client {ref_id}'s header has shapes {ref_spec} and client "
                 f"{info.client_id}'s {spec}; allowed: models whose features() have the same width D and "
-                "whose heads are identical (e.g. Linear(D, n_classes))", field="--models")
+                "whose heads are identical (e.g. Linear(D, n_classes))", field="clients.models")
     if ref_model is None:
         raise UserInputError("needs at least one client", field="clients")
     return ref_model

@@ -355,7 +355,8 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
     from rafl.models import KNOWLEDGE_MODEL, make_member
 
     if not members or "nas" in members:
-        raise UserInputError("needs model-group members (nas goes through the federate pipeline)", field="--models")
+        raise UserInputError("needs model-group members (nas goes through the federate pipeline)",
+                             field="clients.models")
     n = len(partition.clients)
     device = torch.device(device)
     n_classes = dataset.num_classes
@@ -514,11 +515,11 @@ def _group_members(cfg: RunConfig) -> list[str] | None:
     """The model group of ``clients.models`` (:func:`rafl.models.resolve_models`), ``None`` for nas."""
     from rafl.models import resolve_models
 
-    try:
-        members = resolve_models(cfg.clients.models)
-    except UserInputError as err:
-        raise UserInputError(err.message, source=err.source, field="clients.models") from None
+    members = resolve_models(cfg.clients.models)
     if members == ["nas"]:
+        if cfg.clients.feature_dim != type(cfg.clients).model_fields["feature_dim"].default:
+            warn(f"clients.feature_dim ({cfg.clients.feature_dim}) applies to model groups only; the subnets of "
+                 "clients.models: nas keep the supernet's representation width")
         return None
     for key, value in (("clients.arch", cfg.clients.arch), ("clients.archs", cfg.clients.archs),
                        ("supernet.path", cfg.supernet.path)):
@@ -535,14 +536,9 @@ def _prepare_group(cfg: RunConfig, ds, part, members: list[str], algorithm, devi
         raise UserInputError(f"is {cfg.clients.models!r}, which gives the clients {len(used)} different "
                              f"architectures, but {cfg.algorithm.name} averages whole models; allowed for it: one "
                              "architecture (e.g. cnn4-small)", field="clients.models")
-    try:
-        fed, table = build_group_federation(ds, part, members, algorithm, feature_dim=cfg.clients.feature_dim,
-                                            batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
-                                            hparams=cfg.algorithm.hparams())
-    except UserInputError as err:  # a plug-in that does not fit
-        if err.field != "--models":
-            raise
-        raise UserInputError(err.message, source=err.source, field="clients.models") from None
+    fed, table = build_group_federation(ds, part, members, algorithm, feature_dim=cfg.clients.feature_dim,
+                                        batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
+                                        hparams=cfg.algorithm.hparams())
     ecfg = engine_config(cfg)
     participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
     return Prepared(cfg, fed, ecfg, table, part, {"models": cfg.clients.models, "feature_dim": cfg.clients.feature_dim})
@@ -685,5 +681,6 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
     return summary
 
 
-__all__ = ["prepare", "run", "check_resume_rounds", "build_federation", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
+__all__ = ["prepare", "run", "check_resume_rounds", "build_federation", "build_group_federation",
+           "load_data_and_partition", "engine_config", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
            "largest_feasible", "model_macs_params", "completed_rounds", "fast_clone", "QUICKSTART_POOL"]

@@ -1,6 +1,7 @@
 """Client models that are not supernet subnets: classic heterogeneous groups and user plug-ins.
 
-``--models`` takes ``nas`` (the resource-aware subnets, handled by the federation pipeline), a
+``clients.models`` (``rafl compare --models``) takes ``nas`` (the resource-aware subnets, handled by
+the federation pipeline), a
 group name (``htfe4``, ``htfe8``, ``htfe-tiny``) or a comma-separated list whose items are model
 names (:data:`rafl.models.zoo.BACKBONES`), groups, or ``package.module:factory`` plug-ins.
 Clients get the listed models round-robin.
@@ -25,9 +26,9 @@ def resolve_models(spec: str) -> list[str]:
     items = [s.strip() for s in str(spec).split(",") if s.strip()]
     if not items:
         raise UserInputError("is empty; allowed: nas, a group (" + ", ".join(GROUPS) + "), model names or "
-                             "package.module:factory", field="--models")
+                             "package.module:factory", field="clients.models")
     if "nas" in items and len(items) > 1:
-        raise UserInputError("nas cannot be mixed with other models", field="--models")
+        raise UserInputError("nas cannot be mixed with other models", field="clients.models")
     out: list[str] = []
     for it in items:
         if it == "nas":
@@ -39,7 +40,7 @@ def resolve_models(spec: str) -> list[str]:
         else:
             raise UserInputError(f"unknown model {it!r}; allowed: nas, a group ({', '.join(GROUPS)}), "
                                  f"one of {', '.join(sorted(BACKBONES))}, or package.module:factory",
-                                 field="--models")
+                                 field="clients.models")
     return out
 
 

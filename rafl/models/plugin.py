@@ -39,7 +39,7 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     """
     spec = spec.strip()
     if not is_plugin_spec(spec):
-        raise UserInputError(f"{spec!r} is not package.module:factory", field="--models")
+        raise UserInputError(f"{spec!r} is not package.module:factory", field="clients.models")
     mod_name, attr = spec.split(":")
     # like `python -m`, the current folder is searched (last, so it never shadows an installed
     # package): the `rafl` console script does not put it on sys.path
@@ -50,13 +50,13 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
         module = importlib.import_module(mod_name)
     except ImportError as err:
         raise UserInputError(f"cannot import {mod_name!r} ({err.__class__.__name__}: {err}); the module must be "
-                             "installed, on PYTHONPATH or in the current folder", field="--models") from None
+                             "installed, on PYTHONPATH or in the current folder", field="clients.models") from None
     except Exception as err:  # the user's module fails while importing (SyntaxError, its own errors)
         raise UserInputError(f"importing {mod_name!r} raised {err.__class__.__name__}: {err}",
-                             field="--models") from None
+                             field="clients.models") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise UserInputError(f"{mod_name!r} has no callable {attr!r}", field="--models")
+        raise UserInputError(f"{mod_name!r} has no callable {attr!r}", field="clients.models")
     return factory
 
 
@@ -69,11 +69,11 @@ def _probe(spec: str, what: str, call, arg: torch.Tensor, arg_text: str, shape: 
             value = call(arg)
     except Exception as err:  # the user's code: report, do not crash with a traceback
         raise UserInputError(f"{spec}: {what} fails on {arg_text} ({err.__class__.__name__}: {err})",
-                             field="--models") from None
+                             field="clients.models") from None
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
         got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise UserInputError(f"{spec}: {what} gives {got}, expected a tensor of shape {list(shape)} {meaning}",
-                             field="--models")
+                             field="clients.models")
     return value
 
 
@@ -105,10 +105,10 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
     try:
         model = factory(**kwargs)
     except Exception as err:  # the user's code: report, do not crash with a traceback
-        raise UserInputError(f"{spec} raised {err.__class__.__name__}: {err}", field="--models") from None
+        raise UserInputError(f"{spec} raised {err.__class__.__name__}: {err}", field="clients.models") from None
     if not isinstance(model, nn.Module):
-        raise UserInputError(f"{spec} returned {type(model).__name__}, expected an nn.Module", field="--models")
-    check_split_model(model, f"--models {spec}")
+        raise UserInputError(f"{spec} returned {type(model).__name__}, expected an nn.Module", field="clients.models")
+    check_split_model(model, f"clients.models: {spec}")
     was = model.training
     model.eval()
     batch = (2, in_channels, resolution, resolution)
@@ -129,15 +129,15 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
             out = model(torch.zeros(2, in_channels, resolution, resolution))
         except Exception as err:
             raise UserInputError(f"{spec}: forward fails on a (2, {in_channels}, {resolution}, {resolution}) batch "
-                                 f"({err.__class__.__name__}: {err})", field="--models") from None
+                                 f"({err.__class__.__name__}: {err})", field="clients.models") from None
         finally:
             model.train(was)
     if not isinstance(out, torch.Tensor):
         raise UserInputError(f"{spec}: forward returns {type(out).__name__}, expected a (2, {n_classes}) logits "
-                             "tensor", field="--models")
+                             "tensor", field="clients.models")
     if tuple(out.shape) != (2, n_classes):
         raise UserInputError(f"{spec}: forward gives shape {list(out.shape)}, expected [2, {n_classes}] "
-                             "(the logits, i.e. head(features(x)))", field="--models")
+                             "(the logits, i.e. head(features(x)))", field="clients.models")
     return model
 
 

@@ -59,7 +59,8 @@ def resolve_knowledge_arch(spec: str, space: SearchSpace | None) -> ArchConfig |
         if spec != "smallest":  # the default; anything else would be silently ignored
             raise UserInputError(f"is {spec!r}, but model-group clients have no supernet to cut it from: the "
                                  "shared model is the group's knowledge model; allowed here: smallest (the "
-                                 "default), or use --models nas", field="algorithm.knowledge_arch")
+                                 "default), or use clients.models: nas (rafl compare: --models nas)",
+                                 field="algorithm.knowledge_arch")
         return None
     named = {"smallest": space.smallest, "middle": space.middle, "largest": space.largest}
     if spec in named:
