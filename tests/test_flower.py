@@ -174,6 +174,7 @@ def test_flower_app_command_writes_the_app_once(tmp_path):
     ("engine: {roundz: 2}\n", "run.yaml: engine.roundz: unknown key; allowed: rounds"),
     ("algorithm: {name: fedfoo}\n", "run.yaml: algorithm.name: unknown algorithm 'fedfoo'"),
     ("algorithm: {name: fedgh, server_mode: sideways}\n", "run.yaml: algorithm.server_mode: is 'sideways'"),
+    ("clients: {models: 'htfe4,bogus'}\n", "run.yaml: clients.models: unknown model 'bogus'; allowed: nas, a group"),
 ])
 def test_flower_app_checks_the_run_config_before_writing(tmp_path, text, msg):
     """`flwr run` exits 0 whatever the ServerApp meets, so a bad run config is caught here."""

@@ -24,8 +24,16 @@ def flower_app(folder: Path, config: Path | None, runs: Path) -> None:
 
     # the run config is read on the SuperLink only when `flwr run` starts it, and `flwr run`
     # exits 0 whatever happens there: check what can be checked here (schema, algorithm and its
-    # hyperparameters; not the data or the supernet, which live on the SuperLink's machine)
-    load_run_config(config)
+    # hyperparameters, model names; not the data, the supernet or plug-in modules, which live on the
+    # SuperLink's and the nodes' machines)
+    from rafl.errors import UserInputError
+    from rafl.models import resolve_models
+
+    models = load_run_config(config).clients.models
+    try:
+        resolve_models(models)
+    except UserInputError as err:
+        raise UserInputError(err.message, source=config, field=err.field) from None
     path = write_app(folder, config=config, out=runs)
     click.echo(f"wrote {path}")
     click.echo(f"run it: flwr run {folder} <superlink connection> --stream")
