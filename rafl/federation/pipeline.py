@@ -243,6 +243,20 @@ def subnets_for_profiles(cfg: RunConfig, supernet, profiles: list, val: tuple[to
 
 
 # ---------------------------------------------------------------------- federation from parts
+def client_loaders(dataset, partition, batch_size: int):
+    """The federation's ``loaders(cid, split, seed)``: a DataLoader over client ``cid``'s ``split``
+    (train shuffled with ``seed``; no ``drop_last``), or ``None`` for an empty ``val`` split."""
+    from rafl.data import make_loader
+
+    def loaders(cid: int, split: str, seed: int):
+        idx = getattr(partition.clients[cid], split)
+        if split == "val" and len(idx) == 0:
+            return None
+        return make_loader(dataset, idx, batch_size, shuffle=(split == "train"), seed=seed % (2**63))
+
+    return loaders
+
+
 def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algorithm, *,
                      profiles: list[str] | None = None, batch_size: int = 32,
                      device: torch.device | str = "cpu", seed: int = 0,
@@ -274,8 +288,6 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
         UserInputError: ``len(archs)`` differs from the number of clients, or the algorithm
             rejects the population (e.g. FedAvg with heterogeneous archs).
     """
-    from rafl.data import make_loader
-
     n = len(partition.clients)
     if len(archs) != n:
         raise UserInputError(f"{len(archs)} archs for {n} clients", field="clients")
@@ -300,11 +312,7 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
                       "n_train": len(split.train), "n_test": len(split.test)})
     algorithm.check_population(infos)
 
-    def loaders(cid: int, split: str, seed: int):
-        idx = getattr(partition.clients[cid], split)
-        if split == "val" and len(idx) == 0:
-            return None
-        return make_loader(dataset, idx, batch_size, shuffle=(split == "train"), seed=seed % (2**63))
+    loaders = client_loaders(dataset, partition, batch_size)
 
     def client_model(cid: int, arch=None):
         return bank.make(infos[cid].arch if arch is None else arch)
@@ -351,7 +359,6 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
         UserInputError: an unknown member, a plug-in that does not fit, or a population the
             algorithm rejects (e.g. FedAvg over different models).
     """
-    from rafl.data import make_loader
     from rafl.models import KNOWLEDGE_MODEL, make_member
 
     if not members or "nas" in members:
@@ -377,11 +384,7 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
               "n_train": len(partition.clients[cid].train), "n_test": len(partition.clients[cid].test)}
              for cid in range(n)]
 
-    def loaders(cid: int, split: str, seed_: int):
-        idx = getattr(partition.clients[cid], split)
-        if split == "val" and len(idx) == 0:
-            return None
-        return make_loader(dataset, idx, batch_size, shuffle=(split == "train"), seed=seed_ % (2**63))
+    loaders = client_loaders(dataset, partition, batch_size)
 
     def client_model(cid: int, arch=None):
         if arch is None:
