@@ -331,7 +331,6 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
     return fed, table
 
 
-# ---------------------------------------------------------------------- prepare / run
 def build_group_federation(dataset, partition, members: list[str], algorithm, *, feature_dim: int = 128,
                            knowledge_model: str | None = None, batch_size: int = 32,
                            device: torch.device | str = "cpu", seed: int = 0,
@@ -417,6 +416,7 @@ def engine_config(cfg: RunConfig) -> EngineConfig:
                         eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed)
 
 
+# ---------------------------------------------------------------------- prepare / run
 @dataclass
 class Prepared:
     """Everything validated and built before the run dir exists."""
@@ -548,7 +548,9 @@ def _prepare_group(cfg: RunConfig, ds, part, members: list[str], algorithm, devi
 
 
 def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
-    """Validate ``cfg`` against the data, profiles and supernet and build the federation.
+    """Validate ``cfg`` against the data, profiles and supernet and build the federation: one
+    searched (or given) subnet per device profile, or with ``clients.models`` other than ``nas`` a
+    heterogeneous model group (:func:`build_group_federation`; no supernet, profile or search).
 
     Raises:
         UserInputError: unknown algorithm/hyperparameter, unknown profile, an impossible
