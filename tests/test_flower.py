@@ -376,6 +376,8 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     assert summary["final"] == json.loads((in_process / "summary.json").read_text())["final"]
     states = sorted(p.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st"))  # the nodes' own disk
     assert states == ["0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
+    (folder,) = {p.parent.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st")}
+    assert f"the nodes keep its client states in <state-dir>/{folder}/" in run.stdout  # which folder to delete
     # the README's resume with more rounds, on a fresh fleet whose nodes keep the same state-dir
     # (the nodes' state folder was keyed by the config with engine.rounds, so round 3 found no state)
     with flower.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states") as fleet:

@@ -720,6 +720,9 @@ def _make_server_app() -> Any:
         run_dir = None
         try:
             prep, run_dir, resume = _load_from_run_config(dict(context.run_config))
+            key = run_key_of(run_dir, prep.cfg.resolved())
+            print(f"rafl: run dir {run_dir}; the nodes keep its client states in <state-dir>/{key}/ (default "
+                  f"~/.cache/rafl/flower-states/{key}/: delete it when the run is no longer needed)", flush=True)
             summary = run_on_grid(grid, prep, run_dir, resume=resume, progress=False)
         except BaseException as err:
             if run_dir is not None and not resume and not (run_dir / "checkpoint.safetensors").is_file():
