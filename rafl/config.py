@@ -349,6 +349,12 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
     return data
 
 
+def is_compare_record(data: Any) -> bool:
+    """Whether a parsed YAML document is the ``config.yaml`` ``rafl compare`` writes into its folder
+    (it lists ``algorithms``: every method's resolved hyperparameters)."""
+    return isinstance(data, dict) and "algorithms" in data
+
+
 def reject_compare_record(data: dict[str, Any], path: str | Path | None) -> None:
     """Refuse the ``config.yaml`` that ``rafl compare`` writes into its folder (it lists
     ``algorithms``: every method's resolved hyperparameters) where a run config is expected.
@@ -356,7 +362,7 @@ def reject_compare_record(data: dict[str, Any], path: str | Path | None) -> None
     Raises:
         UserInputError: naming the file and the command that continues that comparison.
     """
-    if path is not None and "algorithms" in data:
+    if path is not None and is_compare_record(data):
         folder = shlex.quote(str(Path(path).parent))
         raise UserInputError("is the record rafl compare keeps in its folder, not a run config; continue that "
                              f"comparison with: rafl compare --resume {folder} (a run config has the keys of "

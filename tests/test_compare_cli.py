@@ -96,8 +96,9 @@ def test_compare_row_pools_the_clients_test_samples():
      "algorithm.fedkd.energy_start: is 1.5; allowed: a fraction in (0, 1]"),
     (["--algorithms", "fml", "--set", "algorithm.knowledge_arch=bogus"],
      "algorithm.knowledge_arch: is 'bogus', but model-group clients have no supernet"),
-    (["--algorithms", "fedgh,fedavg", "--set", "clients.n=3"], "--models: 'htfe-tiny' gives the clients 3 different "
-                                                               "architectures, but fedavg averages whole models"),
+    (["--algorithms", "fedgh,fedavg", "--set", "clients.n=3"], "--models: gives the clients 3 different architectures "
+                                                               "(cnn3-small, cnn4-small, mobilenet_v2-0.25), but fedavg "
+                                                               "averages whole models"),
     (["--algorithms", "fedgh", "--config", "missing.yaml"], "no such file"),
     # a --set for a method that is not compared is a slip, not silently ignored
     (["--algorithms", "fedgh", "--set", "algorithm.fedtgp.server_epochs=5"],

@@ -309,8 +309,8 @@ def test_a_model_group_federates_resumes_and_rejects_bad_members(tmp_path, monke
     bad = {"clients.models=htfe9": "error: clients.models: unknown model 'htfe9'; allowed: nas, a group (htfe4",
            "clients.models=nas,cnn4": "error: clients.models: nas cannot be mixed with other models",
            "clients.models=tiny_user_model:nothing": "error: clients.models: ",
-           "algorithm.name=fedavg": "error: clients.models: is 'cnn4-small,tiny_user_model:factory', which gives the "
-                                    "clients 2 different architectures, but fedavg averages whole models"}
+           "algorithm.name=fedavg": "error: clients.models: gives the clients 2 different architectures (cnn4-small, "
+                                    "tiny_user_model:factory), but fedavg averages whole models"}
     for setting, msg in bad.items():
         res = _invoke(["--out", str(tmp_path / "bad"), "--set", "name=b", *sets, "--set", setting])
         assert res.exit_code == 2 and msg in res.output, (setting, res.output)

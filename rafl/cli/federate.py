@@ -179,14 +179,15 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
 
 
 def _is_compare_folder(cfg_file: Path) -> bool:
-    """Whether ``cfg_file`` is the config.yaml ``rafl compare`` writes (it lists ``algorithms``)."""
+    """Whether ``cfg_file`` is the config.yaml ``rafl compare`` writes (:func:`rafl.config.is_compare_record`)."""
     import yaml
 
+    from rafl.config import is_compare_record
+
     try:
-        data = yaml.safe_load(cfg_file.read_text())
+        return is_compare_record(yaml.safe_load(cfg_file.read_text()))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False  # not readable as a compare config: the checks below say what it is
-    return isinstance(data, dict) and "algorithms" in data
 
 
 def _say_how_to_resume(run_dir: Path) -> bool:

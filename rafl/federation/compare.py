@@ -32,7 +32,8 @@ from rafl.config import RunConfig
 from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.engine import CHECKPOINT, Engine, Federation, participation
-from rafl.federation.pipeline import build_group_federation, engine_config, load_data_and_partition
+from rafl.federation.pipeline import (build_group_federation, check_public_pool, engine_config,
+                                      load_data_and_partition)
 from rafl.io import atomic_write_json, atomic_write_text
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
@@ -249,15 +250,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         device = torch.device(cfg.train.device)
         for name, hp in hparams.items():
             algo = get_algorithm(name)(**hp)
-            if algo.uses_public_pool and len(part.public) == 0:
-                raise UserInputError(f"{name} needs the server's public pool; set partition.public_fraction > 0",
-                                     field="partition.public_fraction")
-            used = {members[i % len(members)] for i in range(len(part.clients))}  # round-robin
-            if algo.requires_homogeneous and len(used) > 1:
-                raise UserInputError(
-                    f"{models!r} gives the clients {len(used)} different architectures, but {name} averages "
-                    "whole models; allowed for it: one architecture (e.g. --models cnn4-small), or leave it out of "
-                    "--algorithms", field="clients.models")
+            check_public_pool(algo, hp, part)
             feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
                                                 batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
                                                 hparams=hp)

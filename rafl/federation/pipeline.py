@@ -369,6 +369,11 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
     channels, res = int(dataset.images.shape[1]), int(dataset.images.shape[-1])
     know = knowledge_model or KNOWLEDGE_MODEL
     names = [members[i % len(members)] for i in range(n)]
+    used = sorted(set(names))
+    if algorithm.requires_homogeneous and len(used) > 1:
+        raise UserInputError(f"gives the clients {len(used)} different architectures ({', '.join(used)}), but "
+                             f"{algorithm.name} averages whole models; allowed for it: one architecture (e.g. "
+                             "cnn4-small)", field="clients.models")
 
     def make(name: str) -> torch.nn.Module:
         return make_member(name, n_classes, feature_dim, channels, res)
@@ -514,6 +519,14 @@ def load_data_and_partition(cfg: RunConfig):
     return ds, part
 
 
+def check_public_pool(algorithm, hparams: dict[str, Any], partition) -> None:
+    """Raise UserInputError when ``algorithm`` (or its ``distill`` option) needs the server's
+    public pool and ``partition`` carved none."""
+    if (algorithm.uses_public_pool or hparams.get("distill")) and len(partition.public) == 0:
+        raise UserInputError(f"{algorithm.name} needs the server's public pool; set partition.public_fraction > 0",
+                             field="partition.public_fraction")
+
+
 def _group_members(cfg: RunConfig) -> list[str] | None:
     """The model group of ``clients.models`` (:func:`rafl.models.resolve_models`), ``None`` for nas."""
     from rafl.models import resolve_models
@@ -534,11 +547,6 @@ def _group_members(cfg: RunConfig) -> list[str] | None:
 
 def _prepare_group(cfg: RunConfig, ds, part, members: list[str], algorithm, device: torch.device) -> Prepared:
     """:func:`prepare` for a model group: client ``i`` gets ``members[i % len(members)]``."""
-    used = {members[i % len(members)] for i in range(len(part.clients))}
-    if algorithm.requires_homogeneous and len(used) > 1:
-        raise UserInputError(f"is {cfg.clients.models!r}, which gives the clients {len(used)} different "
-                             f"architectures, but {cfg.algorithm.name} averages whole models; allowed for it: one "
-                             "architecture (e.g. cnn4-small)", field="clients.models")
     fed, table = build_group_federation(ds, part, members, algorithm, feature_dim=cfg.clients.feature_dim,
                                         batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
                                         hparams=cfg.algorithm.hparams())
@@ -585,10 +593,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
             raise UserInputError(f"names profile(s) {sorted(set(named) - known)} that no client uses; "
                                  f"clients.profiles is {cfg.clients.profiles}", field=key)
     ds, part = load_data_and_partition(cfg)
-    if algorithm.uses_public_pool or cfg.algorithm.hparams().get("distill"):
-        if len(part.public) == 0:
-            raise UserInputError(f"{cfg.algorithm.name} needs the server's public pool; set "
-                                 "partition.public_fraction > 0", field="partition.public_fraction")
+    check_public_pool(algorithm, cfg.algorithm.hparams(), part)
     if members is not None:
         return _prepare_group(cfg, ds, part, members, algorithm, device)
     supernet, supernet_id, pool = _load_supernet(cfg, ds, progress)
@@ -687,5 +692,5 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
 
 
 __all__ = ["prepare", "run", "check_resume_rounds", "build_federation", "build_group_federation",
-           "load_data_and_partition", "engine_config", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
+           "load_data_and_partition", "engine_config", "check_public_pool", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
            "largest_feasible", "model_macs_params", "completed_rounds", "fast_clone", "QUICKSTART_POOL"]
