@@ -285,6 +285,10 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, dict) and list(value.values()) == [None] and raw.strip().endswith(":"):
+            # YAML reads "pkg.mod:" as the mapping {pkg.mod: null}; a value cut short after its colon
+            # is meant as text, and its own field's check then says what is missing
+            value = raw.strip()
         out.append((key.strip(), value))
     return out
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rafl.config import load_run_config
+from rafl.config import load_run_config, parse_overrides
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
@@ -131,6 +131,10 @@ def test_run_config_defaults_overrides_and_errors(tmp_path):
         load_run_config(None, ["algorithm.name=fedx"])
     with pytest.raises(UserInputError, match=r"not key=value"):
         load_run_config(None, ["engine.rounds"])
+    # a value cut short after its colon stays text (YAML alone would make it {pkg.mod: null});
+    # a real mapping still parses as one
+    assert parse_overrides(["clients.models=pkg.mod:", "clients.budgets={phone: {latency_ms: 1}}"]) == \
+        [("clients.models", "pkg.mod:"), ("clients.budgets", {"phone": {"latency_ms": 1}})]
 
 
 def test_feddf_sends_each_client_only_its_architecture_group():

@@ -132,7 +132,10 @@ def _query_handler(configs):
 
 def test_discover_nodes_hosts_clients_round_robin_by_partition_id(task_identity):
     grid = FakeGrid(_query_handler({11: (0, 2), 22: (1, 2)}))
-    assert flower.discover_nodes(grid, 5, timeout=2) == {0: 11, 1: 22, 2: 11, 3: 22, 4: 11}
+    node_of = flower.discover_nodes(grid, 5, timeout=2)
+    assert node_of == {0: 11, 1: 22, 2: 11, 3: 22, 4: 11}
+    # errors name a node by its partition-id too: an operator starts SuperNodes by partition-id
+    assert flower.node_name(node_of, 3) == "node 22 (partition-id=1)"
 
 
 def test_discover_nodes_names_the_clients_no_node_hosts(task_identity):
@@ -296,7 +299,8 @@ def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_
     summary = flower.run_on_grid(FaultyGrid(2, dead=2, dead_from=2), prep, tmp_path / "run", progress=False)
     rows = _rows(tmp_path / "run")
     assert summary["rounds"] == 3 and [r["failed"] for r in rows] == [0, 1, 1]
-    assert rows[1]["lost"] == {"1": "no reply within 1 s"} and rows[2]["eval_lost"] == {"1": "no reply within 1 s"}
+    why = "node 2 (partition-id=1): no reply within 1 s"
+    assert rows[1]["lost"] == {"1": why} and rows[2]["eval_lost"] == {"1": why}
     assert sorted(summary["clients"]) == ["0", "2"]
 
 
@@ -312,7 +316,8 @@ def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet
     with pytest.raises(UserInputError) as on_flower:
         flower.run_on_grid(DirectGrid(2), prep, tmp_path / "b", progress=False)
     assert "diverged" in on_flower.value.message and on_flower.value.message == in_process.value.message
-    assert on_flower.value.source == f"{in_process.value.source} on node {flower.discover_nodes(DirectGrid(2), 3, 1)[int(in_process.value.source.split()[1])]}"
+    cid = int(in_process.value.source.split()[1])
+    assert on_flower.value.source == f"{in_process.value.source} on node {cid % 2 + 1} (partition-id={cid % 2})"
     assert not (tmp_path / "b" / "checkpoint.safetensors").exists()
 
 
@@ -322,7 +327,7 @@ def test_every_client_lost_stops_the_run(tmp_path, supernet_dir, task_identity):
 
     prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
     grid = FaultyGrid(1, dead=1, dead_from=1)
-    with pytest.raises(UserInputError, match=r"round 1: all 3 sampled clients were lost \(client 0: no reply within 1 s\)"):
+    with pytest.raises(UserInputError, match=r"round 1: all 3 sampled clients were lost \(client 0: node 1 \(partition-id=0\): no reply within 1 s\)"):
         flower.run_on_grid(grid, prep, tmp_path / "run", progress=False)
 
 

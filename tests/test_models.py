@@ -38,9 +38,15 @@ def test_resolve_models():
     assert resolve_models("cnn4, htfe-tiny") == ["cnn4", *GROUPS["htfe-tiny"]]
     assert resolve_models("nas") == ["nas"]
     assert resolve_models("mypkg.models:factory,cnn4") == ["mypkg.models:factory", "cnn4"]
-    for bad in ("", "nas,cnn4", "resnet9000", "htfe5"):
+    for bad in ("", "nas,cnn4", "resnet9000", "htfe5", "cnn4,", "pkg.mod:", ":factory"):
         with pytest.raises(UserInputError, match="clients.models"):
             resolve_models(bad)
+    # exact names, but the nearest one is named
+    for typo, meant in (("CNN4", "cnn4"), ("ResNet18", "resnet18"), ("mobilenet-v2", "mobilenet_v2")):
+        with pytest.raises(UserInputError, match=f"unknown model '{typo}'; did you mean '{meant}'\\?"):
+            resolve_models(typo)
+    with pytest.raises(UserInputError, match="item 2 of 'cnn4,,cnn3-small' is empty"):
+        resolve_models("cnn4,,cnn3-small")
 
 
 def _write_plugin(tmp_path, monkeypatch, body: str) -> None:

@@ -306,7 +306,13 @@ def test_a_model_group_federates_resumes_and_rejects_bad_members(tmp_path, monke
     assert res.exit_code == 0, res.output
     assert [json.loads(r)["round"] for r in (out / "g" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
-    bad = {"clients.models=htfe9": "error: clients.models: unknown model 'htfe9'; allowed: nas, a group (htfe4",
+    bad = {"clients.models=htfe9": "error: clients.models: unknown model 'htfe9'; did you mean 'htfe8'? allowed: nas, "
+                                   "a group (htfe4",
+           "clients.models=cnn4-small,,tiny_user_model:factory": "error: clients.models: item 2 of "
+                                                                "'cnn4-small,,tiny_user_model:factory' is empty",
+           # YAML would read this as a mapping: it reaches the field as text, which says what is missing
+           "clients.models=tiny_user_model:": "error: clients.models: 'tiny_user_model:' is not "
+                                              "package.module:factory",
            "clients.models=nas,cnn4": "error: clients.models: nas cannot be mixed with other models",
            "clients.models=tiny_user_model:nothing": "error: clients.models: ",
            "algorithm.name=fedavg": "error: clients.models: gives the clients 2 different architectures (cnn4-small, "

@@ -171,9 +171,28 @@ def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float,
     return replies, lost
 
 
+class NodeMap(dict):
+    """``client id -> node id`` (a plain dict), remembering each node's ``partition-id`` so errors
+    name a node as its operator knows it (Flower's node ids are random 64-bit numbers)."""
+
+    def __init__(self, node_of: dict[int, int], partitions: dict[int, tuple[int, int]]):
+        super().__init__(node_of)
+        self.partitions = dict(partitions)  # node id -> (partition-id, num-partitions)
+
+    def name(self, cid: int) -> str:
+        """``"node 8213... (partition-id=1)"`` for the node hosting client ``cid``."""
+        nid = self[cid]
+        return f"node {nid} (partition-id={self.partitions[nid][0]})" if nid in self.partitions else f"node {nid}"
+
+
+def node_name(node_of: dict[int, int], cid: int) -> str:
+    """How errors name the node hosting client ``cid`` (with its partition-id when known)."""
+    return node_of.name(cid) if isinstance(node_of, NodeMap) else f"node {node_of[cid]}"
+
+
 def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: bool = False,
                    stop: threading.Event | None = None) -> dict[int, int]:
-    """Map every client id of the population to the node that hosts it.
+    """Map every client id of the population to the node that hosts it (a :class:`NodeMap`).
 
     Waits up to ``timeout`` seconds for nodes to connect and answer the query.
 
@@ -209,7 +228,7 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: boo
                 node_of[cid] = nid
         missing = [c for c in range(n_clients) if c not in node_of]
         if not missing:
-            return node_of
+            return NodeMap(node_of, seen)
         if time.monotonic() >= deadline:
             got = ", ".join(f"node {nid}: partition-id={p} num-partitions={q}" for nid, (p, q) in sorted(seen.items()))
             if simulation:
@@ -272,6 +291,7 @@ class FlowerClients:
             Stopped: the caller set ``stop``."""
         replies, lost = _exchange(self.grid, [(cid, self._message(kind, cid, rnd, p)) for cid, p in jobs],
                                   self.timeout, self.stop)
+        lost = {cid: f"{node_name(self.node_of, cid)}: {why}" for cid, why in lost.items()}
         if lost and self.simulation:  # a virtual node fails only when the run is broken or stopped
             cid, why = min(lost.items())
             if self.stop is not None and self.stop.is_set():
@@ -281,7 +301,7 @@ class FlowerClients:
             rec = replies[cid].content.config_records.get(CONTROL)
             if rec is not None and "user_error" in rec:
                 source = str(rec.get("user_error_source", "")) or f"client {cid}"
-                raise UserInputError(str(rec["user_error"]), source=f"{source} on node {self.node_of[cid]}",
+                raise UserInputError(str(rec["user_error"]), source=f"{source} on {node_name(self.node_of, cid)}",
                                      field=str(rec.get("user_error_field", "")) or None)
         return replies, lost
 
@@ -298,7 +318,7 @@ class FlowerClients:
         if jobs and not replies:
             cid, why = min(lost.items())
             raise UserInputError(f"round {rnd}: all {len(jobs)} sampled clients were lost (client {cid}: {why})",
-                                 source=f"node {self.node_of[cid]}")
+                                 source=node_name(self.node_of, cid))
         uploads = []
         for cid, _ in jobs:
             if cid in replies:
@@ -317,7 +337,7 @@ class FlowerClients:
         if ids and not replies:
             cid, why = min(lost.items())
             raise UserInputError(f"evaluation of round {rnd}: all {len(ids)} clients were lost (client {cid}: {why})",
-                                 source=f"node {self.node_of[cid]}")
+                                 source=node_name(self.node_of, cid))
         return ({cid: {k: float(v) for k, v in replies[cid].content.metric_records["metrics"].items()}
                  for cid in ids if cid in replies}, lost)
 
@@ -755,6 +775,7 @@ __all__ = [
     "LocalFleet",
     "client_app",
     "discover_nodes",
+    "NodeMap",
     "payload_to_records",
     "records_to_payload",
     "run_key_of",

@@ -9,6 +9,8 @@ Clients get the listed models round-robin.
 
 from __future__ import annotations
 
+from difflib import get_close_matches
+
 from torch import nn
 
 from rafl.errors import UserInputError
@@ -21,14 +23,21 @@ def resolve_models(spec: str) -> list[str]:
     """``"htfe4"`` / ``"cnn4,resnet18"`` / ``"pkg.mod:fn,cnn4"`` -> the ordered list of members.
 
     Raises:
-        UserInputError: an empty spec, ``nas`` mixed with others, or an unknown name.
+        UserInputError: an empty spec or list item, ``nas`` mixed with others, a malformed plug-in spec or
+            an unknown name (with the nearest known one, if any).
     """
-    items = [s.strip() for s in str(spec).split(",") if s.strip()]
+    raw = [s.strip() for s in str(spec).split(",")]
+    items = [s for s in raw if s]
     if not items:
         raise UserInputError("is empty; allowed: nas, a group (" + ", ".join(GROUPS) + "), model names or "
                              "package.module:factory", field="clients.models")
+    if len(items) != len(raw):
+        # "cnn4,,cnn3-small" or a trailing comma: most likely a name was lost while editing
+        raise UserInputError(f"item {raw.index('') + 1} of {spec!r} is empty; give a model name between "
+                             "every two commas", field="clients.models")
     if "nas" in items and len(items) > 1:
         raise UserInputError("nas cannot be mixed with other models", field="clients.models")
+    known = ["nas", *GROUPS, *sorted(BACKBONES)]
     out: list[str] = []
     for it in items:
         if it == "nas":
@@ -37,8 +46,14 @@ def resolve_models(spec: str) -> list[str]:
             out.extend(GROUPS[it])
         elif it in BACKBONES or is_plugin_spec(it):
             out.append(it)
+        elif ":" in it:
+            raise UserInputError(f"{it!r} is not package.module:factory (a plug-in names its module and the "
+                                 "factory in it, e.g. mypkg.models:make_model)", field="clients.models")
         else:
-            raise UserInputError(f"unknown model {it!r}; allowed: nas, a group ({', '.join(GROUPS)}), "
+            # names are exact (case-sensitive); point at the one meant ("CNN4", "resnet-18")
+            near = get_close_matches(it.lower(), known, n=1, cutoff=0.75)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise UserInputError(f"unknown model {it!r}; {hint}allowed: nas, a group ({', '.join(GROUPS)}), "
                                  f"one of {', '.join(sorted(BACKBONES))}, or package.module:factory",
                                  field="clients.models")
     return out
