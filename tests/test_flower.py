@@ -289,6 +289,25 @@ def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, s
     assert _rows(tmp_path / "cut") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
 
 
+def test_a_run_stopped_before_its_first_complete_round_leaves_no_client_states_on_the_nodes(
+        tmp_path, supernet_dir, task_identity):
+    """Ctrl-C while round 1 is evaluated: the nodes had written round-1 states, but without a
+    checkpoint no resume can use them, so the server tells the nodes to delete the run's folder."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
+    grid = FaultyGrid(2, interrupt=("evaluate", 1))
+    written = []
+    answer = grid.answer
+    grid.answer = lambda m: (written.extend(p.name for p in (tmp_path / "node-states").glob("*/*")), answer(m))[1]
+    with pytest.raises(flower.Stopped):
+        flower.run_on_grid(grid, prep, tmp_path / "run", progress=False)
+    assert written, "round 1's training wrote no client state"
+    assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
+    assert list((tmp_path / "node-states").iterdir()) == []
+
+
 def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_dir, task_identity):
     """Node 2 (client 1) stops replying in round 2: client 1 counts as failed in training and is
     left out of the evaluation (named with the reason); the run still ends after 3 rounds."""

@@ -39,7 +39,8 @@ row names them under ``lost``, or ``eval_lost`` for evaluation, with a one-line 
 round completes with the rest, as with simulated dropout; a round with every client lost stops
 the run. On the Simulation Runtime any loss is an error (virtual nodes do not drop out). Only
 training messages delete superseded state versions (and one message after the final
-checkpoint): the server evaluates states it has not checkpointed yet.
+checkpoint): the server evaluates states it has not checkpointed yet. A run that fails before its
+first checkpoint asks the nodes to delete its state folder (:meth:`FlowerClients.discard`).
 
 Entry points:
 
@@ -357,6 +358,17 @@ class FlowerClients:
         _, lost = _exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop)
         return lost
 
+    def discard(self, timeout: float = 10.0) -> dict[int, str]:
+        """The run failed before its first complete round (its run dir is removed): tell every
+        node to delete the run's client-state folder, which no resume can use. Best effort, even
+        after an interrupt (``stop`` is not consulted): returns the nodes that did not confirm."""
+        app = _flwr()
+        msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
+            "ask": "discard", "run_key": self.run_key, "state_dir": self.state_dir})}),
+            dst_node_id=nid, message_type=QUERY)) for nid in sorted(set(self.node_of.values()))]
+        _, lost = _exchange(self.grid, msgs, min(self.timeout, timeout))
+        return lost
+
 
 def run_key_of(run_dir: Path, resolved: dict[str, Any]) -> str:
     """A short stable key naming a run's client-state folder on the nodes: the run dir and its
@@ -390,7 +402,15 @@ def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, pr
                              stop=stop, simulation=shared_disk))
         return made[-1]
 
-    summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner)
+    try:
+        summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner)
+    except BaseException:
+        if made and not resume and not shared_disk and not (Path(run_dir) / "checkpoint.safetensors").is_file():
+            try:  # no round completed: the nodes' states of this run can never be resumed
+                made[-1].discard()
+            except Exception:  # noqa: BLE001 - best effort; the run's own error is the news
+                pass
+        raise
     made[-1].finish()
     return summary
 
@@ -483,6 +503,11 @@ def _make_client_app() -> Any:
             folder = _state_folder(ctl, nc)
             for cid, version in json.loads(str(ctl["committed"])).items():
                 ClientStore(folder, committed={int(cid): int(version)}).cleanup(int(cid))
+            return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
+        if ctl.get("ask") == "discard":  # the run failed before its first complete round
+            folder = _state_folder(ctl, nc)
+            if folder.name == str(ctl["run_key"]):  # never a folder the server named (a run dir's clients/)
+                shutil.rmtree(folder, ignore_errors=True)
             return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
         return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
             "partition-id": int(nc.get("partition-id", 0)), "num-partitions": int(nc.get("num-partitions", 1))})}),
