@@ -425,6 +425,8 @@ def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
     assert run.status == "finished:failed", (run, fleet.logs()[-3000:])
     assert "payload from client 0 (model cnn3-small): proto.values: contains NaN or Inf values" in run.status_details
     assert not (tmp_path / "runs" / "div").exists(), list((tmp_path / "runs").rglob("*"))
+    # the node had written client 0's round-1 state; the server asked it to delete the run's folder
+    assert list((tmp_path / "fleet" / "node-states").iterdir()) == [], fleet.logs()[-2000:]
 
 
 @pytest.mark.slow
