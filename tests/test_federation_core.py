@@ -131,6 +131,8 @@ def test_run_config_defaults_overrides_and_errors(tmp_path):
         load_run_config(None, ["algorithm.name=fedx"])
     with pytest.raises(UserInputError, match=r"not key=value"):
         load_run_config(None, ["engine.rounds"])
+    with pytest.raises(UserInputError, match=r"train.batch_size: .*allowed: an integer >= 2 \(train-mode BatchNorm"):
+        load_run_config(None, ["train.batch_size=1"])
     # a value cut short after its colon stays text (YAML alone would make it {pkg.mod: null});
     # a real mapping still parses as one
     assert parse_overrides(["clients.models=pkg.mod:", "clients.budgets={phone: {latency_ms: 1}}"]) == \

@@ -386,3 +386,35 @@ def test_untrained_client_keeps_one_initial_model_whatever_the_round(digits, edg
         assert all(torch.equal(state[k], states[0][k]) for k in state)
     other = load_or_init(fed, store, client_context(fed, 4, 1, 2))["model"]   # another run seed: another init
     assert not all(torch.equal(other[k], states[0][k]) for k in other)
+
+
+@pytest.mark.parametrize("name", ["fd", "fedproto", "fml"])
+def test_a_client_with_one_training_sample_stays_finite(name, digits, tmp_path):
+    """One sample has no BatchNorm statistics (variance 0 on 1x1 feature maps): its BN layers
+    train in eval mode (`train_mode`), so eval-mode outputs stay finite. Before, a ShuffleNetV2
+    client holding one image uploaded NaN logits in FD's round 2 (the issue's edge case of a
+    client smaller than a batch, taken to one sample)."""
+    y = digits.labels.numpy()
+    one = np.flatnonzero(y == 3)[:2]                        # 1 test + 1 train sample
+    rest = np.concatenate([np.flatnonzero(y == c)[:8] for c in (3, 4, 5)])
+    part = Partition(clients=[_split(one), _split(rest)], public=np.zeros(0, np.int64), meta={})
+    algo = get_algorithm(name)(**FAST.get(name, {}))
+    fed, _ = build_group_federation(digits, part, ["shufflenet_v2-0.5"], algo, feature_dim=D, batch_size=8, seed=0)
+    Engine(fed, EngineConfig(rounds=4, seed=0), tmp_path, progress=False).run()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["participated"] == 2 for r in rows)
+
+
+def test_train_mode_freezes_batchnorm_only_for_a_single_sample():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from rafl.federation.training import recalibrate_bn, train_mode
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Dropout())
+    for n, bn_training in ((1, False), (2, True)):
+        loader = DataLoader(TensorDataset(torch.randn(n, 1, 4, 4), torch.zeros(n, dtype=torch.long)), batch_size=8)
+        train_mode(model.eval(), loader)
+        assert model.training and model[2].training and model[1].training is bn_training
+    before = model[1].running_var.clone()
+    one = DataLoader(TensorDataset(torch.randn(1, 1, 4, 4), torch.zeros(1, dtype=torch.long)), batch_size=8)
+    assert recalibrate_bn(model, one) == 0 and torch.equal(model[1].running_var, before)

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.federation.prototypes import safe_distance, stack_targets
-from rafl.federation.training import TrainStats, check_finite_loss, kl_soft, no_singleton_batches, recalibrate_bn, train_ce
+from rafl.federation.training import (TrainStats, check_finite_loss, kl_soft, no_singleton_batches, recalibrate_bn,
+                                      train_ce, train_mode)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
@@ -152,8 +153,8 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     Raises:
         ValueError: ``hidden_weight > 0`` and the two representations differ in width.
     """
-    model_a.train()
-    model_b.train()
+    train_mode(model_a, loader)
+    train_mode(model_b, loader)
     st_a, st_b = TrainStats(), TrainStats()
     sum_a = sum_b = 0.0
     for _ in range(int(epochs)):

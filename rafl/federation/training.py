@@ -61,6 +61,32 @@ def no_singleton_batches(loader: Iterable[Batch], min_size: int = MIN_BATCH) -> 
 
 
 
+def loader_size(loader: Iterable[Batch]) -> int | None:
+    """The number of samples behind ``loader`` (``len(loader.dataset)``), or None if unknown."""
+    try:
+        return len(loader.dataset)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return None
+
+
+def train_mode(model: nn.Module, loader: Iterable[Batch]) -> nn.Module:
+    """``model.train()``, except that its BatchNorm layers stay in eval mode (running statistics
+    used and kept) when ``loader`` holds a single sample.
+
+    One sample has no variance: on the 1x1 feature maps of the last stages the batch variance is
+    0, train mode maps the sample to the BN bias whatever its input, and the running variance
+    heads to 0, so in eval mode tiny train/eval differences upstream are divided by sqrt(eps)
+    in every such layer. A ShuffleNetV2 client holding one CIFAR-10 image uploaded NaN logits in
+    FD's round 2 that way. With frozen statistics, training and evaluation compute the same
+    function. Returns ``model``."""
+    model.train()
+    if loader_size(loader) == 1:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+    return model
+
+
 def check_finite_loss(loss: torch.Tensor, *, what: str = "local training", field: str = "algorithm.lr") -> None:
     """Stop training whose loss became NaN or Inf (a diverged model would otherwise train on
     silently, and a method without an upload to validate, e.g. Standalone, reports the accuracy of
@@ -196,7 +222,7 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
     """
     if prox_mu > 0 and prox_reference is None:
         raise ValueError("prox_mu > 0 needs prox_reference")
-    model.train()
+    train_mode(model, loader)
     stats = TrainStats()
     loss_sum = 0.0
     for _ in range(int(epochs)):
@@ -256,10 +282,11 @@ def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.d
         device: where to compute.
 
     Returns:
-        the number of batches used (0: no BatchNorm, or no data -- the statistics are then unchanged).
+        the number of batches used (0: no BatchNorm, no data or a single sample -- the statistics
+        are then unchanged).
     """
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    if not bns:
+    if not bns or loader_size(loader) == 1:  # one sample: no statistics to estimate (see train_mode)
         return 0
     was = model.training
     momenta = [m.momentum for m in bns]
@@ -303,8 +330,8 @@ def train_dml(model_l: nn.Module, model_k: nn.Module, loader: Iterable[Batch],
     Returns:
         ``(stats_l, stats_k)``.
     """
-    model_l.train()
-    model_k.train()
+    train_mode(model_l, loader)
+    train_mode(model_k, loader)
     st_l, st_k = TrainStats(), TrainStats()
     sum_l = sum_k = 0.0
     for _ in range(int(epochs)):
@@ -496,5 +523,5 @@ def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, moment
     raise ValueError(f"unknown optimizer {name!r}; allowed: sgd, adam")
 
 
-__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "evaluate_header_rules", "check_finite_loss", "check_finite_params", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
+__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "train_mode", "loader_size", "evaluate_header_rules", "check_finite_loss", "check_finite_params", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
            "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]
