@@ -374,6 +374,47 @@ def reject_compare_record(data: dict[str, Any], path: str | Path | None) -> None
                              source=path, field="algorithms")
 
 
+def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: str | None) -> dict[str, str]:
+    """``rafl compare``'s per-method sections in a run config (``algorithm: {lr: 0.05, fedtgp:
+    {tau: 5}}``), so one file serves ``rafl compare`` and ``rafl federate``: the selected method's
+    section applies over the shared keys (as in compare); other methods' sections are ignored, but
+    a ``--set`` into one is a slip. Edits ``data`` in place; returns ``{"algorithm.tau":
+    "algorithm.fedtgp.tau"}`` for the keys it moved, so errors name them as written.
+
+    Raises:
+        UserInputError: the selected method's section is not a mapping, or ``--set`` writes into
+            the section of a method that ``algorithm.name`` does not select.
+    """
+    from rafl.federation.algorithms import ALGORITHMS, get_algorithm
+
+    algo = data.get("algorithm")
+    if not isinstance(algo, dict):
+        return {}
+    sections = [k for k in algo if isinstance(k, str) and k != "name" and k.lower() in ALGORITHMS]
+    try:
+        selected = get_algorithm(str(algo.get("name", AlgorithmConfig.model_fields["name"].default))).name
+    except UserInputError:
+        return {}  # the unknown name gets its own error
+    moved: dict[str, str] = {}
+    for k in sections:
+        section = algo.pop(k)
+        if get_algorithm(k).name != selected:
+            slip = next((s for s in set_keys if s == f"algorithm.{k}" or s.startswith(f"algorithm.{k}.")), None)
+            if slip is not None:
+                raise UserInputError(f"sets a hyperparameter of {k}, which algorithm.name does not select "
+                                     f"(selected: {selected})", source="--set", field=slip)
+            continue
+        if section is None:  # an empty section in the file (`fedtgp:`)
+            continue
+        if not isinstance(section, dict):
+            raise UserInputError(f"is {shown(section)}; allowed: a mapping of {selected}'s hyperparameters",
+                                 source=blame(f"algorithm.{k}", set_keys, source), field=f"algorithm.{k}")
+        for key, value in section.items():
+            algo[key] = value
+            moved[f"algorithm.{key}"] = f"algorithm.{k}.{key}"
+    return moved
+
+
 def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Defaults <- YAML file ``path`` <- ``--set`` overrides, validated; the algorithm name and
     its hyperparameters are checked against the registry.
@@ -390,6 +431,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     for key, value in parsed:
         _set_dotted(data, key, value, "--set")
     set_keys = [key for key, _ in parsed]
+    moved = _merge_method_sections(data, set_keys, source)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
@@ -402,6 +444,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
         hp = cls.check_hparams(cfg.algorithm.hparams())
     except UserInputError as err:
         field = err.field or "algorithm"
+        field = moved.get(field, field)  # a key from the method's own section: named as written
         raise UserInputError(err.message, source=blame(field, set_keys, source), field=field) from None
     cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
     return cfg

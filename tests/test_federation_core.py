@@ -133,6 +133,15 @@ def test_run_config_defaults_overrides_and_errors(tmp_path):
         load_run_config(None, ["engine.rounds"])
     with pytest.raises(UserInputError, match=r"train.batch_size: .*allowed: an integer >= 2 \(train-mode BatchNorm"):
         load_run_config(None, ["train.batch_size=1"])
+    # rafl compare's per-method sections: the selected method's applies over the shared keys
+    f.write_text("algorithm:\n  name: fedtgp\n  lr: 0.05\n  tau: 3\n  fedtgp: {tau: 7}\n  fedgh: {server_lr: 0.5}\n")
+    hp = load_run_config(f).algorithm.hparams()
+    assert hp["tau"] == 7 and hp["lr"] == 0.05 and "server_lr" in hp and hp["server_lr"] != 0.5
+    with pytest.raises(UserInputError, match=r"^--set: algorithm.fedtgp.tau: is -1; allowed: a number > 0"):
+        load_run_config(f, ["algorithm.fedtgp.tau=-1"])
+    with pytest.raises(UserInputError, match=r"^--set: algorithm.fedgh.server_lr: sets a hyperparameter of fedgh, "
+                                             r"which algorithm.name does not select \(selected: fedtgp\)"):
+        load_run_config(f, ["algorithm.fedgh.server_lr=0.1"])
     # a value cut short after its colon stays text (YAML alone would make it {pkg.mod: null});
     # a real mapping still parses as one
     assert parse_overrides(["clients.models=pkg.mod:", "clients.budgets={phone: {latency_ms: 1}}"]) == \

@@ -279,7 +279,10 @@ def test_fedtgp_server_prototypes_only_for_uploaded_classes_and_margin(digits, e
                                            # YAML turned `yes` / an empty value into True / None: say so
                                            ("fedgh", {"label_prior": True}, "is True .YAML reads yes/no.*quote"),
                                            ("fedgh", {"label_prior": None}, "is None .YAML.*~ as null.*none, local"),
-                                           ("fedgh", {"server_lr_typo": 1}, "unknown hyperparameter")])
+                                           ("fedgh", {"server_lr_typo": 1}, "unknown hyperparameter"),
+                                           # a width of 1e8 asked the allocator for 51 GB (a traceback)
+                                           ("fedtgp", {"server_hidden_dim": 100_000_000},
+                                            r"server_hidden_dim: is 100000000; allowed: an integer in 0..4096")])
 def test_bad_hyperparameters_rejected_at_construction(name, hp, msg):
     with pytest.raises(UserInputError, match=msg):
         get_algorithm(name)(**hp)

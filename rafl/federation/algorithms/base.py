@@ -285,6 +285,9 @@ __all__ = ["Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State",
            "ModelFactory", "ALGORITHMS", "register", "get_algorithm"]
 
 
+#: the largest ``*_dim`` hyperparameter (a layer width; as ``clients.feature_dim``'s bound)
+MAX_DIM = 4096
+
 #: the local optimizers of ``algorithm.optimizer`` (:func:`rafl.federation.training.make_optimizer`)
 OPTIMIZERS = ("sgd", "adam")
 
@@ -296,7 +299,7 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
     rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
     ``momentum`` in [0, 1); ``*_width``, ``energy_start``/``energy_end`` in (0, 1];
     ``energy_rounds`` >= 1; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*``, ``*_norm``,
-    ``*_dim`` (0 = a default width) >= 0; every float finite; ``optimizer`` one of :data:`OPTIMIZERS`.
+    ``*_dim`` (0 = a default width) in 0..:data:`MAX_DIM`; every float finite; ``optimizer`` one of :data:`OPTIMIZERS`.
 
     Raises:
         UserInputError: naming ``algorithm.<name>``, the value and what is allowed.
@@ -337,6 +340,9 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
         low = 0
     if low is not None and (number <= low if strict else number < low):
         raise UserInputError(f"is {shown(value)}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)
+    if name.endswith("_dim") and number > MAX_DIM:  # a width: D x H weights (FedTGP's server network)
+        raise UserInputError(f"is {shown(value)}; allowed: an integer in 0..{MAX_DIM} (0 = a default width)",
+                             field=field_name)
     if name == "momentum" and number >= 1:
         raise UserInputError(f"is {shown(value)}; allowed: a number in [0, 1)", field=field_name)
     if name in ("energy_start", "energy_end") and not 0 < number <= 1:  # FedKD's SVD energy share
