@@ -59,9 +59,10 @@ def _parse_split(text: str) -> tuple[float, float, float]:
               help="Keep only the first N samples per class and source split (quick runs).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/data"), show_default=True,
               help="Output folder (created atomically; a previous `rafl data` output is replaced).")
+@click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars (reading a dataset source).")
 def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str, k: int | None, alpha: float,
          min_samples: int, public_fraction: float, public_seed: int, split_text: str, seed: int, resolution: int,
-         limit_per_class: int | None, out: Path) -> None:
+         limit_per_class: int | None, out: Path, quiet: bool) -> None:
     """Partition a dataset over federated clients.
 
     Prints a per-client table (samples per split, classes held) and writes OUT/partition.json
@@ -112,7 +113,8 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
     from rafl.data import load_dataset, make_partition
     from rafl.data.report import plot_class_heatmap, print_partition_table
 
-    ds = load_dataset(dataset, data_root, resolution=resolution, limit_per_class=limit_per_class)
+    ds = load_dataset(dataset, data_root, resolution=resolution, limit_per_class=limit_per_class,
+                      progress=not quiet)
     labels = ds.labels.numpy()
     part = make_partition(labels, scheme, clients, seed, k=k, alpha=alpha, min_samples=min_samples,
                           public_fraction=public_fraction, public_seed=public_seed, writers=ds.writers,

@@ -181,7 +181,7 @@ def load_digits(resolution: int = 32, limit_per_class: int | None = None) -> Dat
 
 
 def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32,
-                 limit_per_class: int | None = None) -> Dataset:
+                 limit_per_class: int | None = None, progress: bool = True) -> Dataset:
     """Load a dataset in rafl's common form (see :class:`Dataset` and the module docstring).
 
     Args:
@@ -191,6 +191,7 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
         resolution: output height = width in pixels (4..1024).
         limit_per_class: keep only the first this-many samples of every class in each of the
             source's splits (for quick runs and tests); None = all.
+        progress: show progress bars while a source is read and decoded (a cache miss).
 
     Returns:
         :class:`Dataset`: images float32 (N, C, resolution, resolution), labels int64 (N,).
@@ -218,8 +219,8 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
                 f"dataset {name!r} needs a data root (--data-root, or $RAFL_DATA_ROOT; default {root} does "
                 f"not exist); expected there: {sources.EXPECTED[name]}", field="data_root")
     if name in ("cifar10", "cifar100"):
-        raw = sources.load_cifar(name, root, limit_per_class)
+        raw = sources.load_cifar(name, root, limit_per_class, progress)
         mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
         return from_uint8(name, raw.images, raw.labels, raw.origin, raw.classes, resolution, mean, std)
-    raw = sources.load_femnist(root, limit_per_class)
+    raw = sources.load_femnist(root, limit_per_class, progress)
     return from_uint8("femnist", raw.images, raw.labels, raw.origin, raw.classes, resolution, writers=raw.writers)

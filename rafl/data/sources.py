@@ -147,7 +147,7 @@ def _decode_batches(name: str, files: dict[str, bytes], where: str) -> RawImages
 # image folders
 
 
-def _decode_images(items: list[tuple[str, str, str, bytes | Path]], where: str) -> RawImages:
+def _decode_images(items: list[tuple[str, str, str, bytes | Path]], where: str, progress: bool = True) -> RawImages:
     """items: (split, class, sort key, bytes or path) -> decoded uint8 (N, 32, 32, 3)."""
     from PIL import Image, UnidentifiedImageError
 
@@ -156,7 +156,7 @@ def _decode_images(items: list[tuple[str, str, str, bytes | Path]], where: str) 
     items = sorted(items, key=lambda t: (t[0] != "train", t[1], t[2]))
     out = np.empty((len(items), 32, 32, 3), dtype=np.uint8)
     for i, (split, cls, key, blob) in enumerate(tqdm(items, desc=f"decoding {where}", unit="img",
-                                                     disable=len(items) < 2000, leave=False)):
+                                                     disable=not progress or len(items) < 2000, leave=False)):
         try:
             with Image.open(io.BytesIO(blob) if isinstance(blob, bytes) else blob) as im:
                 arr = np.asarray(im.convert("RGB"))
@@ -200,14 +200,15 @@ def _folder_items(base: Path) -> list[tuple[str, str, str, Path]]:
 _IMG_RE = re.compile(r"(?:^|/)(train|test)/([^/]+)/([^/]+\.(?:jpe?g|png))$", re.IGNORECASE)
 
 
-def _read_tarball(name: str, path: Path, limit: int | None) -> RawImages:
+def _read_tarball(name: str, path: Path, limit: int | None, progress: bool = True) -> RawImages:
     spec = _PICKLE_FILES[name]
     wanted = {*spec["train"], *spec["test"], spec["meta"]}
     pickles: dict[str, bytes] = {}
     images: list[tuple[str, str, str, bytes]] = []
     try:
         with tarfile.open(path, "r|*") as tar:
-            for m in tqdm(tar, desc=f"reading {path.name}", unit="file", leave=False, mininterval=1.0):
+            for m in tqdm(tar, desc=f"reading {path.name}", unit="file", leave=False, mininterval=1.0,
+                          disable=not progress):
                 if not m.isfile():
                     continue
                 parts = m.name.split("/")
@@ -224,7 +225,7 @@ def _read_tarball(name: str, path: Path, limit: int | None) -> RawImages:
         return _decode_batches(name, pickles, f"{path}:{spec['dir']}")
     if not images:
         raise UserInputError(f"archive holds no CIFAR data; expected {EXPECTED[name]}", source=path)
-    return _decode_images(_select_first(images, limit), str(path))
+    return _decode_images(_select_first(images, limit), str(path), progress)
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def _write_cache(path: Path, raw: RawImages) -> None:
         warnings.warn(f"could not write the dataset cache {path} ({err}); continuing without it", stacklevel=3)
 
 
-def load_cifar(name: str, root: str | Path, limit_per_class: int | None = None) -> RawImages:
+def load_cifar(name: str, root: str | Path, limit_per_class: int | None = None, progress: bool = True) -> RawImages:
     """CIFAR-10/100 pixels from any accepted layout (module docstring), via the uint8 cache.
 
     Returns:
@@ -316,7 +317,7 @@ def load_cifar(name: str, root: str | Path, limit_per_class: int | None = None) 
     if cache.exists():
         return _read_cache(cache, src)
     if kind == "tar":
-        raw = _read_tarball(name, src, limit_per_class)
+        raw = _read_tarball(name, src, limit_per_class, progress)
     elif kind == "pickles":
         spec = _PICKLE_FILES[name]
         files = {}
@@ -325,7 +326,7 @@ def load_cifar(name: str, root: str | Path, limit_per_class: int | None = None) 
                 files[f] = (src / f).read_bytes()
         raw = _decode_batches(name, files, str(src))
     else:
-        raw = _decode_images(_select_first(_folder_items(src), limit_per_class), str(src))
+        raw = _decode_images(_select_first(_folder_items(src), limit_per_class), str(src), progress)
     if kind == "pickles" and limit_per_class is not None:
         keep = _limit(raw.labels, raw.origin, limit_per_class)
         raw = RawImages(raw.images[keep], raw.labels[keep], raw.origin[keep], raw.classes)
@@ -355,7 +356,7 @@ def _leaf_shards(root: Path) -> list[tuple[str, Path]]:
     return []
 
 
-def load_femnist(root: str | Path, limit_per_class: int | None = None) -> RawImages:
+def load_femnist(root: str | Path, limit_per_class: int | None = None, progress: bool = True) -> RawImages:
     """FEMNIST from LEAF json shards (module docstring), via the uint8 cache.
 
     Pixels are stored as uint8 ``round(255 * x)`` (LEAF's values are already multiples of 1/255),
@@ -383,7 +384,8 @@ def load_femnist(root: str | Path, limit_per_class: int | None = None) -> RawIma
     if cache.exists():
         return _read_cache(cache, root)
     xs, ys, ws, origin = [], [], [], []
-    for split, f in tqdm(shards, desc="reading LEAF shards", unit="shard", disable=len(shards) < 4, leave=False):
+    for split, f in tqdm(shards, desc="reading LEAF shards", unit="shard", disable=not progress or len(shards) < 4,
+                         leave=False):
         try:
             obj = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

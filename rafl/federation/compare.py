@@ -246,7 +246,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise UserInputError(err.message, source=err.source, field="--algorithms") from None
             feds[name] = (prep.federation, prep.clients_table)
     else:
-        ds, part = load_data_and_partition(cfg)
+        ds, part = load_data_and_partition(cfg, progress)
         device = torch.device(cfg.train.device)
         for name, hp in hparams.items():
             algo = get_algorithm(name)(**hp)

@@ -482,9 +482,10 @@ def _check_same_data(cfg: RunConfig, trained: dict[str, Any], what: str) -> None
                 "this data", field=f"data.{key}")
 
 
-def load_data_and_partition(cfg: RunConfig):
+def load_data_and_partition(cfg: RunConfig, progress: bool = True):
     """``(dataset, partition)`` of a run config's ``data``, ``partition`` and ``clients.n``, the
     partition checked for leakage (disjoint index sets) and warned about clients without test data.
+    ``progress``: show the bars of reading a dataset source (a cache miss).
 
     Raises:
         UserInputError: an unknown/missing dataset, or an impossible or malformed partition.
@@ -492,7 +493,7 @@ def load_data_and_partition(cfg: RunConfig):
     from rafl.data import load_dataset, make_partition
 
     ds = load_dataset(cfg.data.dataset, root=cfg.data.root, resolution=cfg.data.resolution,
-                      limit_per_class=cfg.data.limit_per_class)
+                      limit_per_class=cfg.data.limit_per_class, progress=progress)
     labels = ds.labels.numpy()
     p = cfg.partition
     try:
@@ -592,7 +593,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         if members is None and set(named) - known:
             raise UserInputError(f"names profile(s) {sorted(set(named) - known)} that no client uses; "
                                  f"clients.profiles is {cfg.clients.profiles}", field=key)
-    ds, part = load_data_and_partition(cfg)
+    ds, part = load_data_and_partition(cfg, progress)
     check_public_pool(algorithm, cfg.algorithm.hparams(), part)
     if members is not None:
         return _prepare_group(cfg, ds, part, members, algorithm, device)

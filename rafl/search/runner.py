@@ -45,7 +45,7 @@ SUBNET_WEIGHTS = "subnet.safetensors"
 
 
 # ---------------------------------------------------------------------- server data
-def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace
+def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True
                      ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
     """The server's validation split and BN-calibration images for the search.
 
@@ -53,7 +53,8 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace
     from the dataset settings saved in its training config (``dataset``, ``data_root``,
     ``image_size``, ``limit_per_class``, ``public_fraction``, ``public_seed``, ``val_fraction`` of
     :class:`rafl.supernet.train.TrainConfig`): accuracy is measured on server-val,
-    BN statistics are re-estimated on pool-train; no client data is touched.
+    BN statistics are re-estimated on pool-train; no client data is touched. ``progress``: show
+    the bars of reading a dataset source (a cache miss).
 
     Returns:
         ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``.
@@ -73,7 +74,7 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace
     public_fraction = float(data_cfg.get("public_fraction", 0.3))
     public_seed = int(data_cfg.get("public_seed", 0))
     val_fraction = float(data_cfg.get("val_fraction", 0.1))
-    ds = load_dataset(name, root=root, resolution=resolution, limit_per_class=limit)
+    ds = load_dataset(name, root=root, resolution=resolution, limit_per_class=limit, progress=progress)
     if ds.num_classes != space.n_classes:
         raise UserInputError(f"dataset {name!r} has {ds.num_classes} classes, the supernet "
                              f"{space.n_classes}", field="supernet.config.dataset")
@@ -262,7 +263,7 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         supernet, meta = load_search_supernet(supernet_dir, progress=config.progress)
     meta = meta or {}
     space: SearchSpace = supernet.space
-    val, calib, data_info = server_eval_data(meta.get("config"), space)
+    val, calib, data_info = server_eval_data(meta.get("config"), space, progress=config.progress)
     from rafl.search.cost import CostModel
 
     models = {p.name: CostModel(space, p) for p in profs}

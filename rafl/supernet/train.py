@@ -341,7 +341,7 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     cuda = device.type == "cuda"
 
     ds = load_dataset(config.dataset, config.data_root, resolution=config.image_size,
-                      limit_per_class=config.limit_per_class)
+                      limit_per_class=config.limit_per_class, progress=progress)
     split = server_split(ds, config.public_fraction, config.public_seed, config.val_fraction,
                          config.test_samples)
     space = config.space(ds.num_classes)
