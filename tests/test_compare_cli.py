@@ -173,6 +173,13 @@ def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path
             raise KeyboardInterrupt
         return original(self, state, broadcast, client)
 
+    # Ctrl-C before any method completed a round: no folder, and a line that says so (not click's "Aborted!")
+    calls["n"] = -10**9
+    monkeypatch.setattr(FedTGP, "client_update", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    early = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", *TINY, "--out", str(tmp_path / "early")])
+    assert early.exit_code == 130 and not (tmp_path / "early").exists()
+    assert early.stderr.strip() == "interrupted before any method completed a round: nothing was kept", early.stderr
+    calls["n"] = 0
     monkeypatch.setattr(FedTGP, "client_update", crash_in_round_2)
     out = tmp_path / "cmp"
     res = CliRunner().invoke(cli, [*args, "--out", str(out)])
@@ -428,7 +435,7 @@ def test_empty_method_section_in_a_config_takes_set_values_and_unused_weights_ar
                                    "--set", "algorithm.fedtgp.server_epochs=2", "--set", "algorithm.fedtgp.lambda_mse=3",
                                    "--out", str(tmp_path / "cmp")])
     assert res.exit_code == 0, res.output
-    assert "warning: fedtgp: algorithm.lambda_mse has no effect with distance: euclidean" in res.stderr
+    assert "warning: fedtgp: lambda_mse has no effect with distance: euclidean (its weight is lambda)" in res.stderr
 
 
 def test_fedtgp_at_its_defaults_warns_about_no_weight(capsys):
@@ -442,7 +449,7 @@ def test_fedtgp_at_its_defaults_warns_about_no_weight(capsys):
     FedTGP.check_hparams(FedTGP.check_hparams({"distance": "mse"}))
     assert capsys.readouterr().err == ""
     FedTGP.check_hparams({"distance": "mse", "lambda": 0.5})
-    assert "warning: fedtgp: algorithm.lambda has no effect with distance: mse" in capsys.readouterr().err
+    assert "warning: fedtgp: lambda has no effect with distance: mse (its weight is lambda_mse)" in capsys.readouterr().err
 
 
 def test_resume_after_the_user_model_changed_is_one_line_error(tmp_path, monkeypatch):

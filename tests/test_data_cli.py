@@ -63,6 +63,17 @@ def test_cifar10_shared_subset_cli(tmp_path, shared_cifar10_tarball):
     assert part.meta["dataset"] == "cifar10" and part.n_clients == 5
 
 
+def test_quiet_hides_the_bars_of_reading_a_source(tmp_path, shared_cifar10_tarball, monkeypatch):
+    monkeypatch.setenv("RAFL_CACHE_DIR", str(tmp_path / "cache"))  # a cache miss: the tarball is read
+    args = ("--dataset", "cifar10", "--data-root", str(shared_cifar10_tarball), "--limit-per-class", "3",
+            "--clients", "3")
+    loud = run(*args, "--out", str(tmp_path / "a"))
+    assert loud.exit_code == 0 and "reading cifar10" in loud.stderr, loud.stderr[-500:]
+    monkeypatch.setenv("RAFL_CACHE_DIR", str(tmp_path / "cache2"))
+    quiet = run(*args, "--quiet", "--out", str(tmp_path / "b"))
+    assert quiet.exit_code == 0 and "reading" not in quiet.stderr, quiet.stderr[-500:]
+
+
 def test_femnist_natural_cli(tmp_path):
     from test_data_sources import _write_leaf
 

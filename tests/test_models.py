@@ -120,8 +120,9 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
              "broken_at_import:f": "importing 'broken_at_import' raised RuntimeError: config server down",
              "bad_syntax:f": "importing 'bad_syntax' raised SyntaxError"}
     for spec, msg in cases.items():
-        with pytest.raises(UserInputError, match=msg):
+        with pytest.raises(UserInputError, match=msg) as err:
             build_plugin_model(spec, 10, 16)
+        assert err.value.field == "clients.models", (spec, err.value.field)  # rafl compare names --models
     # the README's contract needs only features + head: forward = head(features(x)), also on copies
     import copy
 

@@ -175,6 +175,7 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
         assert proc.returncode == 128 + signal.SIGTERM, err
         if wait_for == "config.yaml":
             assert not (out / "r").exists(), list(out.rglob("*")) if out.exists() else None
+            assert err.rstrip().endswith("interrupted before the first complete round: nothing was kept"), err
         else:
             assert (out / "r" / "checkpoint.safetensors").is_file()
             done = len((out / "r" / "metrics.jsonl").read_text().splitlines())
@@ -194,6 +195,7 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert not (out / "s").exists()
+    assert err.rstrip().endswith("interrupted before the first complete round: nothing was kept"), err
 
 
 @pytest.mark.parametrize("trained_on, run_sets, field", [

@@ -81,7 +81,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         with _say_how_to_resume(out), (contextlib.nullcontext() if from_config else _models_option()):
             rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
-    click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} methods)")
+    click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} method{'s' if len(rows) != 1 else ''})")
 
 
 @contextlib.contextmanager
@@ -107,15 +107,17 @@ def _given(ctx: click.Context, param: str) -> bool:
 @contextlib.contextmanager
 def _say_how_to_resume(out: Path) -> Iterator[None]:
     """After Ctrl-C / SIGTERM: one stderr line with what the folder keeps and the command that
-    continues the comparison (nothing when no method completed a round: the folder is gone then)."""
+    continues the comparison; when no method completed a round (the folder is gone then), that
+    nothing was kept."""
     try:
         yield
     except (KeyboardInterrupt, click.exceptions.Abort, SystemExit) as err:
         if (out / "config.yaml").is_file():
             click.echo(f"interrupted: finished methods and complete rounds are kept in {out}; continue with: "
                        f"rafl compare --resume {shlex.quote(str(out))}", err=True)
-            raise exit_interrupted(err) from None
-        raise
+        else:
+            click.echo("interrupted before any method completed a round: nothing was kept", err=True)
+        raise exit_interrupted(err) from None
 
 
 def _warn_ignored(cfg, models: str) -> None:

@@ -172,7 +172,9 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
         if not out_existed and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
-        if isinstance(err, (KeyboardInterrupt, click.exceptions.Abort, SystemExit)) and _say_how_to_resume(run_dir):
+        if isinstance(err, (KeyboardInterrupt, click.exceptions.Abort, SystemExit)):
+            if not _say_how_to_resume(run_dir):
+                click.echo("interrupted before the first complete round: nothing was kept", err=True)
             raise exit_interrupted(err) from None
         raise
     print_table(summary, run_dir)

@@ -108,7 +108,10 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
         raise UserInputError(f"{spec} raised {err.__class__.__name__}: {err}", field="clients.models") from None
     if not isinstance(model, nn.Module):
         raise UserInputError(f"{spec} returned {type(model).__name__}, expected an nn.Module", field="clients.models")
-    check_split_model(model, f"clients.models: {spec}")
+    try:
+        check_split_model(model)
+    except UserInputError as err:  # the field is the option; the plug-in is named in the message
+        raise UserInputError(f"{spec}: {err.message}", field="clients.models") from None
     was = model.training
     model.eval()
     batch = (2, in_channels, resolution, resolution)

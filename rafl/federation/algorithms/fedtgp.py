@@ -121,8 +121,9 @@ class FedTGP(Algorithm):
             raise UserInputError(f"is {shown(hp['distance'])}; allowed: euclidean, mse", field="algorithm.distance")
         unused = "lambda_mse" if hp["distance"] == "euclidean" else "lambda"
         if unused in hparams and hparams[unused] != cls.defaults[unused]:
-            warn(f"fedtgp: algorithm.{unused} has no effect with distance: {hp['distance']} (its weight is "
-                 f"algorithm.{'lambda' if unused == 'lambda_mse' else 'lambda_mse'})")
+            # named without a section: algorithm.X in rafl federate, algorithm.fedtgp.X in rafl compare
+            warn(f"fedtgp: {unused} has no effect with distance: {hp['distance']} (its weight is "
+                 f"{'lambda' if unused == 'lambda_mse' else 'lambda_mse'})")
         return hp
 
     def _net(self, n_classes: int, dim: int) -> TrainablePrototypes:
