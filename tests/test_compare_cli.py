@@ -345,7 +345,9 @@ def test_a_method_failing_in_round_1_leaves_nothing_behind(tmp_path, monkeypatch
             *[a if a != "cnn4-small,cnn3-small" else "nan_plugin_qa:make" for a in TINY], "--out", str(out)]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 2, res.output
-    assert "client 0 (model nan_plugin_qa:make): algorithm.lr: local training diverged (loss nan)" in res.output
+    # which method failed, and its key as compare names it (the method's own section)
+    assert "error: fedgh, client 0 (model nan_plugin_qa:make): algorithm.fedgh.lr: local training diverged " \
+           "(loss nan)" in res.output
     assert not out.exists()
     # Standalone has no upload to validate: it used to finish with the accuracy of NaN weights
     res = CliRunner().invoke(cli, [a if a != "fedgh,standalone" else "standalone" for a in args])
@@ -485,7 +487,7 @@ def test_resume_after_the_user_model_changed_is_one_line_error(tmp_path, monkeyp
     res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: client 0 (model qa_resume_plug:make): its stored state "
+    assert len(lines) == 1 and lines[0].startswith("error: fedproto, client 0 (model qa_resume_plug:make): its stored state "
                                                    "does not fit the model built now"), res.output
     assert len((out / "fedproto" / "metrics.jsonl").read_text().splitlines()) == 1
 

@@ -304,8 +304,14 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         t0 = time.perf_counter()
         try:
             summary = engine.run(resume=continuing)
-        except BaseException:
+        except BaseException as err:
             _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
+            if isinstance(err, UserInputError):  # say which method failed; its keys as compare names them
+                field = err.field
+                if field and field.startswith("algorithm.") and field.count(".") == 1:
+                    field = f"algorithm.{name}.{field.split('.', 1)[1]}"
+                raise UserInputError(err.message, source=f"{name}, {err.source}" if err.source else name,
+                                     field=field) from None
             raise
         wall = time.perf_counter() - t0 + earlier_s
         rows.append(summarize_run(name, summary, read_history(run_dir), wall)
