@@ -391,7 +391,7 @@ def test_untrained_client_keeps_one_initial_model_whatever_the_round(digits, edg
     assert not all(torch.equal(other[k], states[0][k]) for k in other)
 
 
-@pytest.mark.parametrize("name", ["fd", "fedproto", "fml"])
+@pytest.mark.parametrize("name", ["fd", "fedproto", "fml", "fedgh", "lg-fedavg"])
 def test_a_client_with_one_training_sample_stays_finite(name, digits, tmp_path):
     """One sample has no BatchNorm statistics (variance 0 on 1x1 feature maps): its BN layers
     train in eval mode (`train_mode`), so eval-mode outputs stay finite. Before, a ShuffleNetV2
@@ -421,3 +421,8 @@ def test_train_mode_freezes_batchnorm_only_for_a_single_sample():
     before = model[1].running_var.clone()
     one = DataLoader(TensorDataset(torch.randn(1, 1, 4, 4), torch.zeros(1, dtype=torch.long)), batch_size=8)
     assert recalibrate_bn(model, one) == 0 and torch.equal(model[1].running_var, before)
+    # also through the wrapper FedGH and LG-FedAvg train with (a BN1d plug-in's running variance was 0)
+    from rafl.federation.losses import NoSingletonBatches
+
+    assert recalibrate_bn(model, NoSingletonBatches(one)) == 0 and torch.equal(model[1].running_var, before)
+    assert not train_mode(model, NoSingletonBatches(one))[1].training
