@@ -104,7 +104,17 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
                   "def conv_map():\n"
                   "    return ConvMap(10, 16)\n"
                   "def kwargs_only(**kw):\n"
-                  "    return Net(kw['n_classes'], kw['feature_dim'])\n")
+                  "    return Net(kw['n_classes'], kw['feature_dim'])\n"
+                  "class AuxOut(Net):\n"  # torchvision GoogLeNet-style: a tuple only while training
+                  "    def forward(self, x):\n"
+                  "        z = self.head(self.features(x))\n"
+                  "        return (z, z) if self.training else z\n"
+                  "def aux_out():\n"
+                  "    return AuxOut(10, 16)\n"
+                  "def exits():\n"
+                  "    import sys\n"
+                  "    sys.exit(0)\n")
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
     (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('config server down')\n")
     (tmp_path / "bad_syntax.py").write_text("def f(:\n")
     m = make_member("my_plugin:factory", 10, 16)
@@ -118,7 +128,11 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
              "my_plugin:missing": "no callable", "my_plugin:wrong_forward": "forward gives shape \\[2, 16\\]", "no_such_module_xyz:f": "cannot import",
              "bad spec": "not package", "my_plugin:tuple_head": "head gives tuple, expected a tensor of shape \\[2, 10\\] \\(logits\\)",
              "broken_at_import:f": "importing 'broken_at_import' raised RuntimeError: config server down",
-             "bad_syntax:f": "importing 'bad_syntax' raised SyntaxError"}
+             "bad_syntax:f": "importing 'bad_syntax' raised SyntaxError",
+             # found only in train mode (crashed local training with a traceback)
+             "my_plugin:aux_out": "forward in train mode gives tuple, expected a tensor of shape \\[2, 10\\]",
+             # sys.exit in the user's code ended rafl with status 0 and no output
+             "my_plugin:exits": "my_plugin:exits raised SystemExit", "exits_at_import:f": "raised SystemExit"}
     for spec, msg in cases.items():
         with pytest.raises(UserInputError, match=msg) as err:
             build_plugin_model(spec, 10, 16)

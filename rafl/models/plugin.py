@@ -10,6 +10,7 @@ model is checked on a dummy batch before any run starts. A model without its own
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import os
@@ -51,7 +52,8 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     except ImportError as err:
         raise UserInputError(f"cannot import {mod_name!r} ({err.__class__.__name__}: {err}); the module must be "
                              "installed, on PYTHONPATH or in the current folder", field="clients.models") from None
-    except Exception as err:  # the user's module fails while importing (SyntaxError, its own errors)
+    except (Exception, SystemExit) as err:  # the user's module fails while importing (SyntaxError, its own
+        # errors, sys.exit: which would end rafl silently with the module's status)
         raise UserInputError(f"importing {mod_name!r} raised {err.__class__.__name__}: {err}",
                              field="clients.models") from None
     factory = getattr(module, attr, None)
@@ -67,7 +69,7 @@ def _probe(spec: str, what: str, call, arg: torch.Tensor, arg_text: str, shape: 
     try:
         with torch.no_grad():
             value = call(arg)
-    except Exception as err:  # the user's code: report, do not crash with a traceback
+    except (Exception, SystemExit) as err:  # the user's code: report, do not crash with a traceback
         raise UserInputError(f"{spec}: {what} fails on {arg_text} ({err.__class__.__name__}: {err})",
                              field="clients.models") from None
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
@@ -104,7 +106,7 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
     kwargs = {k: v for k, v in (("n_classes", n_classes), ("feature_dim", feature_dim)) if takes_any or k in params}
     try:
         model = factory(**kwargs)
-    except Exception as err:  # the user's code: report, do not crash with a traceback
+    except (Exception, SystemExit) as err:  # the user's code (sys.exit too): report, do not crash or exit
         raise UserInputError(f"{spec} raised {err.__class__.__name__}: {err}", field="clients.models") from None
     if not isinstance(model, nn.Module):
         raise UserInputError(f"{spec} returned {type(model).__name__}, expected an nn.Module", field="clients.models")
@@ -112,36 +114,38 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
         check_split_model(model)
     except UserInputError as err:  # the field is the option; the plug-in is named in the message
         raise UserInputError(f"{spec}: {err.message}", field="clients.models") from None
+    if type(model).forward is nn.Module.forward:
+        # bound to this instance; deepcopy rebinds it to the copy (copy's MethodType handler)
+        model.forward = types.MethodType(_features_then_head, model)
+    # eval mode (evaluation, LARs, prototypes) and train mode (local training: a model may return
+    # auxiliary outputs or other shapes there, as torchvision's GoogLeNet does); train mode on a
+    # copy with the random state restored, so its BN statistics and dropout leave no trace
+    _check_mode(spec, model, "", n_classes, feature_dim, in_channels, resolution)
+    with torch.random.fork_rng(devices=[]):
+        _check_mode(spec, copy.deepcopy(model).train(), " in train mode", n_classes, feature_dim, in_channels,
+                    resolution)
+    return model
+
+
+def _check_mode(spec: str, model: nn.Module, mode: str, n_classes: int, feature_dim: int, in_channels: int,
+                resolution: int) -> None:
+    """``features`` -> (2, D), ``head`` -> (2, K) and ``forward`` -> (2, K) on a zero batch, with
+    the model in eval mode (``mode == ""``, restored after) or as given (train mode)."""
     was = model.training
-    model.eval()
+    if not mode:
+        model.eval()
     batch = (2, in_channels, resolution, resolution)
     try:
         # features() first, its shape checked before head sees it: a (B, C, H, W) map from a conv
         # trunk without pooling is then named as such, not as head's matmul error
-        feats = _probe(spec, "features()", model.features, torch.zeros(batch), f"a {batch} batch",
+        feats = _probe(spec, f"features(){mode}", model.features, torch.zeros(batch), f"a {batch} batch",
                        (2, feature_dim), "(the group's common width D)")
-        _probe(spec, "head", model.head, feats, f"features of shape {list(feats.shape)}", (2, n_classes), "(logits)")
+        _probe(spec, f"head{mode}", model.head, feats, f"features of shape {list(feats.shape)}", (2, n_classes),
+               "(logits)")
+        _probe(spec, f"forward{mode}", model, torch.zeros(batch), f"a {batch} batch", (2, n_classes),
+               "(the logits, i.e. head(features(x)); auxiliary outputs must be off)")
     finally:
         model.train(was)
-    if type(model).forward is nn.Module.forward:
-        # bound to this instance; deepcopy rebinds it to the copy (copy's MethodType handler)
-        model.forward = types.MethodType(_features_then_head, model)
-    with torch.no_grad():
-        model.eval()
-        try:
-            out = model(torch.zeros(2, in_channels, resolution, resolution))
-        except Exception as err:
-            raise UserInputError(f"{spec}: forward fails on a (2, {in_channels}, {resolution}, {resolution}) batch "
-                                 f"({err.__class__.__name__}: {err})", field="clients.models") from None
-        finally:
-            model.train(was)
-    if not isinstance(out, torch.Tensor):
-        raise UserInputError(f"{spec}: forward returns {type(out).__name__}, expected a (2, {n_classes}) logits "
-                             "tensor", field="clients.models")
-    if tuple(out.shape) != (2, n_classes):
-        raise UserInputError(f"{spec}: forward gives shape {list(out.shape)}, expected [2, {n_classes}] "
-                             "(the logits, i.e. head(features(x)))", field="clients.models")
-    return model
 
 
 def _features_then_head(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
