@@ -426,3 +426,14 @@ def test_train_mode_freezes_batchnorm_only_for_a_single_sample():
 
     assert recalibrate_bn(model, NoSingletonBatches(one)) == 0 and torch.equal(model[1].running_var, before)
     assert not train_mode(model, NoSingletonBatches(one))[1].training
+
+
+@pytest.mark.parametrize("name, hp, field, also", [
+    ("fedtgp", {"lambda": 1e30}, "algorithm.lambda", "algorithm.lr"),      # the raised weight, not lr
+    ("fedproto", {"lambda": 1e30}, "algorithm.lambda", "algorithm.lr"),
+    ("fd", {"lr": 1e9}, "algorithm.lr", "algorithm.gamma"),                 # the raised learning rate
+])
+def test_diverged_local_training_blames_the_raised_key(name, hp, field, also, digits, edge_partition, tmp_path):
+    with pytest.raises(UserInputError) as err:
+        _run(name, digits, edge_partition, tmp_path, rounds=3, **hp)
+    assert err.value.field == field and f"smaller value of it or of {also}" in err.value.message, str(err.value)

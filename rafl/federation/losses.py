@@ -106,7 +106,8 @@ def logit_regularizer(class_logits: Mapping[int, torch.Tensor], gamma: float) ->
 
 def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.Optimizer,
                       extra: Regularizer | None = None, *, epochs: int = 1,
-                      device: torch.device | str = "cpu") -> TrainStats:
+                      device: torch.device | str = "cpu",
+                      diverged: tuple[str, str | None] = ("algorithm.lr", None)) -> TrainStats:
     """``epochs`` passes of ``CE(head(f(x)), y) + extra(f(x), logits, y)``.
 
     Args:
@@ -116,14 +117,18 @@ def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torc
         extra: a :data:`Regularizer` or None (plain CE).
         epochs: passes over the loader.
         device: where to compute.
+        diverged: the keys a diverged loss names (:func:`~rafl.federation.training.check_finite_loss`).
 
     Returns:
         :class:`~rafl.federation.training.TrainStats` (``loss`` = mean total loss).
+
+    Raises:
+        UserInputError: the loss turned NaN/Inf (naming ``diverged``).
     """
     if extra is None:  # still run the model as head(features(x)): it may have no forward()
         def extra(feats, logits, labels):
             return logits.new_zeros(())
-    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra)
+    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra, diverged=diverged)
 
 
 def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch],

@@ -95,21 +95,26 @@ def train_mode(model: nn.Module, loader: Iterable[Batch]) -> nn.Module:
     return model
 
 
-def check_finite_loss(loss: torch.Tensor, *, what: str = "local training", field: str = "algorithm.lr") -> None:
+def check_finite_loss(loss: torch.Tensor, *, what: str = "local training", field: str = "algorithm.lr",
+                      also: str | None = None) -> None:
     """Stop training whose loss became NaN or Inf (a diverged model would otherwise train on
     silently, and a method without an upload to validate, e.g. Standalone, reports the accuracy of
     NaN weights). The engine adds which client and model.
 
     Args:
         loss: the step's loss (any shape).
-        what / field: the training that diverged and its learning-rate key, for the message.
+        what / field: the training that diverged and the key to blame (its learning rate, or a
+            regularizer weight the user raised: :func:`rafl.federation.algorithms._common.divergence_keys`).
+        also: another key that may be the cause, named in the message (None: the learning rate
+            is ``field``).
 
     Raises:
         UserInputError: naming ``field`` (the usual cause) and what to try.
     """
     if not bool(torch.isfinite(loss.detach()).all()):
+        smaller = "learning rate" if also is None else f"value of it or of {also}"
         raise UserInputError(f"{what} diverged (loss {float(loss.detach().sum())}); allowed: a smaller "
-                             "learning rate, or a model whose features stay finite", field=field)
+                             f"{smaller}, or a model whose features stay finite", field=field)
 
 
 def check_finite_params(model: nn.Module, *, what: str, field: str) -> None:
@@ -200,7 +205,8 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
              prox_reference: Mapping[str, torch.Tensor] | None = None,
              max_steps: int | None = None,
              extra: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-             bn_recalibration: bool = True) -> TrainStats:
+             bn_recalibration: bool = True,
+             diverged: tuple[str, str | None] = ("algorithm.lr", None)) -> TrainStats:
     """Cross-entropy training for ``epochs`` passes over ``loader``, plus optional terms.
 
     With ``prox_mu > 0`` adds FedProx's proximal term ``mu/2 * ||w - w_global||^2`` (Li et al.,
@@ -221,6 +227,7 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
         max_steps: stop after this many optimizer steps (None = no limit).
         extra: a regularizer on (features, logits, labels), or None.
         bn_recalibration: end with :func:`recalibrate_bn` on ``loader`` (after at least one step).
+        diverged: ``(field, also)`` of :func:`check_finite_loss` when the loss turns NaN/Inf.
 
     Returns:
         :class:`TrainStats` (``steps`` is FedNova's local step count tau; ``loss`` the mean total loss).
@@ -247,7 +254,7 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
                 loss = F.cross_entropy(logits, labels) + extra(feats, logits, labels)
             if prox_mu > 0:
                 loss = loss + 0.5 * prox_mu * _proximal(model, prox_reference)
-            check_finite_loss(loss)
+            check_finite_loss(loss, field=diverged[0], also=diverged[1])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -54,6 +54,14 @@ def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
 
 
+def divergence_keys(hp: Mapping[str, Any], defaults: Mapping[str, Any], weight: str) -> tuple[str, str | None]:
+    """What a diverged local loss with a regularizer of weight ``hp[weight]`` blames: the weight when
+    the user raised it and kept the learning rate, else the learning rate; the other key is named
+    too (:func:`rafl.federation.training.check_finite_loss`)."""
+    raised = float(hp[weight]) > float(defaults[weight]) and float(hp["lr"]) <= float(defaults["lr"])
+    return (f"algorithm.{weight}", "algorithm.lr") if raised else ("algorithm.lr", f"algorithm.{weight}")
+
+
 def eval_counts(name: str, correct: int, total: int) -> dict[str, float]:
     """The evaluation contract's keys for model ``name``."""
     return {f"{name}.correct": float(correct), f"{name}.total": float(total)}

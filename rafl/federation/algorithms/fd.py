@@ -20,6 +20,7 @@ from rafl.federation.algorithms._common import (
     LOCAL_DEFAULTS,
     build,
     cpu_state,
+    divergence_keys,
     eval_counts,
     optimizer_for,
 )
@@ -61,7 +62,7 @@ class FD(Algorithm):
         targets = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
         train_regularized(model, client.train_loader, optimizer_for(model, hp),
                           logit_regularizer(targets, float(hp["gamma"])), epochs=hp["local_epochs"],
-                          device=client.device)
+                          device=client.device, diverged=divergence_keys(hp, self.defaults, "gamma"))
         logits, _ = local_class_averages(model, client.train_loader, client.n_classes, output="logits",
                                          device=client.device)
         return {"model": cpu_state(model)}, Payload(to_payload_tensors(logits, LOGIT))

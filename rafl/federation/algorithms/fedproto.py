@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.errors import UserInputError, shown
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import (LOCAL_DEFAULTS, build, cpu_state, divergence_keys, eval_counts,
+                                               optimizer_for)
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.losses import prototype_regularizer, train_regularized
 from rafl.federation.payload import Payload
@@ -63,7 +64,7 @@ class FedProto(Algorithm):
         protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
         reg = prototype_regularizer(protos, float(hp["lambda"]), str(hp["distance"]))
         train_regularized(model, client.train_loader, optimizer_for(model, hp), reg, epochs=hp["local_epochs"],
-                          device=client.device)
+                          device=client.device, diverged=divergence_keys(hp, self.defaults, "lambda"))
         local, counts = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
         tensors = to_payload_tensors(local, PROTO)
         tensors[PROTO + "counts"] = torch.tensor([counts[c] for c in sorted(local)], dtype=torch.int32)

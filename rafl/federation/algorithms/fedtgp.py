@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import UserInputError, shown, warn
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, optimizer_for
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, divergence_keys, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.headers import check_split_model, feature_dim
@@ -143,12 +143,10 @@ class FedTGP(Algorithm):
         hp = self.hparams
         model = build(client, state["model"])
         protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
-        if hp["distance"] == "euclidean":
-            reg = prototype_regularizer(protos, float(hp["lambda"]), "euclidean")
-        else:
-            reg = prototype_regularizer(protos, float(hp["lambda_mse"]), "mse")
+        weight = "lambda" if hp["distance"] == "euclidean" else "lambda_mse"
+        reg = prototype_regularizer(protos, float(hp[weight]), "euclidean" if weight == "lambda" else "mse")
         train_regularized(model, client.train_loader, optimizer_for(model, hp), reg, epochs=hp["local_epochs"],
-                          device=client.device)
+                          device=client.device, diverged=divergence_keys(hp, self.defaults, weight))
         local, _ = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
         return {"model": cpu_state(model)}, Payload(to_payload_tensors(local, PROTO))
 
