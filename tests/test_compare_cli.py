@@ -105,7 +105,9 @@ def test_compare_row_pools_the_clients_test_samples():
      "--set: algorithm.fedtgp.server_epochs: sets a hyperparameter of fedtgp, which --algorithms does not select"),
     # checked before anything runs (they used to end in a traceback in the first client's training)
     (["--algorithms", "fedgh", "--set", "algorithm.optimizer=rmsprop"],
-     "algorithm.fedgh.optimizer: is 'rmsprop'; allowed: sgd, adam"),
+     "--set: algorithm.optimizer: is 'rmsprop'; allowed: sgd, adam"),  # the shared key, as written
+    (["--algorithms", "fedgh,fedtgp", "--set", "algorithm.distance=squared"],
+     "--set: algorithm.distance: is 'squared'; allowed: euclidean, mse (for fedtgp)"),  # which method refused it
     (["--algorithms", "fedtgp", "--set", "algorithm.fedtgp.server_hidden_dim=-1"],
      "algorithm.fedtgp.server_hidden_dim: is -1; allowed: an integer >= 0"),
     # more clients per round than clients: an error, not a silent clamp
@@ -386,11 +388,11 @@ def test_errors_name_set_when_a_set_value_is_wrong_and_the_file_otherwise(tmp_pa
              (["federate", "--config", str(bad), "--set", "engine.rounds=2"],
               f"error: {bad}: algorithm.deploy_header: is 'globl'"),
              (["compare", "--algorithms", "fedgh", "--config", str(good), "--set", "algorithm.deploy_header=globl"],
-              "error: --set: algorithm.fedgh.deploy_header: is 'globl'"),
+              "error: --set: algorithm.deploy_header: is 'globl'"),  # a shared key, named as written
              (["compare", "--algorithms", "fedgh", "--config", str(good), "--set", "engine.rounds=abc"],
               "error: --set: engine.rounds:"),
              (["compare", "--algorithms", "fedgh", "--config", str(bad), "--set", "engine.rounds=2"],
-              f"error: {bad}: algorithm.fedgh.deploy_header: is 'globl'")]
+              f"error: {bad}: algorithm.deploy_header: is 'globl'")]
     for args, msg in cases:
         res = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out")])
         assert res.exit_code == 2 and msg in res.output, (args, res.output)

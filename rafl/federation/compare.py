@@ -130,8 +130,13 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
             hps[cls.name] = cls.check_hparams(hp)
         except UserInputError as err:
             key = err.field[len("algorithm"):] if err.field and err.field.startswith("algorithm") else ""
-            field = f"algorithm.{a}{key}"
-            raise UserInputError(err.message, source=blame(field, set_keys, source), field=field) from None
+            message = err.message
+            if key.lstrip(".").split(".")[0] in own or not key:
+                field = f"algorithm.{a}{key}"  # the method's own section (or the section as a whole)
+            else:  # a shared key, named as the user wrote it; which method refused it, when several
+                field = f"algorithm{key}"
+                message += f" (for {cls.name})" if len(classes) > 1 else ""
+            raise UserInputError(message, source=blame(field, set_keys, source), field=field) from None
     tmp = yaml.safe_dump({**data, "algorithm": {"name": "standalone"}})
     cfg = _validate(tmp, rest, source)
     return cfg, hps
