@@ -34,8 +34,8 @@ def supernet() -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Run folder (checkpoint, config.json, metrics.json). Required unless --resume.")
 @click.option("--epochs-per-phase", type=int, default=None,
-              help="Epochs of every one of the 4 phases (full, kernel, depth, expand)  [default: 10, 3, 3, 4 "
-                   "respectively].")
+              help="Epochs of every phase: one N for all 4 (full, kernel, depth, expand)  "
+                   "[default: 10, 3, 3, 4].")
 @click.option("--device", default=None, help="cpu | cuda  [default: cpu]")
 @click.option("--seed", type=int, default=None, help="Run seed [default: 0].")
 @click.option("--width-mult", type=float, default=None, help="Supernet width multiplier [default: 0.35].")
