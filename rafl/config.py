@@ -377,7 +377,8 @@ def reject_compare_record(data: dict[str, Any], path: str | Path | None) -> None
 def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: str | None) -> dict[str, str]:
     """``rafl compare``'s per-method sections in a run config (``algorithm: {lr: 0.05, fedtgp:
     {tau: 5}}``), so one file serves ``rafl compare`` and ``rafl federate``: the selected method's
-    section applies over the shared keys (as in compare); other methods' sections are ignored, but
+    section applies over the shared keys (as in compare), except over a shared key given with
+    ``--set`` (the command line wins over the file); other methods' sections are ignored, but
     a ``--set`` into one is a slip. Edits ``data`` in place; returns ``{"algorithm.tau":
     "algorithm.fedtgp.tau"}`` for the keys it moved, so errors name them as written.
 
@@ -410,6 +411,8 @@ def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: st
             raise UserInputError(f"is {shown(section)}; allowed: a mapping of {selected}'s hyperparameters",
                                  source=blame(f"algorithm.{k}", set_keys, source), field=f"algorithm.{k}")
         for key, value in section.items():
+            if f"algorithm.{key}" in set_keys and f"algorithm.{k}.{key}" not in set_keys:
+                continue  # the command line's shared value wins over the file's section
             algo[key] = value
             moved[f"algorithm.{key}"] = f"algorithm.{k}.{key}"
     return moved

@@ -435,6 +435,11 @@ def test_empty_method_section_in_a_config_takes_set_values_and_unused_weights_ar
     cfg.write_text("algorithm:\n  fedtgp:\n")
     _, hps = load_compare_config(cfg, ["algorithm.fedtgp.server_epochs=2"], ["fedtgp"])
     assert hps["fedtgp"]["server_epochs"] == 2
+    # a shared --set wins over the file's section (the command line is the later word)
+    cfg.write_text("algorithm:\n  fedtgp: {tau: 5}\n")
+    assert load_compare_config(cfg, ["algorithm.tau=9"], ["fedtgp"])[1]["fedtgp"]["tau"] == 9
+    assert load_compare_config(cfg, [], ["fedtgp"])[1]["fedtgp"]["tau"] == 5
+    cfg.write_text("algorithm:\n  fedtgp:\n")
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", *TINY,
                                    "--set", "algorithm.fedtgp.server_epochs=2", "--set", "algorithm.fedtgp.lambda_mse=3",
                                    "--out", str(tmp_path / "cmp")])

@@ -137,6 +137,7 @@ def test_run_config_defaults_overrides_and_errors(tmp_path):
     f.write_text("algorithm:\n  name: fedtgp\n  lr: 0.05\n  tau: 3\n  fedtgp: {tau: 7}\n  fedgh: {server_lr: 0.5}\n")
     hp = load_run_config(f).algorithm.hparams()
     assert hp["tau"] == 7 and hp["lr"] == 0.05 and "server_lr" in hp and hp["server_lr"] != 0.5
+    assert load_run_config(f, ["algorithm.tau=9"]).algorithm.hparams()["tau"] == 9  # the command line wins
     with pytest.raises(UserInputError, match=r"^--set: algorithm.fedtgp.tau: is -1; allowed: a number > 0"):
         load_run_config(f, ["algorithm.fedtgp.tau=-1"])
     with pytest.raises(UserInputError, match=r"^--set: algorithm.fedgh.server_lr: sets a hyperparameter of fedgh, "

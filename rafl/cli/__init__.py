@@ -64,7 +64,9 @@ class LazyGroup(click.Group):
             err.show()
             sys.exit(err.exit_code)
         except click.exceptions.Abort:  # Ctrl-C: the shell's convention, 128 + SIGINT
-            click.echo("Aborted!", err=True)
+            # (a command that had written something says so itself; this is Ctrl-C before it could:
+            # while its module loads or its options are read)
+            click.echo("interrupted", err=True)
             sys.exit(128 + signal.SIGINT)
         sys.exit(rv if isinstance(rv, int) else 0)
 

@@ -118,6 +118,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
             raise UserInputError(f"no selected method accepts {key!r}; allowed: "
                                  f"{sorted(set().union(*(c.defaults for c in classes.values())))}",
                                  source=blame(f"algorithm.{key}", set_keys, source), field=f"algorithm.{key}")
+    parsed_keys = {k for k, _ in parsed}
     hps: dict[str, dict[str, Any]] = {}
     for a, cls in classes.items():
         hp = {k: v for k, v in algo_section.items() if k in cls.defaults}
@@ -125,7 +126,9 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         if not isinstance(own, dict):
             raise UserInputError("expected a mapping of hyperparameters", source=blame(f"algorithm.{a}", set_keys, source),
                                  field=f"algorithm.{a}")
-        hp.update(own)
+        # the method's own keys win over the shared ones, except a shared --set over the file's section
+        hp.update({k: v for k, v in own.items()
+                   if not (f"algorithm.{k}" in parsed_keys and f"algorithm.{a}.{k}" not in parsed_keys)})
         try:
             hps[cls.name] = cls.check_hparams(hp)
         except UserInputError as err:
