@@ -408,32 +408,24 @@ def test_a_client_with_one_training_sample_stays_finite(name, digits, tmp_path):
     assert len(rows) == 4 and all(r["participated"] == 2 for r in rows)
 
 
-def test_train_mode_keeps_batchnorm_statistics_of_small_clients():
-    """One sample: BN in eval mode. Fewer than MIN_BN_SAMPLES: batch statistics in training, but the
-    running statistics stay as received (momentum 0, no recalibration). Else: plain train mode."""
+def test_train_mode_freezes_batchnorm_only_for_a_single_sample():
     from torch.utils.data import DataLoader, TensorDataset
 
+    from rafl.federation.training import recalibrate_bn, train_mode
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Dropout())
+    for n, bn_training in ((1, False), (2, True)):
+        loader = DataLoader(TensorDataset(torch.randn(n, 1, 4, 4), torch.zeros(n, dtype=torch.long)), batch_size=8)
+        train_mode(model.eval(), loader)
+        assert model.training and model[2].training and model[1].training is bn_training
+    before = model[1].running_var.clone()
+    one = DataLoader(TensorDataset(torch.randn(1, 1, 4, 4), torch.zeros(1, dtype=torch.long)), batch_size=8)
+    assert recalibrate_bn(model, one) == 0 and torch.equal(model[1].running_var, before)
+    # also through the wrapper FedGH and LG-FedAvg train with (a BN1d plug-in's running variance was 0)
     from rafl.federation.losses import NoSingletonBatches
-    from rafl.federation.training import MIN_BN_SAMPLES, recalibrate_bn, train_mode
 
-    def loader(n):
-        return DataLoader(TensorDataset(torch.randn(n, 1, 4, 4), torch.zeros(n, dtype=torch.long)), batch_size=8)
-
-    for n, bn_training, momentum in ((1, False, 0.1), (2, True, 0.0), (MIN_BN_SAMPLES - 1, True, 0.0),
-                                     (MIN_BN_SAMPLES, True, 0.1)):
-        model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Dropout())
-        train_mode(model.eval(), loader(n))
-        assert model.training and model[2].training and model[1].training is bn_training, n
-        assert model[1].momentum == momentum, n
-        before = model[1].running_var.clone()
-        for _images, _ in loader(n):
-            model(_images if n > 1 else _images.repeat(2, 1, 1, 1))
-        kept = torch.equal(model[1].running_var, before)
-        assert kept is (n < MIN_BN_SAMPLES), n  # the running statistics move only for a large client
-        assert (recalibrate_bn(model, loader(n)) == 0) is (n < MIN_BN_SAMPLES), n
-        # also through the wrapper FedGH and LG-FedAvg train with (a BN1d plug-in's running variance was 0)
-        assert (recalibrate_bn(model, NoSingletonBatches(loader(n))) == 0) is (n < MIN_BN_SAMPLES), n
-    assert not train_mode(model, NoSingletonBatches(loader(1)))[1].training
+    assert recalibrate_bn(model, NoSingletonBatches(one)) == 0 and torch.equal(model[1].running_var, before)
+    assert not train_mode(model, NoSingletonBatches(one))[1].training
 
 
 @pytest.mark.parametrize("name, hp, field, also", [

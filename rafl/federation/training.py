@@ -61,10 +61,6 @@ def no_singleton_batches(loader: Iterable[Batch], min_size: int = MIN_BATCH) -> 
 
 
 
-#: A client with fewer training samples keeps the BN running statistics it received (:func:`train_mode`).
-MIN_BN_SAMPLES = 16
-
-
 def loader_size(loader: Iterable[Batch]) -> int | None:
     """The number of samples behind ``loader`` (``len(loader.dataset)``, also through a wrapper that
     keeps the loader as ``.loader``, e.g. :class:`rafl.federation.losses.NoSingletonBatches`), or
@@ -82,34 +78,20 @@ def loader_size(loader: Iterable[Batch]) -> int | None:
 
 
 def train_mode(model: nn.Module, loader: Iterable[Batch]) -> nn.Module:
-    """``model.train()``, with BatchNorm kept from estimating statistics a small client cannot.
+    """``model.train()``, except that its BatchNorm layers stay in eval mode (running statistics
+    used and kept) when ``loader`` holds a single sample.
 
-    BN statistics from a handful of samples are degenerate on the 1x1 feature maps of the last
-    stages: one sample has variance 0 there (train mode maps it to the BN bias whatever its input,
-    and the running variance heads to 0, so eval mode divides tiny differences by sqrt(eps) layer
-    after layer), two or three give near-zero variances. Measured on one-class digits clients of
-    searched subnets (3 rounds): with 2 / 3 / 4 training samples Standalone scored 0.03 / 0.33 / 0.43
-    and FD uploaded NaN; a ShuffleNetV2 client holding one CIFAR-10 image uploaded NaN logits in
-    FD's round 2. So, for a loader of
-
-    * one sample: the BN layers train in eval mode (running statistics used and kept): training
-      and evaluation compute the same function;
-    * fewer than :data:`MIN_BN_SAMPLES`: the BN layers normalize by batch statistics as usual, but
-      their running statistics stay those the model arrived with (momentum 0; and
-      :func:`recalibrate_bn` skips the loader): Standalone then scored 0.23 / 0.83 / 0.90 above,
-      and 0.868 vs 0.860 with 60 Dirichlet clients (most of 10-40 samples), FD 0.860 vs 0.863.
-
-    Sets ``momentum`` on the BN modules of ``model`` (not part of its state: algorithms rebuild
-    the model from its state every round). Returns ``model``."""
+    One sample has no variance: on the 1x1 feature maps of the last stages the batch variance is
+    0, train mode maps the sample to the BN bias whatever its input, and the running variance
+    heads to 0, so in eval mode tiny train/eval differences upstream are divided by sqrt(eps)
+    in every such layer. A ShuffleNetV2 client holding one CIFAR-10 image uploaded NaN logits in
+    FD's round 2 that way. With frozen statistics, training and evaluation compute the same
+    function. Returns ``model``."""
     model.train()
-    n = loader_size(loader)
-    if n is not None and n < MIN_BN_SAMPLES:
+    if loader_size(loader) == 1:
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                if n == 1:
-                    m.eval()
-                else:
-                    m.momentum = 0.0
+                m.eval()
     return model
 
 
@@ -315,11 +297,11 @@ def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.d
         device: where to compute.
 
     Returns:
-        the number of batches used (0: no BatchNorm, no data or fewer than :data:`MIN_BN_SAMPLES`
-        samples -- the statistics are then unchanged).
+        the number of batches used (0: no BatchNorm, no data or a single sample -- the statistics
+        are then unchanged).
     """
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    if not bns or (loader_size(loader) or MIN_BN_SAMPLES) < MIN_BN_SAMPLES:  # too few samples (train_mode)
+    if not bns or loader_size(loader) == 1:  # one sample: no statistics to estimate (see train_mode)
         return 0
     was = model.training
     momenta = [m.momentum for m in bns]
