@@ -47,6 +47,8 @@ def test_resolve_models():
             resolve_models(typo)
     with pytest.raises(UserInputError, match="item 2 of 'cnn4,,cnn3-small' is empty"):
         resolve_models("cnn4,,cnn3-small")
+    with pytest.raises(UserInputError, match="item 1 of ',' is empty"):
+        resolve_models(",")
 
 
 def _write_plugin(tmp_path, monkeypatch, body: str) -> None:

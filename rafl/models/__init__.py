@@ -28,7 +28,7 @@ def resolve_models(spec: str) -> list[str]:
     """
     raw = [s.strip() for s in str(spec).split(",")]
     items = [s for s in raw if s]
-    if not items:
+    if not items and len(raw) == 1:
         raise UserInputError("is empty; allowed: nas, a group (" + ", ".join(GROUPS) + "), model names or "
                              "package.module:factory", field="clients.models")
     if len(items) != len(raw):
