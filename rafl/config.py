@@ -374,6 +374,16 @@ def reject_compare_record(data: dict[str, Any], path: str | Path | None) -> None
                              source=path, field="algorithms")
 
 
+def section_keys_that_apply(method_key: str, section: dict[str, Any], set_keys: Iterable[str]) -> dict[str, Any]:
+    """The keys of a method's own section ``algorithm.<method_key>`` that apply over the shared
+    ``algorithm.*`` keys: all, except one whose shared key was given with ``--set`` while the
+    section's value came from the file (the command line wins over the file). One rule for
+    ``rafl federate`` and ``rafl compare``."""
+    given = set(set_keys)
+    return {k: v for k, v in section.items()
+            if not (f"algorithm.{k}" in given and f"algorithm.{method_key}.{k}" not in given)}
+
+
 def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: str | None) -> dict[str, str]:
     """``rafl compare``'s per-method sections in a run config (``algorithm: {lr: 0.05, fedtgp:
     {tau: 5}}``), so one file serves ``rafl compare`` and ``rafl federate``: the selected method's
@@ -410,9 +420,7 @@ def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: st
         if not isinstance(section, dict):
             raise UserInputError(f"is {shown(section)}; allowed: a mapping of {selected}'s hyperparameters",
                                  source=blame(f"algorithm.{k}", set_keys, source), field=f"algorithm.{k}")
-        for key, value in section.items():
-            if f"algorithm.{key}" in set_keys and f"algorithm.{k}.{key}" not in set_keys:
-                continue  # the command line's shared value wins over the file's section
+        for key, value in section_keys_that_apply(k, section, set_keys).items():
             algo[key] = value
             moved[f"algorithm.{key}"] = f"algorithm.{k}.{key}"
     return moved

@@ -53,7 +53,8 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
             no selected method accepts.
     """
-    from rafl.config import blame, parse_overrides, read_config_file, reject_compare_record
+    from rafl.config import (blame, parse_overrides, read_config_file, reject_compare_record,
+                             section_keys_that_apply)
 
     data = read_config_file(path)
     reject_compare_record(data, path)
@@ -118,7 +119,6 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
             raise UserInputError(f"no selected method accepts {key!r}; allowed: "
                                  f"{sorted(set().union(*(c.defaults for c in classes.values())))}",
                                  source=blame(f"algorithm.{key}", set_keys, source), field=f"algorithm.{key}")
-    parsed_keys = {k for k, _ in parsed}
     hps: dict[str, dict[str, Any]] = {}
     for a, cls in classes.items():
         hp = {k: v for k, v in algo_section.items() if k in cls.defaults}
@@ -126,9 +126,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         if not isinstance(own, dict):
             raise UserInputError("expected a mapping of hyperparameters", source=blame(f"algorithm.{a}", set_keys, source),
                                  field=f"algorithm.{a}")
-        # the method's own keys win over the shared ones, except a shared --set over the file's section
-        hp.update({k: v for k, v in own.items()
-                   if not (f"algorithm.{k}" in parsed_keys and f"algorithm.{a}.{k}" not in parsed_keys)})
+        hp.update(section_keys_that_apply(a, own, (k for k, _ in parsed)))  # the method's own keys
         try:
             hps[cls.name] = cls.check_hparams(hp)
         except UserInputError as err:

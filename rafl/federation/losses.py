@@ -47,6 +47,11 @@ class NoSingletonBatches:
     def __init__(self, loader: Iterable[Batch]):
         self.loader = loader
 
+    @property
+    def dataset(self):
+        """The wrapped loader's dataset (what :func:`~rafl.federation.training.loader_size` counts)."""
+        return self.loader.dataset
+
     def __iter__(self):
         return no_singleton_batches(self.loader)
 

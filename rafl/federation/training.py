@@ -62,19 +62,11 @@ def no_singleton_batches(loader: Iterable[Batch], min_size: int = MIN_BATCH) -> 
 
 
 def loader_size(loader: Iterable[Batch]) -> int | None:
-    """The number of samples behind ``loader`` (``len(loader.dataset)``, also through a wrapper that
-    keeps the loader as ``.loader``, e.g. :class:`rafl.federation.losses.NoSingletonBatches`), or
-    None if unknown."""
-    for _ in range(8):  # wrappers of wrappers, not forever
-        if hasattr(loader, "dataset"):
-            try:
-                return len(loader.dataset)  # type: ignore[attr-defined]
-            except TypeError:
-                return None
-        loader = getattr(loader, "loader", None)
-        if loader is None:
-            return None
-    return None
+    """The number of samples behind ``loader`` (``len(loader.dataset)``), or None if unknown."""
+    try:
+        return len(loader.dataset)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return None
 
 
 def train_mode(model: nn.Module, loader: Iterable[Batch]) -> nn.Module:

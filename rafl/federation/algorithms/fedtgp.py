@@ -144,7 +144,7 @@ class FedTGP(Algorithm):
         model = build(client, state["model"])
         protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
         weight = "lambda" if hp["distance"] == "euclidean" else "lambda_mse"
-        reg = prototype_regularizer(protos, float(hp[weight]), "euclidean" if weight == "lambda" else "mse")
+        reg = prototype_regularizer(protos, float(hp[weight]), str(hp["distance"]))  # euclidean or mse
         train_regularized(model, client.train_loader, optimizer_for(model, hp), reg, epochs=hp["local_epochs"],
                           device=client.device, diverged=divergence_keys(hp, self.defaults, weight))
         local, _ = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
