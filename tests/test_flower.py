@@ -340,6 +340,54 @@ def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet
     assert not (tmp_path / "b" / "checkpoint.safetensors").exists()
 
 
+class CountingGrid(DirectGrid):
+    """A :class:`DirectGrid` that records ``(message type, round, node, client ids)`` per message,
+    and makes ``fail(message type, client id)`` raise inside that client's step on its node."""
+
+    def __init__(self, n_nodes, fail=None):
+        super().__init__(n_nodes)
+        self.sent, self.fail = [], fail
+
+    def answer(self, m):
+        ctl = m.content.config_records.get(flower.CONTROL)
+        ids = [int(c) for c in ctl["client_ids"]] if ctl is not None and "client_ids" in ctl else []
+        self.sent.append((m.metadata.message_type, int(m.metadata.group_id or 0), m.metadata.dst_node_id, ids))
+        return super().answer(m)
+
+
+def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_loses_that_client_only(
+        tmp_path, supernet_dir, task_identity, monkeypatch):
+    """Five clients on two nodes: each round sends one train and one evaluate message per node
+    (a deployed SuperNode starts a process per message), each carrying the node's clients in job
+    order, and the run computes the in-process numbers. A client step failing on its node with an
+    unexpected error (not a UserInputError) loses that client for the round, not its node-mates."""
+    from rafl.config import load_run_config
+    from rafl.federation import engine, pipeline
+
+    sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
+    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
+    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
+    grid = CountingGrid(2)
+    got = flower.run_on_grid(grid, prep, tmp_path / "msg", progress=False)
+    assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
+    steps = [s for s in grid.sent if s[0] in ("train", "evaluate")]
+    assert steps == [(kind, rnd, node, ids) for rnd in (1, 2) for kind in ("train", "evaluate")
+                     for node, ids in ((1, [0, 2, 4]), (2, [1, 3]))]
+
+    real = engine.train_client
+
+    def flaky(fed, store, ctx, down):
+        if ctx.info.client_id == 2 and ctx.round == 2:
+            raise RuntimeError("CUDA out of memory")
+        return real(fed, store, ctx, down)
+
+    monkeypatch.setattr(flower, "train_client", flaky)
+    flower.run_on_grid(CountingGrid(2), prep, tmp_path / "flaky", progress=False)
+    rows = _rows(tmp_path / "flaky")
+    assert [r["failed"] for r in rows] == [0, 1]
+    assert rows[1]["lost"] == {"2": "node 1 (partition-id=0): node error: RuntimeError: CUDA out of memory"}
+
+
 def test_every_client_lost_stops_the_run(tmp_path, supernet_dir, task_identity):
     from rafl.config import load_run_config
     from rafl.federation import pipeline

@@ -4,8 +4,10 @@ rafl's :class:`~rafl.federation.engine.Engine` keeps everything that is not a cl
 computation -- sampling, sporadic participation, dropout, communication counting, evaluation
 summaries, metrics, checkpoints and ``--resume`` -- and hands the client steps to a *runner*.
 :class:`FlowerClients` is that runner for Flower (``flwr`` 1.42, the Message API): each round it
-sends one ``train`` :class:`flwr.app.Message` to the SuperNode hosting every sampled client and
-waits for the replies; evaluation sends ``evaluate`` messages the same way. The ClientApp
+sends one ``train`` :class:`flwr.app.Message` to every SuperNode hosting sampled clients, carrying
+the steps of all of them, and waits for the replies; evaluation sends ``evaluate`` messages the
+same way. One message per node, not per client: a deployed SuperNode starts a ClientApp process
+per message, which imports torch and rebuilds the federation. The ClientApp
 (:data:`client_app`) runs :func:`~rafl.federation.engine.train_client` /
 :func:`~rafl.federation.engine.evaluate_client`, the very functions the in-process runner calls,
 with the same seeds, so both backends compute the same numbers.
@@ -17,11 +19,15 @@ global part) and would duplicate the engine's accounting. The ServerApp here dri
 :class:`~flwr.serverapp.Grid` directly, which is Flower's documented low-level API.
 
 What travels (DESIGN.md, :mod:`rafl.federation.payload`): a payload's ``tensors`` are one
-``ArrayRecord`` (``"payload.arrays"``, names verbatim), its ``meta`` one ``ConfigRecord``
-(``"payload.meta"``); the control record ``"rafl"`` holds the client id, the round, the client
-state version the server has committed, the run key and the run config (YAML text). Communication
-is still counted by the engine from :meth:`Payload.nbytes`, identical for both backends; Flower's
-own framing is not counted.
+``ArrayRecord`` (``"payload.arrays.<slot>"``, names verbatim), its ``meta`` one ``ConfigRecord``
+(``"payload.meta.<slot>"``); a broadcast several clients share travels once per message (slots
+``0, 1, ...``), an upload under its client id's slot (``.<client id>``), evaluation counts as the
+``MetricRecord`` ``"metrics.<client id>"``. The control record ``"rafl"`` holds the client ids
+(in job order), each one's payload slot and the client state version the server has committed,
+the round, the run key and the run config (YAML text); a reply's holds ``client_errors`` (client
+steps that failed on the node) or the ``user_error`` that stopped it. Communication is still
+counted by the engine from :meth:`Payload.nbytes`, identical for both backends; Flower's own
+framing is not counted.
 
 Clients and nodes: the server asks every connected node for its ``node_config``. A node with
 ``partition-id = i`` and ``num-partitions = P`` hosts the clients ``i, i + P, i + 2P, ...`` of the
@@ -95,14 +101,15 @@ def _flwr():
 
 
 # ---------------------------------------------------------------------- payload <-> records
-def payload_to_records(payload: Payload) -> dict[str, Any]:
-    """``{ARRAYS: ArrayRecord, META: ConfigRecord}`` holding ``payload`` (names verbatim)."""
+def payload_to_records(payload: Payload, slot: str = "") -> dict[str, Any]:
+    """``{ARRAYS + slot: ArrayRecord, META + slot: ConfigRecord}`` holding ``payload`` (names
+    verbatim); ``slot`` (e.g. ``".3"``) tells apart the payloads of one message."""
     app = _flwr()
     arrays = app.ArrayRecord({k: app.Array.from_torch_tensor(v.contiguous()) for k, v in payload.tensors.items()})
-    return {ARRAYS: arrays, META: app.ConfigRecord(dict(payload.meta))}
+    return {ARRAYS + slot: arrays, META + slot: app.ConfigRecord(dict(payload.meta))}
 
 
-def records_to_payload(content: Any, sender: str) -> Payload:
+def records_to_payload(content: Any, sender: str, slot: str = "") -> Payload:
     """Inverse of :func:`payload_to_records`.
 
     Raises:
@@ -110,11 +117,12 @@ def records_to_payload(content: Any, sender: str) -> Payload:
     import numpy as np
     import torch
 
-    if ARRAYS not in content.array_records or META not in content.config_records:
-        raise UserInputError(f"carries no rafl payload (records {sorted(content.keys())})", source=sender)
-    tensors = {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in content.array_records[ARRAYS].items()}
-    meta = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in content.config_records[META].items()}
-    return Payload(tensors, meta)
+    arrays, meta = ARRAYS + slot, META + slot
+    if arrays not in content.array_records or meta not in content.config_records:
+        raise UserInputError(f"carries no rafl payload {arrays!r} (records {sorted(content.keys())})", source=sender)
+    tensors = {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in content.array_records[arrays].items()}
+    meta_d = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in content.config_records[meta].items()}
+    return Payload(tensors, meta_d)
 
 
 # ---------------------------------------------------------------------- server side
@@ -270,41 +278,77 @@ class FlowerClients:
         self.grid, self.node_of, self.config_text = grid, node_of, config_text
         self.run_key, self.timeout = run_key, timeout
 
-    def _message(self, kind: str, cid: int, rnd: int, payload: Payload) -> Any:
+    def _message(self, kind: str, nid: int, rnd: int, jobs: list[tuple[int, Payload]]) -> Any:
+        """One message to node ``nid`` carrying the steps of all its clients in ``jobs`` (in job
+        order). A payload several clients share (the same object: a common broadcast) travels once."""
         app = _flwr()
-        control = app.ConfigRecord({"client_id": cid, "round": rnd, "state_version": self.store.committed.get(cid, -1),
-                                    "run_key": self.run_key, "config": self.config_text,
-                                    "state_dir": self.state_dir})
-        return app.Message(app.RecordDict({**payload_to_records(payload), CONTROL: control}),
-                           dst_node_id=self.node_of[cid], message_type=kind, group_id=str(rnd))
+        slots: dict[int, int] = {}  # id(payload) -> slot
+        records: dict[str, Any] = {}
+        for _, payload in jobs:
+            if id(payload) not in slots:
+                slots[id(payload)] = len(slots)
+                records.update(payload_to_records(payload, f".{slots[id(payload)]}"))
+        control = app.ConfigRecord({
+            "client_ids": [cid for cid, _ in jobs], "slots": [slots[id(p)] for _, p in jobs],
+            "state_versions": [self.store.committed.get(cid, -1) for cid, _ in jobs], "round": rnd,
+            "run_key": self.run_key, "config": self.config_text, "state_dir": self.state_dir})
+        return app.Message(app.RecordDict({**records, CONTROL: control}), dst_node_id=nid, message_type=kind,
+                           group_id=str(rnd))
 
     def _replies(self, kind: str, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[dict[int, Any], dict[int, str]]:
-        """Exchange one message per job. A client step that raised a :class:`UserInputError` on its
-        node (e.g. diverged local training) stops the run here, as in-process; any other node
-        failure only loses that client.
+        """Exchange one message per node hosting clients of ``jobs`` (Flower's deployment starts a
+        ClientApp process per message: one per client cost a process start, an import of torch
+        and a rebuild of the federation per client and step). Returns ``(reply content by client,
+        reasons by lost client)``: a node that fails or does not reply loses its clients; a client
+        step that raised on its node loses that client only.
 
         Raises:
-            UserInputError: the node's error, naming the client and node.
+            UserInputError: a client step that raised a :class:`UserInputError` on its node (e.g.
+                diverged local training) stops the run here, as in-process (the first such client
+                in job order), naming the client and node.
             Stopped: the caller set ``stop``."""
-        replies, lost = _exchange(self.grid, [(cid, self._message(kind, cid, rnd, p)) for cid, p in jobs],
-                                  self.timeout, self.stop)
-        lost = {cid: f"{node_name(self.node_of, cid)}: {why}" for cid, why in lost.items()}
+        by_node: dict[int, list[tuple[int, Payload]]] = {}
+        for cid, payload in jobs:
+            by_node.setdefault(self.node_of[cid], []).append((cid, payload))
+        node_replies, node_lost = _exchange(
+            self.grid, [(nid, self._message(kind, nid, rnd, js)) for nid, js in by_node.items()], self.timeout,
+            self.stop)
+        replies: dict[int, Any] = {}
+        lost: dict[int, str] = {}
+        user_errors: dict[int, UserInputError] = {}
+        for nid, js in by_node.items():
+            if nid in node_lost:
+                lost.update({cid: f"{node_name(self.node_of, cid)}: {node_lost[nid]}" for cid, _ in js})
+                continue
+            content = node_replies[nid].content
+            rec = content.config_records.get(CONTROL)
+            if rec is not None and "user_error" in rec:
+                cid = int(rec["user_error_client"])
+                source = str(rec.get("user_error_source", "")) or f"client {cid}"
+                user_errors[cid] = UserInputError(str(rec["user_error"]),
+                                                  source=f"{source} on {node_name(self.node_of, cid)}",
+                                                  field=str(rec.get("user_error_field", "")) or None)
+                continue
+            failed = json.loads(str(rec.get("client_errors", "{}"))) if rec is not None else {}
+            for cid, _ in js:
+                if str(cid) in failed:
+                    lost[cid] = f"{node_name(self.node_of, cid)}: node error: {failed[str(cid)]}"
+                else:
+                    replies[cid] = content
+        if user_errors:
+            order = {cid: i for i, (cid, _) in enumerate(jobs)}
+            raise user_errors[min(user_errors, key=order.__getitem__)]
         if lost and self.simulation:  # a virtual node fails only when the run is broken or stopped
             cid, why = min(lost.items())
             if self.stop is not None and self.stop.is_set():
                 raise Stopped("interrupted")
             raise UserInputError(f"{kind} in round {rnd} failed: {why}", source=f"client {cid} (Simulation Runtime)")
-        for cid in sorted(replies):
-            rec = replies[cid].content.config_records.get(CONTROL)
-            if rec is not None and "user_error" in rec:
-                source = str(rec.get("user_error_source", "")) or f"client {cid}"
-                raise UserInputError(str(rec["user_error"]), source=f"{source} on {node_name(self.node_of, cid)}",
-                                     field=str(rec.get("user_error_field", "")) or None)
         return replies, lost
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
-        """Send every ``(client_id, broadcast)`` job to its node; returns the uploads in job order,
-        the clients lost with the reason, and the wall seconds the round's client steps took.
+        """Send every ``(client_id, broadcast)`` job to its node (one message per node); returns
+        the uploads in job order, the clients lost with the reason, and the wall seconds the
+        round's client steps took.
 
         Raises:
             UserInputError: a client's own error (see :meth:`_replies`), or every client of the
@@ -319,13 +363,14 @@ class FlowerClients:
         uploads = []
         for cid, _ in jobs:
             if cid in replies:
-                uploads.append((cid, records_to_payload(replies[cid].content, f"client {cid}")))
+                uploads.append((cid, records_to_payload(replies[cid], f"client {cid}", f".{cid}")))
                 self.store.pending[cid] = rnd  # the node wrote version rnd; committed with the checkpoint
         return uploads, lost, time.perf_counter() - t0
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
-        """The evaluation contract's counts of every client in ``ids``, computed on its node, and
-        the clients whose node failed or did not reply (left out of the round's accuracies).
+        """The evaluation contract's counts of every client in ``ids``, computed on its node (one
+        message per node), and the clients whose node failed or did not reply (left out of the
+        round's accuracies).
 
         Raises:
             UserInputError: a client's own error, or no client evaluated at all.
@@ -335,9 +380,8 @@ class FlowerClients:
             cid, why = min(lost.items())
             raise UserInputError(f"evaluation of round {rnd}: all {len(ids)} clients were lost (client {cid}: {why})",
                                  source=node_name(self.node_of, cid))
-        return ({cid: {k: float(v) for k, v in replies[cid].content.metric_records["metrics"].items()}
+        return ({cid: {k: float(v) for k, v in replies[cid].metric_records[f"metrics.{cid}"].items()}
                  for cid in ids if cid in replies}, lost)
-
 
     def finish(self) -> dict[int, str]:
         """After the final checkpoint: tell every node which state version of its clients the
@@ -443,45 +487,56 @@ def _state_folder(ctl: Any, node_config: dict[str, Any]) -> Path:
     return _state_root(node_config) / str(ctl["run_key"])
 
 
-def _node_step(msg: Any, context: Any, kind: str) -> Any:
-    app = _flwr()
+def _client_step(msg: Any, context: Any, kind: str, fed: Federation, seed: int, index: int) -> dict[str, Any]:
+    """The ``index``-th client step a node message carries: its reply records."""
     ctl = msg.content.config_records[CONTROL]
-    cid, rnd, version = int(ctl["client_id"]), int(ctl["round"]), int(ctl["state_version"])
+    cid, rnd = int(ctl["client_ids"][index]), int(ctl["round"])
+    version = int(ctl["state_versions"][index])
     pid, parts = int(context.node_config.get("partition-id", 0)), int(context.node_config.get("num-partitions", 1))
     if cid % max(1, parts) != pid:
         raise UserInputError(f"client {cid} is not hosted by this node (partition-id={pid}, num-partitions={parts})",
                              field="node_config")
-    fed, seed = _node_federation(str(ctl["config"]))
     store = ClientStore(_state_folder(ctl, context.node_config), committed={cid: version} if version >= 0 else None)
-    down = records_to_payload(msg.content, "the server")
+    down = records_to_payload(msg.content, "the server", f".{int(ctl['slots'][index])}")
     ctx = client_context(fed, seed, cid, rnd)
     if kind == TRAIN:
         # A train message carries the version of the server's last checkpoint: the only one a
         # resumed run can need (an interrupted round's files go). Evaluation deletes nothing: the
         # server evaluates states it has not checkpointed yet.
         store.cleanup(cid)
-        upload, seconds = train_client(fed, store, ctx, down)
-        return app.Message(app.RecordDict({**payload_to_records(upload),
-                                           CONTROL: app.ConfigRecord({"client_id": cid, "seconds": seconds})}),
-                           reply_to=msg)
-    metrics = evaluate_client(fed, store, ctx, down)
-    return app.Message(app.RecordDict({"metrics": app.MetricRecord({k: float(v) for k, v in metrics.items()})}),
-                       reply_to=msg)
+        upload, _ = train_client(fed, store, ctx, down)
+        return payload_to_records(upload, f".{cid}")
+    app = _flwr()
+    return {f"metrics.{cid}": app.MetricRecord({k: float(v) for k, v in evaluate_client(fed, store, ctx, down).items()})}
 
 
 def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
-    """A ClientApp function: :func:`_node_step`, with a :class:`UserInputError` (bad input or
-    diverged training: a fact about the run, not about the node) sent back as a record, so the
-    server stops with the same one-line error as in-process; other exceptions become Flower
-    error replies (the node's clients are lost for the round)."""
+    """A ClientApp function: every client step a message carries (:func:`_client_step`, in
+    order) and one reply with all their records. A :class:`UserInputError` (bad input or
+    diverged training: a fact about the run, not about the node) ends the message and goes back
+    as a record, so the server stops with the same one-line error as in-process; any other
+    exception of a client step loses that client only (``client_errors``, one line each)."""
     def handler(msg: Any, context: Any) -> Any:
+        app = _flwr()
+        ctl = msg.content.config_records[CONTROL]
+        records: dict[str, Any] = {}
+        failed: dict[str, str] = {}
+        cid = -1
         try:
-            return _node_step(msg, context, kind)
+            fed, seed = _node_federation(str(ctl["config"]))
+            for index, cid in enumerate(int(c) for c in ctl["client_ids"]):
+                try:
+                    records.update(_client_step(msg, context, kind, fed, seed, index))
+                except UserInputError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - this client is lost, the node's others go on
+                    failed[str(cid)] = one_line(f"{type(err).__name__}: {err}")
         except UserInputError as err:
-            app = _flwr()
             return app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
-                "user_error": err.message, "user_error_source": err.source or "",
-                "user_error_field": err.field or ""})}), reply_to=msg)
+                "user_error": err.message, "user_error_source": err.source or "", "user_error_field": err.field or "",
+                "user_error_client": cid if cid >= 0 else int(ctl["client_ids"][0])})}), reply_to=msg)
+        return app.Message(app.RecordDict({**records, CONTROL: app.ConfigRecord({"client_errors": json.dumps(failed)})}),
+                           reply_to=msg)
     return handler
 
 
