@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from rafl.cli import cli
 from rafl.errors import UserInputError
-from rafl.federation import flower
+from rafl.federation import flower, flower_fleet
 from rafl.federation.payload import Payload
 
 ARGS = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "engine.rounds=2",
@@ -64,6 +64,16 @@ def test_payload_round_trips_through_flower_records():
         assert back.tensors[k].dtype == v.dtype and torch.equal(back.tensors[k], v)
     with pytest.raises(UserInputError, match="carries no rafl payload"):
         flower.records_to_payload(flwr_app.RecordDict({}), "node 7")
+    # one Flower array per payload (Flower moves each array as its own object), holding exactly
+    # the counted bytes; an empty payload travels as an empty array
+    (record,) = flower.payload_to_records(p, ".4").values()
+    assert list(record) == [flower.BLOB] and record[flower.BLOB].numpy().nbytes == p.nbytes()
+    empty = flower.records_to_payload(flwr_app.RecordDict(flower.payload_to_records(Payload(), ".0")), "t", ".0")
+    assert empty.is_empty()
+    cut = flwr_app.RecordDict({"payload": flwr_app.ArrayRecord({flower.BLOB: flwr_app.Array(
+        record[flower.BLOB].numpy()[:-9])})})
+    with pytest.raises(UserInputError, match="node 7: corrupt or truncated payload"):
+        flower.records_to_payload(cut, "node 7")
 
 
 # ---------------------------------------------------------------------- a fake grid
@@ -486,6 +496,8 @@ def test_a_failed_serverapp_is_reported_as_failed_although_flwr_run_exits_0(tmp_
     flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
     with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
         run = fleet.run(tmp_path / "app", timeout=300)
+        below = fleet._descendants()  # SuperExecs, and a failed run's ServerApp if it lingers
+    assert below and not [pid for pid in below if flower_fleet._alive(pid)]  # stopped, in their own groups too
     assert run.returncode == 0 and run.run_id is not None  # Flower's exit status says nothing
     assert not run.completed and run.status == "finished:failed", run
     assert f"{tmp_path / 'missing'}: no such file" in run.status_details, run.status_details

@@ -18,16 +18,17 @@ cannot give each client its own broadcast (FedGH/FedTGP send per-client views, L
 global part) and would duplicate the engine's accounting. The ServerApp here drives Flower's
 :class:`~flwr.serverapp.Grid` directly, which is Flower's documented low-level API.
 
-What travels (DESIGN.md, :mod:`rafl.federation.payload`): a payload's ``tensors`` are one
-``ArrayRecord`` (``"payload.arrays.<slot>"``, names verbatim), its ``meta`` one ``ConfigRecord``
-(``"payload.meta.<slot>"``); a broadcast several clients share travels once per message (slots
-``0, 1, ...``), an upload under its client id's slot (``.<client id>``), evaluation counts as the
-``MetricRecord`` ``"metrics.<client id>"``. The control record ``"rafl"`` holds the client ids
-(in job order), each one's payload slot and the client state version the server has committed,
-the round, the run key and the run config (YAML text); a reply's holds ``client_errors`` (client
-steps that failed on the node) or the ``user_error`` that stopped it. Communication is still
-counted by the engine from :meth:`Payload.nbytes`, identical for both backends; Flower's own
-framing is not counted.
+What travels (DESIGN.md, :mod:`rafl.federation.payload`): a payload is its wire blob
+(:meth:`Payload.to_bytes`: safetensors, tensors by name, metadata in the header) in one ``uint8``
+array of the ``ArrayRecord`` ``"payload.<slot>"``: one Flower object per payload, not per tensor,
+and exactly the bytes the engine counts. A broadcast several clients share travels once per
+message (slots ``0, 1, ...``), an upload under its client id's slot (``.<client id>``),
+evaluation counts as the ``MetricRecord`` ``"metrics.<client id>"``. The control record
+``"rafl"`` holds the client ids (in job order), each one's payload slot and the client state
+version the server has committed, the round, the run key and the run config (YAML text); a
+reply's holds ``client_errors`` (client steps that failed on the node) or the ``user_error``
+that stopped it. Communication is counted by the engine from :meth:`Payload.nbytes`, identical
+for both backends; Flower's own framing is not counted.
 
 Clients and nodes: the server asks every connected node for its ``node_config``. A node with
 ``partition-id = i`` and ``num-partitions = P`` hosts the clients ``i, i + P, i + 2P, ...`` of the
@@ -85,8 +86,9 @@ from rafl.federation.flower_fleet import FleetRun, LocalFleet
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore
 
-#: Record names in a Flower message's ``RecordDict``.
-ARRAYS, META, CONTROL = "payload.arrays", "payload.meta", "rafl"
+#: Record names in a Flower message's ``RecordDict`` (a payload's record is ``PAYLOAD + slot``) and
+#: the name of the one array a payload record holds.
+PAYLOAD, CONTROL, BLOB = "payload", "rafl", "safetensors"
 #: Message types: the ServerApp's node query and the two client steps.
 QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
 
@@ -102,27 +104,31 @@ def _flwr():
 
 # ---------------------------------------------------------------------- payload <-> records
 def payload_to_records(payload: Payload, slot: str = "") -> dict[str, Any]:
-    """``{ARRAYS + slot: ArrayRecord, META + slot: ConfigRecord}`` holding ``payload`` (names
-    verbatim); ``slot`` (e.g. ``".3"``) tells apart the payloads of one message."""
+    """``{PAYLOAD + slot: ArrayRecord}`` holding ``payload`` as its wire blob
+    (:meth:`Payload.to_bytes`, safetensors, metadata in its header) in one ``uint8`` ``Array``
+    named ``"safetensors"``; ``slot`` (e.g. ``".3"``) tells apart the payloads of one message.
+
+    One array, not one per tensor: Flower 1.42 moves every ``Array`` of a message as objects of
+    their own (an HTTP request each between SuperNode and SuperLink), so rafl's knowledge network
+    (231 tensors) cost 231 requests per client and direction; and the bytes Flower carries are
+    exactly the ones the engine counts."""
+    import numpy as np
+
     app = _flwr()
-    arrays = app.ArrayRecord({k: app.Array.from_torch_tensor(v.contiguous()) for k, v in payload.tensors.items()})
-    return {ARRAYS + slot: arrays, META + slot: app.ConfigRecord(dict(payload.meta))}
+    blob = np.frombuffer(payload.to_bytes(), dtype=np.uint8)
+    return {PAYLOAD + slot: app.ArrayRecord({BLOB: app.Array(blob)})}
 
 
 def records_to_payload(content: Any, sender: str, slot: str = "") -> Payload:
     """Inverse of :func:`payload_to_records`.
 
     Raises:
-        UserInputError: a message without the payload records, naming ``sender``."""
-    import numpy as np
-    import torch
-
-    arrays, meta = ARRAYS + slot, META + slot
-    if arrays not in content.array_records or meta not in content.config_records:
-        raise UserInputError(f"carries no rafl payload {arrays!r} (records {sorted(content.keys())})", source=sender)
-    tensors = {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in content.array_records[arrays].items()}
-    meta_d = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in content.config_records[meta].items()}
-    return Payload(tensors, meta_d)
+        UserInputError: a message without the payload record, or a corrupt blob, naming ``sender``."""
+    name = PAYLOAD + slot
+    record = content.array_records.get(name) if name in content.array_records else None
+    if record is None or BLOB not in record:
+        raise UserInputError(f"carries no rafl payload {name!r} (records {sorted(content.keys())})", source=sender)
+    return Payload.from_bytes(record[BLOB].numpy().tobytes(), source=sender)
 
 
 # ---------------------------------------------------------------------- server side
@@ -723,9 +729,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 __all__ = [
-    "ARRAYS",
+    "BLOB",
     "CONTROL",
-    "META",
+    "PAYLOAD",
     "FleetRun",
     "FlowerClients",
     "LocalFleet",

@@ -51,7 +51,9 @@ class LocalFleet:
 
     Args:
         n_nodes: SuperNodes (>= 1).
-        workdir: a folder for logs, the SuperLink's database and FLWR_HOME.
+        workdir: a folder for logs and FLWR_HOME (the SuperLink keeps its state in memory: Flower's
+            SQLite state, shared by the SuperLink's threads, timed out on its 5 s lock while the
+            nodes' ClientApps kept both cores busy).
         state_dir: the nodes' client-state folder (``RAFL_FLOWER_STATE_DIR``), default
             ``workdir/node-states``.
     """
@@ -116,8 +118,7 @@ class LocalFleet:
                                                "insecure = true\n")
         try:
             self._start(["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                         "--disable-runtime-dependency-installation", "--database",
-                         str(self.workdir / "superlink.db")], "superlink.log")
+                         "--disable-runtime-dependency-installation"], "superlink.log")
             self._wait_for(port, "superlink.log")
             for i in range(self.n_nodes):
                 self._start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--host",
@@ -162,11 +163,35 @@ class LocalFleet:
         """The SuperLink's and SuperNodes' logs, concatenated."""
         return "".join(f"==> {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.workdir.glob("*.log")))
 
+    def _descendants(self) -> list[int]:
+        """Every live process below the ones started here (``ps``: Linux and macOS). The
+        SuperExec starts the ServerApp and ClientApps in process groups of their own, so
+        stopping our groups alone can leave them behind (a failed run's ServerApp stayed)."""
+        import subprocess
+
+        try:
+            out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        children: dict[int, list[int]] = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                children.setdefault(int(parts[1]), []).append(int(parts[0]))
+        found, todo = [], [p.pid for p in self.procs]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                found.append(child)
+                todo.append(child)
+        return found
+
     def stop(self) -> None:
-        """SIGTERM every process group started here (SIGKILL after 20 s)."""
+        """SIGTERM every process group started here and every process below them (SIGKILL
+        after 20 s)."""
         import signal
         import subprocess
 
+        below = self._descendants()
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -191,10 +216,33 @@ class LocalFleet:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # what left our groups (a group of its own, orphaned)
+            alive = []
+            for pid in below:
+                try:
+                    os.kill(pid, sig)
+                    alive.append(pid)
+                except ProcessLookupError:
+                    pass
+            below = alive
+            deadline = time.monotonic() + 10
+            while below and sig == signal.SIGTERM and time.monotonic() < deadline:
+                time.sleep(0.2)
+                below = [pid for pid in below if _alive(pid)]
         self.procs = []
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 __all__ = ["LocalFleet"]
