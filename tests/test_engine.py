@@ -183,7 +183,8 @@ def test_invalid_upload_is_rejected_naming_client(tiny, tmp_path):
             return state, up
 
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, NaNRaFL(), batch_size=16, count_macs=False)
-    with pytest.raises(UserInputError, match=r"payload from client 0.*NaN or Inf"):
+    with pytest.raises(UserInputError, match=r"payload from client 0.*NaN or Inf values \(the client.s local training "
+                                             r"diverged\); allowed: a smaller algorithm.lr"):
         Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False).run()
 
 

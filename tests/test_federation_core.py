@@ -143,6 +143,10 @@ def test_run_config_defaults_overrides_and_errors(tmp_path):
     with pytest.raises(UserInputError, match=r"^--set: algorithm.fedgh.server_lr: sets a hyperparameter of fedgh, "
                                              r"which algorithm.name does not select \(selected: fedtgp\)"):
         load_run_config(f, ["algorithm.fedgh.server_lr=0.1"])
+    # an unknown key in the section is named as written, and blamed on the file (not on --set)
+    f.write_text("algorithm:\n  fedtgp: {taux: 5}\n")
+    with pytest.raises(UserInputError, match=r"run.yaml: algorithm.fedtgp.taux: unknown hyperparameter\(s\) \['taux'\]"):
+        load_run_config(f, ["algorithm.name=fedtgp"])
     # a value cut short after its colon stays text (YAML alone would make it {pkg.mod: null});
     # a real mapping still parses as one
     assert parse_overrides(["clients.models=pkg.mod:", "clients.budgets={phone: {latency_ms: 1}}"]) == \

@@ -62,6 +62,11 @@ LoaderFactory = Callable[[int, str, int], Loader | None]
 ClientModelFactory = Callable[..., torch.nn.Module]
 
 CHECKPOINT = "checkpoint.safetensors"
+#: Added to a NaN/Inf upload's error: an honest client's non-finite upload is training that
+#: diverged (e.g. one step at a huge learning rate leaves finite but huge weights, whose features
+#: then overflow), which the loss check cannot see.
+DIVERGED_UPLOAD = (" (the client's local training diverged); allowed: a smaller algorithm.lr, or a model whose "
+                   "features stay finite")
 
 
 @dataclass
@@ -432,7 +437,8 @@ class Engine:
                 info = fed.clients[cid]
                 bytes_up += upload.nbytes()
                 # the sender names the client's model: a NaN upload usually means that model diverged
-                upload.validate(algo.upload_spec(server_state, info), sender=f"client {cid} (model {info.model_key})")
+                upload.validate(algo.upload_spec(server_state, info), sender=f"client {cid} (model {info.model_key})",
+                                nonfinite_hint=DIVERGED_UPLOAD)
                 upload.meta["client_id"] = cid
                 uploads.append(upload)
             torch.manual_seed(seed_of(cfg.seed, rnd, 7))

@@ -117,7 +117,7 @@ class Payload:
 
     # ------------------------------------------------------------------ validation
     def validate(self, expected: Mapping[str, tuple[int, ...]] | None = None, *,
-                 sender: str = "client", required_meta: tuple[str, ...] = ()) -> Payload:
+                 sender: str = "client", required_meta: tuple[str, ...] = (), nonfinite_hint: str = "") -> Payload:
         """Check a received payload; return self.
 
         Args:
@@ -125,6 +125,7 @@ class Payload:
                 check only finiteness.
             sender: who sent it, used in error messages (e.g. ``"client 7"``).
             required_meta: metadata keys that must be present.
+            nonfinite_hint: appended to the NaN/Inf error (the receiver's likely cause and fix).
 
         Raises:
             UserInputError: a missing/unexpected tensor, a wrong shape, a NaN/Inf value or a
@@ -146,7 +147,8 @@ class Payload:
                                          source=f"payload from {sender}", field=name)
         for name, t in self.tensors.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise UserInputError("contains NaN or Inf values", source=f"payload from {sender}", field=name)
+                raise UserInputError(f"contains NaN or Inf values{nonfinite_hint}", source=f"payload from {sender}",
+                                     field=name)
         for key in required_meta:
             if key not in self.meta:
                 raise UserInputError(f"missing metadata key {key!r}", source=f"payload from {sender}")

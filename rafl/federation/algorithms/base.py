@@ -190,7 +190,7 @@ class Algorithm(ABC):
         unknown = sorted(set(hparams) - set(cls.defaults))
         if unknown:
             raise UserInputError(f"unknown hyperparameter(s) {unknown} for {cls.name!r}; "
-                                 f"allowed: {sorted(cls.defaults)}", field="algorithm")
+                                 f"allowed: {sorted(cls.defaults)}", field=f"algorithm.{unknown[0]}")
         merged = {**cls.defaults, **hparams}
         return {k: _checked_hparam(k, v, cls.defaults[k]) for k, v in merged.items()}
 
