@@ -351,17 +351,18 @@ def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet
 
 
 class CountingGrid(DirectGrid):
-    """A :class:`DirectGrid` that records ``(message type, round, node, client ids)`` per message,
-    and makes ``fail(message type, client id)`` raise inside that client's step on its node."""
+    """A :class:`DirectGrid` that records ``(message type, round, node, client ids)`` and the
+    number of payload records of every message."""
 
-    def __init__(self, n_nodes, fail=None):
+    def __init__(self, n_nodes):
         super().__init__(n_nodes)
-        self.sent, self.fail = [], fail
+        self.sent, self.payloads = [], []
 
     def answer(self, m):
         ctl = m.content.config_records.get(flower.CONTROL)
         ids = [int(c) for c in ctl["client_ids"]] if ctl is not None and "client_ids" in ctl else []
         self.sent.append((m.metadata.message_type, int(m.metadata.group_id or 0), m.metadata.dst_node_id, ids))
+        self.payloads.append(sum(1 for k in m.content.array_records if k.startswith(flower.PAYLOAD)))
         return super().answer(m)
 
 
@@ -383,6 +384,8 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     steps = [s for s in grid.sent if s[0] in ("train", "evaluate")]
     assert steps == [(kind, rnd, node, ids) for rnd in (1, 2) for kind in ("train", "evaluate")
                      for node, ids in ((1, [0, 2, 4]), (2, [1, 3]))]
+    # the evaluation broadcast is common to all: it travels once per message
+    assert [n for (kind, *_), n in zip(grid.sent, grid.payloads) if kind == "evaluate"] == [1, 1, 1, 1]
 
     real = engine.train_client
 

@@ -286,16 +286,22 @@ class FlowerClients:
 
     def _message(self, kind: str, nid: int, rnd: int, jobs: list[tuple[int, Payload]]) -> Any:
         """One message to node ``nid`` carrying the steps of all its clients in ``jobs`` (in job
-        order). A payload several clients share (the same object: a common broadcast) travels once."""
+        order). Equal payloads travel once: a common broadcast (one object) or equal per-client
+        ones (FedDF's model of an architecture group)."""
         app = _flwr()
-        slots: dict[int, int] = {}  # id(payload) -> slot
+        by_object: dict[int, int] = {}  # id(payload) -> slot
+        by_content: dict[str, int] = {}  # sha256 of the blob -> slot
         records: dict[str, Any] = {}
         for _, payload in jobs:
-            if id(payload) not in slots:
-                slots[id(payload)] = len(slots)
-                records.update(payload_to_records(payload, f".{slots[id(payload)]}"))
+            if id(payload) in by_object:
+                continue
+            digest = hashlib.sha256(payload.to_bytes()).hexdigest()
+            if digest not in by_content:
+                by_content[digest] = len(by_content)
+                records.update(payload_to_records(payload, f".{by_content[digest]}"))
+            by_object[id(payload)] = by_content[digest]
         control = app.ConfigRecord({
-            "client_ids": [cid for cid, _ in jobs], "slots": [slots[id(p)] for _, p in jobs],
+            "client_ids": [cid for cid, _ in jobs], "slots": [by_object[id(p)] for _, p in jobs],
             "state_versions": [self.store.committed.get(cid, -1) for cid, _ in jobs], "round": rnd,
             "run_key": self.run_key, "config": self.config_text, "state_dir": self.state_dir})
         return app.Message(app.RecordDict({**records, CONTROL: control}), dst_node_id=nid, message_type=kind,
