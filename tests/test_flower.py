@@ -170,6 +170,12 @@ def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, in_pr
     with pytest.raises(UserInputError, match="run_config.rounds: is 1 but the run has completed 2 rounds; allowed: an "
                                              "integer >= 2"):
         flower._load_from_run_config({"resume": str(in_process), "rounds": 1})
+    # loading a resume changes nothing in the run dir: its config.yaml is rewritten (engine.rounds)
+    # only once the resumed run succeeded, as `rafl federate --resume` does
+    before = (in_process / "config.yaml").read_text()
+    prep, run_dir, resume = flower._load_from_run_config({"resume": str(in_process), "rounds": 5})
+    assert resume and run_dir == in_process and prep.cfg.engine.rounds == 5
+    assert (in_process / "config.yaml").read_text() == before
     cfg = flower._absolute_paths(load_run_config(None, ["supernet.path=sn", "data.root=../data"]), tmp_path / "cfg")
     assert cfg.supernet.path == str(tmp_path / "cfg" / "sn") and cfg.data.root == str(tmp_path / "data")
 
@@ -468,6 +474,9 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     with flower.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600, run_config=f"resume='{run_dir}' rounds=3")
         assert run.completed, (run, fleet.logs()[-4000:])
+    import yaml
+
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["rounds"] == 3
     shutil.copytree(in_process, tmp_path / "ref3")
     _federate(["--resume", str(tmp_path / "ref3"), "--set", "engine.rounds=3"])
     assert _rows(run_dir) == _rows(tmp_path / "ref3") and len(_rows(run_dir)) == 3
@@ -484,16 +493,20 @@ def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
     with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600)
     assert run.status == "finished:failed", (run, fleet.logs()[-3000:])
-    assert "payload from client 0 (model cnn3-small): proto.values: contains NaN or Inf values" in run.status_details
+    assert "payload from client 0 (model cnn3-small) on node " in run.status_details  # the node, as for loss checks
+    assert "(partition-id=0): proto.values: contains NaN or Inf values" in run.status_details
     assert not (tmp_path / "runs" / "div").exists(), list((tmp_path / "runs").rglob("*"))
     # the node had written client 0's round-1 state; the server asked it to delete the run's folder
     assert list((tmp_path / "fleet" / "node-states").iterdir()) == [], fleet.logs()[-2000:]
 
 
 @pytest.mark.slow
-def test_a_failed_serverapp_is_reported_as_failed_although_flwr_run_exits_0(tmp_path):
+def test_a_failed_serverapp_is_reported_as_failed_although_flwr_run_exits_0(tmp_path, monkeypatch):
     """`flwr run` exits 0 when the ServerApp raises (Flower 1.42); LocalFleet.run reads the run's
-    status from the SuperLink instead: finished:failed, with rafl's one-line error as the details."""
+    status from the SuperLink instead: finished:failed, with rafl's one-line error as the details.
+    The venv is not on PATH (not activated): the SuperLink and SuperNode find the programs they
+    start beside this Python."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"name: bad\nsupernet: {{path: {tmp_path / 'missing'}}}\nclients: {{n: 2}}\n")
     flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")

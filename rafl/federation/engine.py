@@ -285,6 +285,10 @@ class InProcessClients:
             seconds += sec
         return uploads, {}, seconds
 
+    def where(self, cid: int) -> str:
+        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
+        return ""
+
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
         """The evaluation contract's counts of every client in ``ids`` (committed states), and the
         clients that could not be evaluated with the reason (never any here)."""
@@ -437,8 +441,8 @@ class Engine:
                 info = fed.clients[cid]
                 bytes_up += upload.nbytes()
                 # the sender names the client's model: a NaN upload usually means that model diverged
-                upload.validate(algo.upload_spec(server_state, info), sender=f"client {cid} (model {info.model_key})",
-                                nonfinite_hint=DIVERGED_UPLOAD)
+                upload.validate(algo.upload_spec(server_state, info), nonfinite_hint=DIVERGED_UPLOAD,
+                                sender=f"client {cid} (model {info.model_key}){self.clients.where(cid)}")
                 upload.meta["client_id"] = cid
                 uploads.append(upload)
             torch.manual_seed(seed_of(cfg.seed, rnd, 7))

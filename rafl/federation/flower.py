@@ -284,6 +284,10 @@ class FlowerClients:
         self.grid, self.node_of, self.config_text = grid, node_of, config_text
         self.run_key, self.timeout = run_key, timeout
 
+    def where(self, cid: int) -> str:
+        """``" on node ... (partition-id=P)"``: errors about client ``cid`` name its node."""
+        return f" on {node_name(self.node_of, cid)}"
+
     def _message(self, kind: str, nid: int, rnd: int, jobs: list[tuple[int, Payload]]) -> Any:
         """One message to node ``nid`` carrying the steps of all its clients in ``jobs`` (in job
         order). Equal payloads travel once: a common broadcast (one object) or equal per-client
@@ -656,11 +660,7 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
                                  field="run_config.resume")
         cfg = load_run_config(resume / "config.yaml", overrides)
         pipeline.check_resume_rounds(resume, cfg.engine.rounds, "run_config.rounds")
-        prep = pipeline.prepare(cfg, progress=False)
-        from rafl.io import atomic_write_yaml
-
-        atomic_write_yaml(resume / "config.yaml", cfg.resolved())
-        return prep, resume, True
+        return pipeline.prepare(cfg, progress=False), resume, True  # its config.yaml: rewritten once it succeeds
     config = _absolute(run_config.get("config"), "config")
     cfg = load_run_config(config, overrides)
     if config is not None:
@@ -712,6 +712,10 @@ def _make_server_app() -> Any:
             print(f"rafl: run dir {run_dir}; the nodes keep its client states in <state-dir>/{key}/ (default "
                   f"~/.cache/rafl/flower-states/{key}/: delete it when the run is no longer needed)", flush=True)
             summary = run_on_grid(grid, prep, run_dir, resume=resume, progress=False)
+            if resume:  # with its new engine.rounds, as `rafl federate --resume` (not when it failed)
+                from rafl.io import atomic_write_yaml
+
+                atomic_write_yaml(run_dir / "config.yaml", prep.cfg.resolved())
         except BaseException as err:
             if run_dir is not None and not resume and not (run_dir / "checkpoint.safetensors").is_file():
                 shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made

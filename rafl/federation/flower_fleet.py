@@ -66,9 +66,12 @@ class LocalFleet:
         if n_nodes < 1:
             raise UserInputError(f"is {n_nodes}; allowed: >= 1", field="n_nodes")
         self.n_nodes, self.workdir = n_nodes, Path(workdir)
-        self.bindir = Path(sys.executable).parent  # fallback when the venv's bin is not on PATH
+        self.bindir = Path(sys.executable).parent
         self.home = self.workdir / "flwr-home"
-        self.env = {**os.environ, "FLWR_HOME": str(self.home),
+        # this Python's programs first, for the ones the SuperLink and SuperNodes start themselves
+        # too (flower-superexec, flwr-serverapp, flwr-clientapp): a venv need not be activated
+        path = os.pathsep.join([str(self.bindir), os.environ.get("PATH", "")])
+        self.env = {**os.environ, "PATH": path, "FLWR_HOME": str(self.home),
                     "RAFL_FLOWER_STATE_DIR": str(state_dir or self.workdir / "node-states")}
         self.procs: list[Any] = []
 
@@ -81,10 +84,10 @@ class LocalFleet:
             return int(sock.getsockname()[1])
 
     def _program(self, name: str) -> str:
-        """``name`` from PATH, else beside this Python (a venv not activated)."""
+        """``name`` beside this Python, else from PATH."""
         import shutil
 
-        return shutil.which(name) or str(self.bindir / name)
+        return shutil.which(name, path=self.env["PATH"]) or str(self.bindir / name)
 
     def _start(self, args: list[str], log: str) -> None:
         import subprocess
