@@ -407,6 +407,40 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     assert rows[1]["lost"] == {"2": "node 1 (partition-id=0): node error: RuntimeError: CUDA out of memory"}
 
 
+class RestartGrid(DirectGrid):
+    """A :class:`DirectGrid` whose node 2 (partition-id 1) goes away after round 1 and comes back
+    as node 3 with the same node config (a restarted SuperNode gets a new node id)."""
+
+    def __init__(self):
+        super().__init__(2)
+        self.contexts[3] = self.contexts[2]
+        self.gone = False
+
+    def get_node_ids(self):
+        return [1, 3] if self.gone else [1, 2]
+
+    def answer(self, m):
+        if m.metadata.dst_node_id == 2 and self.gone:
+            return None
+        reply = super().answer(m)
+        if (m.metadata.message_type, m.metadata.group_id, m.metadata.dst_node_id) == ("evaluate", "1", 2):
+            self.gone = True  # after its round-1 evaluation
+        return reply
+
+
+def test_a_restarted_supernode_takes_its_clients_back(tmp_path, supernet_dir, task_identity):
+    """Node 2 leaves after round 1 and rejoins as node 3 with the same partition-id: from round 2
+    on its clients are sent to node 3 (they used to stay lost for the rest of the run), and with
+    the client states kept on its disk the run computes the in-process numbers."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
+    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
+    got = flower.run_on_grid(RestartGrid(), prep, tmp_path / "msg", progress=False)
+    assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
+
+
 def test_every_client_lost_stops_the_run(tmp_path, supernet_dir, task_identity):
     from rafl.config import load_run_config
     from rafl.federation import pipeline

@@ -283,6 +283,33 @@ class FlowerClients:
         self.state_dir, self.stop, self.simulation = state_dir, stop, simulation
         self.grid, self.node_of, self.config_text = grid, node_of, config_text
         self.run_key, self.timeout = run_key, timeout
+        self._unanswered: set[int] = set()  # joined nodes that did not answer the node-config query
+
+    def _rejoined(self) -> None:
+        """Hand the clients of a node that left the grid to a node that joined with the same
+        ``partition-id`` (a restarted SuperNode gets new node id): without this they stayed lost
+        for the rest of the run. Each new node is asked for its node config once; a node still
+        listed keeps its clients (two nodes never share a partition)."""
+        listed = set(self.grid.get_node_ids())
+        parts = getattr(self.node_of, "partitions", None)
+        if parts is None:
+            return
+        new = sorted(listed - set(parts) - self._unanswered)
+        if new:
+            app = _flwr()
+            msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({"ask": "node_config"})}),
+                                      dst_node_id=nid, message_type=QUERY)) for nid in new]
+            replies, lost = _exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop)
+            self._unanswered.update(lost)
+            for nid, reply in replies.items():
+                rec = reply.content.config_records[CONTROL]
+                parts[nid] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+        for cid, old in list(self.node_of.items()):
+            if old in listed:
+                continue
+            heir = [nid for nid in sorted(listed) if nid in parts and parts[nid] == parts.get(old)]
+            if heir:
+                self.node_of[cid] = heir[0]
 
     def where(self, cid: int) -> str:
         """``" on node ... (partition-id=P)"``: errors about client ``cid`` name its node."""
@@ -371,6 +398,7 @@ class FlowerClients:
                 round lost (nothing to aggregate: the fleet is down or the app is broken).
             Stopped: the caller set ``stop``."""
         t0 = time.perf_counter()
+        self._rejoined()
         replies, lost = self._replies(TRAIN, rnd, jobs)
         if jobs and not replies:
             cid, why = min(lost.items())
@@ -391,6 +419,7 @@ class FlowerClients:
         Raises:
             UserInputError: a client's own error, or no client evaluated at all.
             Stopped: the caller set ``stop``."""
+        self._rejoined()
         replies, lost = self._replies(EVALUATE, rnd, [(cid, broadcast) for cid in ids])
         if ids and not replies:
             cid, why = min(lost.items())
