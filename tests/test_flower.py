@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from rafl.cli import cli
 from rafl.errors import UserInputError
-from rafl.federation import flower, flower_fleet
+from rafl.federation import flower, flower_fleet, flower_node
 from rafl.federation.payload import Payload
 
 ARGS = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "engine.rounds=2",
@@ -400,7 +400,7 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
             raise RuntimeError("CUDA out of memory")
         return real(fed, store, ctx, down)
 
-    monkeypatch.setattr(flower, "train_client", flaky)
+    monkeypatch.setattr(flower_node, "train_client", flaky)
     flower.run_on_grid(CountingGrid(2), prep, tmp_path / "flaky", progress=False)
     rows = _rows(tmp_path / "flaky")
     assert [r["failed"] for r in rows] == [0, 1]
