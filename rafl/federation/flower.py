@@ -108,11 +108,15 @@ def payload_to_records(payload: Payload, slot: str = "") -> dict[str, Any]:
     their own (an HTTP request each between SuperNode and SuperLink), so rafl's knowledge network
     (231 tensors) cost 231 requests per client and direction; and the bytes Flower carries are
     exactly the ones the engine counts."""
+    return _blob_records(payload.to_bytes(), slot)
+
+
+def _blob_records(blob: bytes, slot: str) -> dict[str, Any]:
+    """:func:`payload_to_records` of an already serialized payload."""
     import numpy as np
 
     app = _flwr()
-    blob = np.frombuffer(payload.to_bytes(), dtype=np.uint8)
-    return {PAYLOAD + slot: app.ArrayRecord({BLOB: app.Array(blob)})}
+    return {PAYLOAD + slot: app.ArrayRecord({BLOB: app.Array(np.frombuffer(blob, dtype=np.uint8))})}
 
 
 def records_to_payload(content: Any, sender: str, slot: str = "") -> Payload:
@@ -121,7 +125,7 @@ def records_to_payload(content: Any, sender: str, slot: str = "") -> Payload:
     Raises:
         UserInputError: a message without the payload record, or a corrupt blob, naming ``sender``."""
     name = PAYLOAD + slot
-    record = content.array_records.get(name) if name in content.array_records else None
+    record = content.array_records.get(name)
     if record is None or BLOB not in record:
         raise UserInputError(f"carries no rafl payload {name!r} (records {sorted(content.keys())})", source=sender)
     return Payload.from_bytes(record[BLOB].numpy().tobytes(), source=sender)
@@ -303,9 +307,9 @@ class FlowerClients:
         for cid, old in list(self.node_of.items()):
             if old in listed:
                 continue
-            heir = [nid for nid in sorted(listed) if nid in parts and parts[nid] == parts.get(old)]
-            if heir:
-                self.node_of[cid] = heir[0]
+            heir = next((nid for nid in sorted(listed) if nid in parts and parts[nid] == parts.get(old)), None)
+            if heir is not None:
+                self.node_of[cid] = heir
 
     def where(self, cid: int) -> str:
         """``" on node ... (partition-id=P)"``: errors about client ``cid`` name its node."""
@@ -322,10 +326,11 @@ class FlowerClients:
         for _, payload in jobs:
             if id(payload) in by_object:
                 continue
-            digest = hashlib.sha256(payload.to_bytes()).hexdigest()
+            blob = payload.to_bytes()  # serialized once: hashed, and sent if new
+            digest = hashlib.sha256(blob).hexdigest()
             if digest not in by_content:
                 by_content[digest] = len(by_content)
-                records.update(payload_to_records(payload, f".{by_content[digest]}"))
+                records.update(_blob_records(blob, f".{by_content[digest]}"))
             by_object[id(payload)] = by_content[digest]
         control = app.ConfigRecord({
             "client_ids": [cid for cid, _ in jobs], "slots": [by_object[id(p)] for _, p in jobs],

@@ -239,12 +239,13 @@ class LocalFleet:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
