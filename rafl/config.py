@@ -33,6 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from rafl.errors import UserInputError, shown
 
+#: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
+#: as ``seed * 100003 + round`` from it, which must stay below torch's 2**63)
+SEED_MAX = 2**32 - 1
+
 
 def _accepts_bool(annotation: Any) -> bool:
     if annotation is bool or annotation is Any:
@@ -77,8 +81,8 @@ class PartitionConfig(_Strict):
     k: int | None = Field(None, ge=1, description="an integer >= 1 (pathological: classes per client)")
     min_samples: int = Field(10, ge=1, description="an integer >= 1")
     public_fraction: float = Field(0.3, ge=0, lt=1, description="a fraction in [0, 1)")
-    public_seed: int = Field(0, description="an integer (seed of the public pool)")
-    seed: int | None = Field(None, description="an integer or null (= the run seed)")
+    public_seed: int = Field(0, ge=0, le=SEED_MAX, description=f"an integer in 0..{SEED_MAX} (seed of the public pool)")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description=f"an integer in 0..{SEED_MAX} or null (= the run seed)")
     split: tuple[float, float, float] = Field(
         (0.8, 0.1, 0.1), description="three fractions train > 0, val >= 0, test >= 0 summing to 1, e.g. [0.8, 0.1, 0.1]")
 
@@ -237,7 +241,7 @@ class TrainSection(_Strict):
 class RunConfig(_Strict):
     """The whole ``rafl federate`` run (see the module docstring)."""
 
-    seed: int = Field(0, description="an integer")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description=f"an integer in 0..{SEED_MAX}")
     name: str | None = Field(None, description="run dir name under --out, or null (algorithm-timestamp)")
     data: DataConfig = Field(default_factory=DataConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)

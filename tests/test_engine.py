@@ -210,3 +210,34 @@ def test_server_distillation_runs_a_round(name, tiny, tmp_path):
     Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
     last = _read_history(tmp_path)[-1]
     assert last["participated"] == 3 and np.isfinite(last["model.acc_mean_over_clients"])
+
+
+def test_fednova_server_step_is_tau_eff_times_the_weighted_normalized_update(tiny):
+    """FedNova (Wang et al. 2020, Eq. 7 / Sec. 4): x <- x - tau_eff * sum_i p_i d_i with d_i the update
+    normalized by ||a_i||_1 and tau_eff = sum_i p_i ||a_i||_1; ||a||_1 of momentum SGD in closed form."""
+    from rafl.federation.algorithms.fedavg import _a_norm
+    from rafl.federation.payload import Payload
+
+    rho, tau = 0.9, 5
+    assert _a_norm(tau, rho) == pytest.approx(sum((1 - rho ** (tau - j)) / (1 - rho) for j in range(tau)))
+    assert _a_norm(tau, 0.0) == tau and _a_norm(0, rho) == 0.0
+    space, supernet, ds, part = tiny
+    algo = get_algorithm("fednova")()
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)
+    state, _ = algo.init_server(fed.server)
+    old = state["global"]
+    params = {k for k, _ in fed.server.make_model(client_id=0).named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    d = [{k: (torch.randn(v.shape, generator=g) if k in params else v.clone()) for k, v in old.items()} for _ in range(2)]
+    ups = [Payload(d[0], {"n_samples": 1, "tau": 2, "a_norm": 2.0, "client_id": 0}),
+           Payload(d[1], {"n_samples": 3, "tau": 4, "a_norm": 4.0, "client_id": 1})]
+    new, _ = algo.server_aggregate(ups, state, fed.server)
+    tau_eff = 0.25 * 2.0 + 0.75 * 4.0
+    for k in params:
+        want = old[k].float() - tau_eff * (0.25 * d[0][k] + 0.75 * d[1][k])
+        assert torch.allclose(new["global"][k].float(), want, atol=1e-5), k
+    # an upload without local steps (a_norm 0) does not count
+    skip = Payload({k: v * 100 for k, v in d[0].items()}, {"n_samples": 100, "tau": 0, "a_norm": 0.0, "client_id": 2})
+    again, _ = algo.server_aggregate([*ups, skip], state, fed.server)
+    assert all(torch.equal(again["global"][k], new["global"][k]) for k in params)
+

@@ -282,7 +282,13 @@ def test_fedtgp_server_prototypes_only_for_uploaded_classes_and_margin(digits, e
                                            ("fedgh", {"server_lr_typo": 1}, "unknown hyperparameter"),
                                            # a width of 1e8 asked the allocator for 51 GB (a traceback)
                                            ("fedtgp", {"server_hidden_dim": 100_000_000},
-                                            r"server_hidden_dim: is 100000000; allowed: an integer in 0..4096")])
+                                            r"server_hidden_dim: is 100000000; allowed: an integer in 0..4096"),
+                                           # FML Eqs. 1-2: 1 - alpha weights the KL term (it pushed away)
+                                           ("fml", {"alpha": 1.5}, r"algorithm.alpha: is 1.5; allowed: a fraction in \[0, 1\]"),
+                                           ("fml", {"beta": -0.5}, r"algorithm.beta: is -0.5; allowed: a number >= 0"),
+                                           ("fml", {"beta": 2}, r"algorithm.beta: is 2; allowed: a fraction in \[0, 1\]"),
+                                           # a negative weight switched FedKD's hidden loss off silently
+                                           ("fedkd", {"hidden_weight": -1}, r"hidden_weight: is -1; allowed: a number >= 0")])
 def test_bad_hyperparameters_rejected_at_construction(name, hp, msg):
     with pytest.raises(UserInputError, match=msg):
         get_algorithm(name)(**hp)
@@ -348,7 +354,7 @@ def test_nas_subnets_federate_with_fedgh_and_fedtgp(tmp_path):
         summary = Engine(fed, EngineConfig(rounds=2), tmp_path / name, progress=False).run()
         hist = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert np.isfinite(hist[-1]["model.acc_mean_over_clients"]) and hist[-1]["bytes_up"] > 0
-        assert summary["algorithm"] == name if "algorithm" in summary else summary
+        assert summary["algorithm"] == name and summary["rounds"] == 2
 
 
 def test_diverged_server_training_names_server_lr(digits, edge_partition):
@@ -437,3 +443,154 @@ def test_diverged_local_training_blames_the_raised_key(name, hp, field, also, di
     with pytest.raises(UserInputError) as err:
         _run(name, digits, edge_partition, tmp_path, rounds=3, **hp)
     assert err.value.field == field and f"smaller value of it or of {also}" in err.value.message, str(err.value)
+
+
+# ---------------------------------------------------------------------- server steps and loss terms
+class _Tiny(torch.nn.Module):
+    """features (B, 4) -> (B, 3), head (B, 3) -> (B, 5): the split of every HtFL model, no BN."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.features = torch.nn.Linear(4, 3)
+        self.head = torch.nn.Linear(3, 5)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def _kl(p_logits, q_logits):
+    """KL(p || q) of softmaxes, mean over the batch, written out (not kl_soft)."""
+    p, logp, logq = p_logits.softmax(1), p_logits.log_softmax(1), q_logits.log_softmax(1)
+    return float((p * (logp - logq)).sum(1).mean())
+
+
+@pytest.mark.parametrize("adaptive,hidden", [(False, 0.0), (True, 0.0), (True, 0.7)])
+def test_train_mutual_loss_terms_and_kl_directions(adaptive, hidden):
+    """FML Eqs. 1-2 and FedKD Eqs. 1-4 term by term: the private model distils KL(p_shared || p_private),
+    the shared one KL(p_private || p_shared), with the adaptive scale 1/(CE_a + CE_b) and the hidden MSE."""
+    from torch.nn import functional as F
+
+    from rafl.federation.losses import train_mutual
+
+    x, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 3, 4, 0])
+    a, b = _Tiny(0), _Tiny(1)
+    with torch.no_grad():
+        ha, hb = a.features(x), b.features(x)
+        za, zb = a.head(ha), b.head(hb)
+    ce_a, ce_b = float(F.cross_entropy(za, y)), float(F.cross_entropy(zb, y))
+    s = 1 / (ce_a + ce_b) if adaptive else 1.0
+    alpha, beta = 0.3, 0.8
+    zero = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (a, b)]  # lr 0: the losses of the given weights
+    st_a, st_b = train_mutual(a, b, [(x, y)], *zero, ce_a=alpha, kl_a=1 - alpha, ce_b=beta, kl_b=1 - beta,
+                              adaptive=adaptive, hidden_weight=hidden)
+    mse = float(F.mse_loss(ha, hb))
+    want_a = alpha * ce_a + (1 - alpha) * s * _kl(zb, za) + hidden * s * mse
+    want_b = beta * ce_b + (1 - beta) * s * _kl(za, zb) + hidden * s * mse
+    assert st_a.loss == pytest.approx(want_a, rel=1e-5) and st_b.loss == pytest.approx(want_b, rel=1e-5)
+    swapped = alpha * ce_a + (1 - alpha) * s * _kl(za, zb) + hidden * s * mse  # the other KL direction
+    assert abs(swapped - want_a) > 1e-3
+    # each loss moves its own model only: with L_b = 0 (no hidden term), b keeps its weights while a trains
+    b_before = {k: v.clone() for k, v in b.state_dict().items()}
+    a_before = {k: v.clone() for k, v in a.state_dict().items()}
+    train_mutual(a, b, [(x, y)], torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1),
+                 ce_a=alpha, kl_a=1 - alpha, ce_b=0.0, kl_b=0.0, adaptive=adaptive)
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in b_before.items())
+    assert not all(torch.equal(v, a.state_dict()[k]) for k, v in a_before.items())
+    # max_grad_norm (FedKD's clip, as HtFLlib's client): one plain SGD step moves each model by <= lr * norm
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (a, b)]
+    train_mutual(a, b, [(x, y)], torch.optim.SGD(a.parameters(), lr=1.0), torch.optim.SGD(b.parameters(), lr=1.0),
+                 adaptive=adaptive, hidden_weight=hidden, max_grad_norm=1e-3)
+    for m, old in zip((a, b), before):
+        step = torch.cat([(m.state_dict()[k] - v).flatten() for k, v in old.items()])
+        assert 0 < float(step.norm()) <= 1e-3 * (1 + 1e-4)
+
+
+def test_fd_logit_regularizer_is_gamma_mse_to_the_class_mean_logits():
+    """FD's term: gamma * MSE(z, bar z_y) averaged over the batch; a sample whose class has no global
+    logits yet adds 0 (and still counts in the batch mean); a step on it moves z toward bar z_y."""
+    from rafl.federation.losses import logit_regularizer
+
+    targets = {0: torch.tensor([1.0, 0.0, -1.0]), 2: torch.tensor([0.0, 2.0, 0.0])}
+    z = torch.tensor([[0.0, 0.0, 0.0], [5.0, 5.0, 5.0], [1.0, 1.0, 1.0]], requires_grad=True)
+    y = torch.tensor([0, 1, 2])
+    reg = logit_regularizer(targets, gamma=0.5)
+    val = reg(torch.zeros(3, 2), z, y)
+    want = 0.5 * (((z[0] - targets[0]) ** 2).mean() + ((z[2] - targets[2]) ** 2).mean()) / 3
+    assert float(val.detach()) == pytest.approx(float(want.detach()))
+    val.backward()
+    assert torch.equal(z.grad[1], torch.zeros(3))  # class 1: no target, no gradient
+    assert float(reg(torch.zeros(3, 2), (z - 0.5 * z.grad).detach(), y)) < float(val.detach())
+    assert float(logit_regularizer({}, 1.0)(torch.zeros(3, 2), z, y).detach()) == 0.0
+
+
+def test_lg_fedavg_server_averages_headers_by_samples(digits, edge_partition):
+    algo = get_algorithm("lg-fedavg")()
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8)
+    state, _ = algo.init_server(fed.server)
+    heads = [{k: torch.full_like(v, float(i + 1)) for k, v in state["head"].items()} for i in range(2)]
+    ups = [Payload.from_state_dict(h, "head.", meta={"n_samples": n}) for h, n in zip(heads, (1, 3))]
+    _, bc = algo.server_aggregate(ups, state, fed.server)
+    for k, v in bc.state_dict("head.").items():  # (1 * 1 + 3 * 2) / 4
+        assert torch.allclose(v, torch.full_like(v, 1.75)), k
+
+
+def test_fedkd_server_adds_the_weighted_mean_of_the_decompressed_updates(digits, edge_partition):
+    from rafl.federation.algorithms.fedkd import compress_update
+
+    algo = get_algorithm("fedkd")()
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8)
+    state, _ = algo.init_server(fed.server)
+    glob = state["global"]
+    g = torch.Generator().manual_seed(0)
+
+    def delta(v):  # rank 1 for matrices and kernels, so they travel as exact SVD factors
+        if not v.is_floating_point():
+            return v
+        if v.ndim < 2:
+            return torch.randn(v.shape, generator=g)
+        m = v.shape[0]
+        return (torch.randn(m, 1, generator=g) @ torch.randn(1, v.numel() // m, generator=g)).reshape(v.shape)
+
+    deltas = [{k: delta(v) for k, v in glob.items()} for _ in range(2)]
+    ups = [Payload({"upd." + k: v for k, v in compress_update(d, 1.0).items()}, meta={"n_samples": n})
+           for d, n in zip(deltas, (1, 3))]
+    assert any(k.endswith(".u") for k in ups[0].tensors)  # some matrices travel as SVD factors
+    info = fed.clients[0]
+    for u in ups:
+        algo.check_upload(u, state, info, 10)
+    new, _ = algo.server_aggregate(ups, state, fed.server)
+    for k, v in glob.items():
+        if v.is_floating_point():
+            assert torch.allclose(new["global"][k], v + (deltas[0][k] + 3 * deltas[1][k]) / 4, atol=1e-4), k
+    # a factor missing, or of the wrong width, is named before aggregation
+    k = next(k for k in ups[0].tensors if k.endswith(".v"))
+    broken = Payload({n: t for n, t in ups[0].tensors.items() if n != k})
+    with pytest.raises(UserInputError, match=r"is missing; allowed: .* or its SVD factors"):
+        algo.check_upload(broken, state, info, 10)
+    broken = Payload({**ups[0].tensors, k: torch.zeros(1, 3)})
+    with pytest.raises(UserInputError, match=r"factors have shapes"):
+        algo.check_upload(broken, state, info, 10)
+
+
+class _LabelTamperingFedGH(get_algorithm("fedgh")):
+    """Client 0 uploads a LAR for class 99 (a node running another dataset's config, say)."""
+
+    def client_update(self, state, broadcast, client):
+        state, up = super().client_update(state, broadcast, client)
+        if client.client_id == 0:
+            up.tensors["lar.labels"] = up.tensors["lar.labels"].clone()
+            up.tensors["lar.labels"][0] = 99
+        return state, up
+
+
+def test_a_malformed_class_upload_is_one_error_naming_client_and_tensor(digits, edge_partition, tmp_path):
+    """Before: IndexError "Target 99 is out of bounds" from the server's cross-entropy mid-round."""
+    algo = _LabelTamperingFedGH()
+    fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8, seed=0)
+    with pytest.raises(UserInputError, match=r"payload from client 0 \(model cnn4-small\): lar.labels: has class "
+                                             r"id\(s\) \[99\]; allowed: 0..9"):
+        Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()

@@ -219,3 +219,25 @@ def test_singleton_batches_are_merged_and_bn_models_train():
     net = BNNet()
     stats = train_regularized(net, NoSingletonBatches(batches), torch.optim.SGD(net.parameters(), lr=0.1), epochs=2)
     assert stats.samples == 18 and stats.steps == 4
+
+
+def test_check_class_upload_names_what_is_malformed():
+    from rafl.federation.prototypes import check_class_upload
+
+    ok = {"p.values": torch.ones(2, 4), "p.labels": torch.tensor([3, 1], dtype=torch.int32),
+          "p.counts": torch.tensor([5, 1], dtype=torch.int32)}
+    check_class_upload(ok, "p.", n_classes=10, dim=4, counts=True)
+    check_class_upload({"p.values": torch.zeros(0, 0), "p.labels": torch.zeros(0, dtype=torch.int32)}, "p.",
+                       n_classes=10, dim=4)  # a client that holds no class
+    bad = [({**ok, "p.labels": torch.tensor([3, 3], dtype=torch.int32)}, r"p.labels: repeats class id\(s\) \[3\]"),
+           ({**ok, "p.labels": torch.tensor([3, 10])}, r"p.labels: has class id\(s\) \[10\]; allowed: 0..9"),
+           ({**ok, "p.labels": torch.tensor([-1, 2])}, r"p.labels: has class id\(s\) \[-1\]"),
+           ({**ok, "p.labels": torch.tensor([3.0, 1.0])}, r"p.labels: is a torch.float32 tensor .* integer"),
+           ({**ok, "p.values": torch.ones(2, 5)}, r"p.values: has shape \[2, 5\]; allowed: \[2, 4\]"),
+           ({**ok, "p.values": torch.ones(3, 4)}, r"p.values: has shape \[3, 4\]; allowed: \[2, 4\]"),
+           ({**ok, "p.counts": torch.tensor([5, 0], dtype=torch.int32)}, r"p.counts: .* allowed: \[2\] positive"),
+           ({k: v for k, v in ok.items() if k != "p.counts"}, r"p.: has tensors .*allowed: exactly"),
+           ({**ok, "p.extra": torch.ones(1)}, r"p.: has tensors .*allowed: exactly")]
+    for tensors, msg in bad:
+        with pytest.raises(UserInputError, match=msg):
+            check_class_upload(tensors, "p.", n_classes=10, dim=4, counts=True)

@@ -53,6 +53,10 @@ def _one_error_line(result):
      "or a count in 1..3"),
     (["--set", "clients.n=4", "--set", "engine.available=2", "--set", "engine.clients_per_round=3"],
      "error: engine.clients_per_round: is 3, more than the 2 available clients"),
+    # a negative seed was a bare ValueError from numpy in round 1; a huge one overflowed torch's generator
+    (["--set", "seed=-1"], "error: --set: seed: Input should be greater than or equal to 0 (got -1); allowed: an "
+                           "integer in 0..4294967295"),
+    (["--set", "partition.seed=99999999999999"], "partition.seed: Input should be less than or equal to 4294967295"),
 ])
 def test_bad_input_exits_2_without_run_dir(tmp_path, tiny_supernet, args, expected):
     path, _ = tiny_supernet

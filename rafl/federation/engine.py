@@ -11,7 +11,8 @@ server steps and knows no algorithm by name. One round ``t``:
    nothing and its state is not updated. The round completes with the rest (failures counted).
 4. Every surviving client: its committed state is loaded from disk (or ``init_client`` on first
    use), ``client_update`` runs with loaders and torch RNG seeded by ``(seed, client, t)``, the
-   new state is written to disk, the upload is validated (shapes vs ``upload_spec``, finiteness).
+   new state is written to disk, the upload is validated (shapes vs ``upload_spec``, finiteness,
+   the method's ``check_upload``).
    A *client runner* does the client part: :class:`InProcessClients` here, one client after the
    other, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
    (a node that fails or times out loses its clients for the round: counted as failed).
@@ -29,7 +30,10 @@ server steps and knows no algorithm by name. One round ``t``:
 
 ``resume`` continues from the last complete round; because every random draw is seeded by
 ``(seed, round[, client])`` and client states are versioned (:mod:`rafl.federation.store`), a
-resumed run ends with the same metrics as an uninterrupted one.
+resumed run ends with the same metrics as an uninterrupted one. That holds bit for bit on CPU (what
+the tests check); on CUDA, cuDNN's default convolution algorithms are not deterministic, so runs
+(resumed or not) agree up to floating-point noise unless the caller sets
+``torch.use_deterministic_algorithms(True)`` and ``CUBLAS_WORKSPACE_CONFIG``.
 """
 
 from __future__ import annotations
@@ -441,8 +445,12 @@ class Engine:
                 info = fed.clients[cid]
                 bytes_up += upload.nbytes()
                 # the sender names the client's model: a NaN upload usually means that model diverged
-                upload.validate(algo.upload_spec(server_state, info), nonfinite_hint=DIVERGED_UPLOAD,
-                                sender=f"client {cid} (model {info.model_key}){self.clients.where(cid)}")
+                sender = f"client {cid} (model {info.model_key}){self.clients.where(cid)}"
+                upload.validate(algo.upload_spec(server_state, info), nonfinite_hint=DIVERGED_UPLOAD, sender=sender)
+                try:
+                    algo.check_upload(upload, server_state, info, fed.server.n_classes)
+                except UserInputError as err:
+                    raise UserInputError(err.message, source=f"payload from {sender}", field=err.field) from None
                 upload.meta["client_id"] = cid
                 uploads.append(upload)
             torch.manual_seed(seed_of(cfg.seed, rnd, 7))

@@ -140,6 +140,7 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
                  opt_a: torch.optim.Optimizer, opt_b: torch.optim.Optimizer, *, epochs: int = 1,
                  ce_a: float = 1.0, kl_a: float = 1.0, ce_b: float = 1.0, kl_b: float = 1.0,
                  temperature: float = 1.0, adaptive: bool = False, hidden_weight: float = 0.0,
+                 max_grad_norm: float = 0.0,
                  device: torch.device | str = "cpu") -> tuple[TrainStats, TrainStats]:
     """Mutual learning of a private model ``a`` and a shared model ``b``.
 
@@ -156,6 +157,9 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
         loader: yields ``(images, labels)``.
         opt_a / opt_b: optimizers of the two models.
         epochs, temperature: as named.
+        max_grad_norm: clip each model's gradient to this L2 norm before its step (0 = off). The
+            adaptive scale grows without bound as both models fit their data; HtFLlib's FedKD
+            client clips at 10.
 
     Returns:
         ``(stats_a, stats_b)``.
@@ -186,6 +190,9 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
             opt_a.zero_grad(set_to_none=True)
             opt_b.zero_grad(set_to_none=True)
             (loss_a + loss_b).backward()  # disjoint parameters: each loss's targets are detached
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model_a.parameters(), max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(model_b.parameters(), max_grad_norm)
             opt_a.step()
             opt_b.step()
             n = int(labels.numel())

@@ -10,7 +10,8 @@ Building blocks of FedGH (Yi et al., ACM MM 2023), FedProto (Tan et al., AAAI 20
   every sample counts, also a client smaller than one batch);
 * :func:`to_payload_tensors` / :func:`from_payload` -- the wire format ``<prefix>values (S, r)
   float32`` + ``<prefix>labels (S,) int32``: exactly ``(S + S*r) x 32`` bits of tensor data for
-  S classes held and r-dimensional vectors (FedGH Sec. 4.3);
+  S classes held and r-dimensional vectors (FedGH Sec. 4.3); :func:`check_class_upload` checks a
+  received one (the server's side of the wire);
 * :func:`safe_distance` / :func:`pairwise_distances` -- Euclidean distances whose gradient is
   finite at zero distance;
 * :func:`adaptive_margin` -- FedTGP's adaptive margin delta(t) (Zhang et al., server side);
@@ -147,6 +148,59 @@ def from_payload(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[int, 
     return {int(c): values[i].to(torch.float32) for i, c in enumerate(labels.tolist())}
 
 
+def check_class_upload(tensors: Mapping[str, torch.Tensor], prefix: str, *, n_classes: int,
+                       dim: int | None = None, counts: bool = False) -> None:
+    """Check a client's per-class upload (LARs, prototypes, mean logits) before the server uses it.
+
+    The engine has already checked finiteness; this checks the structure that shapes alone do not
+    fix, since S (classes held) differs per client: exactly ``<prefix>values (S, dim)``,
+    ``<prefix>labels (S,)`` of integer dtype with distinct class ids in ``0..n_classes-1``, and
+    with ``counts`` also ``<prefix>counts (S,)`` of positive integers (FedProto's Eq. 6 weights).
+    A malformed upload (a Flower node running another version, a hand-made payload) would otherwise
+    be merged silently (a repeated class id), crash the server mid-round (a class id >= K is an
+    index error in the header's cross-entropy) or add a class the run does not have.
+
+    Args:
+        tensors: the upload's tensors.
+        prefix: the wire prefix (``"lar."``, ``"proto."``, ``"logit."``).
+        n_classes: K.
+        dim: the vector width r the server expects, or None (any).
+        counts: whether ``<prefix>counts`` is part of the upload.
+
+    Raises:
+        UserInputError: naming the tensor (``field``) and what is allowed; the caller adds the sender.
+    """
+    names = [prefix + "values", prefix + "labels"] + ([prefix + "counts"] if counts else [])
+    missing = [n for n in names if n not in tensors]
+    extra = sorted(set(tensors) - set(names))
+    if missing or extra:
+        raise UserInputError(f"has tensors {sorted(tensors)}; allowed: exactly {names}", field=prefix)
+    values, labels = tensors[prefix + "values"], tensors[prefix + "labels"]
+    if labels.ndim != 1 or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise UserInputError(f"is a {labels.dtype} tensor of shape {list(labels.shape)}; allowed: a 1-D "
+                             "integer tensor of class ids", field=prefix + "labels")
+    n = len(labels)
+    width = "r" if dim is None else str(dim)
+    if values.ndim != 2 or values.shape[0] != n or (n and dim is not None and values.shape[1] != dim):
+        raise UserInputError(f"has shape {list(values.shape)}; allowed: [{n}, {width}] (one vector per class id "
+                             f"in {prefix}labels)", field=prefix + "values")
+    ids = [int(c) for c in labels.tolist()]
+    outside = sorted({c for c in ids if not 0 <= c < n_classes})
+    if outside:
+        raise UserInputError(f"has class id(s) {outside[:5]}; allowed: 0..{n_classes - 1}", field=prefix + "labels")
+    if len(set(ids)) != n:
+        repeated = sorted({c for c in ids if ids.count(c) > 1})
+        raise UserInputError(f"repeats class id(s) {repeated[:5]}; allowed: each class at most once",
+                             field=prefix + "labels")
+    if counts:
+        c = tensors[prefix + "counts"]
+        if (c.shape != (n,) or c.is_floating_point() or c.is_complex() or c.dtype == torch.bool
+                or bool((c <= 0).any())):
+            raise UserInputError(f"is a {c.dtype} tensor of shape {list(c.shape)} with values "
+                                 f"{c.flatten()[:5].tolist()}; allowed: [{n}] positive integers (samples per class)",
+                                 field=prefix + "counts")
+
+
 def payload_tensor_bits(n_classes_held: int, dim: int) -> int:
     """FedGH's upload size formula ``(S + S*r) x 32`` bits (Yi et al., Sec. 4.3)."""
     return (n_classes_held + n_classes_held * dim) * 32
@@ -269,7 +323,7 @@ def weighted_class_average(items: Iterable[tuple[Mapping[int, torch.Tensor], Map
     return {k: (sums[k] / weights[k]).to(torch.float32) for k in sorted(sums) if weights[k] > 0}
 
 
-__all__ = ["class_sums", "averages_from_sums", "class_averages", "local_class_averages", "to_payload_tensors",
+__all__ = ["check_class_upload", "class_sums", "averages_from_sums", "class_averages", "local_class_averages", "to_payload_tensors",
            "from_payload", "payload_tensor_bits", "safe_distance", "pairwise_distances", "adaptive_margin",
            "nearest_prototype", "evaluate_prototype_accuracy", "stack_targets", "weighted_class_average",
            "DIST_EPS"]

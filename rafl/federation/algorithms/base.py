@@ -226,8 +226,9 @@ class Algorithm(ABC):
     @abstractmethod
     def server_aggregate(self, uploads: list[Payload], server_state: State,
                          server: ServerContext) -> tuple[State, Payload]:
-        """Aggregate the round's uploads (each carries ``meta["client_id"]`` and
-        ``meta["n_samples"]``) into a new server state and the next broadcast."""
+        """Aggregate the round's uploads into a new server state and the next broadcast. Each upload
+        carries ``meta["client_id"]`` (set by the engine) and whatever metadata the method's own
+        :meth:`client_update` put there (e.g. ``n_samples`` for the FedAvg-style weights)."""
 
     @abstractmethod
     def evaluate(self, state: State, client: ClientContext) -> dict[str, float]:
@@ -244,6 +245,16 @@ class Algorithm(ABC):
     def upload_spec(self, server_state: State, client: ClientInfo) -> dict[str, tuple[int, ...]] | None:
         """Expected ``name -> shape`` of ``client``'s upload for validation, or None (only
         finiteness is checked)."""
+        return None
+
+    def check_upload(self, upload: Payload, server_state: State, client: ClientInfo, n_classes: int) -> None:
+        """Method-specific checks of ``client``'s upload, after :meth:`upload_spec`'s shapes and
+        the finiteness check (default: none). For uploads whose shapes vary per client (e.g. one
+        vector per class held: :func:`rafl.federation.prototypes.check_class_upload`).
+
+        Raises:
+            UserInputError: naming the tensor (``field``); the engine adds the sender.
+        """
         return None
 
     def prepare_evaluation(self, state: State, broadcast: Payload, client: ClientContext) -> State:
@@ -298,8 +309,8 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
     YAML 1.1 reads ``1e-3`` as a string, so numeric strings are parsed. Ranges by name: learning
     rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
     ``momentum`` in [0, 1); ``*_width``, ``energy_start``/``energy_end`` in (0, 1];
-    ``energy_rounds`` >= 1; ``weight_decay``, ``mu``, ``alpha``, ``gamma``, ``lambda*``, ``*_norm``,
-    ``*_dim`` (0 = a default width) in 0..:data:`MAX_DIM`; every float finite; ``optimizer`` one of :data:`OPTIMIZERS`.
+    ``energy_rounds`` >= 1; ``weight_decay``, ``mu``, ``alpha``, ``beta``, ``gamma``, ``lambda*``,
+    ``*_weight``, ``*_norm`` >= 0; ``*_dim`` (0 = a default width) in 0..:data:`MAX_DIM`; every float finite; ``optimizer`` one of :data:`OPTIMIZERS`.
 
     Raises:
         UserInputError: naming ``algorithm.<name>``, the value and what is allowed.
@@ -335,8 +346,8 @@ def _checked_hparam(name: str, value: Any, default: Any) -> Any:
         low, strict = 0, True
     elif name.endswith("epochs") or name.endswith("batch_size"):
         low = 1
-    elif (name in ("weight_decay", "mu", "alpha", "gamma", "momentum") or name.startswith("lambda")
-          or name.endswith("_norm") or name.endswith("_dim")):
+    elif (name in ("weight_decay", "mu", "alpha", "beta", "gamma", "momentum") or name.startswith("lambda")
+          or name.endswith("_weight") or name.endswith("_norm") or name.endswith("_dim")):
         low = 0
     if low is not None and (number <= low if strict else number < low):
         raise UserInputError(f"is {shown(value)}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)

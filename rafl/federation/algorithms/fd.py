@@ -10,6 +10,12 @@ K-dimensional logit vectors travels, so any architectures can federate.
   holds: ``logit.values (S, K)`` + ``logit.labels (S,)``.
 * The server averages them per class over the uploading clients (equal weights, as in the paper
   and HtFLlib's ``serverdistill``), keeping earlier averages of classes absent this round.
+
+Two deliberate deviations from the paper, both as HtFLlib implements FD: the regularizer is the
+MSE to the target logits (the paper distils with a cross-entropy on them), and every client gets the
+one per-class average, its own logits included (the paper's Algorithm 1 gives device ``i`` the
+average of the *other* devices' logits, ``(sum_j z_j^c - z_i^c) / (M - 1)``; the two targets differ
+by the client's own share, ``1/M`` of the average).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.losses import logit_regularizer, train_regularized
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import (
+    check_class_upload,
     from_payload,
     local_class_averages,
     to_payload_tensors,
@@ -74,6 +81,11 @@ class FD(Algorithm):
         tensors = to_payload_tensors(merged, GLOBAL)
         return ({"values": tensors[GLOBAL + "values"], "labels": tensors[GLOBAL + "labels"]},
                 Payload(tensors) if merged else Payload())
+
+    def check_upload(self, upload, server_state, client, n_classes):
+        """Mean logits: ``logit.values (S, K)``, ``logit.labels (S,)`` distinct class ids < K
+        (:func:`rafl.federation.prototypes.check_class_upload`)."""
+        check_class_upload(upload.tensors, LOGIT, n_classes=n_classes, dim=n_classes)
 
     def evaluate(self, state, client: ClientContext):
         return eval_counts("model", *evaluate_accuracy(build(client, state["model"]), client.test_loader,

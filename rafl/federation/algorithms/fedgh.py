@@ -62,7 +62,7 @@ from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerCont
 from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import from_payload, local_class_averages, to_payload_tensors
+from rafl.federation.prototypes import check_class_upload, from_payload, local_class_averages, to_payload_tensors
 from rafl.federation.training import check_finite_loss, check_finite_params, evaluate_header_rules, train_ce
 
 HEAD = "head."
@@ -216,6 +216,12 @@ class FedGH(Algorithm):
                             max_grad_norm=hp["server_max_grad_norm"], device=server.device)
         head = {k: v.detach().cpu().clone() for k, v in header.state_dict().items()}
         return {"head": head}, Payload.from_state_dict(head, HEAD)
+
+    def check_upload(self, upload, server_state, client, n_classes):
+        """LARs: ``lar.values (S, r)`` with r the global header's input width, ``lar.labels (S,)``
+        distinct class ids < K (:func:`rafl.federation.prototypes.check_class_upload`)."""
+        dim = next((v.shape[1] for v in server_state["head"].values() if v.ndim == 2), None)
+        check_class_upload(upload.tensors, LAR, n_classes=n_classes, dim=dim)
 
     def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
         head = broadcast.state_dict(HEAD)

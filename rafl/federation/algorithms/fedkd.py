@@ -18,6 +18,10 @@ Vectors (biases, BN) travel uncompressed. The server rebuilds the updates, avera
 ``n_k / sum n`` and adds them to the mentee. The download is the full mentee (uncompressed here).
 
 Reported: ``model`` (the mentor) and ``global`` (the mentee).
+
+As in HtFLlib's FedKD client (not in the paper), each model's gradient is clipped to norm
+``max_grad_norm`` (10; 0 = off): the adaptive scale ``1 / (CE_t + CE_s)`` grows without bound as
+both models fit their data, and with it the distillation gradients.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from rafl.errors import UserInputError
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms._common import (
     LOCAL_DEFAULTS,
@@ -102,6 +107,7 @@ class FedKD(Algorithm):
         **LOCAL_DEFAULTS,
         "temperature": 1.0,
         "hidden_weight": 1.0,          # weight of the hidden (representation) loss
+        "max_grad_norm": 10.0,         # clip each model's gradient (HtFLlib); 0 = off (the paper)
         "energy_start": 0.95,          # SVD energy threshold T at round 1
         "energy_end": 0.98,            # ... reached after energy_rounds rounds
         "energy_rounds": 10,
@@ -126,7 +132,8 @@ class FedKD(Algorithm):
         mentee.to(client.device).train()
         train_mutual(local, mentee, client.train_loader, optimizer_for(local, hp), optimizer_for(mentee, hp),
                      epochs=hp["local_epochs"], temperature=float(hp["temperature"]), adaptive=True,
-                     hidden_weight=float(hp["hidden_weight"]), device=client.device)
+                     hidden_weight=float(hp["hidden_weight"]), max_grad_norm=float(hp["max_grad_norm"]),
+                     device=client.device)
         new = cpu_state(mentee)
         delta = {k: (new[k] - start[k]) if new[k].is_floating_point() else new[k] for k in new}
         upload = Payload({UPD + k: v for k, v in compress_update(delta, self._energy(client.round)).items()},
@@ -142,6 +149,36 @@ class FedKD(Algorithm):
         mean = weighted_average(deltas, payload_weights(uploads))
         new = {k: (glob[k] + mean[k].to(glob[k].dtype)) if glob[k].is_floating_point() else mean[k] for k in glob}
         return {"global": new}, Payload.from_state_dict(new, PREFIX)
+
+    def check_upload(self, upload, server_state, client, n_classes):
+        """The compressed update covers the mentee exactly: for every tensor ``k`` of shape
+        ``(m, *rest)`` either ``upd.k`` of that shape or the factors ``upd.k.u (m, r)`` and
+        ``upd.k.v (r, prod(rest))`` (:func:`compress_update`), and nothing else."""
+        tensors = upload.state_dict(UPD)
+        seen: set[str] = set()
+        for k, v in server_state["global"].items():
+            shape = tuple(v.shape)
+            if k in tensors:
+                seen.add(k)
+                if tuple(tensors[k].shape) != shape:
+                    raise UserInputError(f"has shape {list(tensors[k].shape)}; allowed: {list(shape)} (the mentee's "
+                                         f"{k})", field=UPD + k)
+                continue
+            u, w = tensors.get(k + ".u"), tensors.get(k + ".v")
+            if u is None or w is None:
+                raise UserInputError(f"is missing; allowed: {UPD + k} {list(shape)} or its SVD factors "
+                                     f"{UPD + k}.u / {UPD + k}.v", field=UPD + k)
+            seen |= {k + ".u", k + ".v"}
+            rest = int(v.numel() // max(1, shape[0])) if shape else 1
+            if (len(shape) < 2 or u.ndim != 2 or w.ndim != 2 or u.shape[0] != shape[0] or u.shape[1] != w.shape[0]
+                    or w.shape[1] != rest):
+                raise UserInputError(f"factors have shapes {list(u.shape)} and {list(w.shape)}; allowed: "
+                                     f"[{shape[0] if shape else 1}, r] and [r, {rest}] (the mentee's {k} "
+                                     f"{list(shape)})", field=UPD + k)
+        extra = sorted(set(tensors) - seen)
+        if extra:
+            raise UserInputError(f"unexpected tensor(s) {[UPD + k for k in extra[:5]]}; allowed: the mentee's "
+                                 "tensors or their SVD factors", field=UPD + extra[0])
 
     # the same evaluation as FML: the private model ("model") and the shared mentee ("global")
     prepare_evaluation = FML.prepare_evaluation

@@ -10,6 +10,9 @@ Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients
   ``bar C^j = sum_i |D_i,j| / N_j * C_i^j`` (Eq. 6), keeping the last prototype of classes no
   client of this round holds.
 * Inference: the client's head (``model``) and the nearest global prototype (``proto``, Sec. 4.3).
+  ``model`` is the deployed model that the run's headline numbers use (best round, CO to target,
+  ``rafl compare``'s acc mean); the paper and HtFLlib's ``test_metrics`` report ``proto``, which
+  is in every evaluated round's metrics and in compare's table beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from rafl.federation.algorithms._common import (LOCAL_DEFAULTS, build, cpu_state
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.losses import prototype_regularizer, train_regularized
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (evaluate_prototype_accuracy, from_payload, local_class_averages,
+from rafl.federation.prototypes import (check_class_upload, evaluate_prototype_accuracy, from_payload, local_class_averages,
                                         to_payload_tensors, weighted_class_average)
 from rafl.federation.training import evaluate_accuracy
 
@@ -82,6 +85,13 @@ class FedProto(Algorithm):
         tensors = to_payload_tensors(merged, GLOBAL)
         state = {"values": tensors[GLOBAL + "values"], "labels": tensors[GLOBAL + "labels"]}
         return state, Payload(tensors) if merged else Payload()
+
+    def check_upload(self, upload, server_state, client, n_classes):
+        """Prototypes ``proto.values (S, D)`` (D that of the global prototypes once there are any),
+        ``proto.labels (S,)`` distinct class ids < K, ``proto.counts (S,)`` positive
+        (:func:`rafl.federation.prototypes.check_class_upload`)."""
+        dim = int(server_state["values"].shape[1]) if len(server_state["labels"]) else None
+        check_class_upload(upload.tensors, PROTO, n_classes=n_classes, dim=dim, counts=True)
 
     def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
         return {**state, "global": dict(broadcast.tensors)}

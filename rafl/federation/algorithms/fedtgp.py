@@ -41,7 +41,7 @@ from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.headers import check_split_model, feature_dim
 from rafl.federation.losses import prototype_regularizer, train_regularized
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (adaptive_margin, from_payload,
+from rafl.federation.prototypes import (adaptive_margin, check_class_upload, from_payload,
                                         local_class_averages, pairwise_distances, to_payload_tensors,
                                         weighted_class_average)
 from rafl.federation.training import check_finite_loss, check_finite_params
@@ -185,6 +185,12 @@ class FedTGP(Algorithm):
             check_finite_params(net, what="server training of the global prototypes", field="algorithm.server_lr")
         new_state = {"net": cpu_state(net), "seen": seen, "margin": float(margin), "server_loss": float(last_loss)}
         return new_state, self._broadcast(net, seen, server.device)
+
+    def check_upload(self, upload, server_state, client, n_classes):
+        """Prototypes: ``proto.values (S, D)`` with D the server network's width, ``proto.labels
+        (S,)`` distinct class ids < K (:func:`rafl.federation.prototypes.check_class_upload`)."""
+        check_class_upload(upload.tensors, PROTO, n_classes=n_classes,
+                           dim=int(server_state["net"]["embedding.weight"].shape[1]))
 
     @staticmethod
     def _broadcast(net: TrainablePrototypes, seen: list[int], device) -> Payload:

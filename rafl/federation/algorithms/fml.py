@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from rafl.errors import UserInputError, shown
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
@@ -47,6 +48,18 @@ class FML(Algorithm):
         "temperature": 1.0,
         "knowledge_arch": "smallest",  # the meme model (NAS: smallest | middle | largest | arch string)
     }
+
+    @classmethod
+    def check_hparams(cls, hparams):
+        """Defaults merged with ``hparams``; ``alpha`` and ``beta`` are fractions in [0, 1]: Eqs. 1-2
+        weight the cross-entropy by them and the KL term by ``1 - alpha`` / ``1 - beta``, so a value
+        outside would push a model away from its labels or from its partner."""
+        hp = super().check_hparams(hparams)
+        for key in ("alpha", "beta"):
+            if not 0.0 <= float(hp[key]) <= 1.0:
+                raise UserInputError(f"is {shown(hparams.get(key, hp[key]))}; allowed: a fraction in [0, 1] (the CE weight; "
+                                     f"the KL term gets 1 - {key})", field=f"algorithm.{key}")
+        return hp
 
     def init_server(self, server: ServerContext):
         glob = cpu_state(shared_model(server.make_model, server.space, self.hparams["knowledge_arch"]))
