@@ -430,9 +430,41 @@ def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: st
     return moved
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+#: the run-config fields that hold a path (``partition.scheme`` as ``file:PATH``)
+PATH_FIELDS = ("supernet.path", "data.root", "partition.scheme")
+
+
+def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()) -> RunConfig:
+    """``cfg`` with its relative paths (:data:`PATH_FIELDS`) made absolute: a value given with
+    ``--set`` (a key in ``set_keys``) against the current folder, a value from the run YAML against
+    ``file_base`` (the YAML's folder), as a YAML's own references are read everywhere else (the
+    Flower App, a profile's ``latency_lut``). The run dir's ``config.yaml`` then names the same
+    files whatever folder the run is resumed from."""
+    given = set(set_keys)
+    update: dict[str, Any] = {}
+    for dotted in PATH_FIELDS:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if not isinstance(value, str) or not value:
+            continue
+        prefix = "file:" if dotted == "partition.scheme" else ""
+        if prefix and not value.startswith(prefix):
+            continue
+        raw = Path(value[len(prefix):]).expanduser()
+        if raw.is_absolute() and raw == Path(value[len(prefix):]):
+            continue
+        base = Path.cwd() if dotted in given else file_base
+        new = prefix + str((base / raw).resolve())
+        update[section] = update.get(section, getattr(cfg, section)).model_copy(update={key: new})
+    return cfg.model_copy(update=update) if update else cfg
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                    base: str | Path | None = None) -> RunConfig:
     """Defaults <- YAML file ``path`` <- ``--set`` overrides, validated; the algorithm name and
-    its hyperparameters are checked against the registry.
+    its hyperparameters are checked against the registry. Relative paths are made absolute
+    (:func:`absolute_paths`): from the file against ``base`` (default: the file's folder), from
+    ``--set`` against the current folder.
 
     Raises:
         UserInputError: unreadable/malformed YAML, an unknown key (anywhere, including algorithm
@@ -462,7 +494,8 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
         field = moved.get(field, field)  # a key from the method's own section: named as written
         raise UserInputError(err.message, source=blame(field, set_keys, source), field=field) from None
     cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
-    return cfg
+    file_base = Path(base) if base is not None else (Path(path).parent if path is not None else Path.cwd())
+    return absolute_paths(cfg, file_base, set_keys)
 
 
 #: ``rafl.data.make_partition``'s field / ``rafl data`` option names -> the run config's keys

@@ -242,6 +242,12 @@ def test_resume_damaged_or_edited_folders_are_one_line_errors(tmp_path):
             (d / "config.yaml").write_text(yaml.safe_dump(cfg))
         return edit
 
+    def other_split(d):
+        path = d / "fedgh" / "clients.json"
+        rec = json.loads(path.read_text())
+        rec["clients"][0]["n_train"] += 1
+        path.write_text(json.dumps(rec))
+
     cases = [(lambda d: (d / "compare.json").write_text("{"), "not a rafl compare table"),
              (lambda d: (d / "compare.json").write_text("[1, 2]"), "not a rafl compare table"),
              (lambda d: (d / "compare.json").write_text('{"rows": [{"rounds": 2}]}'), "not a rafl compare table"),
@@ -253,7 +259,10 @@ def test_resume_damaged_or_edited_folders_are_one_line_errors(tmp_path):
              (set_yaml("models", "htfe5"), "config.yaml: models: unknown model"),
              (set_yaml("models", "cnn4-small,no_such_module_qa:make"),
               "config.yaml: models: cannot import 'no_such_module_qa'"),
-             (lambda d: (shutil.rmtree(d / "fedgh"), (d / "fedgh").write_text("x")), "is not a folder")]
+             (lambda d: (shutil.rmtree(d / "fedgh"), (d / "fedgh").write_text("x")), "is not a folder"),
+             # the split the method ran on is not the one the resume would load (a changed partition file)
+             (other_split, "fedgh/clients.json: client 0 had other data or another model when the run started "
+                           "(n_train ")]
     for edit, msg in cases:
         code, output = resume(edit)
         lines = [ln for ln in output.splitlines() if ln.strip()]

@@ -176,7 +176,10 @@ def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, in_pr
     prep, run_dir, resume = flower._load_from_run_config({"resume": str(in_process), "rounds": 5})
     assert resume and run_dir == in_process and prep.cfg.engine.rounds == 5
     assert (in_process / "config.yaml").read_text() == before
-    cfg = flower._absolute_paths(load_run_config(None, ["supernet.path=sn", "data.root=../data"]), tmp_path / "cfg")
+    yaml_file = tmp_path / "cfg" / "run.yaml"  # a YAML's relative paths: against its folder (rafl.config)
+    yaml_file.parent.mkdir()
+    yaml_file.write_text("supernet: {path: sn}\ndata: {root: ../data}\n")
+    cfg = load_run_config(yaml_file)
     assert cfg.supernet.path == str(tmp_path / "cfg" / "sn") and cfg.data.root == str(tmp_path / "data")
 
 

@@ -333,3 +333,43 @@ def test_a_model_group_federates_resumes_and_rejects_bad_members(tmp_path, monke
                    "--set", "clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"])
     assert res.exit_code == 0 and "warning: clients.arch applies to clients.models: nas (supernet subnets) only; " \
         "ignored with clients.models: cnn4-small,tiny_user_model:factory" in res.output, res.output
+
+
+def test_a_relative_partition_file_is_recorded_absolute_and_a_changed_one_stops_the_resume(tmp_path, monkeypatch):
+    """A relative `file:` partition (or supernet.path, data.root) is made absolute in the run's
+    config.yaml, so `--resume` from another folder continues on the same split; a YAML's relative
+    paths are taken against its folder. A split that changed since the start (the file edited, or
+    another one) stops the resume with one line naming clients.json, instead of continuing the run
+    on other data."""
+    from rafl.data import load_dataset, make_partition
+
+    labels = load_dataset("digits", limit_per_class=10).labels.numpy()
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    make_partition(labels, "pathological", 3, 0, k=2, public_fraction=0.0).save(a / "split.json")
+    make_partition(labels, "iid", 3, 0, public_fraction=0.0).save(b / "split.json")
+    sets = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "algorithm.name=fedgh",
+            "--set", "clients.models=cnn4-small", "--set", "clients.feature_dim=8", "--set", "name=x"]
+    monkeypatch.chdir(a)
+    res = _invoke(["--quiet", "--out", str(tmp_path / "runs"), *sets, "--set", "partition.scheme=file:split.json",
+                   "--set", "engine.rounds=1"])
+    assert res.exit_code == 0, res.output
+    run_dir = tmp_path / "runs" / "x"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["partition"]["scheme"] == f"file:{a / 'split.json'}"
+    monkeypatch.chdir(b)  # b holds another split.json: the run keeps a's
+    res = _invoke(["--quiet", "--resume", str(run_dir), "--set", "engine.rounds=2"])
+    assert res.exit_code == 0, res.output
+    (a / "split.json").write_text((b / "split.json").read_text())  # the recorded file itself changed
+    line = _one_error_line(_invoke(["--resume", str(run_dir), "--set", "engine.rounds=3"]))
+    assert line.startswith(f"error: {run_dir / 'clients.json'}: client 0 had other data or another model when the "
+                           "run started (n_train ")
+    assert "the data or the partition changed (file:" in line
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2  # no round ran on the other split
+    # a YAML's relative paths: against its own folder, not the current one
+    (b / "run.yaml").write_text("partition: {scheme: 'file:split.json'}\nsupernet: {path: ../sn}\n")
+    monkeypatch.chdir(tmp_path)
+    from rafl.config import load_run_config
+
+    cfg = load_run_config(b / "run.yaml", ["data.root=data"])
+    assert cfg.partition.scheme == f"file:{b / 'split.json'}" and cfg.supernet.path == str(tmp_path / "sn")
+    assert cfg.data.root == str(tmp_path / "data")  # a --set value: against the current folder

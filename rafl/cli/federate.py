@@ -119,9 +119,11 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         if fixed:  # before the values are read: e.g. another algorithm.name would fail on the run's hparams
             raise UserInputError(f"--resume may change only engine settings (engine.rounds to extend the run, "
                                  f"engine.backend, ...), not {fixed}", field="--set")
-        old = load_run_config(cfg_file)
+        # paths in a run dir's config.yaml are absolute (rafl.config.absolute_paths); in an older
+        # one a relative path meant the current folder
+        old = load_run_config(cfg_file, base=Path.cwd())
         try:
-            cfg = load_run_config(cfg_file, overrides)
+            cfg = load_run_config(cfg_file, overrides, base=Path.cwd())
         except UserInputError as err:  # the file alone is valid, so a --set value is at fault
             raise UserInputError(err.message, source="--set", field=err.field) from None
         changed = {k for k in ("data", "partition", "clients", "supernet", "search", "algorithm", "train", "seed")

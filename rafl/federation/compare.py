@@ -32,7 +32,7 @@ from rafl.config import RunConfig
 from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.engine import CHECKPOINT, Engine, Federation, participation
-from rafl.federation.pipeline import (build_group_federation, check_public_pool, engine_config,
+from rafl.federation.pipeline import (build_group_federation, check_public_pool, check_same_clients, engine_config,
                                       load_data_and_partition)
 from rafl.io import atomic_write_json, atomic_write_text
 
@@ -139,12 +139,14 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
                 message += f" (for {cls.name})" if len(classes) > 1 else ""
             raise UserInputError(message, source=blame(field, set_keys, source), field=field) from None
     tmp = yaml.safe_dump({**data, "algorithm": {"name": "standalone"}})
-    cfg = _validate(tmp, rest, source)
+    cfg = _validate(tmp, rest, source, Path(path).parent if path is not None else Path.cwd())
     return cfg, hps
 
 
-def _validate(text: str, overrides: list[str], source: str) -> RunConfig:
-    """Validate a config text through :func:`rafl.config.load_run_config` (its errors name ``source``)."""
+def _validate(text: str, overrides: list[str], source: str, base: Path) -> RunConfig:
+    """Validate a config text through :func:`rafl.config.load_run_config` (its errors name
+    ``source``; relative paths in it are taken against ``base``, those of ``--set`` against the
+    current folder)."""
     import tempfile
 
     from rafl.config import load_run_config
@@ -153,7 +155,7 @@ def _validate(text: str, overrides: list[str], source: str) -> RunConfig:
         p = Path(tmp) / "run.yaml"
         p.write_text(text)
         try:
-            return load_run_config(p, overrides)
+            return load_run_config(p, overrides, base=base)
         except UserInputError as err:
             raise UserInputError(err.message, source=source if err.source == str(p) else err.source,
                                  field=err.field) from None
@@ -291,6 +293,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         continuing = resume and (run_dir / CHECKPOINT).is_file()
         if done is not None or continuing:
             _check_started_with(run_dir, started, get_algorithm(name).defaults)
+            check_same_clients(run_dir, table, cfg.partition.scheme)
             completed = len(read_history(run_dir))
             if completed > ecfg.rounds:
                 raise UserInputError(f"is {ecfg.rounds}, but {name} has completed {completed} rounds; allowed: "
@@ -449,7 +452,9 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
             key = err.field.removeprefix("algorithm.") if err.field else ""
             raise UserInputError(err.message, source=path,
                                  field=f"algorithms.{name}" + (f".{key}" if key else "")) from None
-    cfg = _validate(yaml.safe_dump({**data, "algorithm": {"name": "standalone"}}), [], str(path))
+    # paths are absolute in records written since 0.1 (rafl.config.absolute_paths); an older record's
+    # relative ones meant the current folder
+    cfg = _validate(yaml.safe_dump({**data, "algorithm": {"name": "standalone"}}), [], str(path), Path.cwd())
     return cfg, hps, models, feature_dim
 
 

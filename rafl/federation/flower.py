@@ -543,17 +543,6 @@ def _absolute(value: Any, key: str) -> Path | None:
     return path
 
 
-def _absolute_paths(cfg: Any, base: Path) -> Any:
-    """``cfg`` with a relative ``supernet.path`` / ``data.root`` made absolute against ``base``
-    (the run YAML's folder): the ServerApp and every node read them, each in its own folder."""
-    update = {}
-    for section, key in (("supernet", "path"), ("data", "root")):
-        value = getattr(getattr(cfg, section), key)
-        if value and not Path(value).expanduser().is_absolute():
-            update[section] = getattr(cfg, section).model_copy(update={key: str((base / value).resolve())})
-    return cfg.model_copy(update=update) if update else cfg
-
-
 def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
     """``(prepared, run_dir, resume)`` from a ``flwr run`` run config (keys ``config``: path of
     the rafl run YAML on the SuperLink's machine, ``out``: run dir parent, ``resume``: a run dir,
@@ -577,9 +566,7 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
         pipeline.check_resume_rounds(resume, cfg.engine.rounds, "run_config.rounds")
         return pipeline.prepare(cfg, progress=False), resume, True  # its config.yaml: rewritten once it succeeds
     config = _absolute(run_config.get("config"), "config")
-    cfg = load_run_config(config, overrides)
-    if config is not None:
-        cfg = _absolute_paths(cfg, config.parent)
+    cfg = load_run_config(config, overrides)  # relative paths inside: against the YAML's folder
     out = _absolute(run_config.get("out"), "out")
     if out is None:
         raise UserInputError("is empty; allowed: an absolute folder for run dirs", field="run_config.out")

@@ -654,6 +654,44 @@ def check_resume_rounds(run_dir: str | Path, rounds: int, field: str) -> int:
     return done
 
 
+#: the columns of a run's ``clients.json`` that a resumed run must reproduce (its data split and models)
+SAME_CLIENT_KEYS = ("client", "n_train", "n_test", "model", "arch", "profile")
+
+
+def check_same_clients(run_dir: str | Path, table: list[dict[str, Any]], partition: str = "") -> None:
+    """Refuse to resume ``run_dir`` on other clients than it started with: the per-client table
+    (:data:`SAME_CLIENT_KEYS`: training/test samples, model, profile) must equal the one its
+    ``clients.json`` recorded. A partition file read from another folder, or edited, a changed
+    dataset root or limit would otherwise continue the run silently on other data.
+
+    Args:
+        run_dir: a run dir (federate) or a method's folder (compare); no ``clients.json``: no check.
+        table: the clients table the resumed run would use.
+        partition: the config's ``partition.scheme``, named in the message.
+
+    Raises:
+        UserInputError: naming ``clients.json``, the first client that differs, and both values.
+    """
+    path = Path(run_dir) / "clients.json"
+    try:
+        recorded = json.loads(path.read_text())["clients"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    now = {int(r["client"]): r for r in table}
+    before = {int(r["client"]): r for r in recorded if isinstance(r, dict) and "client" in r}
+    cause = (f"the data or the partition changed ({partition or 'partition.scheme'}); resume with the data the run "
+             "started with, or start a new run")
+    if set(now) != set(before):
+        raise UserInputError(f"records {len(before)} clients, the resumed run has {len(now)}: {cause}", source=path)
+    for cid in sorted(now):
+        diff = {k: (before[cid].get(k), now[cid].get(k)) for k in SAME_CLIENT_KEYS
+                if k in before[cid] and k in now[cid] and before[cid][k] != now[cid][k]}
+        if diff:
+            what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+            raise UserInputError(f"client {cid} had other data or another model when the run started ({what}): {cause}",
+                                 source=path)
+
+
 def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
         clients: Any = None) -> dict[str, Any]:
     """Run the prepared federation in ``run_dir`` (created here unless resuming); returns the
@@ -662,7 +700,12 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
     ``clients``: the engine's client runner factory (:class:`~rafl.federation.engine.Engine`);
     None runs the clients in this process, or, with ``engine.backend: flower``, on Flower's
     Simulation Runtime (:func:`rafl.federation.flower.simulate`, which comes back here with its
-    runner)."""
+    runner).
+
+    Raises:
+        UserInputError: resuming on other clients than the run started with (:func:`check_same_clients`)."""
+    if resume:
+        check_same_clients(run_dir, prep.clients_table, prep.cfg.partition.scheme)
     if clients is None and prep.cfg.engine.backend == "flower":
         from rafl.federation import flower
 
