@@ -493,6 +493,9 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
         field = err.field or "algorithm"
         field = moved.get(field, field)  # a key from the method's own section: named as written
         raise UserInputError(err.message, source=blame(field, set_keys, source), field=field) from None
+    from rafl.federation.algorithms._common import with_group_lr
+
+    hp = with_group_lr(hp, cfg.algorithm.hparams(), cfg.clients.models)  # a model group's own default lr
     cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
     file_base = Path(base) if base is not None else (Path(path).parent if path is not None else Path.cwd())
     return absolute_paths(cfg, file_base, set_keys)

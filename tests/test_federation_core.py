@@ -371,3 +371,26 @@ def test_evaluate_header_rules_shares_one_extractor_pass_and_restores_modes():
     assert acc["shifted"] == (5, 10)
     assert model.calls == 2                                # one extractor pass per batch
     assert model.training and model.body[1].training and not other.training
+
+
+def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path):
+    """NAS subnets fine-tune at LOCAL_DEFAULTS' lr; a model group (trained from scratch, cnn3-small
+    without BatchNorm) at GROUP_LR, which it did not diverge at; an lr the user gives always wins
+    (rafl federate and rafl compare alike)."""
+    from rafl.config import load_run_config
+    from rafl.federation.algorithms._common import GROUP_LR, LOCAL_DEFAULTS
+    from rafl.federation.compare import load_compare_config
+
+    assert load_run_config(None, ["algorithm.name=fd"]).algorithm.hparams()["lr"] == LOCAL_DEFAULTS["lr"]
+    group = ["algorithm.name=fd", "clients.models=htfe-tiny"]
+    assert load_run_config(None, group).algorithm.hparams()["lr"] == GROUP_LR != LOCAL_DEFAULTS["lr"]
+    assert load_run_config(None, [*group, "algorithm.lr=0.05"]).algorithm.hparams()["lr"] == 0.05
+    f = tmp_path / "run.yaml"
+    f.write_text("algorithm: {name: fd, fd: {lr: 0.03}}\nclients: {models: htfe-tiny}\n")
+    assert load_run_config(f).algorithm.hparams()["lr"] == 0.03  # the method's own section counts as given
+    _, hps = load_compare_config(None, ["algorithm.fd.lr=0.03"], ["fd", "standalone"])  # default models: a group
+    assert hps["fd"]["lr"] == 0.03 and hps["standalone"]["lr"] == GROUP_LR
+    _, hps = load_compare_config(None, [], ["fd", "standalone"], "nas")
+    assert hps["fd"]["lr"] == hps["standalone"]["lr"] == LOCAL_DEFAULTS["lr"]
+    _, hps = load_compare_config(None, ["clients.models=nas"], ["fd"])  # the config's models, when --models is not given
+    assert hps["fd"]["lr"] == LOCAL_DEFAULTS["lr"]

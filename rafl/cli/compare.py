@@ -69,7 +69,8 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         if _given(ctx, "models"):
             with _models_option():
                 resolve_models(models)  # a bad --models before the config is read
-        cfg, hparams = load_compare_config(config_path, overrides, names)
+        cfg, hparams = load_compare_config(config_path, overrides, names,
+                                           models if _given(ctx, "models") else None)
         # clients.models / clients.feature_dim set in the config (or --set) count unless the option is given
         from_config = not _given(ctx, "models") and "models" in cfg.clients.model_fields_set
         if from_config:

@@ -41,9 +41,17 @@ DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", 
 
 # ---------------------------------------------------------------------- federation of a model group
 # ---------------------------------------------------------------------- config
+#: the client models of ``rafl compare`` when neither ``--models`` nor the config's ``clients.models`` is given
+DEFAULT_MODELS = "htfe-tiny"
+
+
 def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
-                        algorithms: list[str]) -> tuple[RunConfig, dict[str, dict[str, Any]]]:
+                        algorithms: list[str], models: str | None = None) -> tuple[RunConfig, dict[str, dict[str, Any]]]:
     """The run config shared by every method plus each method's hyperparameters.
+
+    ``models``: the client models (``--models``), or None for the config's ``clients.models`` if
+    it sets one, else :data:`DEFAULT_MODELS`; for a model group a method's ``lr`` that nobody set
+    is :data:`rafl.federation.algorithms._common.GROUP_LR`.
 
     The ``algorithm`` section (file or ``--set algorithm.key=value``) holds keys shared by the
     methods (e.g. ``local_epochs``, ``lr``: applied to every method that has them) and optional
@@ -120,6 +128,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
                                  f"{sorted(set().union(*(c.defaults for c in classes.values())))}",
                                  source=blame(f"algorithm.{key}", set_keys, source), field=f"algorithm.{key}")
     hps: dict[str, dict[str, Any]] = {}
+    given: dict[str, set[str]] = {}
     for a, cls in classes.items():
         hp = {k: v for k, v in algo_section.items() if k in cls.defaults}
         own = next((v for k, v in per_method.items() if k.lower() == cls.name), None) or {}
@@ -127,6 +136,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
             raise UserInputError("expected a mapping of hyperparameters", source=blame(f"algorithm.{a}", set_keys, source),
                                  field=f"algorithm.{a}")
         hp.update(section_keys_that_apply(a, own, (k for k, _ in parsed)))  # the method's own keys
+        given[cls.name] = set(hp)
         try:
             hps[cls.name] = cls.check_hparams(hp)
         except UserInputError as err:
@@ -140,7 +150,11 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
             raise UserInputError(message, source=blame(field, set_keys, source), field=field) from None
     tmp = yaml.safe_dump({**data, "algorithm": {"name": "standalone"}})
     cfg = _validate(tmp, rest, source, Path(path).parent if path is not None else Path.cwd())
-    return cfg, hps
+    if models is None:
+        models = cfg.clients.models if "models" in cfg.clients.model_fields_set else DEFAULT_MODELS
+    from rafl.federation.algorithms._common import with_group_lr
+
+    return cfg, {name: with_group_lr(hp, given[name], models) for name, hp in hps.items()}
 
 
 def _validate(text: str, overrides: list[str], source: str, base: Path) -> RunConfig:
