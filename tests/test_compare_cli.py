@@ -359,12 +359,28 @@ def test_a_method_failing_in_round_1_leaves_nothing_behind(tmp_path, monkeypatch
     # which method failed, and its key as compare names it (the method's own section)
     assert "error: fedgh, client 0 (model nan_plugin_qa:make): algorithm.fedgh.lr: local training diverged " \
            "(loss nan)" in res.output
+    assert "; nothing was kept: run the command again with --set algorithm.fedgh.lr=<value>" in res.output
     assert not out.exists()
+
     # Standalone has no upload to validate: it used to finish with the accuracy of NaN weights
     res = CliRunner().invoke(cli, [a if a != "fedgh,standalone" else "standalone" for a in args])
     assert res.exit_code == 2 and "local training diverged" in res.output, res.output
     assert not out.exists()
 
+
+def test_a_diverged_method_says_how_to_rerun_it_alone(tmp_path):
+    """A method diverging after others finished: its keys as compare names them, also inside the
+    message, and the way to rerun it with another value (--resume alone would diverge again)."""
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone,fd", *TINY, "--set", "algorithm.fd.lr=1e12",
+                                   "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    line = [ln for ln in res.output.splitlines() if ln.strip()][-1]
+    assert line.startswith("error: fd, client ") and ": algorithm.fd.lr: local training diverged" in line, line
+    assert "allowed: a smaller value of it or of algorithm.fd.gamma" in line, line
+    assert line.endswith(f"; to rerun fd with another value, edit algorithms.fd.lr in {out}/config.yaml, delete "
+                         f"{out}/fd/ and run rafl compare --resume {out}"), line
+    assert (out / "standalone" / "summary.json").is_file()
 
 def test_clients_too_small_for_a_test_sample_are_reported(tmp_path):
     """The default split 0.8/0.1/0.1 gives a client of 2-3 samples no test sample; the accuracy mean

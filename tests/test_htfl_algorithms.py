@@ -594,3 +594,12 @@ def test_a_malformed_class_upload_is_one_error_naming_client_and_tensor(digits, 
     with pytest.raises(UserInputError, match=r"payload from client 0 \(model cnn4-small\): lar.labels: has class "
                                              r"id\(s\) \[99\]; allowed: 0..9"):
         Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+
+
+def test_a_header_blown_up_by_the_server_blames_server_lr(digits, edge_partition, tmp_path):
+    """FedGH's server step with a huge server_lr and no clipping: the clients' next local training
+    diverges from the header, and the error names algorithm.server_lr, not the clients' lr."""
+    with pytest.raises(UserInputError, match=r"algorithm.server_lr: local training diverged .* from a global header "
+                                             r"with weights up to .*allowed: a smaller algorithm.server_lr, or "
+                                             r"algorithm.server_max_grad_norm > 0"):
+        _run("fedgh", digits, edge_partition, tmp_path, rounds=3, server_lr=1e9, server_max_grad_norm=0.0)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -330,11 +332,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         except BaseException as err:
             _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
             if isinstance(err, UserInputError):  # say which method failed; its keys as compare names them
-                field = err.field
-                if field and field.startswith("algorithm.") and field.count(".") == 1:
-                    field = f"algorithm.{name}.{field.split('.', 1)[1]}"
-                raise UserInputError(err.message, source=f"{name}, {err.source}" if err.source else name,
-                                     field=field) from None
+                raise _method_error(err, name, hparams[name], out) from None
             raise
         wall = time.perf_counter() - t0 + earlier_s
         rows.append(summarize_run(name, summary, read_history(run_dir), wall)
@@ -343,6 +341,28 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
     return rows
+
+
+def _method_error(err: UserInputError, name: str, hp: dict[str, Any], out: Path) -> UserInputError:
+    """``err`` of method ``name``'s run as ``rafl compare`` says it: the method in front, its keys
+    as compare names them (``algorithm.<method>.<key>``, in the field and in the message), and for
+    a diverged training how to rerun that method with another value."""
+    def own(m: re.Match) -> str:
+        return f"algorithm.{name}.{m.group(1)}" if m.group(1) in hp else m.group(0)
+
+    field = err.field
+    if field and field.startswith("algorithm.") and field.count(".") == 1:
+        field = own(re.match(r"algorithm\.(\w+)", field))
+    message = re.sub(r"\balgorithm\.(\w+)\b(?!\.)", own, err.message)
+    if "diverged" in message:
+        key = field if field and field.startswith(f"algorithm.{name}.") else f"algorithm.{name}.lr"
+        if (out / "config.yaml").is_file():  # other methods' results are kept: rerun just this one
+            q = shlex.quote(str(out))
+            message += (f"; to rerun {name} with another value, edit {key.replace('algorithm.', 'algorithms.', 1)} in "
+                        f"{q}/config.yaml, delete {q}/{name}/ and run rafl compare --resume {q}")
+        else:
+            message += f"; nothing was kept: run the command again with --set {key}=<value>"
+    return UserInputError(message, source=f"{name}, {err.source}" if err.source else name, field=field)
 
 
 def _clean_failed(out: Path, run_dir: Path, *, fresh: bool, out_existed: bool) -> None:

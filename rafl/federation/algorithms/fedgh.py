@@ -68,6 +68,8 @@ from rafl.federation.training import check_finite_loss, check_finite_params, eva
 HEAD = "head."
 LAR = "lar."
 SERVER_MODES = ("per-lar", "per-client")
+#: a global header with a weight above this came from a diverged server step (a trained linear header's are O(1))
+HEADER_BLOWUP = 1e3
 LABEL_PRIORS = ("none", "local")
 DEPLOY_HEADERS = ("global", "local")
 
@@ -200,6 +202,11 @@ class FedGH(Algorithm):
                      epochs=hp["local_epochs"], device=client.device)
         except UserInputError as err:  # the global header it started from may be the cause
             size = max((float(v.abs().max()) for v in broadcast.state_dict(HEAD).values() if v.numel()), default=0.0)
+            if size > HEADER_BLOWUP:  # the server's step blew the header up: blame its learning rate
+                raise UserInputError(f"{err.message.split('; allowed:')[0]} from a global header with weights up to "
+                                     f"{size:.3g} (a trained linear header's are O(1)); allowed: a smaller "
+                                     "algorithm.server_lr, or algorithm.server_max_grad_norm > 0",
+                                     field="algorithm.server_lr") from None
             raise UserInputError(f"{err.message} (the global header it starts from has weights up to {size:.3g}: "
                                  "if that is large, lower algorithm.server_lr or keep server_max_grad_norm on)",
                                  field=err.field) from None
