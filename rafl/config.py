@@ -430,6 +430,19 @@ def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: st
     return moved
 
 
+def without_unused_pool(cfg: RunConfig, methods: Iterable[tuple[Any, dict[str, Any]]]) -> RunConfig:
+    """``cfg`` with ``partition.public_fraction`` 0 when nothing would use the server's public pool:
+    a model group (no supernet to train, search or BN-recalibrate on it), no method that distils
+    on it (``methods``: ``(class, hyperparameters)``), and no ``public_fraction`` given. The 30% the
+    default carves would otherwise be taken from the clients for nothing."""
+    from rafl.federation.algorithms._common import needs_public_pool
+
+    if (cfg.clients.models.strip().lower() == "nas" or "public_fraction" in cfg.partition.model_fields_set
+            or any(needs_public_pool(cls, hp) for cls, hp in methods)):
+        return cfg
+    return cfg.model_copy(update={"partition": cfg.partition.model_copy(update={"public_fraction": 0.0})})
+
+
 #: the run-config fields that hold a path (``partition.scheme`` as ``file:PATH``)
 PATH_FIELDS = ("supernet.path", "data.root", "partition.scheme")
 
@@ -497,6 +510,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
 
     hp = with_group_lr(hp, cfg.algorithm.hparams(), cfg.clients.models)  # a model group's own default lr
     cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
+    cfg = without_unused_pool(cfg, [(cls, hp)])
     file_base = Path(base) if base is not None else (Path(path).parent if path is not None else Path.cwd())
     return absolute_paths(cfg, file_base, set_keys)
 

@@ -394,3 +394,21 @@ def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path
     assert hps["fd"]["lr"] == hps["standalone"]["lr"] == LOCAL_DEFAULTS["lr"]
     _, hps = load_compare_config(None, ["clients.models=nas"], ["fd"])  # the config's models, when --models is not given
     assert hps["fd"]["lr"] == LOCAL_DEFAULTS["lr"]
+
+
+def test_a_model_group_carves_no_public_pool_that_nothing_uses():
+    """The default public_fraction (0.3) feeds the supernet's training, search and BN recalibration:
+    a model group with methods that do not distil on the pool keeps all data for its clients."""
+    from rafl.config import load_run_config
+    from rafl.federation.compare import load_compare_config
+
+    group = ["clients.models=htfe-tiny"]
+    assert load_run_config(None, [*group, "algorithm.name=fedgh"]).partition.public_fraction == 0.0
+    assert load_run_config(None, ["algorithm.name=fedgh"]).partition.public_fraction == 0.3  # nas
+    assert load_run_config(None, [*group, "algorithm.name=feddf"]).partition.public_fraction == 0.3  # distils on it
+    assert load_run_config(None, [*group, "algorithm.name=rafl", "algorithm.distill=true"]).partition.public_fraction == 0.3
+    assert load_run_config(None, [*group, "algorithm.name=fedgh", "partition.public_fraction=0.2"]
+                           ).partition.public_fraction == 0.2  # given: kept
+    assert load_compare_config(None, [], ["fedgh", "fd"])[0].partition.public_fraction == 0.0
+    assert load_compare_config(None, [], ["fedgh", "feddf"])[0].partition.public_fraction == 0.3
+    assert load_compare_config(None, [], ["fedgh"], "nas")[0].partition.public_fraction == 0.3

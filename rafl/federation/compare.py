@@ -154,9 +154,14 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
     cfg = _validate(tmp, rest, source, Path(path).parent if path is not None else Path.cwd())
     if models is None:
         models = cfg.clients.models if "models" in cfg.clients.model_fields_set else DEFAULT_MODELS
+    from rafl.config import without_unused_pool
     from rafl.federation.algorithms._common import with_group_lr
 
-    return cfg, {name: with_group_lr(hp, given[name], models) for name, hp in hps.items()}
+    hps = {name: with_group_lr(hp, given[name], models) for name, hp in hps.items()}
+    probe = cfg.model_copy(update={"clients": cfg.clients.model_copy(update={"models": models})})
+    if without_unused_pool(probe, [(get_algorithm(n), hp) for n, hp in hps.items()]) is not probe:
+        cfg = cfg.model_copy(update={"partition": cfg.partition.model_copy(update={"public_fraction": 0.0})})
+    return cfg, hps
 
 
 def _validate(text: str, overrides: list[str], source: str, base: Path) -> RunConfig:

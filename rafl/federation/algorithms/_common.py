@@ -30,6 +30,11 @@ LOCAL_DEFAULTS: dict[str, Any] = {
 GROUP_LR = 0.01
 
 
+def needs_public_pool(cls: Any, hparams: dict[str, Any]) -> bool:
+    """Whether a method distils on the server's unlabeled public pool (FedDF, RaFL with ``distill``)."""
+    return bool(cls.uses_public_pool or hparams.get("distill"))
+
+
 def with_group_lr(hparams: dict[str, Any], given: Any, models: str) -> dict[str, Any]:
     """``hparams`` with ``lr`` = :data:`GROUP_LR` when the clients are a model group (``models`` not
     ``nas``), the method has a local ``lr`` and the user gave none (``given``: the keys set in the
