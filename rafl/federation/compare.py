@@ -541,7 +541,9 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
 
 
 def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Bar chart: accuracy (mean +- std over clients) and MB communicated per method (PNG, atomic)."""
+    """Bar charts of the table's columns per method (PNG, atomic): accuracy (mean +- std over
+    clients, with the nearest-prototype accuracy as a marker where a method reports it), MB
+    communicated, and wall time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -551,11 +553,15 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
 
     names = [r["algorithm"] for r in rows]
     x = np.arange(len(rows))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(6, 1.2 * len(rows) + 4), 3.6))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(max(9, 1.8 * len(rows) + 5), 3.6))
     mean = np.array([r.get("model.acc_mean", 0) for r in rows], dtype=float)
     std = np.array([r.get("model.acc_std", 0) for r in rows], dtype=float)
     # error bars clipped to the [0, 1] an accuracy lives in
     ax1.bar(x, mean, yerr=np.stack([np.minimum(std, mean), np.minimum(std, 1 - mean)]), capsize=3, color="tab:blue")
+    proto = [(xi, r["proto.acc_mean"]) for xi, r in zip(x, rows) if r.get("proto.acc_mean") is not None]
+    if proto:  # FedProto / FedTGP: the papers' nearest-prototype accuracy beside the head's
+        ax1.scatter(*zip(*proto), marker="D", color="black", zorder=3, s=18, label="nearest prototype")
+        ax1.legend(fontsize=7, loc="lower right")
     ax1.set_xticks(x, names, rotation=30, ha="right")
     ax1.set_ylabel("client test accuracy")
     ax1.set_ylim(0, 1)
@@ -576,6 +582,13 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     ax2.set_xticks(x, names, rotation=30, ha="right")
     ax2.set_ylabel("MB (up + down)" + (", log scale" if log else ""))
     ax2.set_title("communication")
+    wall = np.array([r.get("wall_s", 0.0) for r in rows], dtype=float)
+    ax3.bar(x, wall, color="tab:gray")
+    for xi, v in zip(x, wall):
+        ax3.annotate(f"{v:.3g}", (xi, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax3.set_xticks(x, names, rotation=30, ha="right")
+    ax3.set_ylabel("wall time (s)")
+    ax3.set_title("wall time")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
