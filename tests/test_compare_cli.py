@@ -130,6 +130,11 @@ def test_nonempty_out_is_refused(tmp_path):
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--out", str(out)])
     assert res.exit_code == 2 and "not empty" in res.output
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    for command in ("compare", "federate"):  # a folder that is not there is said so, not "no config.yaml"
+        res = CliRunner().invoke(cli, [command, "--resume", str(tmp_path / "nope")])
+        assert res.exit_code == 2 and "nope: --resume: does not exist" in res.output, res.output
+        res = CliRunner().invoke(cli, [command, "--resume", str(out)])
+        assert res.exit_code == 2 and "(no config.yaml)" in res.output, res.output
 
 
 @pytest.mark.parametrize("argv, msg", [(["federate", "--nope"], "error: No such option '--nope'"),

@@ -113,7 +113,8 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             raise UserInputError("never completed a round (no checkpoint.safetensors), so there is nothing to "
                                  "resume: delete it and run the command again", source=resume_dir, field="--resume")
         if not cfg_file.is_file():
-            raise UserInputError("is not a rafl federate run dir (no config.yaml)", source=resume_dir,
+            raise UserInputError("does not exist" if not resume_dir.exists() else
+                                 "is not a rafl federate run dir (no config.yaml)", source=resume_dir,
                                  field="--resume")
         fixed = sorted({key for key, _ in parse_overrides(overrides) if key.split(".")[0] != "engine"})
         if fixed:  # before the values are read: e.g. another algorithm.name would fail on the run's hparams

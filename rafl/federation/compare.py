@@ -250,7 +250,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     out = Path(out)
     if resume:
         if not (out / "config.yaml").is_file():
-            raise UserInputError("is not a rafl compare output (no config.yaml)", source=out, field="--resume")
+            raise UserInputError("does not exist" if not out.exists() else "is not a rafl compare output (no config.yaml)",
+                                 source=out, field="--resume")
     elif out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError("already exists and is not empty; choose another --out (or --resume it)", source=out)
     members = resolve_models(models)
@@ -464,7 +465,8 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
     from rafl.config import read_config_file
 
     if not path.is_file():
-        raise UserInputError("is not a rafl compare output (no config.yaml)", source=out, field="--resume")
+        raise UserInputError("does not exist" if not out.exists() else "is not a rafl compare output (no config.yaml)",
+                             source=out, field="--resume")
     data = read_config_file(path)
     if not isinstance(data.get("algorithms"), dict) or "models" not in data:
         raise UserInputError("is not a rafl compare config (no algorithms / models)", source=path, field="--resume")
