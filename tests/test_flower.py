@@ -524,7 +524,8 @@ def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
     """As in-process: a run whose round 1 fails (a client's NaN payload) leaves no half-made run dir
     behind on the ServerApp's side (it left config.yaml and clients.json, which `--resume` refused)."""
     cfg = tmp_path / "div.yaml"
-    cfg.write_text("name: div\ndata: {limit_per_class: 10}\nclients: {n: 2, models: cnn3-small, feature_dim: 16}\n"
+    cfg.write_text("name: div\ndata: {limit_per_class: 10}\npartition: {public_fraction: 0.3}\n"
+                   "clients: {n: 2, models: cnn3-small, feature_dim: 16}\n"
                    "algorithm: {name: fedproto, lr: 1.0e+6}\nengine: {rounds: 1, round_timeout_s: 300}\n")
     flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
     with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
