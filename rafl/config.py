@@ -430,14 +430,17 @@ def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: st
     return moved
 
 
-def without_unused_pool(cfg: RunConfig, methods: Iterable[tuple[Any, dict[str, Any]]]) -> RunConfig:
+def without_unused_pool(cfg: RunConfig, methods: Iterable[tuple[Any, dict[str, Any]]],
+                        models: str | None = None) -> RunConfig:
     """``cfg`` with ``partition.public_fraction`` 0 when nothing would use the server's public pool:
-    a model group (no supernet to train, search or BN-recalibrate on it), no method that distils
-    on it (``methods``: ``(class, hyperparameters)``), and no ``public_fraction`` given. The 30% the
-    default carves would otherwise be taken from the clients for nothing."""
+    a model group (``models``, default ``cfg.clients.models``: no supernet to train, search or
+    BN-recalibrate on it), no method that distils on it (``methods``: ``(class,
+    hyperparameters)``), and no ``public_fraction`` given. The 30% the default carves would
+    otherwise be taken from the clients for nothing."""
     from rafl.federation.algorithms._common import needs_public_pool
 
-    if (cfg.clients.models.strip().lower() == "nas" or "public_fraction" in cfg.partition.model_fields_set
+    models = cfg.clients.models if models is None else models
+    if (models.strip().lower() == "nas" or "public_fraction" in cfg.partition.model_fields_set
             or any(needs_public_pool(cls, hp) for cls, hp in methods)):
         return cfg
     return cfg.model_copy(update={"partition": cfg.partition.model_copy(update={"public_fraction": 0.0})})

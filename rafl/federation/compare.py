@@ -158,10 +158,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
     from rafl.federation.algorithms._common import with_group_lr
 
     hps = {name: with_group_lr(hp, given[name], models) for name, hp in hps.items()}
-    probe = cfg.model_copy(update={"clients": cfg.clients.model_copy(update={"models": models})})
-    if without_unused_pool(probe, [(get_algorithm(n), hp) for n, hp in hps.items()]) is not probe:
-        cfg = cfg.model_copy(update={"partition": cfg.partition.model_copy(update={"public_fraction": 0.0})})
-    return cfg, hps
+    return without_unused_pool(cfg, [(get_algorithm(n), hp) for n, hp in hps.items()], models), hps
 
 
 def _validate(text: str, overrides: list[str], source: str, base: Path) -> RunConfig:
@@ -493,8 +490,8 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
             key = err.field.removeprefix("algorithm.") if err.field else ""
             raise UserInputError(err.message, source=path,
                                  field=f"algorithms.{name}" + (f".{key}" if key else "")) from None
-    # paths are absolute in records written since 0.1 (rafl.config.absolute_paths); an older record's
-    # relative ones meant the current folder
+    # rafl writes this record's paths absolute (rafl.config.absolute_paths); in a record written
+    # before it did, a relative path meant the current folder
     cfg = _validate(yaml.safe_dump({**data, "algorithm": {"name": "standalone"}}), [], str(path), Path.cwd())
     return cfg, hps, models, feature_dim
 
