@@ -373,3 +373,30 @@ def test_a_relative_partition_file_is_recorded_absolute_and_a_changed_one_stops_
     cfg = load_run_config(b / "run.yaml", ["data.root=data"])
     assert cfg.partition.scheme == f"file:{b / 'split.json'}" and cfg.supernet.path == str(tmp_path / "sn")
     assert cfg.data.root == str(tmp_path / "data")  # a --set value: against the current folder
+
+
+def test_parallel_runs_claim_distinct_run_dirs_and_never_remove_another(tmp_path, monkeypatch):
+    """Default run-dir names go down to the second: two runs started together used to pick the same
+    name, and the one that lost removed the other's run dir while cleaning up. A run now claims its
+    dir (an atomic mkdir) before any work, so a second run takes `-2`, and a failing run removes only
+    its own."""
+    import time as _time
+
+    from rafl.federation import pipeline
+
+    monkeypatch.setattr(_time, "strftime", lambda fmt, *a: "20260101-000000")
+    out = tmp_path / "runs"
+    sets = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "algorithm.name=fedgh",
+            "--set", "clients.models=cnn4-small", "--set", "clients.feature_dim=8", "--set", "engine.rounds=1"]
+    seen = []
+
+    def failing_prepare(cfg, progress=True):  # the other run is preparing: its dir is claimed, empty
+        seen.append(sorted(p.name for p in out.iterdir()))
+        raise pipeline.UserInputError("a bad profile, say", field="clients.profiles")
+
+    (out / "fedgh-digits-20260101-000000").mkdir(parents=True)  # a parallel run's claimed, still empty dir
+    monkeypatch.setattr(pipeline, "prepare", failing_prepare)
+    line = _one_error_line(_invoke(["--out", str(out), *sets]))
+    assert "a bad profile, say" in line
+    assert seen == [["fedgh-digits-20260101-000000", "fedgh-digits-20260101-000000-2"]]  # claimed before work
+    assert sorted(p.name for p in out.iterdir()) == ["fedgh-digits-20260101-000000"]  # only its own removed

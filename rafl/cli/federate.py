@@ -148,14 +148,23 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     cfg: RunConfig = load_run_config(config_path, overrides)
     check_output_dir(out)  # a file, or a folder nothing can be created in: before any work
     name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if Path(name).name != name or name in (".", ".."):
+        raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under --out",
+                             field="name")
     run_dir = out / name
+    out_existed = out.exists()
     if cfg.name is None:  # a default name: runs started in the same second (a sweep) get -2, -3, ...
+        # claimed with an atomic mkdir, so parallel runs never share (or clean up) one run dir
         stem, i = name, 1
-        while run_dir.exists():
-            i += 1
-            name = f"{stem}-{i}"
-            run_dir = out / name
-    if run_dir.exists():
+        while True:
+            try:
+                run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                i += 1
+                name = f"{stem}-{i}"
+                run_dir = out / name
+    elif run_dir.exists():
         if not (run_dir / "config.yaml").is_file():
             raise UserInputError("already exists and is not a rafl federate run dir (choose another name or --out)",
                                  source=run_dir)
@@ -163,16 +172,18 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
             raise UserInputError("already exists but never completed a round (no checkpoint.safetensors): delete "
                                  "it and run again, or choose another name or --out", source=run_dir)
         raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
-    if Path(name).name != name or name in (".", ".."):
-        raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under --out",
-                             field="name")
-    out_existed = out.exists()
+    else:
+        try:
+            run_dir.mkdir(parents=True)
+        except FileExistsError:  # another run took this name a moment ago
+            raise UserInputError("already exists: another run took this name (choose another name or --out)",
+                                 source=run_dir) from None
     try:
-        prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; nothing written yet
+        prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; the run dir is still empty
         summary = pipeline.run(prep, run_dir, progress=progress)
     except BaseException as err:
         if run_dir.exists() and not (run_dir / "checkpoint.safetensors").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
+            shutil.rmtree(run_dir, ignore_errors=True)  # ours, with no complete round: leave nothing half-made
         if not out_existed and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         if isinstance(err, (KeyboardInterrupt, click.exceptions.Abort, SystemExit)):
