@@ -446,8 +446,9 @@ def without_unused_pool(cfg: RunConfig, methods: Iterable[tuple[Any, dict[str, A
     return cfg.model_copy(update={"partition": cfg.partition.model_copy(update={"public_fraction": 0.0})})
 
 
-#: the run-config fields that hold a path (``partition.scheme`` as ``file:PATH``)
-PATH_FIELDS = ("supernet.path", "data.root", "partition.scheme")
+#: the run-config fields that hold a path (``partition.scheme`` as ``file:PATH``; ``clients.profiles``
+#: a list whose entries are shipped names or YAML files)
+PATH_FIELDS = ("supernet.path", "data.root", "partition.scheme", "clients.profiles")
 
 
 def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()) -> RunConfig:
@@ -461,6 +462,13 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
     for dotted in PATH_FIELDS:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
+        if dotted == "clients.profiles":  # a profile file (as rafl.search.profile.load_profile tells them)
+            base = Path.cwd() if dotted in given else file_base
+            new_list = [str((base / Path(v).expanduser()).resolve())
+                        if (Path(v).suffix in (".yaml", ".yml") or "/" in v) else v for v in value]
+            if new_list != list(value):
+                update[section] = update.get(section, getattr(cfg, section)).model_copy(update={key: new_list})
+            continue
         if not isinstance(value, str) or not value:
             continue
         prefix = "file:" if dotted == "partition.scheme" else ""

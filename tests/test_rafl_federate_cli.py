@@ -366,12 +366,14 @@ def test_a_relative_partition_file_is_recorded_absolute_and_a_changed_one_stops_
     assert "the data or the partition changed (file:" in line
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2  # no round ran on the other split
     # a YAML's relative paths: against its own folder, not the current one
-    (b / "run.yaml").write_text("partition: {scheme: 'file:split.json'}\nsupernet: {path: ../sn}\n")
+    (b / "run.yaml").write_text("partition: {scheme: 'file:split.json'}\nsupernet: {path: ../sn}\n"
+                                "clients: {profiles: [pi4, profiles/board.yaml]}\n")
     monkeypatch.chdir(tmp_path)
     from rafl.config import load_run_config
 
     cfg = load_run_config(b / "run.yaml", ["data.root=data"])
     assert cfg.partition.scheme == f"file:{b / 'split.json'}" and cfg.supernet.path == str(tmp_path / "sn")
+    assert cfg.clients.profiles == ["pi4", str(b / "profiles" / "board.yaml")]  # a shipped name stays a name
     assert cfg.data.root == str(tmp_path / "data")  # a --set value: against the current folder
 
 
