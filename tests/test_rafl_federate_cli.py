@@ -402,3 +402,32 @@ def test_parallel_runs_claim_distinct_run_dirs_and_never_remove_another(tmp_path
     assert "a bad profile, say" in line
     assert seen == [["fedgh-digits-20260101-000000", "fedgh-digits-20260101-000000-2"]]  # claimed before work
     assert sorted(p.name for p in out.iterdir()) == ["fedgh-digits-20260101-000000"]  # only its own removed
+
+
+def test_a_partition_file_whose_clients_hold_the_supernets_pool_is_refused(tmp_path, tiny_supernet):
+    """The supernet trained on carve_public_pool(labels, 0.3, seed 0). A saved split is checked by its
+    clients' indices (its own pool need not match the config's public_fraction): one that hands
+    pool images to a client is exit 2 naming the file; one that avoids the pool runs."""
+    import numpy as np
+
+    from rafl.data import carve_public_pool, load_dataset, make_partition
+
+    path, _ = tiny_supernet
+    labels = load_dataset("digits", limit_per_class=10).labels.numpy()
+    part = make_partition(labels, "iid", 3, 0, public_fraction=0.3, public_seed=0)
+    part.save(tmp_path / "ok.json")
+    pool = carve_public_pool(labels, 0.3, 0)
+    import dataclasses
+
+    first = dataclasses.replace(part.clients[0], train=np.sort(np.concatenate([part.clients[0].train, pool[:5]])))
+    dataclasses.replace(part, clients=[first, *part.clients[1:]],
+                        public=np.setdiff1d(part.public, pool[:5])).save(tmp_path / "leak.json")
+    sets = ["--set", f"supernet.path={path}", "--set", "data.limit_per_class=10", "--set", "clients.n=3",
+            "--set", "engine.rounds=1", "--set", "algorithm.local_epochs=1", "--set", "search.generations=1"]
+    out = tmp_path / "runs"
+    line = _one_error_line(_invoke(["--out", str(out), *sets, "--set", f"partition.scheme=file:{tmp_path / 'leak.json'}"]))
+    assert line.startswith(f"error: {tmp_path / 'leak.json'}: partition.scheme: its clients hold 5 samples (e.g. index ")
+    assert "of the public pool the supernet trained on, carve_public_pool(labels, 0.3, seed=0)" in line
+    assert not out.exists()
+    res = _invoke(["--quiet", "--out", str(out), *sets, "--set", f"partition.scheme=file:{tmp_path / 'ok.json'}"])
+    assert res.exit_code == 0, res.output

@@ -599,7 +599,9 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         return _prepare_group(cfg, ds, part, members, algorithm, device)
     supernet, supernet_id, pool = _load_supernet(cfg, ds, progress)
     p = cfg.partition
-    if pool is not None and (abs(pool[0] - p.public_fraction) > 1e-12 or pool[1] != p.public_seed):
+    if pool is not None and p.scheme.startswith("file:"):  # a saved split: check its clients' indices themselves
+        check_clients_avoid_pool(part, ds.labels.numpy(), pool, p.scheme[len("file:"):])
+    elif pool is not None and (abs(pool[0] - p.public_fraction) > 1e-12 or pool[1] != p.public_seed):
         raise UserInputError(
             f"the supernet trained on the public pool carve_public_pool(labels, {pool[0]}, seed={pool[1]}); "
             f"the partition carves ({p.public_fraction}, seed={p.public_seed}), so client data would "
@@ -633,6 +635,29 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                                                                    "search_accuracy": v["search_accuracy"]}
                                                                for n, v in arch_of.items()},
                                                   "supernet": supernet_id})
+
+
+def check_clients_avoid_pool(partition, labels: np.ndarray, pool: tuple[float, int], source: str) -> None:
+    """Refuse a partition whose clients hold images of the public pool the supernet trained on,
+    ``carve_public_pool(labels, *pool)``: their test accuracy would be measured on training images.
+    For a saved partition (``file:``), whose own pool need not be the config's ``public_fraction``.
+
+    Raises:
+        UserInputError: naming the file, how many client samples overlap and how to make a split
+            that avoids the pool.
+    """
+    from rafl.data import carve_public_pool
+
+    trained = carve_public_pool(labels, pool[0], pool[1])
+    held = np.concatenate([np.asarray(getattr(c, s), dtype=np.int64) for c in partition.clients
+                           for s in ("train", "val", "test")] or [np.zeros(0, np.int64)])
+    leaked = np.intersect1d(held, trained)
+    if len(leaked):
+        raise UserInputError(f"its clients hold {len(leaked)} samples (e.g. index {int(leaked[0])}) of the public pool "
+                             f"the supernet trained on, carve_public_pool(labels, {pool[0]}, seed={pool[1]}), so "
+                             "their accuracy would be measured on training images; allowed: a split whose clients "
+                             f"avoid that pool (rafl data --public-fraction {pool[0]} --public-seed {pool[1]} ...)",
+                             source=source, field="partition.scheme")
 
 
 def completed_rounds(run_dir: str | Path) -> int:
