@@ -139,7 +139,11 @@ def test_cli_smoke_digits(tmp_path):
     (["--out", "X", "--device", "tpu"], "device"),
     (["--out", "X", "--resolutions", "a,b"], "--resolutions"),
     (["--epochs-per-phase", "1"], "--out"),
-    (["--resume", "NOPE"], "--resume"),
+    (["--resume", "NOPE"], "NOPE: --resume: does not exist"),
+    (["--out", "X", "--resolutions", "12,,14"], "--resolutions: is '12,,14', allowed: comma-separated integers"),
+    # 2000 px was killed for memory at 22 GB, leaving a folder that could be neither resumed nor reused
+    (["--out", "X", "--resolutions", "2000"], "in 4..1024"),
+    (["--resume", "NOPE", "--config", "c.yaml"], "--config: cannot be combined with --resume"),
 ])
 def test_cli_bad_input_exits_2(tmp_path, args, needle):
     args = [str(tmp_path / a) if a in ("X", "NOPE") else a for a in args]
@@ -237,3 +241,42 @@ def test_a_dataset_without_data_root_is_one_clear_line_and_honours_rafl_data_roo
     monkeypatch.setenv("RAFL_DATA_ROOT", "/some/where")
     assert TrainConfig.from_options(dataset="cifar10", epochs_per_phase=1).data_root == "/some/where"
     assert TrainConfig.from_options(dataset="cifar10", data_root="/given").data_root == "/given"
+
+
+def test_cli_refuses_a_foreign_folder_and_resumes_a_run_stopped_before_its_first_checkpoint(tmp_path):
+    """--out into a non-empty folder that is no supernet run is refused (data, search and profile
+    refuse it too); a run killed before its first epoch ended (config.json, no resume.pt) starts over
+    on --resume instead of being a folder neither --resume nor a rerun accepts; a relative
+    --data-root is recorded absolute."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    res = CliRunner().invoke(cli, ["supernet", "train", "--out", str(other), "--no-progress"])
+    assert res.exit_code == 2 and "--out: is not empty; allowed: a new or empty folder" in res.output, res.output
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    out = tmp_path / "run"
+    args = ["--dataset", "digits", "--epochs-per-phase", "1", "--width-mult", "0.25", "--resolutions", "12",
+            "--limit-per-class", "10", "--batch-size", "16", "--no-progress"]
+    train_supernet(TrainConfig.from_options(dataset="digits", epochs_per_phase=1, width_mult=0.25, resolutions=(12,),
+                                            limit_per_class=10, batch_size=16), out, progress=False,
+                   stop_after_epochs=1)
+    (out / "resume.pt").unlink()  # as if killed inside its first epoch
+    res = CliRunner().invoke(cli, ["supernet", "train", "--out", str(out), *args])
+    assert res.exit_code == 2 and "use --resume" in res.output
+    res = CliRunner().invoke(cli, ["supernet", "train", "--resume", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert (out / "supernet.safetensors").is_file() and "largest" in res.output
+
+
+def test_cli_data_root_is_taken_against_the_current_folder_or_the_config_file(tmp_path, monkeypatch):
+    """Recorded absolute (config.json), so --resume works from another folder: --data-root against
+    the current folder, a config file's data_root against the file's folder."""
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["supernet", "train", "--dataset", "cifar10", "--data-root", "c10",
+                                   "--out", "o", "--no-progress"])
+    assert res.exit_code == 2 and str(tmp_path / "c10") in res.output, res.output
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "t.yaml").write_text("dataset: cifar10\ndata_root: ../data/c10\n")
+    res = CliRunner().invoke(cli, ["supernet", "train", "--config", "cfg/t.yaml", "--out", "o", "--no-progress"])
+    assert res.exit_code == 2 and str(tmp_path / "data" / "c10") in res.output, res.output
+    assert not (tmp_path / "o").exists()

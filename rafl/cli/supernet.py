@@ -13,12 +13,15 @@ from rafl.errors import UserInputError
 def _parse_ints(text: str | None, option: str) -> tuple[int, ...] | None:
     if text is None:
         return None
+    from rafl.supernet.train import MAX_RESOLUTION
+
     try:
-        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+        values = tuple(int(v) for v in text.replace(" ", "").split(","))  # an empty item ("12,,14") is an error
     except ValueError:
         values = ()
-    if not values or any(v < 4 for v in values):
-        raise UserInputError(f"is {text!r}, allowed: comma-separated integers >= 4 like 16,20,24", field=option)
+    if not values or any(not 4 <= v <= MAX_RESOLUTION for v in values):
+        raise UserInputError(f"is {text!r}, allowed: comma-separated integers in 4..{MAX_RESOLUTION} like 16,20,24",
+                             field=option)
     return values
 
 
@@ -60,11 +63,16 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
 
     from rafl.supernet.train import CONFIG_NAME, TrainConfig, train_supernet
 
-    options = {"dataset": dataset, "data_root": None if data_root is None else str(data_root),
+    # paths are recorded absolute (config.json), so --resume works from any folder: --data-root
+    # against the current folder, a config file's data_root against the file's folder
+    options = {"dataset": dataset, "data_root": None if data_root is None else str(data_root.expanduser().resolve()),
                "epochs_per_phase": epochs_per_phase, "device": device, "seed": seed, "width_mult": width_mult,
                "resolutions": _parse_ints(resolutions, "--resolutions"), "batch_size": batch_size,
                "limit_per_class": limit_per_class}
     given = {k: v for k, v in options.items() if v is not None}
+    if resume is not None and config_file is not None:
+        raise UserInputError("cannot be combined with --resume (the run folder's config.json is used)",
+                             field="--config")
     base: dict = {}
     source: Path | None = None
     if config_file is not None:
@@ -76,8 +84,12 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
             raise UserInputError("not valid YAML/JSON", source=config_file, field="--config") from None
         if not isinstance(base, dict):
             raise UserInputError("expected a mapping of TrainConfig fields", source=config_file, field="--config")
+        if isinstance(base.get("data_root"), str) and base["data_root"]:
+            base["data_root"] = str((config_file.parent / Path(base["data_root"]).expanduser()).resolve())
         source = config_file
     if resume is not None:
+        if not resume.exists():
+            raise UserInputError("does not exist", source=resume, field="--resume")
         if out is not None and out.resolve() != resume.resolve():
             raise UserInputError(f"is {out}, but --resume continues the run in {resume}; omit --out",
                                  field="--out")
@@ -102,6 +114,9 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
         raise UserInputError("is required (the run folder to write)", field="--out")
     if out.exists() and not out.is_dir():
         raise UserInputError("exists and is not a folder", source=out, field="--out")
+    if resume is None and out.is_dir() and any(out.iterdir()) and not (out / CONFIG_NAME).exists():
+        raise UserInputError("is not empty; allowed: a new or empty folder (or --resume a supernet run)",
+                             source=out, field="--out")
     config = TrainConfig.from_options(source=source, **{**base, **given})
 
     fresh = resume is None and (not out.exists() or not any(out.iterdir()))

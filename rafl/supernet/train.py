@@ -48,6 +48,8 @@ from rafl.supernet.server_data import random_crop_flip, server_split
 
 PHASES: tuple[str, ...] = ("full", "kernel", "depth", "expand")
 RESUME_NAME = "resume.pt"
+#: the largest input resolution (px), as :func:`rafl.data.load_dataset`'s (2000 px was killed for memory at 22 GB)
+MAX_RESOLUTION = 1024
 CONFIG_NAME = "config.json"
 METRICS_NAME = "metrics.json"
 # digits are 8x8 images: small resolutions lose nothing; 32 px datasets use OFA-like 24..32
@@ -117,6 +119,8 @@ class TrainConfig(BaseModel):
                              "or $RAFL_DATA_ROOT")
         if sum(self.phase_epochs()) == 0:
             raise ValueError("all phases have 0 epochs")
+        if any(not 4 <= r <= MAX_RESOLUTION for r in self.resolutions):  # as the data loaders' bound
+            raise ValueError(f"resolutions {list(self.resolutions)}: allowed: integers in 4..{MAX_RESOLUTION} (px)")
         return self
 
     def phase_epochs(self) -> list[int]:
@@ -292,14 +296,20 @@ def evaluate_subnet(net: Supernet, arch: ArchConfig, images: Tensor, labels: Ten
     return correct / max(1, len(labels))
 
 
-def _check_out(out: Path, resume: bool) -> None:
+def _check_out(out: Path, resume: bool) -> bool:
+    """Whether to continue from ``out/resume.pt``. Resuming a run that was stopped before its first
+    epoch ended (``config.json`` but no checkpoint: killed early, or out of memory) starts it over
+    with its saved config; such a folder could otherwise be neither resumed nor reused."""
     if resume:
-        if not (out / RESUME_NAME).is_file():
-            raise UserInputError(f"has no {RESUME_NAME} to resume from", source=out, field="resume")
-        return
+        if (out / RESUME_NAME).is_file():
+            return True
+        if (out / CONFIG_NAME).is_file() and not (out / META_NAME).exists():
+            return False
+        raise UserInputError(f"has no {RESUME_NAME} to resume from", source=out, field="resume")
     if out.exists() and any((out / n).exists() for n in (RESUME_NAME, META_NAME, CONFIG_NAME)):
         raise UserInputError("already holds a supernet run; use --resume to continue it or another --out",
                              source=out, field="out")
+    return False
 
 
 def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
@@ -334,7 +344,7 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     from rafl.data import load_dataset
 
     out = Path(out)
-    _check_out(out, resume)
+    resume = _check_out(out, resume)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UserInputError("is 'cuda' but no CUDA device is available; allowed here: cpu", field="device")
     device = torch.device(config.device)
