@@ -192,6 +192,9 @@ def test_partition_json_roundtrip_and_file_scheme(digits_labels, tmp_path):
     ('{"meta": {"n_samples": 10}, "clients": {"0": {"train": [1], "val": [], "test": []}}}', "n_samples"),
     ('{"format": "other", "clients": {"0": {"train": [1]}}}', "format"),
     ('{"clients": {}}', "non-empty"),
+    # a client with nothing to train on: it failed only in round 1, naming neither file nor field
+    ('{"clients": {"0": {"train": [1], "val": [], "test": [2]}, "1": {"train": [], "val": [], "test": [3]}}}',
+     r"clients.1.train: is empty; allowed: at least one training sample per client"),
 ])
 def test_partition_load_rejects_bad_files(digits_labels, tmp_path, payload, match):
     path = tmp_path / "partition.json"

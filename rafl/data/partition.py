@@ -203,6 +203,9 @@ class Partition:
             if unknown:
                 raise UserInputError(f"unknown keys {sorted(unknown)}, allowed: train, val, test",
                                      source=path, field=f"clients.{cid}")
+            if len(arrays["train"]) == 0:  # a client with nothing to train on failed only in round 1
+                raise UserInputError("is empty; allowed: at least one training sample per client",
+                                     source=path, field=f"clients.{cid}.train")
             clients.append(ClientSplit(**arrays))
         public = _index_array(obj.get("public", []), path, "public", n_samples)
         part = cls(clients=clients, public=public, meta=dict(meta))
