@@ -310,6 +310,9 @@ def blame(field: str | None, set_keys: Iterable[str], file_source: str | None) -
 def _error(err: ValidationError, source: str | None) -> UserInputError:
     first = err.errors()[0]
     loc = [str(p) for p in first.get("loc", ())]
+    # a union field (e.g. clients_per_round: float | int) adds the member it tried: not part of the key
+    loc = [p for p in loc if p not in ("float", "int", "str", "bool", "none")
+           and not p.startswith(("list[", "dict[", "tuple[", "function-"))]
     # walk the models to find the field's description (its allowed values)
     model: Any = RunConfig
     info = None

@@ -57,6 +57,12 @@ def _one_error_line(result):
     (["--set", "seed=-1"], "error: --set: seed: Input should be greater than or equal to 0 (got -1); allowed: an "
                            "integer in 0..4294967295"),
     (["--set", "partition.seed=99999999999999"], "partition.seed: Input should be less than or equal to 4294967295"),
+    # a missing setting, not an impossible split (the message read "... clients: is required for ...")
+    (["--set", "partition.scheme=pathological"], "error: partition.k: is required for partition.scheme pathological"),
+    # a union field named as the key (it was engine.clients_per_round.float, without the allowed values)
+    (["--set", "engine.clients_per_round=abc"], "error: --set: engine.clients_per_round: Input should be a valid "
+                                                "number, unable to parse string as a number (got 'abc'); allowed: a "
+                                                "fraction in (0, 1] or a count >= 1"),
 ])
 def test_bad_input_exits_2_without_run_dir(tmp_path, tiny_supernet, args, expected):
     path, _ = tiny_supernet

@@ -507,6 +507,8 @@ def load_data_and_partition(cfg: RunConfig, progress: bool = True):
         mapped = partition_error(err)
         if mapped.source is not None:  # a partition file that is missing or malformed: not an impossible split
             raise UserInputError(mapped.message, source=mapped.source, field="partition.scheme") from None
+        if mapped.field and mapped.message.startswith("is required"):  # a missing setting (partition.k), not a split
+            raise UserInputError(mapped.message, field=mapped.field) from None
         raise UserInputError(f"impossible partition of {ds.name} ({len(labels)} samples) over clients.n="
                              f"{cfg.clients.n} clients: {mapped.message}", source=mapped.source,
                              field=mapped.field or "partition") from None
@@ -713,6 +715,9 @@ def check_same_clients(run_dir: str | Path, table: list[dict[str, Any]], partiti
                 if k in before[cid] and k in now[cid] and before[cid][k] != now[cid][k]}
         if diff:
             what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items())
+            if not {"n_train", "n_test"} & set(diff):  # the same data, another model: a profile or the search changed
+                cause = ("its model changed (a device profile, its budgets or the search gave another subnet); "
+                         "resume with the profiles the run started with, or start a new run")
             raise UserInputError(f"client {cid} had other data or another model when the run started ({what}): {cause}",
                                  source=path)
 
