@@ -241,3 +241,20 @@ def test_pick_shared_gives_a_looser_profile_the_tight_profiles_better_finalist()
     assert picks["mid"].pick == fin["mid"][0] and picks["loose"].pick.found_for == "tight"
     alone = pick_shared(SPACE, {"loose": fin["loose"]}, {"loose": analytic_cost}, {"loose": limits["loose"]})
     assert alone["loose"].pick == fin["loose"][1] and alone["loose"].considered == []
+
+
+def test_a_cost_models_batch_is_a_cost_fn_and_a_wrong_score_shape_is_named():
+    """evolve's docstring points at CostModel.batch for cost_fn: it takes the Population evolve passes
+    (it needed pop.archs()); a score_fn returning the wrong shape is one ValueError, not an IndexError."""
+    from rafl.search.cost import CostModel
+
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    cm = CostModel(space, "pi4")
+    pop = Population.sample(space, 5, np.random.default_rng(0))
+    assert np.allclose(cm.batch(pop)["macs_m"], cm.batch(pop.archs())["macs_m"])
+    cfg = SearchConfig(population=4, generations=1, seed=0)
+    out = evolve(space, lambda p: np.arange(len(p), dtype=float), cm.batch, {"macs_m": 1e9}, cfg)
+    assert len(out.scores) and np.isfinite(out.scores).all()
+    with pytest.raises(ValueError, match=r"score_fn returned shape \(3,\) for a population of 4; it must return "
+                                         r"one score per arch"):
+        evolve(space, lambda p: np.zeros(3), cm.batch, {"macs_m": 1e9}, cfg)

@@ -378,7 +378,8 @@ class CostModel:
         """Costs of a population, vectorized with numpy.
 
         Args:
-            archs: N archs of this space.
+            archs: N archs of this space, or a :class:`rafl.search.genome.Population` (so
+                ``cost_fn=cost_model.batch`` works in :func:`rafl.search.evolution.evolve`).
 
         Returns:
             dict of float64 arrays of shape ``(N,)`` with keys ``macs_m``, ``params_m``,
@@ -387,6 +388,8 @@ class CostModel:
         Raises:
             UserInputError: an arch outside the space.
         """
+        if hasattr(archs, "archs") and callable(archs.archs):  # a search Population, as evolve's cost_fn gets
+            archs = archs.archs()
         if len(archs) == 0:
             return {m: np.zeros(0) for m in METRICS}
         k_idx, e_idx, r_idx, active = self._indices(archs)

@@ -343,7 +343,7 @@ def _evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict
 
     t0 = time.perf_counter()
     pop, costs = _initial_population(space, n_pop, counter, limits, rng, config, profile_name)
-    scores = np.asarray(score_fn(pop), dtype=np.float64)
+    scores = _scores(score_fn, pop)
     n_scored = len(pop)
     arch_pops, arch_scores, arch_costs = [pop], [scores], [costs]
     history: list[dict[str, Any]] = []
@@ -380,7 +380,7 @@ def _evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict
 
         kids, kid_costs = _feasible_children(children, parents_of, n_pop, counter, limits,
                                              config.max_resample_rounds)
-        kid_scores = np.asarray(score_fn(kids), dtype=np.float64)
+        kid_scores = _scores(score_fn, kids)
         n_scored += len(kids)
         arch_pops.append(kids)
         arch_scores.append(kid_scores)
@@ -592,6 +592,18 @@ def cost_fn_for(cost_model) -> CostFn:
     return fn
 
 
+def _scores(score_fn: ScoreFn, pop: Population) -> np.ndarray:
+    """``score_fn(pop)`` as float64 ``(P,)``.
+
+    Raises:
+        ValueError: another shape (a per-arch scalar is required; it crashed with an IndexError)."""
+    scores = np.asarray(score_fn(pop), dtype=np.float64)
+    if scores.shape != (len(pop),):
+        raise ValueError(f"score_fn returned shape {scores.shape} for a population of {len(pop)}; it must return "
+                         f"one score per arch, shape ({len(pop)},)")
+    return scores
+
+
 def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: SearchConfig | None = None,
                    *, cost_models: dict[str, Any] | None = None) -> dict[str, SearchResult]:
     """Find, for every device profile, the subnet of ``supernet`` with the best estimated accuracy
@@ -623,7 +635,13 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
     """
     from rafl.search.predictor import torch_threads
 
+    import torch
+
     config = config or SearchConfig()
+    # numpy arrays are as good as tensors here ("float32 arrays"): they crashed in .numel()
+    val_data = tuple(torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for v in val_data)
+    if not isinstance(calib_data, torch.Tensor):
+        calib_data = torch.as_tensor(np.asarray(calib_data, dtype=np.float32))
     with torch_threads(config.threads):
         return _search_subnets(supernet, profiles, val_data, calib_data, config, cost_models)
 
