@@ -51,6 +51,10 @@ def test_file_partition_reuse_and_rerun(tmp_path):
     a = json.loads((first / "partition.json").read_text())
     b = json.loads((second / "partition.json").read_text())
     assert a["clients"] == b["clients"] and a["public"] == b["public"]
+    # an option that would shape a split, with a saved one: a slip (--clients 3 was silently ignored)
+    res = run("--partition", f"file:{first / 'partition.json'}", "--clients", "3", "--out", str(tmp_path / "c"))
+    assert res.exit_code == 2 and "--clients: is only used to make a partition; --partition file:" in res.output
+    assert not (tmp_path / "c").exists()
     assert run("--partition", "iid", "--clients", "4", "--out", str(first)).exit_code == 0  # replaces its own output
     assert len(json.loads((first / "partition.json").read_text())["clients"]) == 4
 

@@ -227,6 +227,12 @@ def test_cli_unreachable_profile_stops_at_once_naming_budgets(supernet_dir, tmp_
     smallest = CostModel(SPACE, load_profile("mcu")).cost(SPACE.smallest())
     assert f"{smallest.params_m:.4g}" in msg
     assert not out.exists()
+    # the user's own file (a copy of mcu.yaml keeps the name mcu): named, not the shipped profile
+    mine = tmp_path / "my-mcu.yaml"
+    mine.write_text(Path(load_profile("mcu").source).read_text())
+    res = _run(["--device-profile", str(mine), "--supernet", str(supernet_dir), "--out", str(out), "--quiet"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines()[-1].startswith(f"error: {mine}: mcu.budgets: no subnet")
 
 
 def test_cli_bad_inputs_exit_2_and_write_nothing(supernet_dir, tmp_path):

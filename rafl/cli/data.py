@@ -78,6 +78,16 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
         raise UserInputError(f"is {scheme!r}, allowed: {allowed([*SCHEMES, 'file:PATH'])}", field="--partition")
     if scheme.startswith("file:") and not Path(scheme[5:]).is_file():
         raise UserInputError("partition file not found", source=scheme[5:], field="--partition")
+    if scheme.startswith("file:"):  # a saved split is used as saved: an option that would shape one is a slip
+        ctx = click.get_current_context()
+        shaping = {"clients": "--clients", "k": "--k", "alpha": "--alpha", "min_samples": "--min-samples",
+                   "public_fraction": "--public-fraction", "public_seed": "--public-seed", "split_text": "--split",
+                   "seed": "--seed"}
+        given = [flag for param, flag in shaping.items()
+                 if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise UserInputError(f"is only used to make a partition; --partition {scheme} is used as saved (its "
+                                 "clients, pool and splits)", field=given[0])
     if clients is None and scheme != "natural":
         clients = 20
     if clients is not None and clients <= 0:

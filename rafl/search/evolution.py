@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -668,7 +669,15 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     cost_fns = {p.name: cost_fn_for(models[p.name]) for p in profs}
     # Fail fast: every profile must be satisfiable before any expensive measurement.
     for p in profs:
-        check_satisfiable(space, cost_fns[p.name], profile_limits(p), p.name, seed=config.seed)
+        try:
+            check_satisfiable(space, cost_fns[p.name], profile_limits(p), p.name, seed=config.seed)
+        except UserInputError as err:  # the user's profile file: name it (a copy of pi4.yaml keeps the name pi4)
+            from rafl.search.profile import profiles_dir
+
+            own = p.source is not None and Path(p.source).resolve().parent != profiles_dir().resolve()
+            if err.source is None and own:
+                raise UserInputError(err.message, source=p.source, field=f"{p.name}.budgets") from None
+            raise
 
     fit = None
     if config.estimator == "predictor":
