@@ -47,7 +47,7 @@ def searched(supernet_dir, tmp_path_factory):
     return out, results
 
 
-def test_every_profile_gets_a_complete_folder(searched):
+def test_every_profile_gets_a_complete_folder(searched, supernet_dir):
     out, results = searched
     assert list(results) == PROFILES
     # one predictor (one pass of measurements over the supernet) shared by both profiles
@@ -61,6 +61,8 @@ def test_every_profile_gets_a_complete_folder(searched):
             assert (d / f).is_file() and (d / f).stat().st_size > 0, f
         res = results[name]
         assert ArchConfig.load(d / "subnet.yaml", SPACE) == res.arch
+        recorded = yaml.safe_load((d / "subnet.yaml").read_text())["supernet"]  # absolute: readable from anywhere
+        assert Path(recorded).is_absolute() and Path(recorded) == Path(supernet_dir).resolve(), recorded
         history = [json.loads(line) for line in (d / "history.jsonl").read_text().splitlines()]
         assert [h["generation"] for h in history] == list(range(TINY["generations"]))
         assert all(a["best_accuracy"] <= b["best_accuracy"] for a, b in zip(history, history[1:]))

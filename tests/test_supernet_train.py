@@ -183,7 +183,11 @@ def test_cli_help_states_the_config_defaults():
 
 
 @pytest.mark.parametrize("options, msg", [({"epochs": 2}, r"epochs: unknown key; allowed: .*epochs_full.*epochs_per_phase"),
-                                          ({"image_size": 4}, r"image_size: .*allowed: resolution")])
+                                          ({"image_size": 4}, r"image_size: .*allowed: resolution"),
+                                          # the search space's checks, naming the file (they ran at train time, unnamed)
+                                          ({"ks_choices": [4]}, r"^cfg.yaml: ks_choices: kernel sizes must be odd"),
+                                          ({"resolutions": [2000]}, r"^cfg.yaml: resolutions \[2000\]: allowed: "
+                                                                    r"integers in 4..1024")])
 def test_train_config_errors_name_the_field_and_allowed_values(options, msg):
     from rafl.supernet.train import TrainConfig
 

@@ -59,13 +59,13 @@ class Budgets(NoBoolNumbers):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    macs_m: float | None = Field(None, gt=0, description="a number > 0 (millions of MACs)")
-    params_m: float | None = Field(None, gt=0, description="a number > 0 (millions of parameters)")
-    peak_memory_mb: float | None = Field(None, gt=0, description="a number > 0 (MiB)")
-    train_memory_mb: float | None = Field(None, gt=0, description="a number > 0 (MiB)")
-    latency_ms: float | None = Field(None, gt=0, description="a number > 0 (milliseconds per image)")
-    energy_mj: float | None = Field(None, gt=0, description="a number > 0 (millijoules per image)")
-    energy_per_epoch_j: float | None = Field(None, gt=0, description="a number > 0 (joules per epoch)")
+    macs_m: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (millions of MACs)")
+    params_m: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (millions of parameters)")
+    peak_memory_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (MiB)")
+    train_memory_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (MiB)")
+    latency_ms: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (milliseconds per image)")
+    energy_mj: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (millijoules per image)")
+    energy_per_epoch_j: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (joules per epoch)")
 
     def items(self) -> list[tuple[str, float]]:
         """The budgets that are set, as ``(name, limit)`` pairs, in field order."""
@@ -94,10 +94,10 @@ class DeviceProfile(NoBoolNumbers):
     throughput_gmacs: float = Field(..., gt=0, description="a number > 0 (sustained fp32 GMAC/s on conv layers)")
     mem_bandwidth_gbs: float = Field(..., gt=0, description="a number > 0 (sustained DRAM bandwidth, GB/s)")
     layer_overhead_us: float = Field(0.0, ge=0, description="a number >= 0 (fixed cost per layer, microseconds)")
-    train_ram_mb: float | None = Field(None, gt=0, description="a number > 0 (RAM available for training, MiB)")
-    energy_pj_per_mac: float | None = Field(None, gt=0, description="a number > 0 (pJ per MAC)")
-    energy_pj_per_dram_byte: float | None = Field(None, gt=0, description="a number > 0 (pJ per DRAM byte)")
-    avg_power_w: float | None = Field(None, gt=0, description="a number > 0 (average power while computing, W)")
+    train_ram_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (RAM available for training, MiB)")
+    energy_pj_per_mac: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (pJ per MAC)")
+    energy_pj_per_dram_byte: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (pJ per DRAM byte)")
+    avg_power_w: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (average power while computing, W)")
     latency_lut: str | None = Field(None, min_length=1,
                                     description="a path to a YAML written by `rafl profile --build-lut`")
     batch_size: int = Field(32, gt=0, strict=True, description="an integer > 0 (local training batch size)")

@@ -233,7 +233,8 @@ def load_search_supernet(supernet_dir: str | Path | None, progress: bool = True)
         supernet, path = quickstart_supernet(progress=progress)
         return supernet, load_meta(path) | {"path": str(path)}
     supernet = load_supernet(supernet_dir)
-    return supernet, load_meta(supernet_dir) | {"path": str(supernet_dir)}
+    # recorded absolute (subnet.yaml's `supernet`), so the record names it from any folder
+    return supernet, load_meta(supernet_dir) | {"path": str(Path(supernet_dir).expanduser().resolve())}
 
 
 def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchConfig | None = None, *,

@@ -121,6 +121,11 @@ class TrainConfig(BaseModel):
             raise ValueError("all phases have 0 epochs")
         if any(not 4 <= r <= MAX_RESOLUTION for r in self.resolutions):  # as the data loaders' bound
             raise ValueError(f"resolutions {list(self.resolutions)}: allowed: integers in 4..{MAX_RESOLUTION} (px)")
+        try:  # the search space's own checks (odd kernel sizes, ...) now, so the error names the config file
+            self.space(n_classes=10)
+        except UserInputError as err:
+            key = (err.field or "").removeprefix("search_space.")
+            raise ValueError(f"{key}: {err.message}" if key else err.message) from None
         return self
 
     def phase_epochs(self) -> list[int]:
