@@ -69,6 +69,10 @@ BASE = {"name": "dev", "throughput_gmacs": 5.0, "mem_bandwidth_gbs": 4.0, "avg_p
         (lambda d: d.pop("mem_bandwidth_gbs"), "mem_bandwidth_gbs", "GB/s"),          # missing field
         (lambda d: d.update(batch_size=2.5), "batch_size", "integer"),                # not an integer
         (lambda d: d.update(batch_size=True), "batch_size", "integer"),               # a bool is no integer
+        # infinite numbers passed as "no limit" / a free device (a search found latency 1.2 ms from overheads)
+        (lambda d: d["budgets"].update(macs_m=float("inf")), "budgets.macs_m", "a finite number > 0"),
+        (lambda d: d.update(throughput_gmacs=float("inf")), "throughput_gmacs", "a finite number > 0"),
+        (lambda d: d.update(layer_overhead_us=float("nan")), "layer_overhead_us", "a finite number >= 0"),
     ],
 )
 def test_bad_profile_is_one_error_naming_file_field_and_allowed(tmp_path, mutate, field, allowed):

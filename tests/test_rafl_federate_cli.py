@@ -434,6 +434,11 @@ def test_a_partition_file_whose_clients_hold_the_supernets_pool_is_refused(tmp_p
     line = _one_error_line(_invoke(["--out", str(out), *sets, "--set", f"partition.scheme=file:{tmp_path / 'leak.json'}"]))
     assert line.startswith(f"error: {tmp_path / 'leak.json'}: partition.scheme: its clients hold 5 samples (e.g. index ")
     assert "of the public pool the supernet trained on, carve_public_pool(labels, 0.3, seed=0)" in line
+    bad = json.loads((tmp_path / "ok.json").read_text())  # a malformed file: its own field is named too
+    bad["clients"]["1"]["train"] = []
+    (tmp_path / "empty.json").write_text(json.dumps(bad))
+    line = _one_error_line(_invoke(["--out", str(out), *sets, "--set", f"partition.scheme=file:{tmp_path / 'empty.json'}"]))
+    assert "partition.scheme: clients.1.train: is empty; allowed: at least one training sample" in line
     assert not out.exists()
     res = _invoke(["--quiet", "--out", str(out), *sets, "--set", f"partition.scheme=file:{tmp_path / 'ok.json'}"])
     assert res.exit_code == 0, res.output

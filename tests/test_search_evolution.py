@@ -258,3 +258,5 @@ def test_a_cost_models_batch_is_a_cost_fn_and_a_wrong_score_shape_is_named():
     with pytest.raises(ValueError, match=r"score_fn returned shape \(3,\) for a population of 4; it must return "
                                          r"one score per arch"):
         evolve(space, lambda p: np.zeros(3), cm.batch, {"macs_m": 1e9}, cfg)
+    with pytest.raises(ValueError, match=r"cost_fn returned 'macs_m' of shape \(2,\) for a population of "):
+        evolve(space, lambda p: np.zeros(len(p)), lambda p: {"macs_m": np.zeros(2)}, {"macs_m": 1e9}, cfg)

@@ -186,6 +186,7 @@ def test_cli_help_states_the_config_defaults():
                                           ({"image_size": 4}, r"image_size: .*allowed: resolution"),
                                           # the search space's checks, naming the file (they ran at train time, unnamed)
                                           ({"ks_choices": [4]}, r"^cfg.yaml: ks_choices: kernel sizes must be odd"),
+                                          ({"e_choices": [-1]}, r"^cfg.yaml: e_choices: expand ratios must be >= 1"),
                                           ({"resolutions": [2000]}, r"^cfg.yaml: resolutions \[2000\]: allowed: "
                                                                     r"integers in 4..1024")])
 def test_train_config_errors_name_the_field_and_allowed_values(options, msg):

@@ -604,10 +604,14 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
             ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
             ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
         ax.set_xlabel(xlabel)
-        if xkey == "round":  # rounds are whole numbers: no 1.5 ticks on short runs
+        if xkey == "round":  # rounds are whole numbers: no 1.5 (or 0.96 for one round) ticks on short runs
             from matplotlib.ticker import MaxNLocator
 
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            rounds = sorted({int(r["round"]) for r in evals})
+            if len(rounds) <= 12:
+                ax.set_xticks(rounds)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -506,7 +506,8 @@ def load_data_and_partition(cfg: RunConfig, progress: bool = True):
 
         mapped = partition_error(err)
         if mapped.source is not None:  # a partition file that is missing or malformed: not an impossible split
-            raise UserInputError(mapped.message, source=mapped.source, field="partition.scheme") from None
+            inner = f"{mapped.field}: " if mapped.field and mapped.field != "partition.scheme" else ""
+            raise UserInputError(inner + mapped.message, source=mapped.source, field="partition.scheme") from None
         if mapped.field and mapped.message.startswith("is required"):  # a missing setting (partition.k), not a split
             raise UserInputError(mapped.message, field=mapped.field) from None
         raise UserInputError(f"impossible partition of {ds.name} ({len(labels)} samples) over clients.n="

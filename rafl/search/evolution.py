@@ -310,8 +310,16 @@ def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[
             the smallest value the space reaches for it), or a budget key the cost function
             does not provide.
     """
+    def checked_cost_fn(pop: Population) -> dict[str, np.ndarray]:  # a wrong shape was an IndexError deep inside
+        costs = cost_fn(pop)
+        for key, value in costs.items():
+            if np.shape(value) != (len(pop),):
+                raise ValueError(f"cost_fn returned {key!r} of shape {np.shape(value)} for a population of {len(pop)}; "
+                                 f"it must return one value per arch, shape ({len(pop)},)")
+        return costs
+
     with _single_threaded_blas():
-        return _evolve(space, score_fn, cost_fn, limits, config, profile_name,
+        return _evolve(space, score_fn, checked_cost_fn, limits, config, profile_name,
                        config.seed if seed is None else seed)
 
 

@@ -91,9 +91,9 @@ class DeviceProfile(NoBoolNumbers):
 
     name: str = Field(..., min_length=1, description="a non-empty string")
     description: str = Field("", description="free text")
-    throughput_gmacs: float = Field(..., gt=0, description="a number > 0 (sustained fp32 GMAC/s on conv layers)")
-    mem_bandwidth_gbs: float = Field(..., gt=0, description="a number > 0 (sustained DRAM bandwidth, GB/s)")
-    layer_overhead_us: float = Field(0.0, ge=0, description="a number >= 0 (fixed cost per layer, microseconds)")
+    throughput_gmacs: float = Field(..., gt=0, allow_inf_nan=False, description="a finite number > 0 (sustained fp32 GMAC/s on conv layers)")
+    mem_bandwidth_gbs: float = Field(..., gt=0, allow_inf_nan=False, description="a finite number > 0 (sustained DRAM bandwidth, GB/s)")
+    layer_overhead_us: float = Field(0.0, ge=0, allow_inf_nan=False, description="a finite number >= 0 (fixed cost per layer, microseconds)")
     train_ram_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (RAM available for training, MiB)")
     energy_pj_per_mac: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (pJ per MAC)")
     energy_pj_per_dram_byte: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (pJ per DRAM byte)")

@@ -84,6 +84,8 @@ class SearchSpace:
             raise UserInputError(f"must be >= 2, got {self.n_classes}", field="search_space.n_classes")
         if min(self.d_choices) < 1:
             raise UserInputError("depths must be >= 1", field="search_space.d_choices")
+        if min(self.e_choices) < 1:  # e = 0 or -1 trained blocks like k3e-1 without an error
+            raise UserInputError(f"expand ratios must be >= 1, got {self.e_choices}", field="search_space.e_choices")
 
     # ----------------------------------------------------------------- structure
     @property
