@@ -67,6 +67,25 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+def claim_file(path: str | Path, field: str = "--out") -> None:
+    """Create ``path`` empty, atomically and only if it does not exist (``O_EXCL``): a run's claim on
+    its folder before it writes there (the file is then replaced with its content by an atomic
+    write). Two runs started together into one folder used to both write into it.
+
+    Raises:
+        UserInputError: ``path`` exists (another run is writing into that folder), naming ``field``.
+    """
+    from rafl.errors import UserInputError
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    except FileExistsError:
+        raise UserInputError(f"another run is writing into this folder ({path.name} appeared a moment ago); "
+                             "allowed: a new or empty folder", source=path.parent, field=field) from None
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Text (UTF-8) version of :func:`atomic_write_bytes`."""
     atomic_write_bytes(path, text.encode("utf-8"))

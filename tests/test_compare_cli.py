@@ -554,3 +554,30 @@ def test_compare_takes_the_model_group_from_the_config_unless_models_is_given(tm
                                    "--set", "clients.models=htfe9", "--out", str(tmp_path / "c")])
     assert bad.exit_code == 2 and "clients.models: unknown model 'htfe9'" in bad.output, bad.output
     assert not (tmp_path / "c").exists()
+
+
+def test_a_second_run_into_the_same_out_stops_at_the_claim(tmp_path, monkeypatch):
+    """Two comparisons (or supernet trainings) started together into one --out both passed the
+    emptiness check and wrote into the same folder (config.yaml of one, runs of both). The first to
+    write its record claims the folder (O_EXCL); the other stops with one line and writes nothing."""
+    from rafl.errors import UserInputError
+    from rafl.io import claim_file
+
+    claim_file(tmp_path / "a" / "config.yaml")
+    with pytest.raises(UserInputError, match=r"a: --out: another run is writing into this folder \(config.yaml "
+                                             r"appeared a moment ago\)"):
+        claim_file(tmp_path / "a" / "config.yaml")
+    # the race itself: the other run claims the folder after this one found it empty
+    import rafl.federation.compare as cmp
+
+    out = tmp_path / "cmp"
+    real = cmp.participation
+
+    def other_run_claims(*args, **kwargs):
+        claim_file(out / "config.yaml")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cmp, "participation", other_run_claims)
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--out", str(out)])
+    assert res.exit_code == 2 and "another run is writing into this folder" in res.output, res.output
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"] and (out / "config.yaml").read_text() == ""

@@ -36,7 +36,7 @@ from rafl.federation.algorithms import get_algorithm
 from rafl.federation.engine import CHECKPOINT, Engine, Federation, participation
 from rafl.federation.pipeline import (build_group_federation, check_public_pool, check_same_clients, engine_config,
                                       load_data_and_partition)
-from rafl.io import atomic_write_json, atomic_write_text
+from rafl.io import atomic_write_json, atomic_write_text, claim_file
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
 
@@ -295,6 +295,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
     shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
     if not resume:
+        claim_file(out / "config.yaml")  # a compare started together into the same --out: one error, not a mix
         atomic_write_yaml(out / "config.yaml", {**shared, "algorithms": hparams})
     rows = []
     for name, (fed, table) in feds.items():

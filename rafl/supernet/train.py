@@ -40,7 +40,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError, load_error_detail
-from rafl.io import atomic_write_bytes, atomic_write_json
+from rafl.io import atomic_write_bytes, atomic_write_json, claim_file
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
@@ -349,6 +349,7 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     from rafl.data import load_dataset
 
     out = Path(out)
+    requested = resume
     resume = _check_out(out, resume)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UserInputError("is 'cuda' but no CUDA device is available; allowed here: cpu", field="device")
@@ -408,6 +409,8 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
             sched.load_state_dict(ckpt["scheduler"])
         _set_rng_state(ckpt["rng"], arch_rng, aug_gen)
     else:
+        if not requested:  # a fresh run claims the folder: a second run started into it stops here
+            claim_file(out / CONFIG_NAME)
         atomic_write_json(out / CONFIG_NAME, json.loads(config.model_dump_json()))
 
     epochs = config.phase_epochs()
