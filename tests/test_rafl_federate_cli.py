@@ -236,7 +236,7 @@ def test_a_malformed_profile_file_names_the_file_and_its_field(tmp_path, tiny_su
     line = _one_error_line(_invoke(["--out", str(tmp_path / "runs"), "--set", f"supernet.path={path}", "--set",
                                     "data.limit_per_class=10", "--set", "clients.n=3", "--set",
                                     f"clients.profiles=[{pfile}]"]))
-    assert line.startswith(f"error: {pfile}: throughput_gmacs: missing required field; allowed: a number > 0")
+    assert line.startswith(f"error: {pfile}: throughput_gmacs: missing required field; allowed: a finite number > 0")
 
 
 def test_the_quickstart_supernet_refuses_a_sample_of_digits(tmp_path):
