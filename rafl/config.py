@@ -465,10 +465,11 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
     for dotted in PATH_FIELDS:
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if dotted == "clients.profiles":  # a profile file (as rafl.search.profile.load_profile tells them)
+        if dotted == "clients.profiles":  # profile files among shipped names (as load_profile tells them)
+            from rafl.search.profile import names_a_file
+
             base = Path.cwd() if dotted in given else file_base
-            new_list = [str((base / Path(v).expanduser()).resolve())
-                        if (Path(v).suffix in (".yaml", ".yml") or "/" in v) else v for v in value]
+            new_list = [str((base / Path(v).expanduser()).resolve()) if names_a_file(v) else v for v in value]
             if new_list != list(value):
                 update[section] = update.get(section, getattr(cfg, section)).model_copy(update={key: new_list})
             continue

@@ -526,7 +526,9 @@ def load_data_and_partition(cfg: RunConfig, progress: bool = True):
 def check_public_pool(algorithm, hparams: dict[str, Any], partition) -> None:
     """Raise UserInputError when ``algorithm`` (or its ``distill`` option) needs the server's
     public pool and ``partition`` carved none."""
-    if (algorithm.uses_public_pool or hparams.get("distill")) and len(partition.public) == 0:
+    from rafl.federation.algorithms._common import needs_public_pool
+
+    if needs_public_pool(algorithm, hparams) and len(partition.public) == 0:
         raise UserInputError(f"{algorithm.name} needs the server's public pool; set partition.public_fraction > 0",
                              field="partition.public_fraction")
 

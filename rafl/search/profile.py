@@ -233,6 +233,14 @@ def list_profiles() -> list[str]:
     return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
 
 
+def names_a_file(name_or_path: str | Path) -> bool:
+    """Whether a ``clients.profiles`` / ``--device-profile`` entry is a YAML file rather than a
+    shipped profile's name: a ``.yaml``/``.yml`` suffix, a ``/``, or an existing file."""
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    return path.suffix in (".yaml", ".yml") or "/" in text or path.is_file()
+
+
 def load_profile(name_or_path: str | Path) -> DeviceProfile:
     """Load a device profile by shipped name (``"pi4"``) or by path to a YAML file.
 
@@ -244,8 +252,7 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
         return name_or_path
     text = str(name_or_path)
     path = Path(text).expanduser()
-    looks_like_path = path.suffix in (".yaml", ".yml") or "/" in text or path.is_file()
-    if not looks_like_path:
+    if not names_a_file(text):
         shipped = profiles_dir() / f"{text}.yaml"
         if not shipped.is_file():
             raise UserInputError(f"unknown device profile {text!r}; shipped profiles: "
