@@ -264,6 +264,27 @@ def test_a_given_arch_over_a_device_budget_runs_with_a_warning(tmp_path, tiny_su
     assert all(c["subnet_source"].startswith("given (over budget: macs_m: ") for c in clients), clients
 
 
+def test_an_unreachable_budget_set_in_the_run_config_is_blamed_on_its_key(tmp_path, tiny_supernet):
+    """A budget that ``clients.budgets`` (or ``--set``) overrode and no subnet reaches names that
+    key, not the profile's own budgets (``pi4.budgets``, which the user never wrote); a budget
+    of the profile file itself keeps naming the profile. Exit 2, no run dir."""
+    from rafl.search.profile import load_profile
+
+    path, _ = tiny_supernet
+    out = tmp_path / "runs"
+    res = _invoke(["--out", str(out), "--set", "name=r", "--set", f"supernet.path={path}",
+                   "--set", "data.limit_per_class=10", "--set", "clients.n=2", "--set", "clients.profiles=[pi4]",
+                   "--set", "clients.budgets.pi4.macs_m=0.0001", "--set", "engine.rounds=1"])
+    assert res.exit_code == 2, res.output
+    assert "error: clients.budgets.pi4.macs_m: no subnet of the search space meets the budgets: macs_m <= " \
+        in res.output, res.output
+    assert not (out / "r").exists()
+    pi4 = load_profile("pi4")
+    tight = pi4.with_budgets({"macs_m": 0.0001}, source="clients.budgets.pi4")
+    assert tight.budget_field("macs_m") == "clients.budgets.pi4.macs_m" and tight.budget_field("latency_ms") is None
+    assert pi4.budget_field("macs_m") is None
+
+
 def test_fedtgp_prints_head_and_nearest_prototype_accuracy(tmp_path, tiny_supernet):
     """Issue 7: FedTGP reports both head and nearest-prototype accuracy; `rafl federate` prints
     both per client, their means, and each one's mean / sample-weighted / std line (it printed

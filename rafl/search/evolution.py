@@ -170,13 +170,18 @@ def infeasibility_error(space: SearchSpace, cost_fn: CostFn, limits: dict[str, f
         if lowest > limit:
             parts.append(f"{key} <= {_fmt(limit)} is unreachable (the smallest value this search space "
                          f"reaches is {_fmt(lowest)})")
+    unreachable = [key for key, limit in limits.items() if float(np.min(allc[key])) > limit]
     if not parts:  # every budget reachable alone, never together
         parts = [f"{key} <= {_fmt(limit)} (smallest reachable alone: {_fmt(float(np.min(allc[key])))})"
                  for key, limit in limits.items()]
-        return UserInputError("no subnet of the search space meets all budgets together: " + "; ".join(parts)
-                              + "; relax at least one of them", field=f"{profile_name}.budgets")
-    return UserInputError("no subnet of the search space meets the budgets: " + "; ".join(parts)
-                          + "; relax these budgets (or use a smaller search space)", field=f"{profile_name}.budgets")
+        err = UserInputError("no subnet of the search space meets all budgets together: " + "; ".join(parts)
+                             + "; relax at least one of them", field=f"{profile_name}.budgets")
+        err.budget_keys = list(limits)
+        return err
+    err = UserInputError("no subnet of the search space meets the budgets: " + "; ".join(parts)
+                         + "; relax these budgets (or use a smaller search space)", field=f"{profile_name}.budgets")
+    err.budget_keys = unreachable  # the budgets to relax (the caller may name where they were set)
+    return err
 
 
 def check_satisfiable(space: SearchSpace, cost_fn: CostFn, limits: dict[str, float], profile_name: str,
@@ -682,6 +687,11 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
         except UserInputError as err:  # the user's profile file: name it (a copy of pi4.yaml keeps the name pi4)
             from rafl.search.profile import profiles_dir
 
+            keys = getattr(err, "budget_keys", None) or []
+            fields = [p.budget_field(k) for k in keys]
+            if keys and all(fields):  # every budget to relax was set by a run config (clients.budgets), not the file
+                raise UserInputError(err.message, field=fields[0] if len(fields) == 1 else
+                                     ", ".join(fields)) from None
             own = p.source is not None and Path(p.source).resolve().parent != profiles_dir().resolve()
             if err.source is None and own:
                 raise UserInputError(err.message, source=p.source, field=f"{p.name}.budgets") from None

@@ -107,6 +107,8 @@ class DeviceProfile(NoBoolNumbers):
 
     # where the profile was read from (for relative latency_lut paths and messages); not a field
     _source: Path | None = None
+    # budget name -> the setting that overrode it (with_budgets), e.g. "clients.budgets.pi4.macs_m"
+    _budget_fields: dict[str, str] | None = None
 
     @model_validator(mode="after")
     def _check_energy_model(self) -> DeviceProfile:
@@ -155,7 +157,14 @@ class DeviceProfile(NoBoolNumbers):
         data["budgets"] = {**data["budgets"], **overrides}
         profile = DeviceProfile.from_dict(data, source=source or self._source)
         profile._source = self._source
+        profile._budget_fields = {**(self._budget_fields or {}),
+                                  **({k: f"{source}.{k}" for k in overrides} if source else {})}
         return profile
+
+    def budget_field(self, key: str) -> str | None:
+        """The setting that overrode budget ``key`` through :meth:`with_budgets` (e.g.
+        ``clients.budgets.pi4.macs_m``), or None when the budget is the profile's own."""
+        return (self._budget_fields or {}).get(key)
 
     def latency_lut_path(self) -> Path | None:
         """``latency_lut`` resolved relative to the profile file (or the working directory)."""
