@@ -259,6 +259,14 @@ def test_cli_refuses_a_foreign_folder_and_resumes_a_run_stopped_before_its_first
     res = CliRunner().invoke(cli, ["supernet", "train", "--out", str(other), "--no-progress"])
     assert res.exit_code == 2 and "--out: is not empty; allowed: a new or empty folder" in res.output, res.output
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    # another tool's config.json is no supernet run: --out is refused as foreign (it was called "a
+    # supernet run"), and --resume refuses it instead of starting a run there with the defaults
+    (other / "config.json").write_text("{}")
+    res = CliRunner().invoke(cli, ["supernet", "train", "--out", str(other), "--no-progress"])
+    assert res.exit_code == 2 and "--out: is not empty; allowed: a new or empty folder" in res.output, res.output
+    res = CliRunner().invoke(cli, ["supernet", "train", "--resume", str(other), "--no-progress"])
+    assert res.exit_code == 2 and "not written by `rafl supernet train`" in res.output, res.output
+    assert sorted(p.name for p in other.iterdir()) == ["config.json", "notes.txt"]
     out = tmp_path / "run"
     args = ["--dataset", "digits", "--epochs-per-phase", "1", "--width-mult", "0.25", "--resolutions", "12",
             "--limit-per-class", "10", "--batch-size", "16", "--no-progress"]

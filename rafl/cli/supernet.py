@@ -61,7 +61,7 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
     """
     import yaml
 
-    from rafl.supernet.train import CONFIG_NAME, TrainConfig, train_supernet
+    from rafl.supernet.train import CONFIG_NAME, TrainConfig, holds_supernet_run, train_supernet
 
     # paths are recorded absolute (config.json), so --resume works from any folder: --data-root
     # against the current folder, a config file's data_root against the file's folder
@@ -98,6 +98,9 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
         if not saved.is_file():
             raise UserInputError(f"has no {CONFIG_NAME}: not a `rafl supernet train` run folder",
                                  source=resume, field="--resume")
+        if not holds_supernet_run(resume):  # another tool's config.json: --resume would start a run there
+            raise UserInputError(f"its {CONFIG_NAME} was not written by `rafl supernet train` (no ks_choices, "
+                                 "epochs_full, ...): not a supernet run folder", source=saved, field="--resume")
         try:
             base = json.loads(saved.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -114,7 +117,7 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
         raise UserInputError("is required (the run folder to write)", field="--out")
     if out.exists() and not out.is_dir():
         raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if resume is None and out.is_dir() and any(out.iterdir()) and not (out / CONFIG_NAME).exists():
+    if resume is None and out.is_dir() and any(out.iterdir()) and not holds_supernet_run(out):
         raise UserInputError("is not empty; allowed: a new or empty folder (or --resume a supernet run)",
                              source=out, field="--out")
     config = TrainConfig.from_options(source=source, **{**base, **given})

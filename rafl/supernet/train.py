@@ -301,6 +301,29 @@ def evaluate_subnet(net: Supernet, arch: ArchConfig, images: Tensor, labels: Ten
     return correct / max(1, len(labels))
 
 
+def holds_supernet_run(out: str | Path) -> bool:
+    """Whether folder ``out`` holds (part of) a ``rafl supernet train`` run: its checkpoint
+    (``supernet.json``), its resume state, or a ``config.json`` this command wrote (a
+    :class:`TrainConfig`: ``ks_choices``, ``epochs_full``, ...), or an empty one (another run's
+    claim). Another tool's ``config.json`` is not a supernet run."""
+    out = Path(out)
+    if any((out / n).exists() for n in (RESUME_NAME, META_NAME)):
+        return True
+    try:
+        text = (out / CONFIG_NAME).read_text()
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        return True  # unreadable: do not call it foreign (and never write over it)
+    if not text.strip():
+        return True
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and {"ks_choices", "e_choices", "d_choices", "epochs_full"} <= set(data)
+
+
 def _check_out(out: Path, resume: bool) -> bool:
     """Whether to continue from ``out/resume.pt``. Resuming a run that was stopped before its first
     epoch ended (``config.json`` but no checkpoint: killed early, or out of memory) starts it over
@@ -311,8 +334,11 @@ def _check_out(out: Path, resume: bool) -> bool:
         if (out / CONFIG_NAME).is_file() and not (out / META_NAME).exists():
             return False
         raise UserInputError(f"has no {RESUME_NAME} to resume from", source=out, field="resume")
-    if out.exists() and any((out / n).exists() for n in (RESUME_NAME, META_NAME, CONFIG_NAME)):
+    if out.exists() and holds_supernet_run(out):
         raise UserInputError("already holds a supernet run; use --resume to continue it or another --out",
+                             source=out, field="out")
+    if out.exists() and (out / CONFIG_NAME).exists():
+        raise UserInputError(f"holds another tool's {CONFIG_NAME}, not a supernet run; allowed: a new or empty folder",
                              source=out, field="out")
     return False
 
