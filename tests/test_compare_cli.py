@@ -387,6 +387,43 @@ def test_a_diverged_method_says_how_to_rerun_it_alone(tmp_path):
                          f"{out}/fd/ and run rafl compare --resume {out}"), line
     assert (out / "standalone" / "summary.json").is_file()
 
+
+def test_after_rerunning_a_diverged_method_the_kept_rows_settings_follow_the_final_config(tmp_path):
+    """Following the divergence hint (edit algorithms.fd.lr in config.yaml, delete fd/, --resume):
+    the "non-default settings" column of the row kept from the first run (standalone) is computed
+    from the final hyperparameters of all methods, as a fresh comparison with that config writes it.
+    (The first run showed standalone's lr=0.01: it differed from fd's 1e12; fd's is 0.01 now too.)"""
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone,fd", *TINY, "--set", "algorithm.fd.lr=1e12",
+                                   "--out", str(out)])
+    assert res.exit_code == 2 and "delete" in res.output, res.output
+    assert [r["settings"] for r in json.loads((out / "compare.json").read_text())["rows"]] == ["lr=0.01"]
+    started = (out / "standalone" / "compare_started_with.json").read_text()
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg["algorithms"]["fd"]["lr"] = 0.01
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    import shutil
+
+    shutil.rmtree(out / "fd", ignore_errors=True)  # (gone already: fd failed in round 1)
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    fresh = tmp_path / "fresh"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone,fd", *TINY, "--set", "algorithm.fd.lr=0.01",
+                                   "--out", str(fresh)])
+    assert res.exit_code == 0, res.output
+
+    def settings(d):
+        return [(r["algorithm"], r["settings"]) for r in json.loads((d / "compare.json").read_text())["rows"]]
+
+    def header(d):
+        return [ln for ln in (d / "compare.md").read_text().splitlines() if ln.startswith("| method")]
+
+    assert settings(out) == settings(fresh) == [("standalone", ""), ("fd", "")]
+    assert header(out) == header(fresh) and "non-default settings" not in header(out)[0]
+    assert "lr=0.01" not in (out / "compare.csv").read_text()
+    # the kept method's run dir still records what it was started with
+    assert (out / "standalone" / "compare_started_with.json").read_text() == started
+
 def test_clients_too_small_for_a_test_sample_are_reported(tmp_path):
     """The default split 0.8/0.1/0.1 gives a client of 2-3 samples no test sample; the accuracy mean
     is then over the others, and the user is told."""

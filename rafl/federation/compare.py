@@ -199,6 +199,16 @@ def method_settings(name: str, hp: dict[str, Any], all_hparams: dict[str, dict[s
                      if k in defaults and defaults[k] != v and not shared(k))
 
 
+def with_settings(rows: list[dict[str, Any]], hparams: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with each one's ``settings`` (the table's "non-default settings",
+    :func:`method_settings`) computed from the hyperparameters of all methods in ``hparams``, the
+    comparison's final ones: whether a shared key is shown on a row depends on the other methods'
+    values, so a row kept by ``--resume`` after another method's value was edited in config.yaml
+    gets the column a fresh comparison with that config would write. (Each method's run dir keeps
+    the settings it started with, :data:`STARTED_WITH`.)"""
+    return [r | {"settings": method_settings(r["algorithm"], hparams[r["algorithm"]], hparams)} for r in rows]
+
+
 def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_s: float) -> dict[str, Any]:
     """One row of the comparison table from an engine summary and its metrics history."""
     last = next((r for r in reversed(history) if "model.acc_mean_over_clients" in r), {})
@@ -233,6 +243,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             is kept, one with a checkpoint continues from its last complete round (the engine's
             resume: same metrics as an uninterrupted run), one without starts afresh. A resumed
             method's wall time adds the per-round times of the rounds it had completed before.
+            Every row's "non-default settings" is computed from the final hyperparameters of all
+            methods (:func:`with_settings`), also for a kept row.
 
     Returns:
         the table rows (also in ``compare.json``).
@@ -339,9 +351,9 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise _method_error(err, name, hparams[name], out) from None
             raise
         wall = time.perf_counter() - t0 + earlier_s
-        rows.append(summarize_run(name, summary, read_history(run_dir), wall)
-                    | {"settings": method_settings(name, hparams[name], hparams)})
-        write_table(out, rows, models)
+        rows.append(summarize_run(name, summary, read_history(run_dir), wall))
+        write_table(out, with_settings(rows, hparams), models)
+    rows = with_settings(rows, hparams)
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
     return rows
