@@ -424,6 +424,37 @@ def test_after_rerunning_a_diverged_method_the_kept_rows_settings_follow_the_fin
     # the kept method's run dir still records what it was started with
     assert (out / "standalone" / "compare_started_with.json").read_text() == started
 
+
+def test_the_nearest_prototype_legend_covers_no_bar(tmp_path, monkeypatch):
+    """compare.png: the nearest-prototype marker's legend lies outside every axes (it used to sit in
+    the accuracy axes' lower right, over the last bar when accuracies are high)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rafl.federation.compare import plot_compare
+
+    close, figs = plt.close, []
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figure to measure it
+    rows = [{"algorithm": name, "model.acc_mean": 0.9, "model.acc_std": 0.05, "proto.acc_mean": 0.85,
+             "mb_total": 1.0 + i, "wall_s": 1.0 + i} for i, name in enumerate(["fedproto", "fedtgp", "standalone"])]
+    plot_compare(tmp_path / "compare.png", rows)
+    assert (tmp_path / "compare.png").is_file()
+    (fig,) = figs
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
+        assert len(legends) == 1 and legends[0].get_texts()[0].get_text() == "nearest prototype"
+        box = legends[0].get_window_extent(renderer)
+        assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)  # not cut off
+        for ax in fig.axes:
+            assert ax.patches and not any(box.overlaps(bar.get_window_extent(renderer)) for bar in ax.patches)
+            assert not box.overlaps(ax.get_tightbbox(renderer))  # nor the axes, tick labels, title
+    finally:
+        close(fig)
+
 def test_clients_too_small_for_a_test_sample_are_reported(tmp_path):
     """The default split 0.8/0.1/0.1 gives a client of 2-3 samples no test sample; the accuracy mean
     is then over the others, and the user is told."""

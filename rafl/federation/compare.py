@@ -554,8 +554,8 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
 
 def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     """Bar charts of the table's columns per method (PNG, atomic): accuracy (mean +- std over
-    clients, with the nearest-prototype accuracy as a marker where a method reports it), MB
-    communicated, and wall time."""
+    clients, with the nearest-prototype accuracy as a marker where a method reports it; its legend
+    below the plot, outside the axes), MB communicated, and wall time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -565,7 +565,8 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
 
     names = [r["algorithm"] for r in rows]
     x = np.arange(len(rows))
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(max(9, 1.8 * len(rows) + 5), 3.6))
+    # constrained layout: it makes room for the legend placed outside the axes (below the plot)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(max(9, 1.8 * len(rows) + 5), 3.6), layout="constrained")
     mean = np.array([r.get("model.acc_mean", 0) for r in rows], dtype=float)
     std = np.array([r.get("model.acc_std", 0) for r in rows], dtype=float)
     # error bars clipped to the [0, 1] an accuracy lives in
@@ -573,7 +574,8 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     proto = [(xi, r["proto.acc_mean"]) for xi, r in zip(x, rows) if r.get("proto.acc_mean") is not None]
     if proto:  # FedProto / FedTGP: the papers' nearest-prototype accuracy beside the head's
         ax1.scatter(*zip(*proto), marker="D", color="black", zorder=3, s=18, label="nearest prototype")
-        ax1.legend(fontsize=7, loc="lower right")
+        # below the plot, never over a bar (inside the axes it covered whichever bar stood there)
+        fig.legend(fontsize=7, loc="outside lower left")
     ax1.set_xticks(x, names, rotation=30, ha="right")
     ax1.set_ylabel("client test accuracy")
     ax1.set_ylim(0, 1)
@@ -601,7 +603,6 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     ax3.set_xticks(x, names, rotation=30, ha="right")
     ax3.set_ylabel("wall time (s)")
     ax3.set_title("wall time")
-    fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
