@@ -425,6 +425,29 @@ def test_after_rerunning_a_diverged_method_the_kept_rows_settings_follow_the_fin
     assert (out / "standalone" / "compare_started_with.json").read_text() == started
 
 
+def test_a_finished_method_whose_run_dir_was_removed_is_rerun_on_resume(tmp_path):
+    """Editing a finished method's value makes --resume say "remove the method's run dir to rerun
+    it"; doing so reruns that method with the new value (its old row in compare.json used to make
+    the next --resume fail on the missing compare_started_with.json). The other row is kept."""
+    import shutil
+
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone,fd", *TINY, "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    kept = json.loads((out / "compare.json").read_text())["rows"][0]
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    cfg["algorithms"]["fd"]["gamma"] = 0.5
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 2 and "remove the method's run dir to rerun it" in res.output, res.output
+    shutil.rmtree(out / "fd")
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "compare.json").read_text())["rows"]
+    assert [r["algorithm"] for r in rows] == ["standalone", "fd"] and rows[0] == kept
+    assert json.loads((out / "fd" / "compare_started_with.json").read_text())["hparams"]["gamma"] == 0.5
+
+
 def test_the_nearest_prototype_legend_covers_no_bar(tmp_path, monkeypatch):
     """compare.png: the nearest-prototype marker's legend lies outside every axes (it used to sit in
     the accuracy axes' lower right, over the last bar when accuracies are high)."""

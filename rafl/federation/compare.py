@@ -321,7 +321,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         clients = {k: v for k, v in shared["clients"].items() if k not in ("models", "feature_dim")}
         started = json.loads(json.dumps({**shared, "clients": clients, "engine": None, "hparams": hparams[name]},
                                         default=str))
-        done = previous.get(name)
+        done = previous.get(name) if run_dir.is_dir() else None  # its run dir removed: rerun it (the hints say so)
         continuing = resume and (run_dir / CHECKPOINT).is_file()
         if done is not None or continuing:
             _check_started_with(run_dir, started, get_algorithm(name).defaults)
