@@ -293,3 +293,24 @@ def test_cli_data_root_is_taken_against_the_current_folder_or_the_config_file(tm
     res = CliRunner().invoke(cli, ["supernet", "train", "--config", "cfg/t.yaml", "--out", "o", "--no-progress"])
     assert res.exit_code == 2 and str(tmp_path / "data" / "c10") in res.output, res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_resolution_whose_largest_subnet_cannot_train_in_memory_is_refused_before_writing(tmp_path, monkeypatch):
+    """``--resolutions 1024`` filled this machine's 23 GiB within 25 s: the cost model's training
+    memory of the largest subnet (a lower bound) over the device's memory is one error naming
+    ``resolutions``, the memory and what fits; nothing is written. A run that fits is untouched."""
+    import rafl.supernet.train as train_mod
+
+    monkeypatch.setattr(train_mod, "device_memory_bytes", lambda device: 4 * 2**30)  # a 4 GiB device
+    out = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["supernet", "train", "--out", str(out), "--resolutions", "32,512",
+                                   "--limit-per-class", "10", "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert "resolutions: training the largest subnet at 512 px with batch_size 32 needs at least" in res.output
+    assert "(cpu memory is 4.0 GiB); allowed: resolutions well below " in res.output, res.output
+    assert not out.exists()
+    big = TrainConfig.from_options(dataset="digits", resolutions=(512,))
+    with pytest.raises(UserInputError, match=r"needs at least 26\.\d GiB"):  # 27,338 MiB (cost model, width 0.35)
+        train_mod.check_training_memory(big, 10, torch.device("cpu"))
+    train_mod.check_training_memory(TrainConfig.from_options(dataset="digits", resolutions=(32,)), 10,
+                                    torch.device("cpu"))
