@@ -590,6 +590,8 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     if log:
         ax2.set_yscale("log")
         ax2.set_ylim(low, positive.max() * 4)
+    elif mb.max() > 0:
+        ax2.set_ylim(0, mb.max() * 1.15)  # headroom: the tallest bar's value label stays clear of the title
     for xi, v in zip(x, mb):
         ax2.annotate(f"{v:.3g}", (xi, max(v, low)), ha="center", va="bottom", fontsize=7,
                      xytext=(0, 2), textcoords="offset points")
@@ -598,6 +600,8 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     ax2.set_title("communication")
     wall = np.array([r.get("wall_s", 0.0) for r in rows], dtype=float)
     ax3.bar(x, wall, color="tab:gray")
+    if wall.max() > 0:
+        ax3.set_ylim(0, wall.max() * 1.15)
     for xi, v in zip(x, wall):
         ax3.annotate(f"{v:.3g}", (xi, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
     ax3.set_xticks(x, names, rotation=30, ha="right")
