@@ -167,6 +167,33 @@ def test_nan_width_is_a_usage_error_not_a_traceback(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("option, value, needle", [
+    ("--width-mult", "1e9", "'--width-mult': 1000000000.0 is not in the range 0.1<=x<=2.0"),  # was a torch overflow
+    ("--width-mult", "0.001", "'--width-mult': 0.001 is not in the range 0.1<=x<=2.0"),  # was every layer at 8 channels
+    ("--n-classes", "100000000", "'--n-classes': 100000000 is not in the range 2<=x<=100000"),  # was a 512 GB head
+])
+def test_width_and_classes_out_of_bounds_are_one_line_exit_2(tmp_path, option, value, needle):
+    res = CliRunner().invoke(cli, ["profile", "--no-measure", "--arch", ARCH, "--device-profile", "pi4",
+                                   option, value, "--out", str(tmp_path / "out")])
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_search_space_shares_the_bounds():
+    from rafl.errors import UserInputError
+    from rafl.supernet.train import TrainConfig
+
+    for kwargs, needle in (({"width_mult": 0.05}, "width_mult: is 0.05; allowed: a number in 0.1..2"),
+                           ({"width_mult": 1e9}, "width_mult: is 1000000000.0; allowed"),
+                           ({"n_classes": 10**8}, "n_classes: is 100000000; allowed: an integer in 2..100000")):
+        with pytest.raises(UserInputError, match=needle):
+            SearchSpace(**kwargs)
+    SearchSpace(width_mult=0.1, n_classes=100_000), SearchSpace(width_mult=2.0, n_classes=2)
+    with pytest.raises(ValueError, match="width_mult"):
+        TrainConfig(width_mult=0.05)
+
+
 def test_search_subnet_yaml_carries_its_space_else_the_error_says_pass_supernet(tmp_path):
     """A subnet.yaml from `rafl search` records its search space: `rafl profile --arch subnet.yaml`
     uses it without --supernet (here a 16 px space the default 24-32 px one rejects); an arch file

@@ -8,6 +8,7 @@ import click
 
 from rafl.cli._types import FiniteFloatRange
 from rafl.errors import UserInputError, load_error_detail
+from rafl.supernet.arch import N_CLASSES_MAX, N_CLASSES_MIN, WIDTH_MULT_MAX, WIDTH_MULT_MIN
 
 REPORT_FILES = ("cost_report.md", "cost_report.json", "cost_report.png")
 
@@ -148,10 +149,14 @@ def _is_latency_lut(path: Path) -> bool:
                    ".pt state dict together with --arch.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
               help="Supernet folder: its search space (and weights) are used.")
-@click.option("--width-mult", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Search-space width multiplier (without --supernet or a recorded space).")
-@click.option("--n-classes", type=click.IntRange(min=2), default=10, show_default=True,
-              help="Classes of the classifier (without --supernet or a recorded space).")
+@click.option("--width-mult", type=FiniteFloatRange(min=WIDTH_MULT_MIN, max=WIDTH_MULT_MAX), default=1.0,
+              show_default=True,
+              help=f"Search-space width multiplier, {WIDTH_MULT_MIN:g}..{WIDTH_MULT_MAX:g} (without --supernet "
+                   "or a recorded space).")
+@click.option("--n-classes", type=click.IntRange(min=N_CLASSES_MIN, max=N_CLASSES_MAX), default=10,
+              show_default=True,
+              help=f"Classes of the classifier, {N_CLASSES_MIN}..{N_CLASSES_MAX} (without --supernet or a "
+                   "recorded space).")
 @click.option("--build-lut", is_flag=True,
               help="Measure the latency of every distinct layer of the space on THIS machine and write a "
                    "LUT (YAML) that a profile can reference with `latency_lut: PATH`.")

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from rafl.errors import UserInputError
+from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN
 
 
 def _parse_ints(text: str | None, option: str) -> tuple[int, ...] | None:
@@ -41,7 +42,8 @@ def supernet() -> None:
                    "[default: 10, 3, 3, 4].")
 @click.option("--device", default=None, help="cpu | cuda  [default: cpu]")
 @click.option("--seed", type=int, default=None, help="Run seed [default: 0].")
-@click.option("--width-mult", type=float, default=None, help="Supernet width multiplier [default: 0.35].")
+@click.option("--width-mult", type=float, default=None,  # TrainConfig checks the bounds
+              help=f"Supernet width multiplier, {WIDTH_MULT_MIN:g}..{WIDTH_MULT_MAX:g} [default: 0.35].")
 @click.option("--resolutions", default=None, help="Elastic input resolutions in px [default: digits 12,14,16; others 24,28,32].")
 @click.option("--batch-size", type=int, default=None, help="Mini-batch size [default: 32].")
 @click.option("--limit-per-class", type=int, default=None, help="Use only N samples per class (quick runs).")

@@ -35,6 +35,18 @@ OFA_STAGE_WIDTHS: tuple[int, ...] = (24, 40, 80, 112, 160)
 OFA_STAGE_ACTS: tuple[str, ...] = ("relu", "relu", "h_swish", "h_swish", "h_swish")
 OFA_STAGE_SE: tuple[bool, ...] = (False, True, False, True, True)
 
+#: Bounds of the width multiplier, shared by every place that takes one (``SearchSpace``,
+#: ``rafl supernet train``'s TrainConfig, ``rafl profile --width-mult``). Below 0.1 the widths stop
+#: following the multiplier: ``make_divisible``'s 8-channel floor takes over (at 0.05 every stage
+#: has 8 channels, at 0.001 every layer does); above 2 a supernet is over 4x OFA's full size.
+WIDTH_MULT_MIN: float = 0.1
+WIDTH_MULT_MAX: float = 2.0
+#: Bounds of the classifier's classes (``SearchSpace.n_classes``, ``rafl profile --n-classes``): a
+#: classifier needs 2; 100000 covers ImageNet-21k (21841) with room to spare, while its linear head
+#: stays <= 1 GB of float32 at the widest width (feature width 2560 at width_mult 2).
+N_CLASSES_MIN: int = 2
+N_CLASSES_MAX: int = 100_000
+
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -78,10 +90,12 @@ class SearchSpace:
         if any(k % 2 == 0 or k < 1 for k in self.ks_choices):
             raise UserInputError(f"kernel sizes must be odd and positive, got {self.ks_choices}",
                                  field="search_space.ks_choices")
-        if self.width_mult <= 0:
-            raise UserInputError(f"must be > 0, got {self.width_mult}", field="search_space.width_mult")
-        if self.n_classes < 2:
-            raise UserInputError(f"must be >= 2, got {self.n_classes}", field="search_space.n_classes")
+        if not WIDTH_MULT_MIN <= self.width_mult <= WIDTH_MULT_MAX:  # NaN fails too
+            raise UserInputError(f"is {self.width_mult}; allowed: a number in {WIDTH_MULT_MIN:g}..{WIDTH_MULT_MAX:g}",
+                                 field="search_space.width_mult")
+        if not N_CLASSES_MIN <= self.n_classes <= N_CLASSES_MAX:
+            raise UserInputError(f"is {self.n_classes}; allowed: an integer in {N_CLASSES_MIN}..{N_CLASSES_MAX}",
+                                 field="search_space.n_classes")
         if min(self.d_choices) < 1:
             raise UserInputError("depths must be >= 1", field="search_space.d_choices")
         if min(self.e_choices) < 1:  # e = 0 or -1 trained blocks like k3e-1 without an error

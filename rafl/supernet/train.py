@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError, load_error_detail
 from rafl.io import atomic_write_bytes, atomic_write_json, claim_file
-from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN, ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
 from rafl.supernet.server_data import random_crop_flip, server_split
@@ -73,7 +73,7 @@ class TrainConfig(BaseModel):
     val_fraction: float = Field(0.1, ge=0, lt=1)
     test_samples: int | None = Field(2000, ge=1)
 
-    width_mult: float = Field(0.35, gt=0, le=2, allow_inf_nan=False)
+    width_mult: float = Field(0.35, ge=WIDTH_MULT_MIN, le=WIDTH_MULT_MAX, allow_inf_nan=False)
     resolutions: tuple[int, ...] = Field(
         (12, 14, 16), description="elastic input resolutions (px); default per dataset: "
         "digits (8x8 originals) (12, 14, 16), others (24, 28, 32)")
