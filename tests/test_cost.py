@@ -175,3 +175,22 @@ def test_measured_latency_lut_is_used_by_the_profile(tmp_path):
     lut_path.write_text("format: something-else\n")
     with pytest.raises(UserInputError, match="not a latency LUT"):
         CostModel(space, load_profile(prof_path))
+
+
+def test_a_missing_or_self_referencing_latency_lut_names_the_profile_and_the_resolved_path(tmp_path):
+    """``latency_lut: nolut.yaml`` in prof/nolut.yaml resolves (against the profile's folder) to the
+    profile itself: the error said "prof/nolut.yaml: not a latency LUT", naming neither the setting
+    nor the path it resolved to; a missing LUT did not name the profile."""
+    from rafl.search.profile import load_profile
+
+    space = SearchSpace(width_mult=0.25, ks_choices=(3,), e_choices=(3,), d_choices=(2,), resolutions=(24,))
+    prof_dir = tmp_path / "prof"
+    prof_dir.mkdir()
+    prof_path = prof_dir / "nolut.yaml"
+    for value, problem in (("missing.yaml", "no such file"), ("nolut.yaml", "is this profile itself")):
+        prof_path.write_text(yaml.safe_dump({"name": "dev", "throughput_gmacs": 1.0, "mem_bandwidth_gbs": 1.0,
+                                             "latency_lut": value}))
+        with pytest.raises(UserInputError) as err:
+            CostModel(space, load_profile(prof_path))
+        resolved = (prof_dir / value).resolve()
+        assert str(err.value).startswith(f"{prof_path}: latency_lut: {value} (resolved to {resolved}): {problem}")

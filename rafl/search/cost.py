@@ -270,7 +270,7 @@ class CostModel:
         if self.profile is not None and self.profile.latency_lut is not None:
             from rafl.search.latency import load_latency_lut
 
-            self._lut = load_latency_lut(self.profile.latency_lut_path())
+            self._lut = load_latency_lut(self.profile.latency_lut_path(), self.profile)
         self._r_index = {r: i for i, r in enumerate(space.resolutions)}
         self._k_lookup = _lookup(space.ks_choices)
         self._e_lookup = _lookup(space.e_choices)

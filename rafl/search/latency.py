@@ -64,28 +64,46 @@ def unit_energy_mj(spec: UnitSpec, profile: DeviceProfile, latency_ms: float,
     return float("nan")
 
 
-def load_latency_lut(path: str | Path) -> dict[str, float]:
+def load_latency_lut(path: str | Path, profile: DeviceProfile | None = None) -> dict[str, float]:
     """Read a latency LUT written by :func:`build_latency_lut`: unit key -> median latency (ms).
+
+    Args:
+        profile: the device profile whose ``latency_lut`` names ``path``; an error then names the
+            profile file, its ``latency_lut:`` value and the path it resolved to (a relative value
+            is taken against the profile's folder, which is easy to get wrong).
 
     Raises:
         UserInputError: missing file, malformed YAML, wrong format tag or non-positive entries.
     """
     path = Path(path)
+
+    def fail(message: str, field: str | None = None) -> UserInputError:
+        if profile is None:
+            return UserInputError(message, source=path, field=field)
+        where = f"{profile.latency_lut} (resolved to {path.resolve()})" + (f": {field}" if field else "")
+        return UserInputError(f"{where}: {message}", source=profile.source, field="latency_lut")
+
     if not path.is_file():
-        raise UserInputError("latency LUT not found; build it with `rafl profile --build-lut`",
-                             source=path, field="latency_lut")
+        what = "no such file" if not path.exists() else "not a file"
+        if profile is None:
+            raise UserInputError(f"{what}; build a latency LUT with `rafl profile --build-lut`", source=path,
+                                 field="latency_lut")
+        raise fail(f"{what}; build the LUT with `rafl profile --build-lut --out PATH` "
+                   "(a relative latency_lut is taken against the profile's folder)")
+    if profile is not None and profile.source is not None and path.resolve() == Path(profile.source).resolve():
+        raise fail("is this profile itself, not a latency LUT (a relative latency_lut is taken against the "
+                   "profile's folder); build the LUT with `rafl profile --build-lut --out PATH`")
     try:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=path) from None
+        raise fail(f"not valid YAML ({err.__class__.__name__})") from None
     if not isinstance(data, dict) or data.get("format") != LUT_FORMAT or not isinstance(data.get("entries"), dict):
-        raise UserInputError(f"not a latency LUT: expected keys format: {LUT_FORMAT!r} and entries: "
-                             "{unit key: latency_ms}", source=path)
+        raise fail(f"not a latency LUT: expected keys format: {LUT_FORMAT!r} and entries: "
+                   "{unit key: latency_ms}")
     out = {}
     for key, value in data["entries"].items():
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise UserInputError(f"latency must be a number > 0 (ms), got {value!r}", source=path,
-                                 field=f"entries.{key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise fail(f"latency must be a number > 0 (ms), got {value!r}", field=f"entries.{key}")
         out[str(key)] = float(value)
     return out
 
