@@ -31,7 +31,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from rafl.errors import UserInputError, shown
+from rafl.errors import DuplicateKeyError, UserInputError, shown
+from rafl.io import load_yaml
 
 #: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
 #: as ``seed * 100003 + round`` from it, which must stay below torch's 2**63)
@@ -286,9 +287,11 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]
             raise UserInputError(f"{item!r} is not key=value (e.g. engine.rounds=5)", field="--set")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_yaml(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
+        except DuplicateKeyError as err:
+            raise UserInputError(f"{item!r}: {err.message}", field="--set") from None
         if isinstance(value, dict) and list(value.values()) == [None] and raw.strip().endswith(":"):
             # YAML reads "pkg.mod:" as the mapping {pkg.mod: null}; a value cut short after its colon
             # is meant as text, and its own field's check then says what is missing
@@ -352,7 +355,7 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
     if not p.is_file():
         raise UserInputError("no such file (expected a YAML run config)", source=p)
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = load_yaml(p.read_text(), p) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
     if not isinstance(data, dict):

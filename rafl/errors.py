@@ -38,6 +38,19 @@ class UserInputError(RaflError, ValueError):
         return " ".join(text.split("\n"))
 
 
+class DuplicateKeyError(UserInputError):
+    """A YAML mapping holds a key twice (:func:`rafl.io.load_yaml`); PyYAML would keep the last value.
+
+    Attributes:
+        key: the repeated key; line, first_line: 1-based lines of the repeat and of the first one.
+    """
+
+    def __init__(self, key: object, line: int, first_line: int, *, source: str | Path | None = None):
+        self.key, self.line, self.first_line = key, line, first_line
+        super().__init__(f"duplicate key {key!r} at line {line} (first at line {first_line}); a mapping holds "
+                         "each key once (YAML readers keep the last silently): keep one", source=source)
+
+
 _WARNED: set[str] = set()
 
 

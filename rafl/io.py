@@ -49,6 +49,53 @@ def check_output_dir(path: str | Path, field: str = "--out") -> None:
                              source=p, field=field) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (same scalars: quoted numbers stay text, yes/no are booleans, ...) that
+    refuses a mapping holding a key twice; PyYAML keeps the last value silently, so a profile with
+    ``name: b`` and later ``name: c`` was read as ``c``. Merge keys (``<<: *base``) may still be
+    overridden by the mapping's own keys."""
+
+    rafl_source: str | Path | None = None
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    repeated = key in seen
+                except TypeError:  # an unhashable key: the base constructor reports it
+                    continue
+                if repeated:
+                    from rafl.errors import DuplicateKeyError
+
+                    raise DuplicateKeyError(key, line, seen[key], source=self.rafl_source)
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, source: str | Path | None = None) -> Any:
+    """Parse YAML (or JSON) ``text`` like ``yaml.safe_load``, refusing duplicate mapping keys.
+
+    Every YAML file rafl reads (device profiles, run configs, supernet train configs, arch files,
+    latency LUTs) goes through here.
+
+    Raises:
+        DuplicateKeyError: a mapping holds a key twice (a :class:`rafl.errors.UserInputError`
+            naming ``source``, the key and both lines).
+        yaml.YAMLError: malformed YAML, as ``yaml.safe_load``.
+    """
+    loader = _UniqueKeyLoader(text)
+    loader.rafl_source = source
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
     path = Path(path)

@@ -153,3 +153,37 @@ def test_booleans_are_not_numbers_in_a_profile(tmp_path):
         path.write_text(yaml.safe_dump(data))
         with pytest.raises(UserInputError, match=f"{field}: a boolean is not allowed here .got True .YAML reads"):
             load_profile(path)
+
+
+def test_every_yaml_reader_refuses_duplicate_keys_naming_file_key_and_line(tmp_path):
+    """PyYAML keeps the last of two equal keys: a profile with ``name: b`` then ``name: c`` was
+    device c without a word. Profiles, run configs, arch files, LUTs and --set values share
+    :func:`rafl.io.load_yaml`, which refuses the repeat."""
+    from click.testing import CliRunner
+
+    from rafl.cli import cli
+    from rafl.config import parse_overrides, read_config_file
+    from rafl.io import load_yaml
+    from rafl.search.latency import load_latency_lut
+    from rafl.supernet.arch import ArchConfig
+
+    prof = tmp_path / "p.yaml"
+    prof.write_text("name: b\nthroughput_gmacs: 1\nmem_bandwidth_gbs: 1\nname: c\n")
+    with pytest.raises(UserInputError, match=r"p\.yaml: duplicate key 'name' at line 4 \(first at line 1\)"):
+        load_profile(prof)
+    nested = tmp_path / "run.yaml"
+    nested.write_text("engine:\n  rounds: 2\n  rounds: 3\n")
+    with pytest.raises(UserInputError, match=r"run\.yaml: duplicate key 'rounds' at line 3 \(first at line 2\)"):
+        read_config_file(nested)
+    for reader in (ArchConfig.load, load_latency_lut):
+        with pytest.raises(UserInputError, match="duplicate key 'name' at line 4"):
+            reader(prof)
+    with pytest.raises(UserInputError, match=r"--set: .*duplicate key 'a' at line 1"):
+        parse_overrides(["algorithm={a: 1, a: 2}"])
+    res = CliRunner().invoke(cli, ["profile", "--arch", "r24_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3",
+                                   "--device-profile", str(prof), "--out", str(tmp_path / "out"), "--no-measure"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "duplicate key 'name'" in res.output, res.output
+    assert not (tmp_path / "out").exists()
+    # as yaml.safe_load otherwise: quoted numbers stay text, merge keys may be overridden
+    assert load_yaml('a: "12"\nb: yes\nbase: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n') == {
+        "a": "12", "b": True, "base": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2}}

@@ -55,6 +55,7 @@ def _recorded_space(text: str | None):
 
     import yaml
 
+    from rafl.io import load_yaml
     from rafl.supernet.arch import SearchSpace
 
     if text is None:
@@ -63,8 +64,8 @@ def _recorded_space(text: str | None):
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        data = load_yaml(path.read_text(), path)
+    except (yaml.YAMLError, UnicodeDecodeError, OSError, UserInputError):
         return None  # ArchConfig.load reports it
     if not isinstance(data, dict):
         return None

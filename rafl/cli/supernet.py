@@ -63,6 +63,7 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
     """
     import yaml
 
+    from rafl.io import load_yaml
     from rafl.supernet.train import CONFIG_NAME, TrainConfig, holds_supernet_run, train_supernet
 
     # paths are recorded absolute (config.json), so --resume works from any folder: --data-root
@@ -81,7 +82,7 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
         if not config_file.is_file():
             raise UserInputError("no such file", source=config_file, field="--config")
         try:
-            base = yaml.safe_load(config_file.read_text()) or {}
+            base = load_yaml(config_file.read_text(), config_file) or {}
         except (yaml.YAMLError, UnicodeDecodeError):
             raise UserInputError("not valid YAML/JSON", source=config_file, field="--config") from None
         if not isinstance(base, dict):

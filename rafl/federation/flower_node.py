@@ -19,11 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rafl.errors import UserInputError
 from rafl.federation.engine import Federation, client_context, evaluate_client, train_client
 from rafl.federation.store import ClientStore
+from rafl.io import load_yaml
 
 _PREPARED: dict[str, Any] = {}
 
@@ -35,7 +34,7 @@ def _node_federation(config_text: str) -> tuple[Federation, int]:
         from rafl.config import RunConfig
         from rafl.federation import pipeline
 
-        cfg = RunConfig.model_validate(yaml.safe_load(config_text))
+        cfg = RunConfig.model_validate(load_yaml(config_text))
         _PREPARED.clear()  # one run at a time per ClientApp process
         _PREPARED[key] = (pipeline.prepare(cfg, progress=False).federation, cfg.seed)
     return _PREPARED[key]

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from rafl.errors import UserInputError
+from rafl.errors import DuplicateKeyError, UserInputError
+from rafl.io import load_yaml
 from rafl.search.profile import DeviceProfile
 from rafl.search.units import UnitSpec, build_unit_module, unit_input_shape
 
@@ -94,9 +95,13 @@ def load_latency_lut(path: str | Path, profile: DeviceProfile | None = None) -> 
         raise fail("is this profile itself, not a latency LUT (a relative latency_lut is taken against the "
                    "profile's folder); build the LUT with `rafl profile --build-lut --out PATH`")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text(), path)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise fail(f"not valid YAML ({err.__class__.__name__})") from None
+    except DuplicateKeyError as err:
+        if profile is None:
+            raise
+        raise fail(err.message) from None
     if not isinstance(data, dict) or data.get("format") != LUT_FORMAT or not isinstance(data.get("entries"), dict):
         raise fail(f"not a latency LUT: expected keys format: {LUT_FORMAT!r} and entries: "
                    "{unit key: latency_ms}")

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rafl.config import NoBoolNumbers
 from rafl.errors import UserInputError, shown
+from rafl.io import load_yaml
 
 __all__ = ["Budgets", "DeviceProfile", "load_profile", "list_profiles", "profiles_dir"]
 
@@ -272,7 +273,7 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
         raise UserInputError("no such profile file; give a shipped name "
                              f"({', '.join(list_profiles())}) or a path to a YAML file", source=path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text(), path)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=path) from None
     return DeviceProfile.from_dict(data, source=path)

@@ -28,6 +28,7 @@ import numpy as np
 import yaml
 
 from rafl.errors import UserInputError, allowed, shown
+from rafl.io import load_yaml
 
 # The macro-architecture of OFA's MobileNet-V3 (ofa/imagenet_classification/elastic_nn/networks/
 # ofa_mbv3.py): widths before the width multiplier, per elastic stage.
@@ -359,7 +360,7 @@ class ArchConfig:
         if not path.is_file():
             raise UserInputError("no such file (expected a YAML/JSON arch with ks, e, d, r)", source=path)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(path.read_text(), path)
         except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise UserInputError(f"not valid YAML/JSON ({err.__class__.__name__})", source=path) from None
         arch = cls.from_dict(data, source=path)
