@@ -152,7 +152,7 @@ def test_second_search_into_the_same_out_keeps_search_json_complete(searched, su
     for name, entry in summary["profiles"].items():
         result = json.loads((out / name / "result.json").read_text())
         assert entry["arch"] == result["arch_string"] and entry["accuracy"] == result["accuracy"]
-        assert entry["dir"] == str(out / name) and entry["latest_run"] == (name != PROFILES[0])
+        assert entry["dir"] == str((out / name).resolve()) and entry["latest_run"] == (name != PROFILES[0])
     assert summary["profiles"][PROFILES[0]]["searched_with"] == PROFILES
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
 
@@ -281,3 +281,19 @@ def test_cli_small_search(supernet_dir, tmp_path):
     assert res.exit_code == 0, res.output
     assert "jetson-nano: r" in res.output and "Kendall tau" in res.output
     assert (out / "jetson-nano" / "subnet.onnx").is_file()
+
+
+def test_search_json_records_profile_folders_absolute(tmp_path, monkeypatch):
+    """search.json's ``dir`` was relative to the folder the search ran from (``s1/pi4``), unlike
+    every other recorded path."""
+    from rafl.search.runner import write_search_index
+
+    (tmp_path / "s1" / "pi4").mkdir(parents=True)
+    (tmp_path / "s1" / "pi4" / "result.json").write_text(json.dumps({"arch_string": "x", "accuracy": 0.5}))
+    (tmp_path / "s1" / "mcu").mkdir()
+    (tmp_path / "s1" / "mcu" / "result.json").write_text("[]")
+    monkeypatch.chdir(tmp_path)
+    doc = write_search_index("s1", {"supernet": "sn"}, ["pi4"])
+    for name in ("pi4", "mcu"):
+        assert doc["profiles"][name]["dir"] == str((tmp_path / "s1" / name).resolve())
+    assert json.loads((tmp_path / "s1" / "search.json").read_text()) == doc

@@ -289,9 +289,11 @@ def write_search_index(out: str | Path, run: dict[str, Any], run_profiles: Seque
     Every ``out/<name>/result.json`` (hidden temp folders skipped) gives one entry under
     ``profiles``: this run's profiles first (in ``run_profiles`` order), then earlier searches'
     folders by name. ``run`` (``supernet``, ``data``, ``config`` of the latest run) is copied to
-    the top level; ``latest_run`` lists the profiles it searched. Returns the document written.
+    the top level; ``latest_run`` lists the profiles it searched. Each entry's ``dir`` is absolute,
+    as every other path rafl records (a search run from ``runs/`` into ``s1`` wrote ``s1/pi4``,
+    which meant nothing from another folder). Returns the document written.
     """
-    out = Path(out)
+    out = Path(out).expanduser().resolve()
     present = sorted(p.name for p in out.iterdir()
                      if p.is_dir() and not p.name.startswith(".") and (p / "result.json").is_file())
     order = [n for n in run_profiles if n in present] + [n for n in present if n not in run_profiles]
