@@ -672,3 +672,17 @@ def test_a_second_run_into_the_same_out_stops_at_the_claim(tmp_path, monkeypatch
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--out", str(out)])
     assert res.exit_code == 2 and "another run is writing into this folder" in res.output, res.output
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml"] and (out / "config.yaml").read_text() == ""
+
+
+def test_table_never_shows_zero_mb_for_a_method_that_communicated(tmp_path):
+    """The MB columns keep 3 decimals, but a few hundred bytes (prototype uploads) read 0.000 MB."""
+    from rafl.federation.compare import write_table
+
+    rows = [{"algorithm": "fedproto", "mb_up": 0.00044, "mb_down": 0.000044, "mb_total": 0.000484},
+            {"algorithm": "fedavg", "mb_up": 1.25, "mb_down": 1.25, "mb_total": 2.5},
+            {"algorithm": "standalone", "mb_up": 0.0, "mb_down": 0.0, "mb_total": 0.0}]
+    write_table(tmp_path, rows, "subnets")
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in (tmp_path / "compare.md").read_text().splitlines() if line.startswith("| ")}
+    assert table["fedproto"] == ["0.00044", "0.000044", "0.00048"]
+    assert table["fedavg"] == ["1.250", "1.250", "2.500"] and table["standalone"] == ["0.000"] * 3

@@ -463,3 +463,22 @@ def test_a_partition_file_whose_clients_hold_the_supernets_pool_is_refused(tmp_p
     assert not out.exists()
     res = _invoke(["--quiet", "--out", str(out), *sets, "--set", f"partition.scheme=file:{tmp_path / 'ok.json'}"])
     assert res.exit_code == 0, res.output
+
+
+def test_summary_prints_small_communication_in_a_unit_that_shows_it(tmp_path, capsys):
+    """440 bytes uploaded per client per round printed as '0.000 MB' (and the total as 0.01 MB)."""
+    from rafl.cli.federate import print_table
+    from rafl.reports.tables import fmt_bytes
+
+    assert [fmt_bytes(n) for n in (0, 440, 999, 1000, 8_800, 1_234_567, 2.5e9)] == [
+        "0 B", "440 B", "999 B", "1 kB", "8.8 kB", "1.23 MB", "2.5 GB"]
+    row = {"client": 0, "profile": "pi4", "macs_m": 1.0, "params_m": 0.1, "n_train": 10, "n_test": 5,
+           "model.acc": 0.5, "arch": "r12_k3e3"}
+    summary = {"algorithm": "fedproto", "rounds": 2, "table": [row], "means": {"model.acc": 0.5}, "final": {},
+               "cum_mb": 0.00968, "cum_bytes_up": 880, "cum_bytes_down": 8_800,
+               "mean_bytes_up_per_client_per_round": 440.0, "co_mb_to_target": 0.00484, "target_accuracy": 0.4,
+               "failures": 0}
+    print_table(summary, tmp_path)
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("communication: 9.68 kB total (up 880 B, down 8.8 kB); upload per client per round 440 B; "
+            "4.84 kB to reach accuracy 0.4") in out, out

@@ -31,6 +31,8 @@ def print_table(summary: dict, run_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from rafl.reports.tables import fmt_bytes
+
     rows = summary["table"]
     group = any("model" in r for r in rows)  # clients.models: a model group (no profiles, no subnets)
     extra = [k for k in EXTRA_ACCURACIES if any(r.get(f"{k}.acc") is not None for r in rows)]
@@ -61,10 +63,11 @@ def print_table(summary: dict, run_dir: Path) -> None:
                       f"sample-weighted {fin[f'{prefix}.acc_sample_weighted']:.3f}, std over clients "
                       f"{fin[f'{prefix}.acc_std_over_clients']:.3f}")
     co = summary.get("co_mb_to_target")
-    con.print(f"communication: {summary['cum_mb']:.2f} MB total (up {summary['cum_bytes_up'] / 1e6:.2f}, down "
-              f"{summary['cum_bytes_down'] / 1e6:.2f}); upload per client per round "
-              f"{summary['mean_bytes_up_per_client_per_round'] / 1e6:.3f} MB; "
-              + (f"{co:.2f} MB to reach accuracy {summary['target_accuracy']}" if co is not None
+    # in the unit that shows each amount: prototype uploads of 440 bytes printed as 0.000 MB
+    con.print(f"communication: {fmt_bytes(summary['cum_mb'] * 1e6)} total (up {fmt_bytes(summary['cum_bytes_up'])}, "
+              f"down {fmt_bytes(summary['cum_bytes_down'])}); upload per client per round "
+              f"{fmt_bytes(summary['mean_bytes_up_per_client_per_round'])}; "
+              + (f"{fmt_bytes(co * 1e6)} to reach accuracy {summary['target_accuracy']}" if co is not None
                  else f"target accuracy {summary['target_accuracy']} not reached"
                  if summary["target_accuracy"] is not None else "no target accuracy set")
               + f"; failed clients: {summary['failures']}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 import shlex
 import shutil
@@ -526,7 +527,12 @@ def _fmt(v: Any, key: str = "") -> str:
     if v is None or (isinstance(v, float) and np.isnan(v)):
         return "-"
     if isinstance(v, float):
-        return f"{v:.{_DECIMALS.get(key, 4)}f}"
+        decimals = _DECIMALS.get(key, 4)
+        if key.startswith("mb_") and v != 0 and math.isfinite(v) and abs(v) < 0.5 * 10.0 ** -decimals:
+            # a method that communicated never reads 0.000 (FedProto's prototypes: a few hundred bytes):
+            # two significant digits, still in MB, e.g. 0.00044
+            decimals = 1 - math.floor(math.log10(abs(v)))
+        return f"{v:.{decimals}f}"
     return str(v)
 
 

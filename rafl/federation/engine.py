@@ -58,6 +58,7 @@ from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.io import atomic_write_json, atomic_write_text
+from rafl.reports.tables import fmt_bytes
 
 #: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
 #: loaders shuffle with ``seed``, val/test loaders do not; "val" may return None.
@@ -494,7 +495,7 @@ class Engine:
             row["time_s"], row["time_engine_s"] = times.total, times.engine
             self.times.append(times)
             if "model.acc_mean_over_clients" in row:
-                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}", MB=f"{row['cum_mb']:.2f}")
+                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}", comm=fmt_bytes(row["cum_mb"] * 1e6))
         bar.close()
         if last_eval is None:  # resumed after the final round: re-evaluate from the checkpoint
             last_eval = self._evaluate(cfg.rounds, broadcast)

@@ -6,7 +6,25 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["markdown_table", "fmt"]
+__all__ = ["markdown_table", "fmt", "fmt_bytes"]
+
+_BYTE_UNITS = (("kB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count in the unit that shows it, decimal (1 kB = 1000 B, 1 MB = 1e6 B, as rafl's MB
+    columns): ``"440 B"``, ``"8.8 kB"``, ``"1.23 MB"``; 3 significant digits. A small payload
+    printed in MB read as zero (440 B was ``0.000 MB``)."""
+    n = float(n)
+    if math.isnan(n):
+        return "n/a"
+    if abs(n) < 999.5:
+        return f"{n:.0f} B"
+    for unit, scale in _BYTE_UNITS:
+        text = f"{n / scale:.3g}"
+        if abs(float(text)) < 1000 or unit == _BYTE_UNITS[-1][0]:
+            return f"{text} {unit}"
+    raise AssertionError("unreachable")
 
 
 def fmt(value: Any, digits: int = 4) -> str:
