@@ -26,14 +26,23 @@ def quickstart_config() -> TrainConfig:
     return TrainConfig()
 
 
+#: torch threads the quickstart supernet trains with. Float sums differ with the thread count, so
+#: a supernet trained with 2 threads is another supernet (measured: another test accuracy, another
+#: search result) than one trained with 1; a fixed count makes the default pipeline's numbers the
+#: same on every machine with this torch build (and equal to bench/results/supernet_accuracy_digits.txt).
+QUICKSTART_THREADS = 1
+
+
 def quickstart_dir(config: TrainConfig | None = None) -> Path:
-    """Cache folder ``<cache_root>/quickstart-supernet-<hash>``; the hash covers the config and the pool."""
+    """Cache folder ``<cache_root>/quickstart-supernet-<hash>``; the hash covers the config, the
+    pool and :data:`QUICKSTART_THREADS` (a cache trained before the count was fixed is retrained)."""
     from rafl.data import carve_public_pool, load_dataset
 
     config = config or quickstart_config()
     labels = load_dataset(config.dataset, config.data_root, resolution=8).labels.numpy()
     pool = carve_public_pool(labels, config.public_fraction, config.public_seed)
-    digest = hashlib.sha256(config.model_dump_json().encode() + pool.tobytes()).hexdigest()[:12]
+    key = config.model_dump_json().encode() + pool.tobytes() + f"threads={QUICKSTART_THREADS}".encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return cache_root() / f"quickstart-supernet-{digest}"
 
 
@@ -65,10 +74,12 @@ def quickstart_supernet(progress: bool = True) -> tuple[Supernet, Path]:
 def _train_into(config: TrainConfig, folder: Path, progress: bool) -> None:
     print(f"rafl: training the quickstart supernet once on the digits public pool (a few minutes on "
           f"2 CPU cores); caching it in {folder}", file=sys.stderr, flush=True)
-    with atomic_dir(folder, overwrite=True) as tmp:
+    from rafl.search.predictor import torch_threads
+
+    with atomic_dir(folder, overwrite=True) as tmp, torch_threads(QUICKSTART_THREADS):
         _, metrics = train_supernet(config, tmp, progress=progress)
     print("rafl: quickstart supernet test accuracy (held-out digits): "
           + json.dumps({k: round(v, 4) for k, v in metrics["test"].items()}), file=sys.stderr, flush=True)
 
 
-__all__ = ["cache_root", "quickstart_config", "quickstart_dir", "quickstart_supernet"]
+__all__ = ["QUICKSTART_THREADS", "cache_root", "quickstart_config", "quickstart_dir", "quickstart_supernet"]
