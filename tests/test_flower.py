@@ -54,6 +54,26 @@ def in_process(supernet_dir, tmp_path_factory):
     return out / "ref"
 
 
+@pytest.fixture(scope="module")
+def deployed(supernet_dir, tmp_path_factory):
+    """The run of :func:`in_process` as the Flower App makes it on a SuperLink: :func:`flower.run_on_grid`
+    without a shared disk, on two nodes in this process (:class:`DirectGrid`) that keep the client
+    states on their own disk."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    out = tmp_path_factory.mktemp("deployed")
+    prep = pipeline.prepare(load_run_config(None, [f"supernet.path={supernet_dir}", *ARGS[1::2]]), progress=False)
+    with pytest.MonkeyPatch.context() as mp:  # as the function-scoped fixtures _flower_home and task_identity do
+        mp.setenv("RAFL_FLOWER_STATE_DIR", str(out / "node-states"))
+        for name in ("_run_id", "_node_id", "_task_id"):
+            mp.setattr(TaskIdentity, name, int(name == "_run_id"))
+        flower.run_on_grid(DirectGrid(2), prep, out / "run", progress=False)
+    return out / "run"
+
+
 # ---------------------------------------------------------------------- records
 def test_payload_round_trips_through_flower_records():
     p = Payload({"w": torch.randn(3, 4), "ids": torch.arange(5), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 7)},
@@ -164,23 +184,50 @@ def test_flower_run_config_paths_must_be_absolute(tmp_path):
         flower._load_from_run_config({"resume": str(tmp_path)})
 
 
-def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, in_process):
+def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, deployed):
     from rafl.config import load_run_config
 
     with pytest.raises(UserInputError, match="run_config.rounds: is 1 but the run has completed 2 rounds; allowed: an "
                                              "integer >= 2"):
-        flower._load_from_run_config({"resume": str(in_process), "rounds": 1})
+        flower._load_from_run_config({"resume": str(deployed), "rounds": 1})
     # loading a resume changes nothing in the run dir: its config.yaml is rewritten (engine.rounds)
     # only once the resumed run succeeded, as `rafl federate --resume` does
-    before = (in_process / "config.yaml").read_text()
-    prep, run_dir, resume = flower._load_from_run_config({"resume": str(in_process), "rounds": 5})
-    assert resume and run_dir == in_process and prep.cfg.engine.rounds == 5
-    assert (in_process / "config.yaml").read_text() == before
+    before = (deployed / "config.yaml").read_text()
+    prep, run_dir, resume = flower._load_from_run_config({"resume": str(deployed), "rounds": 5})
+    assert resume and run_dir == deployed and prep.cfg.engine.rounds == 5
+    assert (deployed / "config.yaml").read_text() == before
     yaml_file = tmp_path / "cfg" / "run.yaml"  # a YAML's relative paths: against its folder (rafl.config)
     yaml_file.parent.mkdir()
     yaml_file.write_text("supernet: {path: sn}\ndata: {root: ../data}\n")
     cfg = load_run_config(yaml_file)
     assert cfg.supernet.path == str(tmp_path / "cfg" / "sn") and cfg.data.root == str(tmp_path / "data")
+
+
+def test_a_superlink_run_records_its_backend_and_rafl_federate_resume_refuses_it(deployed, in_process):
+    """A run made on a SuperLink (the Flower App) records it: config.yaml's engine.backend: flower,
+    clients.json's deployment, summary.json's backend. `rafl federate --resume` of it, on either
+    backend, stops at once with the `flwr run` command that resumes it (it used to start in-process
+    and fail on the first client's missing state file: the states are on the nodes' disks), and
+    the App refuses a run dir whose client states are in its clients/ folder."""
+    import yaml
+
+    assert _rows(deployed) == _rows(in_process)
+    assert yaml.safe_load((deployed / "config.yaml").read_text())["engine"]["backend"] == "flower"
+    assert json.loads((deployed / "clients.json").read_text())["deployment"]["runtime"] == "superlink"
+    assert json.loads((deployed / "summary.json").read_text())["backend"] == "flower-superlink"
+    assert json.loads((in_process / "summary.json").read_text())["backend"] == "in-process"
+    files = {p: p.read_bytes() for p in deployed.rglob("*") if p.is_file()}
+    for backend in ([], ["--set", "engine.backend=in-process"], ["--set", "engine.backend=flower"]):
+        res = CliRunner().invoke(cli, ["federate", "--no-progress", "--resume", str(deployed), "--set", "engine.rounds=3",
+                                       *backend])
+        lines = [ln for ln in res.output.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1, res.output
+        assert f"--resume: ran on a SuperLink (rafl flower-app): its client states are on the SuperNodes' disks" in lines[0]
+        assert lines[0].endswith(f"flwr run <app> <federation> --run-config \"resume='{deployed.resolve()}'\"")
+    assert {p: p.read_bytes() for p in deployed.rglob("*") if p.is_file()} == files
+    with pytest.raises(UserInputError, match=r"run_config.resume: ran in-process or on the Simulation Runtime: .* "
+                                             f"rafl federate --resume {in_process}$"):
+        flower._load_from_run_config({"resume": str(in_process)})
 
 
 def test_flower_app_command_writes_the_app_once(tmp_path):
@@ -462,6 +509,7 @@ def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, s
     sn = ["--set", f"supernet.path={supernet_dir}"]
     _federate(["--out", str(tmp_path), "--set", "name=sim", *sn, *ARGS, "--set", "engine.backend=flower"])
     assert _rows(tmp_path / "sim") == _rows(in_process)
+    assert json.loads((tmp_path / "sim" / "summary.json").read_text())["backend"] == "flower-simulation"
     _federate(["--out", str(tmp_path), "--set", "name=half", *sn, *ARGS, "--set", "engine.backend=flower",
                "--set", "engine.rounds=1"])
     _federate(["--resume", str(tmp_path / "half"), "--set", "engine.rounds=2", "--set", "engine.backend=in-process"])
@@ -502,6 +550,10 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     assert _rows(run_dir) == _rows(in_process)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final"] == json.loads((in_process / "summary.json").read_text())["final"]
+    import yaml
+
+    assert summary["backend"] == "flower-superlink"  # and rafl federate --resume refuses it (the states are below)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["backend"] == "flower"
     states = sorted(p.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st"))  # the nodes' own disk
     assert states == ["0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]
     (folder,) = {p.parent.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st")}
@@ -511,8 +563,6 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     with flower.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600, run_config=f"resume='{run_dir}' rounds=3")
         assert run.completed, (run, fleet.logs()[-4000:])
-    import yaml
-
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["rounds"] == 3
     shutil.copytree(in_process, tmp_path / "ref3")
     _federate(["--resume", str(tmp_path / "ref3"), "--set", "engine.rounds=3"])

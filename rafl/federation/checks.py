@@ -117,6 +117,37 @@ def check_resume_rounds(run_dir: str | Path, rounds: int, field: str) -> int:
     return done
 
 
+#: the ``clients.json`` key of a run made by the Flower App on a SuperLink (``rafl flower-app``):
+#: ``{"backend": "flower", "runtime": "superlink", "client_states": ...}``. Its client states
+#: are on the SuperNodes' disks, not in the run dir's ``clients/``: only the App can resume it.
+DEPLOYMENT = "deployment"
+
+
+def deployment_of(run_dir: str | Path) -> dict[str, Any] | None:
+    """The :data:`DEPLOYMENT` record of ``run_dir``'s ``clients.json``; None for a run made
+    in-process or on the Simulation Runtime (or without a readable ``clients.json``)."""
+    try:
+        record = json.loads((Path(run_dir) / "clients.json").read_text()).get(DEPLOYMENT)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def check_resumable_here(run_dir: str | Path, field: str = "--resume") -> None:
+    """Refuse to resume in this process (in-process or on the Simulation Runtime) a run made by
+    the Flower App on a SuperLink: its client states are on the SuperNodes' disks, so the first
+    sampled client would stop the run with a missing state file.
+
+    Raises:
+        UserInputError: naming the ``flwr run`` command that resumes it."""
+    if deployment_of(run_dir) is None:
+        return
+    where = Path(run_dir).resolve()
+    raise UserInputError(f"ran on a SuperLink (rafl flower-app): its client states are on the SuperNodes' disks, not in "
+                         f"the run dir; resume it with the Flower App: flwr run <app> <federation> --run-config "
+                         f"\"resume='{where}'\"", source=run_dir, field=field)
+
+
 #: the columns of a run's ``clients.json`` that a resumed run must reproduce (its data split and models)
 SAME_CLIENT_KEYS = ("client", "n_train", "n_test", "model", "arch", "profile")
 
@@ -159,4 +190,5 @@ def check_same_clients(run_dir: str | Path, table: list[dict[str, Any]], partiti
 
 
 __all__ = ["check_disjoint", "check_public_pool", "check_same_data", "check_clients_avoid_pool", "completed_rounds",
-           "check_resume_rounds", "SAME_CLIENT_KEYS", "check_same_clients"]
+           "check_resume_rounds", "SAME_CLIENT_KEYS", "check_same_clients", "DEPLOYMENT", "deployment_of",
+           "check_resumable_here"]

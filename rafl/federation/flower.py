@@ -65,6 +65,7 @@ Entry points:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -474,11 +475,19 @@ def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, pr
     checkpoint stays the last complete round."""
     from rafl.federation import pipeline
 
+    if prep.cfg.engine.backend != "flower":  # what the run dir's config.yaml records: it runs on Flower
+        cfg = prep.cfg.model_copy(update={"engine": prep.cfg.engine.model_copy(update={"backend": "flower"})})
+        prep = dataclasses.replace(prep, cfg=cfg)
     cfg = prep.cfg
     config_text = yaml.safe_dump(cfg.resolved(), sort_keys=True)
     timeout = float(cfg.engine.round_timeout_s)
     node_of = discover_nodes(grid, len(prep.federation.clients), max(timeout, 60.0), simulation=shared_disk, stop=stop)
     key = run_key_of(run_dir, cfg.resolved())
+    # on a SuperLink the nodes keep the client states on their own disks: the run dir says so
+    # (clients.json), and only the Flower App resumes it (rafl federate --resume refuses it)
+    deployment = None if shared_disk else {
+        "backend": "flower", "runtime": "superlink",
+        "client_states": f"on every SuperNode's disk, in <state-dir>/{key}/ (default ~/.cache/rafl/flower-states/{key}/)"}
 
     made: list[FlowerClients] = []
 
@@ -489,7 +498,8 @@ def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, pr
         return made[-1]
 
     try:
-        summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner)
+        summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner,
+                               backend="flower-simulation" if shared_disk else "flower-superlink", deployment=deployment)
     except BaseException:
         if made and not resume and not shared_disk and not (Path(run_dir) / "checkpoint.safetensors").is_file():
             try:  # no round completed: the nodes' states of this run can never be resumed
@@ -555,13 +565,20 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
     from rafl.config import load_run_config
     from rafl.federation import pipeline
 
+    from rafl.federation.checks import deployment_of
+
     rounds = int(run_config.get("rounds", 0) or 0)
-    overrides = [f"engine.rounds={rounds}"] if rounds > 0 else []
+    # the run dir's config.yaml records the backend it ran on (a resume rewrites it)
+    overrides = ["engine.backend=flower"] + ([f"engine.rounds={rounds}"] if rounds > 0 else [])
     resume = _absolute(run_config.get("resume"), "resume")
     if resume is not None:
         if not (resume / "checkpoint.safetensors").is_file():
             raise UserInputError("is not a rafl run dir with a checkpoint (nothing to resume)", source=resume,
                                  field="run_config.resume")
+        if deployment_of(resume) is None and any((resume / "clients").glob("*.st")):
+            raise UserInputError("ran in-process or on the Simulation Runtime: its client states are in its clients/ "
+                                 "folder, which SuperNodes do not read; resume it with: rafl federate --resume "
+                                 f"{resume}", source=resume, field="run_config.resume")
         cfg = load_run_config(resume / "config.yaml", overrides)
         pipeline.check_resume_rounds(resume, cfg.engine.rounds, "run_config.rounds")
         return pipeline.prepare(cfg, progress=False), resume, True  # its config.yaml: rewritten once it succeeds

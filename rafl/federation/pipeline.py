@@ -29,14 +29,18 @@ from torch import nn
 from rafl.config import RunConfig
 from rafl.errors import UserInputError, warn
 from rafl.federation.algorithms import ClientInfo, ServerContext, get_algorithm
-from rafl.federation.checks import (check_clients_avoid_pool, check_disjoint, check_public_pool, check_resume_rounds,
-                                    check_same_clients, check_same_data, completed_rounds)
+from rafl.federation.checks import (DEPLOYMENT, check_clients_avoid_pool, check_disjoint, check_public_pool,
+                                    check_resumable_here, check_resume_rounds, check_same_clients, check_same_data,
+                                    completed_rounds)
 from rafl.federation.engine import Engine, EngineConfig, Federation, participation
 from rafl.io import atomic_write_json, atomic_write_yaml
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
 #: The public pool the quickstart supernet trained on (``carve_public_pool(labels, 0.3, seed=0)``).
 QUICKSTART_POOL = (0.3, 0)
+#: ``summary.json``'s ``backend``: this process, Flower's Simulation Runtime, or a Flower App on a
+#: SuperLink (``rafl flower-app``), whose nodes keep the client states on their own disks.
+BACKENDS = ("in-process", "flower-simulation", "flower-superlink")
 
 
 # ---------------------------------------------------------------------- models
@@ -599,18 +603,24 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
 
 
 def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
-        clients: Any = None) -> dict[str, Any]:
+        clients: Any = None, backend: str = "in-process", deployment: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the prepared federation in ``run_dir`` (created here unless resuming); returns the
-    summary extended with the per-client table (``summary["table"]``) and the means.
+    summary extended with the per-client table (``summary["table"]``), the means and the
+    ``backend`` that ran this session (:data:`BACKENDS`).
 
     ``clients``: the engine's client runner factory (:class:`~rafl.federation.engine.Engine`);
     None runs the clients in this process, or, with ``engine.backend: flower``, on Flower's
     Simulation Runtime (:func:`rafl.federation.flower.simulate`, which comes back here with its
-    runner).
+    runner). ``backend``: what the runner is, as ``summary.json`` names it. ``deployment``: the
+    runner keeps client states outside the run dir (a SuperLink's nodes); a new run records it in
+    ``clients.json`` (:data:`~rafl.federation.checks.DEPLOYMENT`), so ``rafl federate --resume``
+    refuses the run dir (:func:`~rafl.federation.checks.check_resumable_here`).
 
     Raises:
         UserInputError: resuming on other clients than the run started with (:func:`check_same_clients`)."""
     if resume:
+        if deployment is None:  # this process or the Simulation Runtime: the states must be in the run dir
+            check_resumable_here(run_dir, "resume")
         check_same_clients(run_dir, prep.clients_table, prep.cfg.partition.scheme)
     if clients is None and prep.cfg.engine.backend == "flower":
         from rafl.federation import flower
@@ -623,11 +633,13 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
                                  "another --out / name)", source=run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_yaml(run_dir / "config.yaml", prep.cfg.resolved())
-        atomic_write_json(run_dir / "clients.json", {"clients": prep.clients_table, **prep.extra})
+        atomic_write_json(run_dir / "clients.json", {"clients": prep.clients_table, **prep.extra,
+                                                     **({DEPLOYMENT: deployment} if deployment else {})})
     engine = Engine(prep.federation, prep.engine_config, run_dir, progress=progress, clients=clients)
     t0 = time.perf_counter()
     summary = engine.run(resume=resume)
     summary["wall_s"] = time.perf_counter() - t0
+    summary["backend"] = backend
     rows = []
     for row in prep.clients_table:
         accs = summary["clients"].get(str(row["client"]), {})
@@ -643,4 +655,4 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
 
 __all__ = ["prepare", "run", "check_resume_rounds", "build_federation", "build_group_federation",
            "load_data_and_partition", "engine_config", "check_public_pool", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
-           "largest_feasible", "model_macs_params", "completed_rounds", "fast_clone", "QUICKSTART_POOL"]
+           "largest_feasible", "model_macs_params", "completed_rounds", "fast_clone", "QUICKSTART_POOL", "BACKENDS"]
