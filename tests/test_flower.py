@@ -184,6 +184,29 @@ def test_flower_run_config_paths_must_be_absolute(tmp_path):
         flower._load_from_run_config({"resume": str(tmp_path)})
 
 
+@pytest.mark.parametrize("key, value, msg", [
+    ("rounds", -1, "run_config.rounds: is -1; allowed: 0 (the config's engine.rounds) or an integer >= 1"),
+    ("rounds", 2.7, "run_config.rounds: is 2.7; allowed: 0"),
+    ("rounds", "abc", "run_config.rounds: is 'abc'; allowed: 0"),
+    ("rounds", True, "run_config.rounds: is True; allowed: 0"),
+    ("resume", 0, "run_config.resume: is 0; allowed: an absolute path in quotes"),
+    ("config", 1.5, "run_config.config: is 1.5; allowed: an absolute path in quotes"),
+])
+def test_flower_run_config_values_of_the_wrong_kind_are_named(tmp_path, key, value, msg):
+    """`--run-config "rounds=-1"` used to be ignored (the YAML's rounds ran), 2.7 became 2, 'abc'
+    raised a bare ValueError, and `resume=0` meant no resume: each is one error naming the key."""
+    with pytest.raises(UserInputError) as err:
+        flower._load_from_run_config({"out": str(tmp_path), key: value})
+    assert str(err.value).startswith(msg), str(err.value)
+
+
+def test_flower_run_config_rounds_accepts_whole_numbers_and_out_must_be_a_folder(tmp_path):
+    assert [flower._run_config_rounds(v) for v in (0, 3, 3.0, "4")] == [0, 3, 3, 4]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserInputError, match="run_config.out: is a file; allowed: a new or existing folder"):
+        flower._load_from_run_config({"out": str(tmp_path / "file")})
+
+
 def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, deployed):
     from rafl.config import load_run_config
 

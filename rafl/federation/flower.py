@@ -543,14 +543,44 @@ rounds = 0            # > 0 sets engine.rounds (e.g. more rounds for a resumed r
 
 
 def _absolute(value: Any, key: str) -> Path | None:
-    text = str(value or "")
-    if not text:
+    """``run_config.<key>``: an absolute path, or None for a missing key or ``""``.
+
+    Raises:
+        UserInputError: a value that is not text (``resume=0`` used to mean no resume) or a
+            relative path."""
+    if value is None or value == "":
         return None
+    if not isinstance(value, str):
+        raise UserInputError(f"is {value!r}; allowed: an absolute path in quotes (--run-config \"{key}='/...'\"), "
+                             "or \"\"", field=f"run_config.{key}")
+    text = value
     path = Path(text).expanduser()
     if not path.is_absolute():
         raise UserInputError(f"is {text!r}; allowed: an absolute path (the ServerApp runs in the SuperLink's "
                              "process, not in your shell's folder)", field=f"run_config.{key}")
     return path
+
+
+def _run_config_rounds(value: Any) -> int:
+    """``run_config.rounds``: 0 (keep the config's ``engine.rounds``) or an integer >= 1 (a whole
+    float such as ``3.0``, or digits in quotes, count as that integer).
+
+    Raises:
+        UserInputError: anything else (``-1`` used to be ignored, ``2.7`` to become 2 and ``'abc'``
+            to raise a bare ``ValueError``)."""
+    rounds = None
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, int):
+        rounds = value
+    elif isinstance(value, float) and value.is_integer():
+        rounds = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        rounds = int(value)
+    if rounds is None or rounds < 0:
+        raise UserInputError(f"is {value!r}; allowed: 0 (the config's engine.rounds) or an integer >= 1",
+                             field="run_config.rounds")
+    return rounds
 
 
 def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
@@ -566,8 +596,9 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
     from rafl.federation import pipeline
 
     from rafl.federation.checks import deployment_of
+    from rafl.io import check_output_dir
 
-    rounds = int(run_config.get("rounds", 0) or 0)
+    rounds = _run_config_rounds(run_config.get("rounds", 0))
     # the run dir's config.yaml records the backend it ran on (a resume rewrites it)
     overrides = ["engine.backend=flower"] + ([f"engine.rounds={rounds}"] if rounds > 0 else [])
     resume = _absolute(run_config.get("resume"), "resume")
@@ -587,6 +618,7 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
     out = _absolute(run_config.get("out"), "out")
     if out is None:
         raise UserInputError("is empty; allowed: an absolute folder for run dirs", field="run_config.out")
+    check_output_dir(out, "run_config.out")  # a file, or a folder nothing can be created in: before any work
     name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = out / name
     if run_dir.exists() and any(run_dir.iterdir()):
