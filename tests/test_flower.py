@@ -177,6 +177,31 @@ def test_discover_nodes_names_the_clients_no_node_hosts(task_identity):
         flower.discover_nodes(grid, 2, timeout=0.5)
 
 
+def test_discover_nodes_names_a_node_whose_partition_id_is_out_of_range_at_once(task_identity, capsys):
+    """Node 22 started with partition-id=3 num-partitions=2 used to be accepted (hosting clients 3,
+    5, ... of a larger run) and the run to fail after the timeout blaming only the missing client 1;
+    the error now names the node, without waiting. A node config that is no integer (the node's
+    query used to fail, and the server to ask again until the timeout) is named the same way."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(UserInputError, match=r"^node_config.partition-id: node 22 has partition-id=3 with "
+                                             r"num-partitions=2; allowed: 0..1; restart it with --node-config"):
+        flower.discover_nodes(FakeGrid(_query_handler({11: (0, 2), 22: (3, 2)})), 4, timeout=60)
+    with pytest.raises(UserInputError, match=r"node 11 has num-partitions=0; allowed: an integer >= 1"):
+        flower.discover_nodes(FakeGrid(_query_handler({11: (0, 0)}), nodes=[11]), 2, timeout=60)
+    grid = DirectGrid(2)
+    grid.contexts[2].node_config["partition-id"] = "one"
+    with pytest.raises(UserInputError, match=r"^node_config: node 2: partition-id='one' is not an integer; restart it"):
+        flower.discover_nodes(grid, 2, timeout=60)
+    assert time.monotonic() - t0 < 30  # not after the 60 s timeout
+    # a valid partition-id beyond the run's clients hosts nothing: the run goes on, with a warning
+    three = {11: (0, 3), 22: (1, 3), 33: (2, 3)}
+    node_of = flower.discover_nodes(FakeGrid(_query_handler(three), nodes=three), 2, timeout=60)
+    assert node_of == {0: 11, 1: 22}
+    assert "warning: node 33 (partition-id=2 num-partitions=3) hosts none of the run's 2 clients" in capsys.readouterr().err
+
+
 def test_flower_run_config_paths_must_be_absolute(tmp_path):
     with pytest.raises(UserInputError, match=r"run_config.config: is 'run.yaml'; allowed: an absolute path"):
         flower._load_from_run_config({"config": "run.yaml", "out": str(tmp_path)})

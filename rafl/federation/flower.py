@@ -77,7 +77,7 @@ from typing import Any
 
 import yaml
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, warn
 from rafl.federation.engine import Federation
 from rafl.federation.flower_fleet import FleetRun, LocalFleet
 from rafl.federation.payload import Payload
@@ -202,6 +202,26 @@ def node_name(node_of: dict[int, int], cid: int) -> str:
     return node_of.name(cid) if isinstance(node_of, NodeMap) else f"node {node_of[cid]}"
 
 
+def partition_of(rec: Any, nid: int) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from node ``nid``'s answer to the node-config query.
+
+    Raises:
+        UserInputError: a node config that is not integers, or a partition-id outside
+            0..num-partitions-1 (node 1 of ``partition-id=3 num-partitions=2`` used to host clients
+            3, 5, ... of the server's list, and the run to fail naming only the clients it missed)."""
+    fix = "restart it with --node-config \"partition-id=I num-partitions=P\", I in 0..P-1"
+    if "node_config_error" in rec:
+        raise UserInputError(f"node {nid}: {rec['node_config_error']}; {fix}", field="node_config")
+    pid, parts = int(rec["partition-id"]), int(rec["num-partitions"])
+    if parts < 1:
+        raise UserInputError(f"node {nid} has num-partitions={parts}; allowed: an integer >= 1; {fix}",
+                             field="node_config.num-partitions")
+    if not 0 <= pid < parts:
+        raise UserInputError(f"node {nid} has partition-id={pid} with num-partitions={parts}; allowed: 0..{parts - 1}; "
+                             f"{fix}", field="node_config.partition-id")
+    return pid, parts
+
+
 def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: bool = False,
                    stop: threading.Event | None = None) -> dict[int, int]:
     """Map every client id of the population to the node that hosts it (a :class:`NodeMap`).
@@ -228,8 +248,11 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: boo
         for reply in grid.pull_messages(list(asked)) if asked else []:
             nid = asked.pop(reply.metadata.reply_to_message_id, None)
             if nid is not None and not reply.has_error():  # a node that failed is asked again
-                rec = reply.content.config_records[CONTROL]
-                seen[nid] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+                seen[nid] = partition_of(reply.content.config_records[CONTROL], nid)  # a bad node config: at once
+                if seen[nid][0] >= n_clients:
+                    warn(f"node {nid} (partition-id={seen[nid][0]} num-partitions={seen[nid][1]}) hosts none of the "
+                         f"run's {n_clients} clients: with num-partitions > {n_clients}, partition-ids "
+                         f"{n_clients}..{seen[nid][1] - 1} stay idle")
         node_of: dict[int, int] = {}
         for nid, (pid, parts) in sorted(seen.items()):
             for cid in range(pid, n_clients, max(1, parts)):
@@ -303,8 +326,11 @@ class FlowerClients:
             replies, lost = _exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop)
             self._unanswered.update(lost)
             for nid, reply in replies.items():
-                rec = reply.content.config_records[CONTROL]
-                parts[nid] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+                try:
+                    parts[nid] = partition_of(reply.content.config_records[CONTROL], nid)
+                except UserInputError as err:  # a node that joined with a bad config hosts nothing; the run goes on
+                    warn(f"{err}; it takes no clients")
+                    self._unanswered.add(nid)
         for cid, old in list(self.node_of.items()):
             if old in listed:
                 continue
@@ -701,6 +727,7 @@ __all__ = [
     "client_app",
     "discover_nodes",
     "NodeMap",
+    "partition_of",
     "payload_to_records",
     "records_to_payload",
     "run_key_of",

@@ -112,6 +112,24 @@ def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
     return handler
 
 
+def _integer(node_config: dict[str, Any], key: str, default: int) -> int:
+    """The node config's ``key`` as an integer (Flower passes ``--node-config`` values through as
+    typed: ``partition-id=1`` is an int, ``partition-id=a`` a string).
+
+    Raises:
+        ValueError: a value that is not a whole number, named with the key."""
+    value = node_config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{key}={value!r} is not an integer")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is not an integer") from None
+    if not number.is_integer():
+        raise ValueError(f"{key}={value!r} is not an integer")
+    return int(number)
+
+
 def _make_client_app() -> Any:
     """rafl's ClientApp: the node-config / commit / discard queries and the two client steps."""
     from flwr.clientapp import ClientApp
@@ -135,9 +153,11 @@ def _make_client_app() -> Any:
             if folder.name == str(ctl["run_key"]):  # never a folder the server named (a run dir's clients/)
                 shutil.rmtree(folder, ignore_errors=True)
             return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
-        return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({
-            "partition-id": int(nc.get("partition-id", 0)), "num-partitions": int(nc.get("num-partitions", 1))})}),
-            reply_to=msg)
+        try:
+            answer = {"partition-id": _integer(nc, "partition-id", 0), "num-partitions": _integer(nc, "num-partitions", 1)}
+        except ValueError as err:  # the server names this node and stops: its clients would stay unhosted
+            answer = {"node_config_error": str(err)}
+        return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord(answer)}), reply_to=msg)
 
     capp.train()(_node_handler(w.TRAIN))
     capp.evaluate()(_node_handler(w.EVALUATE))
