@@ -195,8 +195,8 @@ class EngineSection(_Strict):
     backend: Literal["in-process", "flower"] = Field(
         "in-process", description="in-process (clients run one after the other in this process) or flower "
         "(Flower's Simulation Runtime: every client step a ClientApp on a virtual SuperNode; needs rafl[flower])")
-    supernodes: int | None = Field(None, ge=1, description="an integer >= 1 (flower: virtual SuperNodes; null = "
-                                   "one per client)")
+    supernodes: int | None = Field(None, ge=1, description="an integer in 1..clients.n (flower: virtual SuperNodes "
+                                   "of the Simulation Runtime; null = one per client; ignored in-process)")
     round_timeout_s: float = Field(3600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
                                    "then loses its clients for the round)")
 

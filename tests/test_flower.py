@@ -303,6 +303,26 @@ def test_flower_app_checks_the_run_config_before_writing(tmp_path, text, msg):
     assert not (tmp_path / "app").exists()
 
 
+def test_more_virtual_supernodes_than_clients_is_an_error_before_anything_is_written(tmp_path, supernet_dir,
+                                                                                    monkeypatch):
+    """engine.supernodes=4 with 3 clients used to run with an idle virtual SuperNode (exit 0): an
+    error naming the allowed range now, before the Simulation Runtime starts and with no run dir."""
+    import flwr.simulation
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError(f"the Simulation Runtime started with {kwargs.get('num_supernodes')} virtual SuperNodes")
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", no_ray)
+    res = CliRunner().invoke(cli, ["federate", "--no-progress", "--out", str(tmp_path / "runs"), "--set", "name=r",
+                                   "--set", f"supernet.path={supernet_dir}", *ARGS, "--set", "engine.backend=flower",
+                                   "--set", "engine.supernodes=4"])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert lines[0] == ("error: engine.supernodes: is 4 but the run has 3 clients; allowed: 1..3 (virtual SuperNode I "
+                        "hosts clients I, I+P, I+2P, ...), or null for one per client")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_compare_refuses_the_flower_backend(tmp_path):
     res = CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", "--set", "engine.backend=flower",
                                    "--out", str(tmp_path / "cmp")])

@@ -80,8 +80,15 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     within seconds).
 
     Raises:
-        UserInputError: anything the run raises (re-raised from the ServerApp), or a run that
-            ended without a summary (the Simulation Runtime's own failure)."""
+        UserInputError: ``engine.supernodes`` above the number of clients (before Ray starts),
+            anything the run raises (re-raised from the ServerApp), or a run that ended without a
+            summary (the Simulation Runtime's own failure)."""
+    n_clients = len(prep.federation.clients)
+    n_nodes = prep.cfg.engine.supernodes or n_clients
+    if n_nodes > n_clients:  # virtual node I hosts clients I, I+P, ...: those beyond the clients would idle
+        raise UserInputError(f"is {n_nodes} but the run has {n_clients} clients; allowed: 1..{n_clients} (virtual "
+                             "SuperNode I hosts clients I, I+P, I+2P, ...), or null for one per client",
+                             field="engine.supernodes")
     # Ray's driver installs abseil's failure-signal handler, which takes SIGTERM over: it prints a
     # stack dump and aborts the process (exit 134) after rafl's handler has run, instead of the
     # 143 every other backend exits with. rafl handles the signals itself. Ray reads the switch
@@ -110,7 +117,6 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
         except BaseException as err:  # re-raised in the caller's thread below
             out["error"] = err
 
-    n_nodes = prep.cfg.engine.supernodes or len(prep.federation.clients)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     quiet = _Quiet()
     before = set(threading.enumerate())
