@@ -120,9 +120,9 @@ def main() -> None:
                      f"{r['final_acc']:.4f} | {'yes' if same else 'NO'} |")
     lines += ["", "Metrics compared: every column of `metrics.jsonl` except the `time*` columns (accuracies, "
               "bytes up/down, failures), every round.",
-              f"Deployment: per round one train and one evaluate message per node, each carrying all the "
-              f"node's clients; each message starts a `flwr-clientapp` process that imports torch and rebuilds "
-              f"the federation from the run config (~6 s here), most of a round's time on this small model.",
+              "Deployment: per round one train and one evaluate message per node, each carrying all the "
+              "node's clients; each message starts a `flwr-clientapp` process that imports torch and rebuilds "
+              "the federation from the run config (~6 s here), most of a round's time on this small model.",
               "History (same command, same machine): 28.43x with one message per client and one Flower array "
               "per tensor (rafl: 231 tensors per knowledge network, each moved as its own object through the SuperLink); 16.50x "
               "with one message per node. Now: one array per payload (its safetensors blob)."]

@@ -270,7 +270,7 @@ def test_a_superlink_run_records_its_backend_and_rafl_federate_resume_refuses_it
                                        *backend])
         lines = [ln for ln in res.output.splitlines() if ln.strip()]
         assert res.exit_code == 2 and len(lines) == 1, res.output
-        assert f"--resume: ran on a SuperLink (rafl flower-app): its client states are on the SuperNodes' disks" in lines[0]
+        assert "--resume: ran on a SuperLink (rafl flower-app): its client states are on the SuperNodes' disks" in lines[0]
         assert lines[0].endswith(f"flwr run <app> <federation> --run-config \"resume='{deployed.resolve()}'\"")
     assert {p: p.read_bytes() for p in deployed.rglob("*") if p.is_file()} == files
     with pytest.raises(UserInputError, match=r"run_config.resume: ran in-process or on the Simulation Runtime: .* "
