@@ -587,22 +587,29 @@ def _absolute(value: Any, key: str) -> Path | None:
     return path
 
 
+def whole_number(value: Any) -> int | None:
+    """``value`` of a Flower run config or node config as an integer: an int, a whole float
+    (``3.0``) or a number in quotes (``'4'``; Flower passes values through as typed); None for
+    anything else (a bool, ``2.7``, ``'abc'``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() else None
+
+
 def _run_config_rounds(value: Any) -> int:
-    """``run_config.rounds``: 0 (keep the config's ``engine.rounds``) or an integer >= 1 (a whole
-    float such as ``3.0``, or digits in quotes, count as that integer).
+    """``run_config.rounds``: 0 (keep the config's ``engine.rounds``) or an integer >= 1
+    (:func:`whole_number`).
 
     Raises:
         UserInputError: anything else (``-1`` used to be ignored, ``2.7`` to become 2 and ``'abc'``
             to raise a bare ``ValueError``)."""
-    rounds = None
-    if isinstance(value, bool):
-        pass
-    elif isinstance(value, int):
-        rounds = value
-    elif isinstance(value, float) and value.is_integer():
-        rounds = int(value)
-    elif isinstance(value, str) and value.strip().isdigit():
-        rounds = int(value)
+    rounds = whole_number(value)
     if rounds is None or rounds < 0:
         raise UserInputError(f"is {value!r}; allowed: 0 (the config's engine.rounds) or an integer >= 1",
                              field="run_config.rounds")
@@ -728,6 +735,7 @@ __all__ = [
     "discover_nodes",
     "NodeMap",
     "partition_of",
+    "whole_number",
     "payload_to_records",
     "records_to_payload",
     "run_key_of",

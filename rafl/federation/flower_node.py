@@ -113,21 +113,17 @@ def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
 
 
 def _integer(node_config: dict[str, Any], key: str, default: int) -> int:
-    """The node config's ``key`` as an integer (Flower passes ``--node-config`` values through as
-    typed: ``partition-id=1`` is an int, ``partition-id=a`` a string).
+    """The node config's ``key`` as an integer (:func:`rafl.federation.flower.whole_number`).
 
     Raises:
         ValueError: a value that is not a whole number, named with the key."""
+    from rafl.federation.flower import whole_number
+
     value = node_config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    number = whole_number(value)
+    if number is None:
         raise ValueError(f"{key}={value!r} is not an integer")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{key}={value!r} is not an integer") from None
-    if not number.is_integer():
-        raise ValueError(f"{key}={value!r} is not an integer")
-    return int(number)
+    return number
 
 
 def _make_client_app() -> Any:
