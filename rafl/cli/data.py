@@ -128,7 +128,7 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
     labels = ds.labels.numpy()
     part = make_partition(labels, scheme, clients, seed, k=k, alpha=alpha, min_samples=min_samples,
                           public_fraction=public_fraction, public_seed=public_seed, writers=ds.writers,
-                          split=split, dataset=dataset)
+                          split=split, dataset=dataset, origin=ds.origin)
     if limit_per_class is not None:
         part.meta["limit_per_class"] = limit_per_class
     counts = part.class_counts(labels, ds.num_classes)

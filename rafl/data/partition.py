@@ -274,13 +274,21 @@ def _check_disjoint(part: Partition, path: Path | str | None) -> None:
 # public pool
 
 
-def carve_public_pool(labels: np.ndarray, fraction: float, seed: int = 0) -> np.ndarray:
+def carve_public_pool(labels: np.ndarray, fraction: float, seed: int = 0,
+                      origin: np.ndarray | None = None) -> np.ndarray:
     """Stratified server-side public pool: ``round(fraction * n_c)`` random samples of every class c.
+
+    The pool is drawn from the source's *train* split only (``origin == "train"``, where ``n_c``
+    counts class c's train samples), so a supernet trained on it never sees the source's test split
+    (CIFAR's 10,000 test images stay out of it). Datasets without an official split (digits) have
+    every sample ``origin == "train"``, where this is the same as drawing from all samples.
 
     Args:
         labels: int (N,) class labels of the whole dataset.
-        fraction: share of every class that goes to the pool, ``0 <= fraction < 1``.
+        fraction: share of every class (of its train-split samples) that goes to the pool, ``0 <= fraction < 1``.
         seed: seed of the pool's own ``numpy.random.Generator`` (independent of the partition seed).
+        origin: (N,) str ``"train"``/``"test"`` (:attr:`rafl.data.Dataset.origin`); None = every
+            sample may go to the pool.
 
     Returns:
         sorted int64 (M,) indices, deterministic for ``(labels, fraction, seed)``; empty if fraction is 0.
@@ -294,10 +302,13 @@ def carve_public_pool(labels: np.ndarray, fraction: float, seed: int = 0) -> np.
         raise UserInputError(f"is {fraction}, allowed 0 <= fraction < 1", field="public_fraction")
     if fraction == 0.0 or len(labels) == 0:
         return np.zeros(0, dtype=np.int64)
+    if origin is not None and len(np.asarray(origin)) != len(labels):
+        raise UserInputError(f"has {len(np.asarray(origin))} entries for {len(labels)} labels", field="origin")
+    eligible = np.ones(len(labels), dtype=bool) if origin is None else (np.asarray(origin) == "train")
     rng = np.random.default_rng(seed)
     picked = []
     for c in np.unique(labels):
-        idx = np.flatnonzero(labels == c)
+        idx = np.flatnonzero((labels == c) & eligible)
         n_pub = int(round(fraction * len(idx)))
         picked.append(rng.permutation(idx)[:n_pub])
     return np.sort(np.concatenate(picked)).astype(np.int64)
@@ -490,7 +501,8 @@ def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
 def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed: int, *, k: int | None = None,
                    alpha: float | None = None, min_samples: int = 10, public_fraction: float = 0.0,
                    public_seed: int = 0, writers: np.ndarray | None = None,
-                   split: tuple[float, float, float] = (0.8, 0.1, 0.1), dataset: str | None = None) -> Partition:
+                   split: tuple[float, float, float] = (0.8, 0.1, 0.1), dataset: str | None = None,
+                   origin: np.ndarray | None = None) -> Partition:
     """Partition a dataset over ``n_clients`` federated clients (scheme details: module docstring).
 
     Args:
@@ -507,6 +519,8 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         writers: (N,) writer ids, required by ``natural``.
         split: per-client (train, val, test) fractions, default 8:1:1 (:func:`split_client`).
         dataset: dataset name recorded in ``meta``.
+        origin: (N,) ``"train"``/``"test"`` of every sample: the public pool is drawn from the train
+            split only (:func:`carve_public_pool`); None = from every sample.
 
     Returns:
         :class:`Partition`; disjoint client index sets, complete over the non-public indices for
@@ -538,7 +552,7 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         n_clients = _check_int(n_clients, "n_clients", 1)
     n_classes = int(labels.max()) + 1 if n_total else 0
 
-    public = carve_public_pool(labels, public_fraction, public_seed)
+    public = carve_public_pool(labels, public_fraction, public_seed, origin)
     mask = np.ones(n_total, dtype=bool)
     mask[public] = False
     pool = np.flatnonzero(mask).astype(np.int64)

@@ -74,7 +74,8 @@ def check_same_data(cfg: RunConfig, trained: dict[str, Any], what: str) -> None:
                 "this data", field=f"data.{key}")
 
 
-def check_clients_avoid_pool(partition, labels: np.ndarray, pool: tuple[float, int], source: str) -> None:
+def check_clients_avoid_pool(partition, labels: np.ndarray, pool: tuple[float, int], source: str,
+                             origin: np.ndarray | None = None) -> None:
     """Refuse a partition whose clients hold images of the public pool the supernet trained on,
     ``carve_public_pool(labels, *pool)``: their test accuracy would be measured on training images.
     For a saved partition (``file:``), whose own pool need not be the config's ``public_fraction``.
@@ -85,7 +86,7 @@ def check_clients_avoid_pool(partition, labels: np.ndarray, pool: tuple[float, i
     """
     from rafl.data import carve_public_pool
 
-    trained = carve_public_pool(labels, pool[0], pool[1])
+    trained = carve_public_pool(labels, pool[0], pool[1], origin)
     held = np.concatenate([np.asarray(getattr(c, s), dtype=np.int64) for c in partition.clients
                            for s in ("train", "val", "test")] or [np.zeros(0, np.int64)])
     leaked = np.intersect1d(held, trained)

@@ -470,7 +470,7 @@ def load_data_and_partition(cfg: RunConfig, progress: bool = True):
         part = make_partition(labels, p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
                               k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
                               public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
-                              split=tuple(p.split), dataset=ds.name)
+                              split=tuple(p.split), dataset=ds.name, origin=ds.origin)
     except UserInputError as err:
         from rafl.config import partition_error
 
@@ -565,7 +565,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     supernet, supernet_id, pool = _load_supernet(cfg, ds, progress)
     p = cfg.partition
     if pool is not None and p.scheme.startswith("file:"):  # a saved split: check its clients' indices themselves
-        check_clients_avoid_pool(part, ds.labels.numpy(), pool, p.scheme[len("file:"):])
+        check_clients_avoid_pool(part, ds.labels.numpy(), pool, p.scheme[len("file:"):], ds.origin)
     elif pool is not None and (abs(pool[0] - p.public_fraction) > 1e-12 or pool[1] != p.public_seed):
         raise UserInputError(
             f"the supernet trained on the public pool carve_public_pool(labels, {pool[0]}, seed={pool[1]}); "

@@ -1,7 +1,7 @@
 """The server's data for supernet training: the public pool only, plus a held-out test sample.
 
 No leakage into clients: the supernet trains on ``carve_public_pool(labels, public_fraction,
-public_seed)`` (the same pool :func:`rafl.data.make_partition` withholds from the clients). The pool
+public_seed, origin)`` (drawn from the source's train split only) (the same pool :func:`rafl.data.make_partition` withholds from the clients). The pool
 is split, stratified and deterministically, into pool-train (what the supernet learns from, and
 what BN recalibration uses) and server-val (per-phase validation). Test accuracy is measured on
 samples the supernet never trained on: non-pool samples of the source's own test split when it
@@ -66,7 +66,7 @@ def server_split(dataset: Dataset, public_fraction: float = 0.3, public_seed: in
                              "on the public pool)", field="public_fraction")
     if not 0.0 <= val_fraction < 1.0:
         raise UserInputError(f"is {val_fraction}, allowed 0 <= fraction < 1", field="val_fraction")
-    pool = carve_public_pool(labels, public_fraction, public_seed)
+    pool = carve_public_pool(labels, public_fraction, public_seed, dataset.origin)
     rng = np.random.default_rng([public_seed, 90_10])
     pool_val, pool_train = _stratified_take(pool, labels, val_fraction, rng)
     if len(pool_train) < 2:
