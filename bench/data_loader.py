@@ -46,7 +46,7 @@ def main() -> None:
     ds = load_dataset("digits")
     part = make_partition(ds.labels.numpy(), "iid", 2, seed=0)
     idx = part.clients[0].train
-    plain = DataLoader(Subset(TensorDataset(ds.images, ds.labels), idx.tolist()), batch_size=args.batch,
+    plain = DataLoader(Subset(TensorDataset(ds.images[:], ds.labels), idx.tolist()), batch_size=args.batch,
                        shuffle=True, generator=torch.Generator().manual_seed(0))
     ours = make_loader(ds, idx, args.batch, shuffle=True, seed=0)
 

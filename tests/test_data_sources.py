@@ -78,8 +78,8 @@ def test_digits_form():
     assert ds.labels.dtype == torch.int64 and ds.labels.shape == (1797,)
     assert ds.classes == [str(d) for d in range(10)] and ds.num_classes == 10
     assert ds.writers is None and set(ds.origin) == {"train"}
-    assert torch.allclose(ds.images.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-4)
-    assert torch.allclose(ds.images.std(dim=(0, 2, 3)), torch.ones(3), atol=1e-3)
+    assert torch.allclose(ds.images[:].mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-4)
+    assert torch.allclose(ds.images[:].std(dim=(0, 2, 3)), torch.ones(3), atol=1e-3)
     assert torch.equal(ds.images[:, 0], ds.images[:, 2])  # grayscale repeated to 3 channels
     small = load_dataset("digits", resolution=24, limit_per_class=5)
     assert small.images.shape == (50, 3, 24, 24)
@@ -93,7 +93,7 @@ def test_cifar10_pickle_batches_exact_pixels(tmp_path):
         assert ds.images.shape == (len(labels), 3, 32, 32) and ds.classes == CIFAR10_CLASSES
         assert np.array_equal(ds.labels.numpy(), labels)
         assert (ds.origin == "train").sum() == 5 * 10 * PER_BATCH and (ds.origin == "test").sum() == 10 * PER_BATCH
-        assert np.array_equal(_denorm(ds.images, CIFAR10_MEAN, CIFAR10_STD), imgs)
+        assert np.array_equal(_denorm(ds.images[:], CIFAR10_MEAN, CIFAR10_STD), imgs)
     limited = load_dataset("cifar10", tmp_path, limit_per_class=2)
     assert len(limited) == 2 * 10 * 2  # 2 per class in train and in test
     for split in ("train", "test"):
@@ -105,7 +105,7 @@ def test_cifar10_pickles_in_tarball(tmp_path):
     tgz = _tar(tmp_path / "src" / "cifar-10-batches-py", "cifar-10-batches-py", tmp_path / "cifar-10-python.tar.gz")
     ds = load_dataset("cifar10", tgz)
     assert np.array_equal(ds.labels.numpy(), labels)
-    assert np.array_equal(_denorm(ds.images, CIFAR10_MEAN, CIFAR10_STD), imgs)
+    assert np.array_equal(_denorm(ds.images[:], CIFAR10_MEAN, CIFAR10_STD), imgs)
 
 
 def test_cifar10_image_folder_png_exact_and_layouts(tmp_path):
@@ -115,7 +115,7 @@ def test_cifar10_image_folder_png_exact_and_layouts(tmp_path):
         ds = load_dataset("cifar10", root)
         assert len(ds) == 50 and ds.classes == CIFAR10_CLASSES
         assert list(ds.origin[:30]) == ["train"] * 30 and list(ds.origin[30:]) == ["test"] * 20
-        pix = _denorm(ds.images, CIFAR10_MEAN, CIFAR10_STD)
+        pix = _denorm(ds.images[:], CIFAR10_MEAN, CIFAR10_STD)
         assert np.array_equal(pix[0], written[("train", "airplane")][0])
         assert np.array_equal(pix[30 + 2 * 9 + 1], written[("test", "truck")][1])
         assert ds.labels.numpy()[:30].tolist() == np.repeat(np.arange(10), 3).tolist()
@@ -127,7 +127,7 @@ def test_cifar10_jpeg_folder_tarball_with_limit(tmp_path):
     ds = load_dataset("cifar10", tgz, limit_per_class=3)
     assert len(ds) == 10 * 3 + 10 * 2
     assert np.bincount(ds.labels.numpy()[ds.origin == "train"]).tolist() == [3] * 10
-    assert torch.isfinite(ds.images).all()
+    assert torch.isfinite(ds.images[:]).all()
     # a folder that holds the tarball under its usual name also works
     assert len(load_dataset("cifar10", tmp_path, limit_per_class=3)) == 50
 
@@ -178,7 +178,7 @@ def test_femnist_leaf_json_and_natural_partition(tmp_path):
     native = load_dataset("femnist", root, resolution=28)  # the data/ folder itself; 28x28 = native
     assert native.images.shape == (59, 1, 28, 28)
     cached = load_dataset("femnist", root, resolution=28)  # from the uint8 cache
-    assert torch.equal(cached.images, native.images) and np.array_equal(cached.writers, native.writers)
+    assert torch.equal(cached.images[:], native.images[:]) and np.array_equal(cached.writers, native.writers)
     assert len(list(cache_dir().glob("datasets/femnist-*.npz"))) == 2  # one per root
     first = json.loads(next((root / "train").glob("*_0_*.json")).read_text())["user_data"]["f0000_14"]["x"][0]
     pix = native.images[0, 0] * native.std[0] + native.mean[0]
@@ -192,10 +192,10 @@ def test_shared_cifar10_subset(shared_cifar10_tarball):
     assert ds.images.shape == (100, 3, 32, 32) and ds.classes == CIFAR10_CLASSES
     assert np.bincount(ds.labels.numpy()[ds.origin == "train"]).tolist() == [5] * 10
     assert np.bincount(ds.labels.numpy()[ds.origin == "test"]).tolist() == [5] * 10
-    assert abs(float(ds.images.mean())) < 0.5 and 0.6 < float(ds.images.std()) < 1.4  # real photos, CIFAR stats
+    assert abs(float(ds.images[:].mean())) < 0.5 and 0.6 < float(ds.images[:].std()) < 1.4  # real photos, CIFAR stats
     assert len(list(cache_dir().glob("datasets/cifar10-*.npz"))) == 1
     again = load_dataset("cifar10", shared_cifar10_tarball, limit_per_class=5)  # from the uint8 cache
-    assert torch.equal(again.images, ds.images) and torch.equal(again.labels, ds.labels)
+    assert torch.equal(again.images[:], ds.images[:]) and torch.equal(again.labels, ds.labels)
     part = make_partition(ds.labels.numpy(), "pathological", 5, seed=0, k=2)
     assert ((part.class_counts(ds.labels.numpy()) > 0).sum(axis=1) == 2).all()
 
@@ -214,7 +214,7 @@ def test_cache_is_reused_and_keyed_by_source(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sources, "_decode_batches", no_decode)
     again = load_dataset("cifar10", tmp_path)  # served from the cache
-    assert torch.equal(again.images, first.images)
+    assert torch.equal(again.images[:], first.images[:])
     batch = tmp_path / "cifar-10-batches-py" / "data_batch_3"
     os.utime(batch, ns=(batch.stat().st_atime_ns, batch.stat().st_mtime_ns + 10**9))  # source changed
     with pytest.raises(AssertionError, match="decoded again"):
@@ -315,3 +315,50 @@ def test_make_loader_batches_and_determinism():
         make_loader(ds, idx, 0, False)
     with pytest.raises(UserInputError, match="out of range"):
         make_loader(ds, np.array([10_000]), 4, False)
+
+
+def test_images_stay_uint8_and_batches_equal_whole_normalization(tmp_path):
+    """CIFAR pixels stay uint8 in memory (1/4 of float32); every batch equals the whole-array
+    normalization bit for bit, whatever the index form."""
+    imgs, _ = write_cifar10_batches(tmp_path)
+    ds = load_dataset("cifar10", tmp_path)
+    assert ds.images.pixels.dtype == torch.uint8 and ds.images.dtype == torch.float32
+    assert ds.images.nbytes == imgs.size  # one byte per pixel and channel
+    m = torch.tensor(CIFAR10_MEAN).view(1, -1, 1, 1)
+    s = torch.tensor(CIFAR10_STD).view(1, -1, 1, 1)
+    whole = torch.from_numpy(imgs).permute(0, 3, 1, 2).float().mul_(1.0 / (255.0 * s)).add_(-m / s)
+    assert torch.equal(ds.images[:], whole)
+    idx = torch.tensor([5, 0, 17, 5])
+    assert torch.equal(ds.images[idx], whole[idx])
+    assert torch.equal(ds.images[3], whole[3]) and torch.equal(ds.images[2:9, 1], whole[2:9, 1])
+    sub = ds.images.take(np.array([4, 8, 15]))
+    assert sub.pixels.dtype == torch.uint8 and torch.equal(sub[:], whole[[4, 8, 15]])
+    loader = make_loader(ds, np.arange(20), batch_size=8, shuffle=False)
+    assert torch.equal(torch.cat([x for x, _ in loader]), whole[:20])
+    resized = load_dataset("cifar10", tmp_path, resolution=16)  # resized once, kept as uint8
+    assert resized.images.pixels.dtype == torch.uint8 and resized.images.shape[-1] == 16
+
+
+def test_digits_keep_float_pixels_and_normalize_per_batch():
+    ds = load_dataset("digits", resolution=16)
+    assert ds.images.pixels.dtype == torch.float32  # resized 8x8 originals are not integers
+    whole = ds.images[:]
+    assert torch.equal(ds.images[torch.arange(10, 20)], whole[10:20])
+
+
+def test_public_pool_comes_from_the_train_split_only(tmp_path):
+    from rafl.data import carve_public_pool
+    from rafl.supernet.server_data import server_split
+
+    write_cifar10_batches(tmp_path)
+    ds = load_dataset("cifar10", tmp_path)
+    labels = ds.labels.numpy()
+    pool = carve_public_pool(labels, 0.5, 0, ds.origin)
+    assert set(ds.origin[pool]) == {"train"}
+    n_train_per_class = np.bincount(labels[ds.origin == "train"])
+    assert np.bincount(labels[pool]).tolist() == [int(round(0.5 * n)) for n in n_train_per_class]
+    split = server_split(ds, public_fraction=0.5, test_samples=None)
+    assert np.array_equal(np.sort(np.concatenate([split.pool_train, split.pool_val])), pool)
+    assert np.array_equal(split.test, np.flatnonzero(ds.origin == "test"))  # the whole test split, untouched
+    part = make_partition(labels, "iid", 3, seed=0, public_fraction=0.5, origin=ds.origin)
+    assert np.array_equal(part.public, pool)

@@ -1,4 +1,10 @@
-"""Datasets in one documented form: normalized float32 images (N, C, H, W), int64 labels, class names.
+"""Datasets in one documented form: images (N, C, H, W) normalized per batch, int64 labels, class names.
+
+Pixels stay as compact as their source in memory: uint8 for CIFAR and FEMNIST (1/4 of float32:
+CIFAR-10 at 32 px is 184 MB instead of 737 MB), float32 for digits (8x8 originals resized to a
+non-integer grid, 5 MB). ``Dataset.images`` is an :class:`Images` view: indexing it
+(``ds.images[idx]``) returns the normalized float32 batch, computed by the same elementwise ops as
+a whole-array normalization would, so every batch is bit-identical to it.
 
 Supported (``load_dataset(name, root, resolution, limit_per_class)``):
 
@@ -44,14 +50,87 @@ FEMNIST_CLASSES = [str(d) for d in range(10)] + [chr(c) for c in range(ord("A"),
     chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
+class Images:
+    """A dataset's images, ``(N, C, H, W)``, kept as stored pixels and normalized on indexing.
+
+    Two storage forms:
+
+    * ``uint8`` pixels in 0..255: ``x = p * (1 / (255 std)) + (-mean / std)`` per channel;
+    * ``float32`` pixels in [0, 1]: ``x = (p - mean) / std`` per channel.
+
+    ``images[idx]`` (any index torch accepts on the first dimension, or a full ``[...]`` slice)
+    returns float32 normalized values; ``images.take(idx)`` returns another :class:`Images` over
+    the selected samples (no float copy). ``shape`` is the images' shape; ``dtype`` the dtype
+    indexing returns (float32); ``pixels`` the stored tensor; ``nbytes`` its size in bytes.
+    """
+
+    def __init__(self, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]):
+        if pixels.ndim != 4 or pixels.dtype not in (torch.uint8, torch.float32):
+            raise ValueError(f"pixels must be uint8 or float32 (N, C, H, W), got {pixels.dtype} {tuple(pixels.shape)}")
+        if len(mean) != pixels.shape[1] or len(std) != pixels.shape[1]:
+            raise ValueError(f"mean/std need {pixels.shape[1]} channels, got {len(mean)}/{len(std)}")
+        self.pixels = pixels
+        self.mean, self.std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
+        m = torch.tensor(self.mean, dtype=torch.float32).view(1, -1, 1, 1)
+        sd = torch.tensor(self.std, dtype=torch.float32).view(1, -1, 1, 1)
+        if pixels.dtype == torch.uint8:
+            self._a, self._b = 1.0 / (255.0 * sd), -m / sd  # x = p * a + b
+        else:
+            self._a, self._b = m, sd  # x = (p - a) / b
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(N, C, H, W)``."""
+        return self.pixels.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype indexing returns: float32."""
+        return torch.float32
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored pixels."""
+        return self.pixels.numel() * self.pixels.element_size()
+
+    def __len__(self) -> int:
+        return int(self.pixels.shape[0])
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Normalized float32 copy of stored-form ``pixels`` ``(B, C, H, W)`` (on their device)."""
+        x = pixels.to(torch.float32, copy=True)
+        a, b = self._a.to(x.device), self._b.to(x.device)
+        if self.pixels.dtype == torch.uint8:
+            return x.mul_(a).add_(b)
+        return x.sub_(a).div_(b)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        rest: tuple = ()
+        if isinstance(idx, tuple):  # (samples, channels, rows, cols): normalize the samples, then index the rest
+            idx, rest = idx[0], idx[1:]
+        if isinstance(idx, (int, np.integer)) or (torch.is_tensor(idx) and idx.ndim == 0):
+            i = int(idx) % max(1, len(self))
+            return self.normalize(self.pixels[i:i + 1])[0][rest]
+        x = self.normalize(self.pixels[idx])
+        return x[(slice(None), *rest)] if rest else x
+
+    def take(self, idx) -> Images:
+        """The samples ``idx`` (first dimension) as another :class:`Images`, same storage form."""
+        return Images(self.pixels[idx], self.mean, self.std)
+
+    def __repr__(self) -> str:
+        return f"Images({tuple(self.shape)}, stored {str(self.pixels.dtype).removeprefix('torch.')})"
+
+
 @dataclass
 class Dataset:
     """A whole dataset in memory, every sample pooled (partitioned later by :mod:`rafl.data.partition`).
 
     Attributes:
         name: ``"digits"``, ``"cifar10"``, ``"cifar100"`` or ``"femnist"``.
-        images: float32 (N, C, H, W), normalized per channel with ``mean``/``std``; C = 3 for
-            digits/CIFAR, 1 for FEMNIST; H = W = the requested resolution.
+        images: :class:`Images` (N, C, H, W): ``images[idx]`` is float32, normalized per channel
+            with ``mean``/``std``; C = 3 for digits/CIFAR, 1 for FEMNIST; H = W = the requested
+            resolution. Stored as uint8 (CIFAR, FEMNIST) or float32 (digits).
         labels: int64 (N,) class ids in ``0..num_classes-1``.
         classes: class names, position = class id.
         writers: (N,) str writer ids (FEMNIST), else None.
@@ -60,7 +139,7 @@ class Dataset:
     """
 
     name: str
-    images: torch.Tensor
+    images: Images
     labels: torch.Tensor
     classes: list[str]
     writers: np.ndarray | None
@@ -94,12 +173,6 @@ def _resize(x: torch.Tensor, resolution: int, chunk: int = 4096) -> torch.Tensor
     return out
 
 
-def _normalize(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-    return x.sub_(m).div_(s)
-
-
 def _channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
     xd = x.double()
     mean = tuple(float(v) for v in xd.mean(dim=(0, 2, 3)))
@@ -122,29 +195,40 @@ def _limit(labels: np.ndarray, origin: np.ndarray, limit_per_class: int | None) 
 def from_uint8(name: str, images_nhwc: np.ndarray, labels: np.ndarray, origin: np.ndarray, classes: list[str],
                resolution: int, mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
                writers: np.ndarray | None = None) -> Dataset:
-    """Build a :class:`Dataset` from uint8 (N, H, W, C) pixels: scale to [0, 1], resize, normalize.
+    """Build a :class:`Dataset` from uint8 (N, H, W, C) pixels, kept as uint8 (N, C, H, W).
 
-    ``mean``/``std`` None = computed on the resized images. With known ``mean``/``std`` the
-    conversion runs in chunks straight into the output (no full-size float temporaries).
+    At the source's own resolution the pixels are stored as they are; another ``resolution``
+    resizes them (bilinear, antialiased when shrinking) and rounds back to uint8, in chunks.
+    ``mean``/``std`` None = computed on the stored pixels (scale [0, 1]).
     """
     src = torch.from_numpy(np.ascontiguousarray(images_nhwc)).permute(0, 3, 1, 2)  # (N, C, H, W) uint8 view
-    if mean is None or std is None:
-        return _finish(name, src.float().div_(255.0), labels, origin, classes, resolution, mean, std, writers)
     n, c = src.shape[:2]
-    scale = (1.0 / (255.0 * torch.tensor(std, dtype=torch.float32))).view(1, -1, 1, 1)
-    shift = (-torch.tensor(mean, dtype=torch.float32) / torch.tensor(std, dtype=torch.float32)).view(1, -1, 1, 1)
-    out = torch.empty((n, c, resolution, resolution), dtype=torch.float32)
-    chunk = 1024
-    for s in range(0, n, chunk):
-        block = out[s:s + chunk]
-        if src.shape[-1] == resolution and src.shape[-2] == resolution:
-            block.copy_(src[s:s + chunk])  # uint8 -> float32 and NHWC -> NCHW in one pass
-        else:
-            block.copy_(_resize(src[s:s + chunk].float(), resolution))
-        block.mul_(scale).add_(shift)  # (x/255 - mean) / std
-    return Dataset(name=name, images=out, labels=torch.as_tensor(np.asarray(labels, dtype=np.int64)),
-                   classes=list(classes), writers=writers, origin=np.asarray(origin, dtype=str),
-                   mean=tuple(mean), std=tuple(std))
+    if src.shape[-1] == resolution and src.shape[-2] == resolution:
+        pix = src.contiguous()
+    else:
+        pix = torch.empty((n, c, resolution, resolution), dtype=torch.uint8)
+        chunk = 1024
+        for s in range(0, n, chunk):
+            pix[s:s + chunk] = _resize(src[s:s + chunk].float(), resolution).round_().clamp_(0, 255).to(torch.uint8)
+    if mean is None or std is None:
+        mean, std = _channel_stats_uint8(pix)
+    return Dataset(name=name, images=Images(pix, tuple(mean), tuple(std)),
+                   labels=torch.as_tensor(np.asarray(labels, dtype=np.int64)), classes=list(classes),
+                   writers=writers, origin=np.asarray(origin, dtype=str), mean=tuple(mean), std=tuple(std))
+
+
+def _channel_stats_uint8(pix: torch.Tensor, chunk: int = 4096) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std (scale [0, 1]) of uint8 (N, C, H, W), in float64 chunks."""
+    c = pix.shape[1]
+    total, sq = torch.zeros(c, dtype=torch.float64), torch.zeros(c, dtype=torch.float64)
+    for s in range(0, pix.shape[0], chunk):
+        x = pix[s:s + chunk].double().div_(255.0)
+        total += x.sum(dim=(0, 2, 3))
+        sq += (x * x).sum(dim=(0, 2, 3))
+    count = pix.shape[0] * pix.shape[2] * pix.shape[3]
+    mean = total / count
+    var = (sq - count * mean * mean) / max(1, count - 1)
+    return tuple(float(v) for v in mean), tuple(max(float(v), 1e-6) for v in var.clamp_min(0).sqrt())
 
 
 def _finish(name: str, x: torch.Tensor, labels: np.ndarray, origin: np.ndarray, classes: list[str],
@@ -153,8 +237,7 @@ def _finish(name: str, x: torch.Tensor, labels: np.ndarray, origin: np.ndarray, 
     x = _resize(x, resolution).contiguous()
     if mean is None or std is None:
         mean, std = _channel_stats(x)
-    x = _normalize(x, mean, std)
-    return Dataset(name=name, images=x, labels=torch.as_tensor(np.asarray(labels, dtype=np.int64)),
+    return Dataset(name=name, images=Images(x, tuple(mean), tuple(std)), labels=torch.as_tensor(np.asarray(labels, dtype=np.int64)),
                    classes=list(classes), writers=writers, origin=np.asarray(origin, dtype=str),
                    mean=tuple(mean), std=tuple(std))
 
@@ -194,7 +277,8 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
         progress: show progress bars while a source is read and decoded (a cache miss).
 
     Returns:
-        :class:`Dataset`: images float32 (N, C, resolution, resolution), labels int64 (N,).
+        :class:`Dataset`: images an :class:`Images` (N, C, resolution, resolution) whose batches
+        are float32, labels int64 (N,).
 
     Raises:
         UserInputError: unknown name, bad resolution/limit, missing or malformed data root

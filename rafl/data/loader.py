@@ -13,10 +13,12 @@ from rafl.errors import UserInputError
 class IndexedTensors(torch.utils.data.Dataset):
     """The samples ``indices`` of a dataset; ``ds[list_of_positions]`` returns a whole batch at once.
 
+    ``images`` is a tensor or an :class:`~rafl.data.datasets.Images` (normalized on indexing).
+
     ``len(ds)`` = number of samples; ``ds.indices`` are the dataset indices (int64).
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices: np.ndarray):
+    def __init__(self, images, labels: torch.Tensor, indices: np.ndarray):
         self.images = images
         self.labels = labels
         self.indices = torch.as_tensor(np.asarray(indices, dtype=np.int64))

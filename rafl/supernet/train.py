@@ -440,7 +440,7 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     space = config.space(ds.num_classes)
     check_training_memory(config, ds.num_classes, device)
     images, labels = ds.images, ds.labels
-    train_x, train_y = images[split.pool_train], labels[split.pool_train]
+    train_x, train_y = images.take(split.pool_train), labels[split.pool_train]  # uint8 kept; batches normalized
     n_train = len(train_y)
     steps_per_epoch = math.ceil(n_train / config.batch_size)
     calib = [train_x[i:i + config.batch_size] for i in range(0, n_train, config.batch_size)][:config.recal_batches]
