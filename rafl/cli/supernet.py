@@ -49,18 +49,38 @@ def supernet() -> None:
 @click.option("--limit-per-class", type=int, default=None, help="Use only N samples per class (quick runs).")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None,
               help="YAML/JSON file with any TrainConfig fields (options given here override it).")
+@click.option("--preset", default=None,
+              help="A shipped recipe as the base config (options given here override it): cifar10 = the "
+                   "recipe of the pretrained CIFAR-10 supernet (`rafl search --supernet cifar10`).")
 @click.option("--resume", type=click.Path(path_type=Path), default=None,
               help="Continue the interrupted run in this folder (same result as an uninterrupted run).")
 @click.option("--no-progress", "--quiet", "no_progress", is_flag=True, help="Hide the progress bar.")
 def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, resolutions, batch_size,
-          limit_per_class, config_file, resume, no_progress) -> None:
+          limit_per_class, config_file, preset, resume, no_progress) -> None:
     """Train a supernet by progressive shrinking on the server's public pool.
 
     Phases full -> elastic kernel -> elastic depth -> elastic expand (OFA's order). Writes
     OUT/config.json (resolved config), OUT/resume.pt after every epoch, OUT/metrics.json and
     finally OUT/supernet.safetensors + OUT/supernet.json; ends with a table of test accuracy
     (BN recalibrated) of the smallest, middle and largest subnets.
+
+    Beyond one process: `torchrun --nproc_per_node=N -m rafl supernet train ...` (gloo on CPU,
+    NCCL on CUDA; --batch-size is the global batch, a multiple of N; only rank 0 writes).
     """
+    import os
+
+    rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0  # torchrun's rank
+    try:
+        _train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, resolutions, batch_size,
+               limit_per_class, config_file, preset, resume, no_progress, rank)
+    except UserInputError:
+        if rank > 0:  # every rank meets the same error: rank 0 alone says it
+            raise SystemExit(2) from None
+        raise
+
+
+def _train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, resolutions, batch_size,
+           limit_per_class, config_file, preset, resume, no_progress, rank: int) -> None:
     import yaml
 
     from rafl.io import load_yaml
@@ -76,6 +96,16 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
     if resume is not None and config_file is not None:
         raise UserInputError("cannot be combined with --resume (the run folder's config.json is used)",
                              field="--config")
+    if preset is not None:
+        from rafl.supernet.presets import preset_path
+
+        if resume is not None:
+            raise UserInputError("cannot be combined with --resume (the run folder's config.json is used)",
+                                 field="--preset")
+        if config_file is not None:
+            raise UserInputError("cannot be combined with --config (a preset is a config file: copy it from "
+                                 f"{preset_path(preset)} and edit it)", field="--preset")
+        config_file = preset_path(preset)
     base: dict = {}
     source: Path | None = None
     if config_file is not None:
@@ -130,7 +160,7 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
     try:
         _, metrics = train_supernet(config, out, resume=resume is not None, progress=not no_progress)
     except UserInputError as err:
-        if fresh and (err.field or "").startswith("lr_"):  # diverged: its checkpoints cannot be resumed
+        if fresh and rank == 0 and (err.field or "").startswith("lr_"):  # diverged: its checkpoints cannot be resumed
             import shutil                                     # with another lr, so leave nothing behind
 
             if existed:
@@ -139,7 +169,8 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
             else:
                 shutil.rmtree(out, ignore_errors=True)
         raise
-    _print_table(metrics, out)
+    if rank == 0:
+        _print_table(metrics, out)
 
 
 def _print_table(metrics: dict, out: Path) -> None:
@@ -163,7 +194,8 @@ def _print_table(metrics: dict, out: Path) -> None:
 def info(path: Path) -> None:
     """Describe a trained supernet: search space, feature width D, size, metrics.
 
-    PATH is a `rafl supernet train` run folder (or its supernet.json).
+    PATH is a `rafl supernet train` run folder (or its supernet.json), or the name of a shipped
+    supernet (cifar10).
     """
     from rich.console import Console
     from rich.table import Table
@@ -171,6 +203,10 @@ def info(path: Path) -> None:
     from rafl.supernet.arch import SearchSpace, log10_num_subnets
     from rafl.supernet.checkpoint import load_meta, load_supernet
 
+    from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
+
+    if is_pretrained_name(str(path)):
+        path = pretrained_path(str(path))
     meta = load_meta(path)
     if not isinstance(meta, dict) or "search_space" not in meta:
         raise UserInputError("is not a supernet.json written by `rafl supernet train`", source=path)

@@ -43,6 +43,14 @@ from rafl.errors import UserInputError, load_error_detail
 from rafl.io import atomic_write_bytes, atomic_write_json, claim_file
 from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN, ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
+from rafl.supernet.distributed import (
+    DistContext,
+    all_reduce_gradients,
+    all_reduce_sum,
+    init_distributed,
+    shard,
+    synced_batch_norm,
+)
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
 from rafl.supernet.server_data import random_crop_flip, server_split
 
@@ -427,10 +435,11 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
 
     out = Path(out)
     requested = resume
-    resume = _check_out(out, resume)
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UserInputError("is 'cuda' but no CUDA device is available; allowed here: cpu", field="device")
-    device = torch.device(config.device)
+    ctx = init_distributed(config.device, config.batch_size)  # torchrun: one rank of several
+    resume = _check_out(out, resume)  # every rank checks before rank 0 writes anything
+    device = ctx.device(config.device)
     cuda = device.type == "cuda"
 
     ds = load_dataset(config.dataset, config.data_root, resolution=config.image_size,
@@ -486,15 +495,17 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
             opt.load_state_dict(ckpt["optimizer"])
             sched.load_state_dict(ckpt["scheduler"])
         _set_rng_state(ckpt["rng"], arch_rng, aug_gen)
-    else:
+    elif ctx.is_writer:
         if not requested:  # a fresh run claims the folder: a second run started into it stops here
             claim_file(out / CONFIG_NAME)
         atomic_write_json(out / CONFIG_NAME, json.loads(config.model_dump_json()))
+    ctx.barrier()
+    params = [p for p in net.parameters() if p.requires_grad]
 
     epochs = config.phase_epochs()
     total_steps = sum(epochs) * steps_per_epoch
     done_steps = (sum(epochs[:start_phase]) + start_epoch) * steps_per_epoch
-    bar = tqdm(total=total_steps, initial=done_steps, disable=not progress, unit="step",
+    bar = tqdm(total=total_steps, initial=done_steps, disable=not progress or not ctx.is_writer, unit="step",
                dynamic_ncols=True)
     epochs_run = 0
     hflip = config.use_hflip()
@@ -517,38 +528,28 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
             bar.set_description(f"{name} {epoch + 1}/{epochs[phase]}")
             for step in range(steps_per_epoch):
                 idx = order[step * config.batch_size:(step + 1) * config.batch_size]
-                x = random_crop_flip(train_x[idx], config.crop_padding, hflip, aug_gen).to(device)
-                y = train_y[idx].to(device)
+                x = random_crop_flip(train_x[idx], config.crop_padding, hflip, aug_gen)  # the global batch
+                y = train_y[idx]
+                n_global = len(y)
+                x, y = shard(x, ctx).to(device), shard(y, ctx).to(device)  # this rank's rows
                 if cuda:
                     x = x.contiguous(memory_format=torch.channels_last)
                 stage = int(epoch * steps_per_epoch + step >= phase_steps / 2)
                 archs = sample_step_archs(space, name, stage, arch_rng, config.sandwich, config.n_subnets)
                 opt.zero_grad(set_to_none=True)
-                teacher = None
-                if name != "full" and config.kd_ratio > 0 and not config.sandwich:
-                    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=cuda):
-                        teacher = F.softmax(net(x, space.largest()).float(), dim=1)
-                for i, arch in enumerate(archs):
-                    with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
-                        logits = net(x, arch).float()
-                    loss = F.cross_entropy(logits, y, label_smoothing=config.label_smoothing)
-                    if teacher is not None:
-                        loss = loss + config.kd_ratio * soft_cross_entropy(logits, teacher)
-                    elif name != "full" and config.kd_ratio > 0 and config.sandwich and i == 0:
-                        teacher = F.softmax(logits.detach(), dim=1)
-                    if not bool(torch.isfinite(loss.detach())):
-                        raise UserInputError(
-                            f"supernet training diverged in phase {name}, epoch {epoch + 1} (loss "
-                            f"{float(loss.detach())}); allowed: a smaller lr_{name} (now "
-                            f"{config.phase_lrs()[phase]})", field=f"lr_{name}")
-                    loss.backward()
-                    loss_sum += float(loss.detach()) * len(y)
-                    correct += int((logits.detach().argmax(1) == y).sum())
-                    seen += len(y)
+                if ctx.distributed:
+                    loss_sum, correct, seen = _distributed_step(net, params, space, archs, name, x, y, n_global,
+                                                                config, phase, epoch, ctx, cuda,
+                                                                (loss_sum, correct, seen))
+                else:
+                    loss_sum, correct, seen = _step(net, space, archs, name, x, y, config, phase, epoch, cuda,
+                                                    (loss_sum, correct, seen))
                 opt.step()
                 sched.step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
+            if ctx.distributed:  # each rank counted its own rows' correct predictions
+                correct = int(all_reduce_sum([float(correct)], device)[0])
             record = {"epoch": epoch + 1, "train_loss": loss_sum / seen, "train_acc": correct / seen,
                       "seconds": round(time.perf_counter() - t0, 2)}
             if epoch + 1 == epochs[phase] and len(split.pool_val):
@@ -560,8 +561,10 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
                                                                  config.eval_batch_size)
             metrics["phases"][-1]["epochs"].append(record)
             epochs_run += 1
-            _save_resume(out, net, opt, sched, phase, epoch + 1, metrics, arch_rng, aug_gen)
-            atomic_write_json(out / METRICS_NAME, metrics)
+            if ctx.is_writer:
+                _save_resume(out, net, opt, sched, phase, epoch + 1, metrics, arch_rng, aug_gen)
+                atomic_write_json(out / METRICS_NAME, metrics)
+            ctx.barrier()
             if stop_after_epochs is not None and epochs_run >= stop_after_epochs \
                     and not (phase == len(PHASES) - 1 and epoch + 1 == epochs[phase]):
                 bar.close()
@@ -575,10 +578,81 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
                                            ("largest", space.largest()))}
     metrics["archs"] = {"smallest": space.smallest().to_string(space), "middle": space.middle().to_string(space),
                         "largest": space.largest().to_string(space)}
-    atomic_write_json(out / METRICS_NAME, metrics)
-    save_supernet(out, net.to("cpu").to(memory_format=torch.contiguous_format),
-                  json.loads(config.model_dump_json()), metrics)
+    if ctx.is_writer:
+        atomic_write_json(out / METRICS_NAME, metrics)
+        save_supernet(out, net.to("cpu").to(memory_format=torch.contiguous_format),
+                      json.loads(config.model_dump_json()), metrics)
+    ctx.barrier()
     return net, metrics
+
+
+def _diverged(name: str, epoch: int, loss: float, config: TrainConfig, phase: int) -> UserInputError:
+    return UserInputError(f"supernet training diverged in phase {name}, epoch {epoch + 1} (loss {loss}); allowed: "
+                          f"a smaller lr_{name} (now {config.phase_lrs()[phase]})", field=f"lr_{name}")
+
+
+def _step(net: Supernet, space: SearchSpace, archs: list[ArchConfig], name: str, x: Tensor, y: Tensor,
+          config: TrainConfig, phase: int, epoch: int, cuda: bool,
+          totals: tuple[float, int, int]) -> tuple[float, int, int]:
+    """One step's forward/backward passes in a single process (gradients accumulate over ``archs``).
+
+    Returns the updated ``(loss_sum, correct, seen)`` of the epoch."""
+    loss_sum, correct, seen = totals
+    teacher = None
+    if name != "full" and config.kd_ratio > 0 and not config.sandwich:
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+            teacher = F.softmax(net(x, space.largest()).float(), dim=1)
+    for i, arch in enumerate(archs):
+        with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+            logits = net(x, arch).float()
+        loss = F.cross_entropy(logits, y, label_smoothing=config.label_smoothing)
+        if teacher is not None:
+            loss = loss + config.kd_ratio * soft_cross_entropy(logits, teacher)
+        elif name != "full" and config.kd_ratio > 0 and config.sandwich and i == 0:
+            teacher = F.softmax(logits.detach(), dim=1)
+        if not bool(torch.isfinite(loss.detach())):
+            raise _diverged(name, epoch, float(loss.detach()), config, phase)
+        loss.backward()
+        loss_sum += float(loss.detach()) * len(y)
+        correct += int((logits.detach().argmax(1) == y).sum())
+        seen += len(y)
+    return loss_sum, correct, seen
+
+
+def _distributed_step(net: Supernet, params: list[torch.nn.Parameter], space: SearchSpace, archs: list[ArchConfig],
+                      name: str, x: Tensor, y: Tensor, n_global: int, config: TrainConfig, phase: int, epoch: int,
+                      ctx: DistContext, cuda: bool, totals: tuple[float, int, int]) -> tuple[float, int, int]:
+    """:func:`_step` on one rank's rows of a global batch of ``n_global`` samples: the loss is this
+    rank's share of the global mean (sum over its rows / ``n_global``), BN uses the global batch's
+    statistics, and the gradients (with the losses) are summed over ranks after the last subnet,
+    so every rank steps with the single-process gradient (:mod:`rafl.supernet.distributed`).
+
+    Returns the updated ``(loss_sum, correct, seen)``; ``correct`` counts this rank's rows only."""
+    loss_sum, correct, seen = totals
+    teacher = None
+    losses: list[Tensor] = []
+    with synced_batch_norm(ctx, n_global):
+        if name != "full" and config.kd_ratio > 0 and not config.sandwich:
+            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+                teacher = F.softmax(net(x, space.largest()).float(), dim=1)
+        for i, arch in enumerate(archs):
+            with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+                logits = net(x, arch).float()
+            loss = F.cross_entropy(logits, y, label_smoothing=config.label_smoothing, reduction="sum") / n_global
+            if teacher is not None:
+                loss = loss + config.kd_ratio * torch.sum(-teacher * F.log_softmax(logits, dim=1)) / n_global
+            elif name != "full" and config.kd_ratio > 0 and config.sandwich and i == 0:
+                teacher = F.softmax(logits.detach(), dim=1)
+            loss.backward()
+            losses.append(loss.detach().float().reshape(1))
+            correct += int((logits.detach().argmax(1) == y).sum())
+    total = all_reduce_gradients(params, torch.cat(losses))  # the global mean loss of every subnet
+    for value in total.tolist():
+        if not math.isfinite(value):
+            raise _diverged(name, epoch, value, config, phase)
+        loss_sum += value * n_global
+        seen += n_global
+    return loss_sum, correct, seen
 
 
 

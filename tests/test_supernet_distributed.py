@@ -1,0 +1,86 @@
+"""torchrun / torch.distributed supernet training: 2 gloo ranks equal one process with the same
+global batch (weights after a few steps within 1e-5), resume included; bad world sizes refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+TINY = {"dataset": "digits", "limit_per_class": 12, "public_fraction": 0.3, "val_fraction": 0.1, "test_samples": 40,
+        "width_mult": 0.25, "resolutions": [12], "ks_choices": [3, 5], "e_choices": [2, 3], "d_choices": [1, 2],
+        "epochs_full": 1, "epochs_kernel": 1, "epochs_depth": 1, "epochs_expand": 1, "batch_size": 8,
+        "lr_full": 0.05, "recal_batches": 1, "eval_batch_size": 64, "seed": 3}
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    torch.set_num_threads(1)
+    from rafl.supernet.train import TrainConfig, train_supernet
+    cfg = TrainConfig(**json.loads(sys.argv[1]))
+    out, stop = sys.argv[2], int(sys.argv[3])
+    if stop:
+        train_supernet(cfg, out, progress=False, stop_after_epochs=stop)
+    train_supernet(cfg, out, resume=bool(stop), progress=False)
+""")
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _torchrun(n: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=1500)
+
+
+def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    cfg = json.dumps(TINY)
+    single = subprocess.run([sys.executable, str(script), cfg, str(tmp_path / "one"), "0"], cwd=tmp_path,
+                            env=_env(), capture_output=True, text=True, timeout=1500)
+    assert single.returncode == 0, single.stderr[-3000:]
+    # two ranks, stopped after 2 of the 4 epochs and resumed: the same weights as one uninterrupted process
+    two = _torchrun(2, str(script), cfg, str(tmp_path / "two"), "2", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_file(tmp_path / "one" / "supernet.safetensors")
+    b = load_file(tmp_path / "two" / "supernet.safetensors")
+    assert a.keys() == b.keys()
+    moved = 0
+    for key in a:
+        assert torch.allclose(a[key].double(), b[key].double(), atol=1e-5, rtol=0), key
+    init = torch.load(tmp_path / "two" / "resume.pt", weights_only=True)["model"]  # not the initial weights either
+    moved = sum(int(not torch.equal(init[k], a[k])) for k in a if a[k].is_floating_point())
+    assert moved > 0
+    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert [len(p["epochs"]) for p in m1["phases"]] == [len(p["epochs"]) for p in m2["phases"]] == [1, 1, 1, 1]
+    for p1, p2 in zip(m1["phases"], m2["phases"]):  # global loss and accuracy, summed over ranks
+        assert p1["epochs"][0]["train_loss"] == pytest.approx(p2["epochs"][0]["train_loss"], abs=1e-4)
+        assert p1["epochs"][0]["train_acc"] == pytest.approx(p2["epochs"][0]["train_acc"], abs=1e-9)
+
+
+def test_torchrun_world_size_that_does_not_divide_the_batch_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    res = _torchrun(2, "-m", "rafl", "supernet", "train", "--limit-per-class", "5", "--batch-size", "9",
+                    "--epochs-per-phase", "1", "--out", str(out), "--quiet", cwd=tmp_path)
+    assert res.returncode != 0
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: batch_size: is 9, which 2 ranks cannot split evenly; allowed: a multiple of the world "
+                      f"size 2 (batch_size is the global batch)"], res.stderr[-2000:]
+    assert not out.exists()
