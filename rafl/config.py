@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rafl.errors import DuplicateKeyError, UserInputError, shown
 from rafl.io import load_yaml
@@ -152,9 +152,11 @@ class ClientsConfig(_Strict):
 
 
 class SupernetConfig(_Strict):
-    """Which supernet: a checkpoint path, or null for the cached quickstart supernet."""
+    """Which supernet: a checkpoint path, a shipped supernet's name (``cifar10``), or null for the
+    cached quickstart supernet. ``supernet: cifar10`` is short for ``supernet: {path: cifar10}``."""
 
-    path: str | None = Field(None, description="a supernet checkpoint (dir or file), or null (quickstart)")
+    path: str | None = Field(None, description="a supernet checkpoint (dir or file), a shipped name (cifar10), "
+                                               "or null (quickstart)")
 
 
 class SearchSection(_Strict):
@@ -252,6 +254,13 @@ class RunConfig(_Strict):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     engine: EngineSection = Field(default_factory=EngineSection)
     train: TrainSection = Field(default_factory=TrainSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supernet_shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("supernet"), str):  # supernet: cifar10
+            data = {**data, "supernet": {"path": data["supernet"]}}
+        return data
 
     def resolved(self) -> dict[str, Any]:
         """Plain dict with every default filled in (what ``config.yaml`` holds)."""
@@ -478,6 +487,11 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
             continue
         if not isinstance(value, str) or not value:
             continue
+        if dotted == "supernet.path":
+            from rafl.supernet.pretrained import is_pretrained_name
+
+            if is_pretrained_name(value):  # a shipped supernet's name, not a path
+                continue
         prefix = "file:" if dotted == "partition.scheme" else ""
         if prefix and not value.startswith(prefix):
             continue

@@ -26,8 +26,8 @@ def _check_out(out: Path, names: list[str]) -> None:
 @click.option("--device-profile", "profiles", multiple=True, required=True,
               help="Shipped profile name (pi4, jetson-nano, ...) or a YAML path; repeat for several.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
-              help="Supernet folder from `rafl supernet train` [default: the quickstart supernet on "
-                   "digits, trained once and cached].")
+              help="Supernet folder from `rafl supernet train`, or a shipped one by name: cifar10 "
+                   "[default: the quickstart supernet on digits, trained once and cached].")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/search"), show_default=True,
               help="Output folder; one subfolder per profile (replaced atomically; other profiles' "
                    "folders from earlier searches are kept and listed in OUT/search.json).")
@@ -69,6 +69,10 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     if len(set(names)) != len(names):
         raise UserInputError(f"profile names repeat: {', '.join(names)}", field="--device-profile")
     _check_out(out, names)
+    from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
+
+    if supernet_dir is not None and is_pretrained_name(str(supernet_dir)):
+        supernet_dir = pretrained_path(str(supernet_dir))  # a shipped supernet, checksum-checked
     if supernet_dir is not None and not supernet_dir.exists():
         raise UserInputError("no such supernet folder (train one with `rafl supernet train`, or omit "
                              "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")

@@ -26,6 +26,7 @@ from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes, atomic_write_json
 from rafl.supernet.arch import SearchSpace
 from rafl.supernet.model import Supernet, build_supernet
+from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
 
 FORMAT = "rafl-supernet/1"
 WEIGHTS_NAME = "supernet.safetensors"
@@ -116,9 +117,10 @@ def load_supernet(path: str | Path, space: SearchSpace | None = None) -> Superne
     """Load a supernet saved by :func:`save_supernet`.
 
     Args:
-        path: the supernet directory, its ``supernet.json``, or a bare weights file
+        path: the supernet directory, its ``supernet.json``, a bare weights file
             (``.safetensors``, or a ``.pt``/``.pth`` state dict read with ``weights_only=True``,
-            e.g. an ofa checkpoint; then ``space`` is required).
+            e.g. an ofa checkpoint; then ``space`` is required), or the name of a supernet shipped
+            with rafl (``"cifar10"``: :mod:`rafl.supernet.pretrained`, checksum-checked).
         space: the expected search space; ``None`` accepts the saved one.
 
     Returns:
@@ -129,7 +131,7 @@ def load_supernet(path: str | Path, space: SearchSpace | None = None) -> Superne
             space / width multiplier / number of classes (e.g. "checkpoint has n_classes=1000,
             expected 10").
     """
-    path = Path(path)
+    path = pretrained_path(str(path)) if is_pretrained_name(str(path)) else Path(path)
     if path.is_dir():
         path = path / META_NAME
     if not path.is_file():
@@ -167,12 +169,12 @@ def load_supernet(path: str | Path, space: SearchSpace | None = None) -> Superne
 
 
 def load_meta(path: str | Path) -> dict[str, Any]:
-    """The ``supernet.json`` content of a supernet directory (config, metrics, search space).
+    """The ``supernet.json`` content of a supernet directory or shipped name (config, metrics, search space).
 
     Raises:
         UserInputError: missing or malformed file.
     """
-    path = Path(path)
+    path = pretrained_path(str(path)) if is_pretrained_name(str(path)) else Path(path)
     return read_json_file(path / META_NAME if path.is_dir() else path)
 
 
