@@ -17,10 +17,10 @@ import argparse
 import hashlib
 import json
 import platform
-import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
@@ -30,14 +30,15 @@ sys.path.insert(0, str(ROOT))
 from rafl.data import load_dataset  # noqa: E402
 from rafl.supernet.checkpoint import FORMAT, META_NAME, WEIGHTS_NAME, load_meta, load_supernet  # noqa: E402
 from rafl.supernet.pretrained import PRETRAINED_DIR, half_state  # noqa: E402
-from rafl.supernet.server_data import server_split  # noqa: E402
+from rafl.supernet.server_data import calibration_sample, server_split  # noqa: E402
 from rafl.supernet.train import TrainConfig, evaluate_subnet  # noqa: E402
 
 
 def accuracies(net, space, cfg: TrainConfig, ds, split) -> dict[str, float]:
     train_x = ds.images.take(split.pool_train)
-    n = len(split.pool_train)
-    calib = [train_x[i:i + cfg.batch_size] for i in range(0, n, cfg.batch_size)][:cfg.recal_batches]
+    idx = torch.as_tensor(calibration_sample(np.arange(len(split.pool_train)), cfg.recal_batches * cfg.batch_size,
+                                             cfg.seed))
+    calib = [train_x[idx[i:i + cfg.batch_size]] for i in range(0, len(idx), cfg.batch_size)]
     test_x, test_y = ds.images[split.test], ds.labels[split.test]
     return {w: evaluate_subnet(net, a, test_x, test_y, calib, cfg.eval_batch_size)
             for w, a in (("smallest", space.smallest()), ("middle", space.middle()), ("largest", space.largest()))}
@@ -67,10 +68,10 @@ def main() -> None:
     (out / WEIGHTS_NAME).write_bytes(data)
     digest = hashlib.sha256(data).hexdigest()
     packed_meta = {**meta, "weights_sha256": digest, "weights_bytes": len(data), "weights_dtype": "float16"}
+    packed_meta["metrics"] = {**meta["metrics"], "test_float32_run": meta["metrics"].get("test"), "test": None}
     packed_meta["config"] = {**meta["config"], "data_root": None}  # the machine's path is not part of the recipe
     (out / META_NAME).write_text(json.dumps(packed_meta, indent=1))
     (out / "config.json").write_text(json.dumps(packed_meta["config"], indent=1))
-    shutil.copyfile(args.run / "metrics.json", out / "metrics.json")
 
     # the package as a user loads it (float16 -> float32 supernet)
     from rafl.supernet.checkpoint import _parse_safetensors, load_state_into
@@ -78,6 +79,9 @@ def main() -> None:
 
     packed = load_state_into(build_supernet(space), _parse_safetensors(data, out / WEIGHTS_NAME), out).eval()
     fp16 = accuracies(packed, space, cfg, ds, split)
+    packed_meta["metrics"]["test"] = fp16  # what `rafl supernet info NAME` reports: the shipped weights
+    (out / META_NAME).write_text(json.dumps(packed_meta, indent=1))
+    (out / "metrics.json").write_text(json.dumps(packed_meta["metrics"], indent=1))
 
     lines = [f"# Pretrained supernet `{args.name}` (bench/pack_pretrained.py)", "",
              f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; "

@@ -281,7 +281,9 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
     public = np.asarray(partition.public, dtype=np.int64)
     pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
     if calib_images is None and pub_images is not None:
-        calib_images = pub_images[:512]
+        from rafl.supernet.server_data import calibration_sample
+
+        calib_images = dataset.images[torch.as_tensor(calibration_sample(public, 512))]  # class-mixed
     bank = ModelBank(supernet, calib_images)
     infos, table = [], []
     macs_cache: dict[str, tuple[float, float]] = {}
@@ -580,11 +582,12 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     if len(public) == 0:
         raise UserInputError("the search and BN recalibration need the server's public pool; set "
                              "partition.public_fraction > 0", field="partition.public_fraction")
-    pub_images = ds.images[torch.as_tensor(public)]
     rng = np.random.default_rng([cfg.seed, 5])
     val_idx = np.sort(rng.permutation(public)[: min(cfg.search.val_samples, len(public))])
     val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
-    calib = pub_images[: 512]
+    from rafl.supernet.server_data import calibration_sample
+
+    calib = ds.images[torch.as_tensor(calibration_sample(public, 512))]  # class-mixed, whatever the data's order
     arch_of = subnets_for_profiles(cfg, supernet, profiles, val, calib, supernet_id, progress=progress)
     names = [pr.name for pr in profiles]
     prof_of = [names[cid % len(names)] if len(names) != cfg.clients.n else names[cid]

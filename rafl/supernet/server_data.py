@@ -85,6 +85,18 @@ def server_split(dataset: Dataset, public_fraction: float = 0.3, public_seed: in
     return ServerSplit(pool_train, pool_val, test, source)
 
 
+def calibration_sample(indices: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    """A fixed random sample of ``min(n, len(indices))`` entries of ``indices`` for BN
+    recalibration, in random order.
+
+    Never the first ``n``: a source stored class by class (CIFAR's ImageFolder JPEG tree) would
+    recalibrate BatchNorm on one class only. Deterministic for ``(indices, n, seed)``.
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    rng = np.random.default_rng([int(seed), 8_4242])
+    return indices[rng.permutation(len(indices))[:max(0, int(n))]]
+
+
 def random_crop_flip(x: Tensor, pad: int, hflip: bool, generator: torch.Generator) -> Tensor:
     """Standard small-image augmentation on a batch ``(B, C, H, W)``, same shape out.
 
@@ -107,4 +119,4 @@ def random_crop_flip(x: Tensor, pad: int, hflip: bool, generator: torch.Generato
     return x
 
 
-__all__ = ["ServerSplit", "server_split", "random_crop_flip"]
+__all__ = ["ServerSplit", "server_split", "random_crop_flip", "calibration_sample"]

@@ -52,7 +52,7 @@ from rafl.supernet.distributed import (
     synced_batch_norm,
 )
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
-from rafl.supernet.server_data import random_crop_flip, server_split
+from rafl.supernet.server_data import calibration_sample, random_crop_flip, server_split
 
 PHASES: tuple[str, ...] = ("full", "kernel", "depth", "expand")
 RESUME_NAME = "resume.pt"
@@ -452,7 +452,9 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     train_x, train_y = images.take(split.pool_train), labels[split.pool_train]  # uint8 kept; batches normalized
     n_train = len(train_y)
     steps_per_epoch = math.ceil(n_train / config.batch_size)
-    calib = [train_x[i:i + config.batch_size] for i in range(0, n_train, config.batch_size)][:config.recal_batches]
+    calib_idx = torch.as_tensor(calibration_sample(np.arange(n_train), config.recal_batches * config.batch_size,
+                                                   config.seed))  # class-mixed; the training's RNG is not touched
+    calib = [train_x[calib_idx[i:i + config.batch_size]] for i in range(0, len(calib_idx), config.batch_size)]
 
     torch.manual_seed(config.seed)
     np.random.seed(config.seed % 2**32)
