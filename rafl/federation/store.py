@@ -25,6 +25,8 @@ from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes
 
 _NAME = re.compile(r"^(\d+)\.r(\d+)\.st$")
+#: The temporary file of a state write (:func:`rafl.io.atomic_write_bytes`) that a killed process left.
+_TEMP = re.compile(r"^\.(\d+)\.r(\d+)\.st\..*\.tmp$")
 
 
 _TENSOR = "__tensor__"
@@ -158,14 +160,15 @@ class ClientStore:
         return dict(self.committed)
 
     def cleanup(self, client_id: int | None = None) -> None:
-        """Delete every file that is not a committed version (older rounds, aborted rounds); only
-        those of ``client_id`` when given (a Flower node sharing the folder with other clients)."""
+        """Delete every file that is not a committed version (older rounds, aborted rounds, the
+        temporary file of a write a killed worker process left); only those of ``client_id`` when
+        given (a Flower node sharing the folder with other clients)."""
         for f in self.directory.iterdir():
-            m = _NAME.match(f.name)
+            m = _NAME.match(f.name) or _TEMP.match(f.name)
             if m is None:
                 continue
-            cid, rnd = int(m.group(1)), int(m.group(2))
-            if (client_id is None or cid == client_id) and self.committed.get(cid) != rnd:
+            cid, rnd, temp = int(m.group(1)), int(m.group(2)), f.name.endswith(".tmp")
+            if (client_id is None or cid == client_id) and (temp or self.committed.get(cid) != rnd):
                 f.unlink(missing_ok=True)
 
 
