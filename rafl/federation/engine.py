@@ -276,10 +276,12 @@ def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, bro
 class InProcessClients:
     """Runs the client steps in this process, one client after the other (the default runner).
 
-    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``)."""
+    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``), written in the
+    background while the next client computes (on disk before the round's commit)."""
 
     def __init__(self, fed: Federation, store: ClientStore, seed: int):
         self.fed, self.store, self.seed = fed, store, seed
+        store.background = True
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
         """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
