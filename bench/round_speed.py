@@ -35,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -161,7 +160,7 @@ def run_big(args) -> dict:
     from rafl.federation import pipeline
 
     torch.set_num_threads(1)
-    cfg = load_run_config(None, overrides(args, args.big_clients, None, args.workers, 1, args.big_per_round)
+    cfg = load_run_config(None, overrides(args, args.big_clients, args.big_limit, args.workers, 1, args.big_per_round)
                           + ["partition.min_samples=4"])
     prep = pipeline.prepare(cfg, progress=False)
     prep.federation.algorithm.shared_initial_evaluation = bool(args.shared)
@@ -208,7 +207,8 @@ def child(args, extra: list[str]) -> dict:
         out = Path(fh.name)
     cmd = [sys.executable, __file__, "--cifar", str(args.cifar), "--seed", str(args.seed), "--rounds", str(args.rounds),
            "--clients", str(args.clients), "--limit-per-class", str(args.limit_per_class), "--big-clients",
-           str(args.big_clients), "--big-per-round", str(args.big_per_round), *extra, "--json", str(out)]
+           str(args.big_clients), "--big-per-round", str(args.big_per_round),
+           *(["--big-limit", str(args.big_limit)] if args.big_limit else []), *extra, "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env)
     peak = [0, 0]
@@ -281,7 +281,8 @@ def report(args, runs: dict[str, list[dict]], big: dict[str, dict], load: str) -
         lines += [
             f"## One round at {args.big_clients} clients ({args.big_per_round} sampled), `engine.eval_clients: all`",
             "",
-            f"Full CIFAR-10 (60,000 images), pathological 2 classes per client, cnn4, FedProto, engine.workers: 1.",
+            f"CIFAR-10 ({'all 60,000 images' if not args.big_limit else f'{args.big_limit} images per class and split'}), "
+            "pathological 2 classes per client, cnn4, FedProto, engine.workers: 1.",
             "",
             "| untrained clients evaluated | evaluation s | client steps s | round s |",
             "|---|---|---|---|",
@@ -311,6 +312,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--big-clients", type=int, default=3000, help="0: skip the large evaluation round")
     ap.add_argument("--big-per-round", type=int, default=10)
+    ap.add_argument("--big-limit", type=int, default=None, help="images per class for the large round (default: all)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "round_speed")
     ap.add_argument("--variant", choices=["bare", "rafl", "big"], help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)

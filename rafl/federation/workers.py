@@ -29,12 +29,14 @@ client, on the test splits of all of them at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -252,6 +254,25 @@ class _Worker:
         self.job: tuple | None = None
 
 
+@contextlib.contextmanager
+def _interrupt_flag() -> Iterator[list[int]]:
+    """While the run's process waits for its workers, Ctrl-C (SIGINT) appends to the yielded list
+    instead of raising at once; the wait loop raises KeyboardInterrupt itself. The default handler's
+    KeyboardInterrupt can be lost when it fires inside a finalizer (``__del__``), which a process
+    juggling pipes and child processes runs often. Only in the main thread, over Python's default
+    handler (a handler someone else installed is left alone)."""
+    flag: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.append(signum))
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _stop(workers: list[_Worker], kill: bool) -> None:
     for w in workers:
         if kill and w.proc.is_alive():
@@ -324,49 +345,58 @@ class WorkerClients:
             except OSError:  # it died while idle: a new one replaces it
                 self._drop(w)
         try:
-            while todo or any(w.job is not None for w in self._workers):
-                for w in [w for w in self._workers if w.job is None and not w.proc.is_alive()]:
-                    self._drop(w)
-                while len(self._workers) < min(self.n, len(todo) + sum(w.job is not None for w in self._workers)):
-                    self._spawn()
-                for w in self._workers:
-                    if w.job is None and todo:
-                        i = todo.pop()
-                        who, down = jobs[i]
-                        key = keys[id(down)]
-                        if key not in w.sent:
-                            w.conn.send(("payload", key, blobs[key]))
-                            w.sent.add(key)
-                        ids = who if isinstance(who, list) else [who]
-                        committed = {c: self.store.committed[c] for c in ids if c in self.store.committed}
-                        w.conn.send((kind, rnd, who, committed, key))
-                        w.job = (i,)
-                busy = [w for w in self._workers if w.job is not None]
-                ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy])
-                for w in busy:
-                    if w.conn in ready:
-                        try:
-                            msg = w.conn.recv()
-                        except (EOFError, OSError):
-                            msg = None
-                        if msg is not None:
-                            i = w.job[0]
-                            w.job = None
-                            if msg[0] == "ok":
-                                results[i] = msg[1]
-                            else:
-                                self._raise(msg[1], msg[2])
-                            continue
-                    if w.job is not None and (w.proc.sentinel in ready or w.conn in ready):
-                        w.proc.join(timeout=10)
-                        failed[w.job[0]] = f"its worker process died (exit code {w.proc.exitcode})"
-                        w.job = None
-                        self._drop(w)
+            with _interrupt_flag() as interrupted:
+                self._loop(kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted)
         except BaseException:
             _stop(self._workers, kill=True)  # Ctrl-C, or a method's error: stop every worker now
             self._workers.clear()
             raise
         return results, failed
+
+    def _loop(self, kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted) -> None:
+        """Dispatch ``todo`` (job indices, last first) and collect until every job is done."""
+        while todo or any(w.job is not None for w in self._workers):
+            if interrupted:
+                raise KeyboardInterrupt
+            for w in [w for w in self._workers if w.job is None and not w.proc.is_alive()]:
+                self._drop(w)
+            while len(self._workers) < min(self.n, len(todo) + sum(w.job is not None for w in self._workers)):
+                self._spawn()
+            for w in self._workers:
+                if w.job is None and todo:
+                    i = todo.pop()
+                    who, down = jobs[i]
+                    key = keys[id(down)]
+                    if key not in w.sent:
+                        w.conn.send(("payload", key, blobs[key]))
+                        w.sent.add(key)
+                    ids = who if isinstance(who, list) else [who]
+                    committed = {c: self.store.committed[c] for c in ids if c in self.store.committed}
+                    w.conn.send((kind, rnd, who, committed, key))
+                    w.job = (i,)
+            busy = [w for w in self._workers if w.job is not None]
+            ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=0.5)
+            for w in busy:
+                if w.conn in ready:
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if msg is not None:
+                        i = w.job[0]
+                        w.job = None
+                        if msg[0] == "ok":
+                            results[i] = msg[1]
+                        else:
+                            self._raise(msg[1], msg[2])
+                        continue
+                if w.job is not None and (w.proc.sentinel in ready or w.conn in ready):
+                    w.proc.join(timeout=10)
+                    failed[w.job[0]] = f"its worker process died (exit code {w.proc.exitcode})"
+                    w.job = None
+                    self._drop(w)
+        if interrupted:
+            raise KeyboardInterrupt
 
     @staticmethod
     def _raise(err: tuple, trace: str) -> None:
