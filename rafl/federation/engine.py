@@ -14,7 +14,7 @@ server steps and knows no algorithm by name. One round ``t``:
    new state is written to disk, the upload is validated (shapes vs ``upload_spec``, finiteness,
    the method's ``check_upload``).
    A *client runner* does the client part: :class:`InProcessClients` here, one client after the
-   other, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
+   other, :class:`rafl.federation.workers.WorkerClients` in ``engine.workers`` forked processes, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
    (a node that fails or times out loses its clients for the round: counted as failed).
 5. ``server_aggregate`` produces the next broadcast.
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
