@@ -107,7 +107,9 @@ class _CrashingRaFL(RaFL):
 def test_resume_after_crash_gives_the_same_metrics(tiny, tmp_path):
     space, supernet, ds, part = tiny
     archs = [space.smallest(), space.middle(), space.smallest()]
-    cfg = EngineConfig(rounds=3, clients_per_round=2, dropout=0.2, eval_every=2, seed=5)
+    # in-process (workers=1): the crash is a KeyboardInterrupt in this process (tests/test_workers.py
+    # interrupts a run whose clients are in worker processes)
+    cfg = EngineConfig(rounds=3, clients_per_round=2, dropout=0.2, eval_every=2, seed=5, workers=1)
     fed, _ = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16, count_macs=False)
     ref = Engine(fed, cfg, tmp_path / "a", progress=False).run()
     fed_c, _ = build_federation(ds, part, supernet, archs, _CrashingRaFL(), batch_size=16, count_macs=False)
@@ -138,7 +140,7 @@ def test_only_sampled_clients_are_materialized(tmp_path):
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 100, Counting(local_epochs=1),
                               batch_size=8, count_macs=False)
     cfg = EngineConfig(rounds=2, clients_per_round=3, sporadic_rate=0.5, available=10, dropout=0.0,
-                       eval_clients="sampled", seed=0)
+                       eval_clients="sampled", seed=0, workers=1)  # in-process: Counting counts here
     engine = Engine(fed, cfg, tmp_path, progress=False)
     engine.run()
     on_disk = sorted(int(p.name.split(".")[0]) for p in (tmp_path / "clients").iterdir())

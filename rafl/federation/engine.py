@@ -14,7 +14,7 @@ server steps and knows no algorithm by name. One round ``t``:
    new state is written to disk, the upload is validated (shapes vs ``upload_spec``, finiteness,
    the method's ``check_upload``).
    A *client runner* does the client part: :class:`InProcessClients` here, one client after the
-   other, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
+   other, :class:`rafl.federation.workers.WorkerClients` in ``engine.workers`` forked processes, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
    (a node that fails or times out loses its clients for the round: counted as failed).
 5. ``server_aggregate`` produces the next broadcast.
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
@@ -87,8 +87,12 @@ class EngineConfig:
         dropout: probability that a sampled client fails in a round, in [0, 1).
         eval_every: evaluate every k rounds (the last round always).
         eval_clients: "all" (every client, default) or "sampled" (those materialized so far).
+            With "all", clients that have not trained yet share one evaluation per architecture
+            (:func:`rafl.federation.workers.summarize_untrained`) unless the method opts out.
         target_accuracy: accuracy in [0, 1] for ``co_mb_to_target``, or None.
         seed: the run seed.
+        workers: processes running the client steps (:mod:`rafl.federation.workers`), or None:
+            the CPU cores, capped by the clients sampled per round (1 on CUDA).
     """
 
     rounds: int = 10
@@ -100,6 +104,7 @@ class EngineConfig:
     eval_clients: str = "all"
     target_accuracy: float | None = None
     seed: int = 0
+    workers: int | None = None
 
 
 def _count(spec: float | int, n: int, name: str, of: str) -> int:
@@ -271,10 +276,12 @@ def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, bro
 class InProcessClients:
     """Runs the client steps in this process, one client after the other (the default runner).
 
-    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``)."""
+    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``), written in the
+    background while the next client computes (on disk before the round's commit)."""
 
     def __init__(self, fed: Federation, store: ClientStore, seed: int):
         self.fed, self.store, self.seed = fed, store, seed
+        store.background = True
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
         """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
@@ -300,6 +307,12 @@ class InProcessClients:
         return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast)
                 for cid in ids}, {}
 
+    def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[list, dict[int, str]]:
+        """The shared evaluation of clients without a state (:func:`rafl.federation.workers.evaluate_untrained`)."""
+        from rafl.federation.workers import evaluate_untrained
+
+        return evaluate_untrained(self.fed, self.store, self.seed, rnd, ids, broadcast), {}
+
 
 class Engine:
     """Runs a :class:`Federation` for ``config.rounds`` rounds into ``run_dir``.
@@ -312,7 +325,8 @@ class Engine:
             ``summary.json``, ``accuracy_vs_round.png``, ``accuracy_vs_mb.png`` there.
         progress: show a tqdm bar over rounds.
         clients: the client runner, built from the engine's store (``clients(fed, store, seed)``);
-            default :class:`InProcessClients`. :mod:`rafl.federation.flower` passes one that runs
+            default :class:`InProcessClients`, or :class:`rafl.federation.workers.WorkerClients`
+            with ``config.workers`` > 1. :mod:`rafl.federation.flower` passes one that runs
             the client steps as Flower ClientApps on SuperNodes.
 
     Raises:
@@ -342,7 +356,11 @@ class Engine:
         self.n_available, self.n_sampled = participation(config, n)
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
-        self.clients = (clients or InProcessClients)(fed, self.store, config.seed)
+        if clients is None:
+            from rafl.federation.workers import runner
+
+            clients = runner(config.workers, self.n_sampled, fed.device)
+        self.clients = clients(fed, self.store, config.seed)
         self.times: list[RoundTimes] = []
 
     # ------------------------------------------------------------------ contexts
@@ -388,8 +406,18 @@ class Engine:
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
         ids = list(range(len(self.fed.clients))) if self.cfg.eval_clients == "all" else sorted(self.store.committed)
+        untrained = [cid for cid in ids if not self.store.has(cid)]
+        shared = bool(untrained) and self.fed.algorithm.shared_initial_evaluation and hasattr(self.clients, "evaluate_untrained")
+        if shared:  # clients that never trained: one evaluation per architecture, not one each
+            ids = [cid for cid in ids if self.store.has(cid)]
         per_client, lost = self.clients.evaluate(rnd, ids, broadcast)
         summary: dict[str, Any] = summarize_eval(per_client)
+        if shared:
+            from rafl.federation.workers import summarize_untrained
+
+            groups, lost_untrained = self.clients.evaluate_untrained(rnd, untrained, broadcast)
+            summary.update(summarize_untrained(per_client, groups))
+            lost.update(lost_untrained)
         if lost:  # a Flower node that failed or timed out: its clients are left out of this round's accuracies
             summary["eval_lost"] = {str(cid): why for cid, why in sorted(lost.items())}
         return summary, per_client
@@ -397,6 +425,14 @@ class Engine:
     # ------------------------------------------------------------------ main loop
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Run (or continue) the federation; returns the summary (also in ``summary.json``)."""
+        try:
+            return self._run(resume)
+        finally:
+            close = getattr(self.clients, "close", None)  # a runner's worker processes
+            if close is not None:
+                close()
+
+    def _run(self, resume: bool) -> dict[str, Any]:
         fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
         n = len(fed.clients)
         if resume:
@@ -578,6 +614,21 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         "clients": clients,
         "time_s": tot,
         "engine_overhead_share": eng / tot if tot > 0 else 0.0,
+        **({"eval_coverage": eval_coverage(final)} if "eval.untrained_clients" in final else {}),
+    }
+
+
+def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
+    """Which clients each figure of an evaluated ``row`` covers, in words (``summary.json``'s
+    ``eval_coverage`` when some clients had not trained yet)."""
+    trained, untrained = int(row.get("eval.trained_clients", 0)), int(row["eval.untrained_clients"])
+    return {
+        "m.acc_mean_over_clients, m.acc_std_over_clients, m.acc_sample_weighted, clients":
+            f"the {trained} clients that have trained (their committed states, one evaluation each)",
+        "m.acc_untrained_sample_weighted":
+            f"the {untrained} clients that have not trained yet, pooled: one evaluation per architecture of the "
+            "initial model of its first such client on all their test splits",
+        "m.acc_all_sample_weighted": f"all {trained + untrained} clients' test samples (both of the above)",
     }
 
 
@@ -625,6 +676,6 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
         atomic_write_bytes(run_dir / fname, buf.getvalue())
 
 
-__all__ = ["Engine", "EngineConfig", "Federation", "participation", "RoundTimes", "InProcessClients", "client_context",
+__all__ = ["Engine", "EngineConfig", "eval_coverage", "Federation", "participation", "RoundTimes", "InProcessClients", "client_context",
            "load_or_init", "naming_client", "train_client", "evaluate_client", "LoaderFactory", "summarize_eval",
            "write_metrics", "make_summary", "plot_metrics", "seed_of", "sample_clients", "sporadic_update"]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rafl.federation.prototypes import safe_distance, stack_targets
+from rafl.federation.prototypes import safe_distance, stack_targets, target_bank
 from rafl.federation.training import (TrainStats, check_finite_loss, kl_soft, no_singleton_batches, recalibrate_bn,
                                       train_ce, train_mode)
 
@@ -77,8 +77,10 @@ def prototype_regularizer(protos: Mapping[int, torch.Tensor], lam: float, distan
     if distance not in DISTANCES:
         raise ValueError(f"unknown distance {distance!r}; allowed: {', '.join(DISTANCES)}")
 
+    bank = target_bank(protos)  # once: the prototypes are constants of the round
+
     def extra(features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        targets, mask = stack_targets(protos, labels)
+        targets, mask = stack_targets(bank, labels)
         if not bool(mask.any()) or lam == 0:
             return features.sum() * 0.0
         f, t = features[mask], targets[mask].to(features.dtype)
@@ -99,8 +101,10 @@ def logit_regularizer(class_logits: Mapping[int, torch.Tensor], gamma: float) ->
     """FD's distillation term ``gamma * MSE(z(x), bar z_y)`` to the global mean logits of the
     sample's class (Jeong et al., 2018, Sec. 3; the MSE as in HtFLlib's ``clientdistill``)."""
 
+    bank = target_bank(class_logits)
+
     def extra(features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        targets, mask = stack_targets(class_logits, labels)
+        targets, mask = stack_targets(bank, labels)
         if not bool(mask.any()) or gamma == 0:
             return logits.sum() * 0.0
         d = (logits[mask] - targets[mask].to(logits.dtype)).pow(2).mean(-1)

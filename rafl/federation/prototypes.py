@@ -289,19 +289,75 @@ def evaluate_prototype_accuracy(model: nn.Module, loader: Iterable[Batch], proto
     return correct, total
 
 
-def stack_targets(protos: Mapping[int, torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prototype of each sample's class: ``(targets (B, r), mask (B,) bool)``; samples whose
-    class has no prototype get a zero row and ``mask=False`` (they add no prototype loss)."""
+def forward_is_head_of_features(model: nn.Module) -> bool:
+    """Whether ``model(x)`` is by definition ``model.head(model.features(x))``: rafl's supernet
+    subnets, the model-group members and plug-ins without a ``forward`` of their own. Then one
+    ``features`` pass gives both the head's and the prototypes' predictions, bit for bit."""
+    from rafl.models.plugin import _features_then_head
+    from rafl.models.zoo import HeteroModel
+    from rafl.supernet.model import Subnet
+
+    known = (Subnet.forward, HeteroModel.forward, _features_then_head)
+    bound = model.__dict__.get("forward")  # a plug-in's forward bound to the instance
+    forward = getattr(bound, "__func__", None) if bound is not None else type(model).forward
+    return forward in known
+
+
+@torch.no_grad()
+def evaluate_head_and_prototypes(model: nn.Module, loader: Iterable[Batch], protos: Mapping[int, torch.Tensor], *,
+                                 device: torch.device | str = "cpu") -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((correct, total) of the head, (correct, total) of nearest-prototype inference)`` in eval
+    mode: :func:`~rafl.federation.training.evaluate_accuracy` and :func:`evaluate_prototype_accuracy`
+    in one pass over ``loader`` (one ``features`` pass per batch feeds both) when
+    :func:`forward_is_head_of_features`, else the two passes. No prototypes: ``(0, 0)`` for them."""
+    from rafl.federation.training import evaluate_accuracy
+
+    if not forward_is_head_of_features(model):
+        return (evaluate_accuracy(model, loader, device=device),
+                evaluate_prototype_accuracy(model, loader, protos, device=device))
+    was = model.training
+    model.eval()
+    head = proto = total = 0
+    for images, labels in loader:
+        feats = model.features(images.to(device))
+        head += int((model.head(feats).argmax(1).cpu() == labels).sum())
+        if protos:
+            proto += int((nearest_prototype(feats, protos).cpu() == labels).sum())
+        total += int(labels.numel())
+    model.train(was)
+    return (head, total), ((proto, total) if protos else (0, 0))
+
+
+def target_bank(protos: Mapping[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bank (C, r) float32, has (C,) bool)`` with ``C = max class id + 1``: row ``k`` holds the
+    prototype of class ``k`` (zeros and ``has[k] = False`` for a class without one). Build it once
+    per round and look targets up per batch (:func:`stack_targets`)."""
     if not protos:
-        return torch.zeros(len(labels), 0), torch.zeros(len(labels), dtype=torch.bool)
+        return torch.zeros(0, 0), torch.zeros(0, dtype=torch.bool)
     dim = next(iter(protos.values())).numel()
-    n_cls = max(max(protos) + 1, int(labels.max()) + 1 if len(labels) else 0)
+    n_cls = max(protos) + 1
     bank = torch.zeros(n_cls, dim)
     has = torch.zeros(n_cls, dtype=torch.bool)
     for k, v in protos.items():
         bank[int(k)] = v.detach().to("cpu", torch.float32).reshape(-1)
         has[int(k)] = True
+    return bank, has
+
+
+def stack_targets(protos: Mapping[int, torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prototype of each sample's class: ``(targets (B, r), mask (B,) bool)``; samples whose
+    class has no prototype get a zero row and ``mask=False`` (they add no prototype loss).
+    ``protos``: ``{class id: (r,)}``, or the :func:`target_bank` of such a mapping."""
+    bank, has = protos if isinstance(protos, tuple) else target_bank(protos)
+    if not len(has):
+        return torch.zeros(len(labels), 0), torch.zeros(len(labels), dtype=torch.bool)
     lab = labels.cpu()
+    inside = lab < len(has)  # a class id beyond every prototype's: a zero row, no prototype
+    if not bool(inside.all()):
+        lab = torch.where(inside, lab, torch.zeros_like(lab))
+        targets = torch.where(inside.unsqueeze(1), bank[lab], torch.zeros(()))
+        return targets.to(labels.device), (has[lab] & inside).to(labels.device)
     return bank[lab].to(labels.device), has[lab].to(labels.device)
 
 
@@ -325,5 +381,6 @@ def weighted_class_average(items: Iterable[tuple[Mapping[int, torch.Tensor], Map
 
 __all__ = ["check_class_upload", "class_sums", "averages_from_sums", "class_averages", "local_class_averages", "to_payload_tensors",
            "from_payload", "payload_tensor_bits", "safe_distance", "pairwise_distances", "adaptive_margin",
-           "nearest_prototype", "evaluate_prototype_accuracy", "stack_targets", "weighted_class_average",
+           "nearest_prototype", "evaluate_prototype_accuracy", "evaluate_head_and_prototypes", "forward_is_head_of_features",
+           "target_bank", "stack_targets", "weighted_class_average",
            "DIST_EPS"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes
 
 _NAME = re.compile(r"^(\d+)\.r(\d+)\.st$")
+#: The temporary file of a state write (:func:`rafl.io.atomic_write_bytes`) that a killed process left.
+_TEMP = re.compile(r"^\.(\d+)\.r(\d+)\.st\..*\.tmp$")
 
 
 _TENSOR = "__tensor__"
@@ -126,6 +129,9 @@ class ClientStore:
     Attributes:
         committed: ``client_id -> round`` of the committed state version (the checkpoint's view).
         pending: ``client_id -> round`` written this round, not yet committed.
+        background: write (and fsync) the files in a background thread, so the next client
+            computes meanwhile; :meth:`flush` (called by :meth:`commit`) waits for them and raises
+            the first write error. Off by default: the in-process runner turns it on.
     """
 
     def __init__(self, directory: str | Path, committed: dict[int, int] | None = None):
@@ -133,6 +139,9 @@ class ClientStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.committed: dict[int, int] = dict(committed or {})
         self.pending: dict[int, int] = {}
+        self.background = False
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[Future] = []
 
     def _path(self, client_id: int, rnd: int) -> Path:
         return self.directory / f"{client_id:07d}.r{rnd:05d}.st"
@@ -146,26 +155,44 @@ class ClientStore:
         return load_state(self._path(client_id, self.committed[client_id]))
 
     def save(self, client_id: int, rnd: int, state: Any) -> None:
-        """Write the state of ``client_id`` after round ``rnd`` (pending until :meth:`commit`)."""
-        save_state(self._path(client_id, rnd), state)
+        """Write the state of ``client_id`` after round ``rnd`` (pending until :meth:`commit`).
+        The state is serialized now; with ``background`` the file is written in the background."""
+        if not self.background:
+            save_state(self._path(client_id, rnd), state)
+        else:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="rafl-client-store")
+            self._writes.append(self._writer.submit(atomic_write_bytes, self._path(client_id, rnd),
+                                                    state_to_bytes(state)))
         self.pending[client_id] = rnd
 
+    def flush(self) -> None:
+        """Wait until every state written so far is on disk (fsync'ed).
+
+        Raises:
+            OSError: a background write failed (e.g. the disk is full)."""
+        writes, self._writes = self._writes, []
+        for w in writes:
+            w.result()
+
     def commit(self) -> dict[int, int]:
-        """Make pending versions the committed ones; return the new ``committed`` map. Call
-        :meth:`cleanup` after the checkpoint holding this map is on disk."""
+        """Make pending versions the committed ones (after :meth:`flush`); return the new
+        ``committed`` map. Call :meth:`cleanup` after the checkpoint holding this map is on disk."""
+        self.flush()
         self.committed.update(self.pending)
         self.pending = {}
         return dict(self.committed)
 
     def cleanup(self, client_id: int | None = None) -> None:
-        """Delete every file that is not a committed version (older rounds, aborted rounds); only
-        those of ``client_id`` when given (a Flower node sharing the folder with other clients)."""
+        """Delete every file that is not a committed version (older rounds, aborted rounds, the
+        temporary file of a write a killed worker process left); only those of ``client_id`` when
+        given (a Flower node sharing the folder with other clients)."""
         for f in self.directory.iterdir():
-            m = _NAME.match(f.name)
+            m = _NAME.match(f.name) or _TEMP.match(f.name)
             if m is None:
                 continue
-            cid, rnd = int(m.group(1)), int(m.group(2))
-            if (client_id is None or cid == client_id) and self.committed.get(cid) != rnd:
+            cid, rnd, temp = int(m.group(1)), int(m.group(2)), f.name.endswith(".tmp")
+            if (client_id is None or cid == client_id) and (temp or self.committed.get(cid) != rnd):
                 f.unlink(missing_ok=True)
 
 

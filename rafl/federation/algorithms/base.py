@@ -174,12 +174,17 @@ class Algorithm(ABC):
         requires_homogeneous: True for methods that average whole models (FedAvg/FedProx/FedNova);
             :meth:`check_population` then rejects clients with different ``model_key``.
         uses_public_pool: True when :meth:`server_aggregate` needs ``ServerContext.public_images``.
+        shared_initial_evaluation: True when :meth:`prepare_evaluation` and :meth:`evaluate` of
+            an initial state depend on the client only through its model (``model_key``) and its
+            test split; the engine then evaluates the clients that have not trained yet together,
+            one evaluation per model (:mod:`rafl.federation.workers`). False: one by one.
     """
 
     name: ClassVar[str] = ""
     defaults: ClassVar[dict[str, Any]] = {}
     requires_homogeneous: ClassVar[bool] = False
     uses_public_pool: ClassVar[bool] = False
+    shared_initial_evaluation: ClassVar[bool] = True
 
     def __init__(self, **hparams: Any) -> None:
         self.hparams = self.check_hparams(hparams)

@@ -159,6 +159,8 @@ class FedGH(Algorithm):
     ``{"head": header state_dict}``."""
 
     name: ClassVar[str] = "fedgh"
+    # evaluate() applies each client's own label prior (its training split's label counts)
+    shared_initial_evaluation: ClassVar[bool] = False
     defaults: ClassVar[dict[str, Any]] = {
         **LOCAL_DEFAULTS,
         "server_lr": 0.01,         # eta_theta

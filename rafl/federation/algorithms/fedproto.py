@@ -27,9 +27,8 @@ from rafl.federation.algorithms._common import (LOCAL_DEFAULTS, build, cpu_state
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.losses import prototype_regularizer, train_regularized
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (check_class_upload, evaluate_prototype_accuracy, from_payload, local_class_averages,
+from rafl.federation.prototypes import (check_class_upload, evaluate_head_and_prototypes, from_payload, local_class_averages,
                                         to_payload_tensors, weighted_class_average)
-from rafl.federation.training import evaluate_accuracy
 
 PROTO = "proto."
 GLOBAL = "global."
@@ -98,9 +97,7 @@ class FedProto(Algorithm):
 
     def evaluate(self, state, client: ClientContext):
         model = build(client, state["model"])
-        out = eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
         glob = state.get("global") or {}
         protos = from_payload(glob, GLOBAL) if glob else {}
-        out.update(eval_counts("proto", *evaluate_prototype_accuracy(model, client.test_loader, protos,
-                                                                     device=client.device)))
-        return out
+        head, proto = evaluate_head_and_prototypes(model, client.test_loader, protos, device=client.device)
+        return {**eval_counts("model", *head), **eval_counts("proto", *proto)}

@@ -1,0 +1,445 @@
+"""Client steps in parallel worker processes (``engine.workers``), and the shared evaluation of
+clients that never trained.
+
+:class:`WorkerClients` is a client runner (the interface of
+:class:`~rafl.federation.engine.InProcessClients`): the round's client steps and evaluations run
+in ``workers`` processes forked from this one, one torch thread each. Forking shares the
+federation -- the in-memory dataset, the model templates, the algorithm -- copy-on-write: nothing
+is pickled or copied per worker, whatever the dataset's layout. A job crosses a pipe as a few
+integers plus the serialized download (:meth:`Payload.to_bytes`, sent once per worker and call);
+the worker loads the client's committed state from the run's :class:`ClientStore`, runs the very
+function the in-process runner runs (:func:`~rafl.federation.engine.train_client` /
+:func:`~rafl.federation.engine.evaluate_client`), writes the new state version there and sends
+back the upload's bytes. Every draw is seeded by ``(seed, client, round)`` and every worker runs
+one torch thread, so a run's metrics and states are the same bit for bit for every number of
+workers (with ``train.threads: 1``, the default, in the one-worker case, which runs in-process).
+
+Faults: a worker that dies (a signal, the OOM killer, a crash in native code) fails the client it
+was running -- counted and reported like a Flower node's lost client -- and is replaced; an error
+*raised* by the method (e.g. diverged training, a UserInputError naming the client) stops the
+run as it does in-process. Ctrl-C: workers ignore SIGINT; the run's process terminates them
+(SIGTERM, upon which a worker removes the temporary file of a state write in progress) and the
+interrupt propagates as before, so ``--resume`` repeats the round from the committed states.
+Workers exit by themselves when the run's process disappears (their pipe closes).
+
+:func:`evaluate_untrained` evaluates the clients that never trained (``engine.eval_clients:
+all``) with one evaluation per architecture: the initial model of the architecture's first such
+client, on the test splits of all of them at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+
+from rafl.errors import UserInputError
+from rafl.federation.payload import Payload
+from rafl.federation.store import ClientStore
+
+#: Test samples per batch of the shared evaluation of never-trained clients.
+POOLED_BATCH = 256
+
+
+def fork_available() -> bool:
+    """Whether this platform can fork worker processes (Linux, macOS; not Windows)."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def resolve_workers(workers: int | None, n_sampled: int, device: torch.device) -> int:
+    """The number of worker processes of a run: ``workers``, or by default the CPU cores capped by
+    the clients sampled per round (1 on a CUDA device or where fork is unavailable).
+
+    Raises:
+        UserInputError: ``workers`` is not an integer >= 1, or > 1 on a CUDA device (a forked
+            process cannot use the parent's CUDA context) or without fork.
+    """
+    if workers is None:
+        if device.type != "cpu" or not fork_available():
+            return 1
+        return max(1, min(cpu_cores(), n_sampled))
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise UserInputError(f"is {workers!r}; allowed: an integer >= 1, or null (the CPU cores)", field="engine.workers")
+    if workers > 1 and device.type != "cpu":
+        raise UserInputError(f"is {workers}, but the clients compute on {device} (worker processes are for CPU "
+                             "runs); allowed: 1, or null", field="engine.workers")
+    if workers > 1 and not fork_available():
+        raise UserInputError(f"is {workers}, but this platform cannot fork processes; allowed: 1, or null",
+                             field="engine.workers")
+    return workers
+
+
+def runner(workers: int | None, n_sampled: int, device: torch.device):
+    """The engine's default client runner factory ``(fed, store, seed) -> runner``:
+    :class:`~rafl.federation.engine.InProcessClients` for one worker (:func:`resolve_workers`),
+    else :class:`WorkerClients`."""
+    n = resolve_workers(workers, n_sampled, device)
+    if n == 1:
+        from rafl.federation.engine import InProcessClients
+
+        return InProcessClients
+    return lambda fed, store, seed: WorkerClients(fed, store, seed, n)
+
+
+# ---------------------------------------------------------------------- shared evaluation
+class PooledLoader:
+    """The test splits of several clients as one loader: their batches, in client order, joined
+    into batches of up to ``batch_size`` samples (``images (B, C, H, W)``, ``labels (B,)``)."""
+
+    def __init__(self, loaders: list[Any], batch_size: int = POOLED_BATCH):
+        self.loaders = loaders
+        self.batch_size = batch_size
+
+    @property
+    def dataset(self) -> range:
+        """A sized stand-in: ``len(loader.dataset)`` is the number of pooled samples."""
+        return range(sum(len(ld.dataset) for ld in self.loaders))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        images: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
+        held = 0
+        for loader in self.loaders:
+            for x, y in loader:
+                images.append(x)
+                labels.append(y)
+                held += len(y)
+                if held >= self.batch_size:
+                    yield torch.cat(images), torch.cat(labels)
+                    images, labels, held = [], [], 0
+        if held:
+            yield torch.cat(images), torch.cat(labels)
+
+
+def initial_groups(fed, ids: list[int]) -> list[list[int]]:
+    """``ids`` (clients without a state) grouped by model (``ClientInfo.model_key``), each group
+    sorted, groups ordered by their first client."""
+    groups: dict[str, list[int]] = {}
+    for cid in sorted(ids):
+        groups.setdefault(fed.clients[cid].model_key, []).append(cid)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def evaluate_group(fed, store: ClientStore, seed: int, rnd: int, group: list[int], broadcast: Payload) -> dict[str, float]:
+    """One evaluation of the initial model of ``group[0]`` (``init_client``, seeded by its
+    ``init_seed``; then ``prepare_evaluation`` with its view of ``broadcast``) on the pooled test
+    splits of every client in ``group`` (clients with one model and no state): the evaluation
+    contract's summed ``m.correct``/``m.total``."""
+    from rafl.federation.engine import client_context, evaluate_client
+
+    ctx = client_context(fed, seed, group[0], rnd)
+    loaders = [ctx.test_loader] + [fed.loaders(cid, "test", seed) for cid in group[1:]]
+    return evaluate_client(fed, store, dataclasses.replace(ctx, test_loader=PooledLoader(loaders)), broadcast)
+
+
+def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[int], broadcast: Payload
+                     ) -> list[tuple[list[int], dict[str, float]]]:
+    """The shared evaluation of clients that never trained, in this process: ``[(group, counts)]``
+    (:func:`initial_groups`, :func:`evaluate_group`)."""
+    return [(g, evaluate_group(fed, store, seed, rnd, g, broadcast)) for g in initial_groups(fed, ids)]
+
+
+def summarize_untrained(per_client: dict[int, dict[str, float]],
+                        groups: list[tuple[list[int], dict[str, float]]]) -> dict[str, float]:
+    """A round's figures of the shared evaluation, per model ``m`` of the evaluation contract:
+    ``m.acc_untrained_sample_weighted`` (sum correct / sum total over the groups of clients that
+    have not trained) and ``m.acc_all_sample_weighted`` (with the clients evaluated one by one,
+    ``per_client``, added: every client's test samples); ``eval.trained_clients`` and
+    ``eval.untrained_clients`` count the clients behind each."""
+    out: dict[str, float] = {"eval.trained_clients": len(per_client),
+                             "eval.untrained_clients": sum(len(g) for g, _ in groups)}
+    counts = [c for _, c in groups]
+    models = sorted({k[:-len(".correct")] for c in counts for k in c if k.endswith(".correct")})
+    for m in models:
+        correct = sum(c.get(f"{m}.correct", 0.0) for c in counts)
+        total = sum(c.get(f"{m}.total", 0.0) for c in counts)
+        if total > 0:
+            out[f"{m}.acc_untrained_sample_weighted"] = correct / total
+        correct += sum(r.get(f"{m}.correct", 0.0) for r in per_client.values())
+        total += sum(r.get(f"{m}.total", 0.0) for r in per_client.values())
+        if total > 0:
+            out[f"{m}.acc_all_sample_weighted"] = correct / total
+    return out
+
+
+# ---------------------------------------------------------------------- worker process
+def _portable_error(err: BaseException) -> tuple:
+    """What of an exception crosses the pipe: a UserInputError's parts, else the pickled
+    exception (or its type and text when it does not pickle)."""
+    if isinstance(err, UserInputError):
+        return ("user", err.message, err.source, err.field)
+    try:
+        blob = pickle.dumps(err)
+        pickle.loads(blob)
+        return ("pickled", blob)
+    except Exception:  # noqa: BLE001 -- an exception whose state does not survive pickling
+        return ("text", f"{type(err).__name__}: {err}")
+
+
+def _worker_main(conn, others: list, fed, store_dir: str, seed: int) -> None:
+    """A worker's loop: jobs from ``conn`` until ``None`` or the pipe closes."""
+    from rafl.federation.engine import client_context, evaluate_client, train_client
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the run's process, which stops us
+
+    def _terminate(signum, frame):  # SystemExit unwinds: an atomic write in progress deletes its temp file
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    for c in others:  # the run's ends of the other workers' pipes: let them see EOF when the run dies
+        c.close()
+    torch.set_num_threads(1)
+    store = ClientStore(store_dir)
+    downloads: dict[int, Payload] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        kind = msg[0]
+        if kind == "payload":
+            downloads[msg[1]] = Payload.from_bytes(msg[2])
+            continue
+        if kind == "forget":
+            downloads.clear()
+            continue
+        _, rnd, cid, committed, key = msg
+        store.committed = dict(committed)
+        store.pending = {}
+        try:
+            if kind == "train":
+                upload, seconds = train_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
+                result: Any = (upload.to_bytes(), seconds)
+            elif kind == "evaluate":
+                result = evaluate_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
+            else:  # "initial": cid is a group of never-trained clients
+                result = evaluate_group(fed, store, seed, rnd, cid, downloads[key])
+            conn.send(("ok", result))
+        except Exception as err:  # noqa: BLE001 -- the run's process re-raises it
+            conn.send(("error", _portable_error(err), traceback.format_exc()))
+
+
+class _Worker:
+    def __init__(self, ctx, others: list, fed, store_dir: str, seed: int):
+        self.conn, child = ctx.Pipe(duplex=True)
+        # the child closes every run-side pipe end it inherits, its own included
+        self.proc = ctx.Process(target=_worker_main, args=(child, [*others, self.conn], fed, store_dir, seed),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.sent: set[int] = set()  # payload keys this worker holds
+        self.job: tuple | None = None
+
+
+@contextlib.contextmanager
+def _interrupt_flag() -> Iterator[list[int]]:
+    """While the run's process waits for its workers, Ctrl-C (SIGINT) appends to the yielded list
+    instead of raising at once; the wait loop raises KeyboardInterrupt itself. The default handler's
+    KeyboardInterrupt can be lost when it fires inside a finalizer (``__del__``), which a process
+    juggling pipes and child processes runs often. Only in the main thread, over Python's default
+    handler (a handler someone else installed is left alone)."""
+    flag: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.append(signum))
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop(workers: list[_Worker], kill: bool) -> None:
+    for w in workers:
+        if kill and w.proc.is_alive():
+            w.proc.terminate()
+        else:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+    for w in workers:
+        w.proc.join(timeout=10)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join()
+        w.conn.close()
+
+
+class WorkerClients:
+    """Runs the client steps in ``workers`` forked processes (see the module docstring).
+
+    Args:
+        fed: the federation (shared with the workers by fork, at their first job).
+        store: the engine's :class:`ClientStore` (its committed versions travel with each job).
+        seed: the run seed.
+        workers: number of processes (>= 1).
+    """
+
+    def __init__(self, fed, store: ClientStore, seed: int, workers: int):
+        self.fed, self.store, self.seed, self.n = fed, store, seed, int(workers)
+        self._ctx = multiprocessing.get_context("fork")
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _stop, self._workers, True)
+
+    # ------------------------------------------------------------------ pool
+    def _spawn(self) -> _Worker:
+        w = _Worker(self._ctx, [o.conn for o in self._workers], self.fed, str(self.store.directory), self.seed)
+        self._workers.append(w)
+        return w
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent; the next call forks new ones)."""
+        _stop(self._workers, kill=False)
+        self._workers.clear()
+
+    def _drop(self, w: _Worker) -> None:
+        w.proc.join(timeout=10)
+        w.conn.close()
+        self._workers.remove(w)
+
+    def where(self, cid: int) -> str:
+        """Where client ``cid`` computes, as errors append it ("" : this machine)."""
+        return ""
+
+    def _run(self, kind: str, rnd: int, jobs: list[tuple[Any, Payload]]) -> tuple[dict[int, Any], dict[int, str]]:
+        """Run ``jobs`` (``(client id or group, download)``) on the workers, each job on the next
+        free worker. Returns ``(results by job index, failures by job index)``."""
+        keys: dict[int, int] = {}
+        blobs: dict[int, bytes] = {}
+        for _, down in jobs:
+            if id(down) not in keys:
+                keys[id(down)] = len(keys)
+                blobs[keys[id(down)]] = down.to_bytes()
+        todo = list(range(len(jobs)))[::-1]
+        results: dict[int, Any] = {}
+        failed: dict[int, str] = {}
+        for w in list(self._workers):
+            w.sent.clear()
+            try:
+                w.conn.send(("forget",))
+            except OSError:  # it died while idle: a new one replaces it
+                self._drop(w)
+        try:
+            with _interrupt_flag() as interrupted:
+                self._loop(kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted)
+        except BaseException:
+            _stop(self._workers, kill=True)  # Ctrl-C, or a method's error: stop every worker now
+            self._workers.clear()
+            raise
+        return results, failed
+
+    def _loop(self, kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted) -> None:
+        """Dispatch ``todo`` (job indices, last first) and collect until every job is done."""
+        while todo or any(w.job is not None for w in self._workers):
+            if interrupted:
+                raise KeyboardInterrupt
+            for w in [w for w in self._workers if w.job is None and not w.proc.is_alive()]:
+                self._drop(w)
+            while len(self._workers) < min(self.n, len(todo) + sum(w.job is not None for w in self._workers)):
+                self._spawn()
+            for w in self._workers:
+                if w.job is None and todo:
+                    i = todo.pop()
+                    who, down = jobs[i]
+                    key = keys[id(down)]
+                    if key not in w.sent:
+                        w.conn.send(("payload", key, blobs[key]))
+                        w.sent.add(key)
+                    ids = who if isinstance(who, list) else [who]
+                    committed = {c: self.store.committed[c] for c in ids if c in self.store.committed}
+                    w.conn.send((kind, rnd, who, committed, key))
+                    w.job = (i,)
+            busy = [w for w in self._workers if w.job is not None]
+            ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=0.5)
+            for w in busy:
+                if w.conn in ready:
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        msg = None
+                    if msg is not None:
+                        i = w.job[0]
+                        w.job = None
+                        if msg[0] == "ok":
+                            results[i] = msg[1]
+                        else:
+                            self._raise(msg[1], msg[2])
+                        continue
+                if w.job is not None and (w.proc.sentinel in ready or w.conn in ready):
+                    w.proc.join(timeout=10)
+                    failed[w.job[0]] = f"its worker process died (exit code {w.proc.exitcode})"
+                    w.job = None
+                    self._drop(w)
+        if interrupted:
+            raise KeyboardInterrupt
+
+    @staticmethod
+    def _raise(err: tuple, trace: str) -> None:
+        """Re-raise a method's error from a worker as the in-process runner would have raised it."""
+        if err[0] == "user":
+            raise UserInputError(err[1], source=err[2], field=err[3])
+        exc = pickle.loads(err[1]) if err[0] == "pickled" else RuntimeError(err[1])
+        exc.add_note(f"raised in a worker process:\n{trace}")
+        raise exc
+
+    # ------------------------------------------------------------------ runner interface
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+        """``client_update`` of every ``(client_id, download)`` in ``jobs`` on the workers; the new
+        states are pending versions of round ``rnd`` in the store.
+
+        Returns:
+            ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order for the clients
+            that completed, the clients whose worker died with the reason, and the wall seconds
+            of the parallel section (client computation and state I/O)."""
+        t0 = time.perf_counter()
+        results, failed = self._run("train", rnd, jobs)
+        uploads = []
+        for i, (cid, _) in enumerate(jobs):
+            if i in results:
+                uploads.append((cid, Payload.from_bytes(results[i][0])))
+                self.store.pending[cid] = rnd
+        return uploads, {jobs[i][0]: why for i, why in failed.items()}, time.perf_counter() - t0
+
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
+        """The evaluation contract's counts of every client in ``ids`` (committed states), and the
+        clients whose worker died, with the reason."""
+        results, failed = self._run("evaluate", rnd, [(cid, broadcast) for cid in ids])
+        return ({ids[i]: results[i] for i in sorted(results)}, {ids[i]: why for i, why in failed.items()})
+
+    def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload
+                         ) -> tuple[list[tuple[list[int], dict[str, float]]], dict[int, str]]:
+        """:func:`evaluate_untrained` with one job per model group; the clients of a group whose
+        worker died are returned with the reason."""
+        groups = initial_groups(self.fed, ids)
+        results, failed = self._run("initial", rnd, [(g, broadcast) for g in groups])
+        lost = {cid: why for i, why in failed.items() for cid in groups[i]}
+        return [(groups[i], results[i]) for i in sorted(results)], lost
+
+
+__all__ = ["WorkerClients", "PooledLoader", "runner", "summarize_untrained", "evaluate_untrained", "evaluate_group", "initial_groups", "resolve_workers",
+           "cpu_cores", "fork_available", "POOLED_BATCH"]
