@@ -76,7 +76,37 @@ def print_table(summary: dict, run_dir: Path) -> None:
     con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 
-@click.command("federate")
+def list_algorithms() -> str:
+    """``rafl federate --list-algorithms``: every registered method (``algorithm.name``), its paper
+    (the first sentence of its docstring), what it needs, and its hyperparameters with defaults."""
+    import re
+
+    from rafl.federation.algorithms import ALGORITHMS
+
+    lines = []
+    for name in sorted(ALGORITHMS):
+        cls = ALGORITHMS[name]
+        doc = " ".join((cls.__doc__ or "").replace("``", "").split())
+        first = re.split(r"(?<=[.)])\s+(?=Client|Server|[A-Z][a-z]+ state)", doc, maxsplit=1)[0]
+        needs = [w for w, on in (("identical client models", cls.requires_homogeneous),
+                                 ("the server's public pool", cls.uses_public_pool)) if on]
+        lines.append(f"{name}: {first}" + (f" Needs {' and '.join(needs)}." if needs else ""))
+        hp = ", ".join(f"{k}={v}" for k, v in cls.defaults.items())
+        lines.append(f"    hyperparameters (--set algorithm.KEY=VALUE): {hp}" if hp else "    no hyperparameters")
+    return "\n".join(lines)
+
+
+def _list_algorithms(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(list_algorithms())
+        ctx.exit(0)
+
+
+@click.command("federate", epilog=(
+    "Config keys and their allowed values: rafl federate --show-config (add --config/--set to see the resolved "
+    "run). Methods (algorithm.name) and their hyperparameters: rafl federate --list-algorithms. Ready-made run "
+    "configs: examples/*.yaml in the repository (CIFAR-10 with NAS subnets or HtFE models, FEMNIST natural, a "
+    "Flower deployment); the README's 'rafl federate' section explains every key."))
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Run config YAML (dataset, partition, clients and profiles, algorithm, engine...); "
                    "missing keys take the defaults.")
@@ -87,8 +117,13 @@ def print_table(summary: dict, run_dir: Path) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
               help="Parent folder of the run dir.")
 @click.option("--progress/--no-progress", " /--quiet", default=True, show_default=True, help="Progress bars.")
+@click.option("--show-config", is_flag=True,
+              help="Print the resolved run config (defaults <- --config <- --set) as YAML, each key with its allowed "
+                   "values, and exit without running.")
+@click.option("--list-algorithms", is_flag=True, is_eager=True, expose_value=False, callback=_list_algorithms,
+              help="List the methods (algorithm.name) with their hyperparameters and defaults, and exit.")
 def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: Path | None, out: Path,
-             progress: bool) -> None:
+             progress: bool, show_config: bool) -> None:
     """Federate specialized subnets across simulated devices.
 
     With no options: digits, 10 clients (profiles pi4, jetson-nano, phone), Dirichlet alpha 0.5,
@@ -101,6 +136,14 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     from rafl.federation.checks import check_resumable_here
     from rafl.io import check_output_dir
 
+    if show_config:
+        from rafl.config import commented_config
+
+        if resume_dir is not None:
+            raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is the run's config)",
+                                 field="--show-config")
+        click.echo(commented_config(load_run_config(config_path, overrides)), nl=False)
+        return
     if resume_dir is not None:
         source = click.get_current_context().get_parameter_source("out")
         if source is not None and source.name == "COMMANDLINE":

@@ -37,7 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rafl.config import NoBoolNumbers
-from rafl.errors import UserInputError, shown
+from rafl.errors import UserInputError, shown, yaml_error_detail
 from rafl.io import load_yaml
 
 __all__ = ["Budgets", "DeviceProfile", "load_profile", "list_profiles", "profiles_dir"]
@@ -275,5 +275,5 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
     try:
         data = load_yaml(path.read_text(), path)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=path) from None
+        raise UserInputError(yaml_error_detail(err), source=path) from None
     return DeviceProfile.from_dict(data, source=path)
