@@ -469,10 +469,19 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if dotted == "clients.profiles":  # profile files among shipped names (as load_profile tells them)
-            from rafl.search.profile import names_a_file
+            from rafl.search.profile import names_a_file, profiles_dir
 
             base = Path.cwd() if dotted in given else file_base
-            new_list = [str((base / Path(v).expanduser()).resolve()) if names_a_file(v) else v for v in value]
+
+            def entry(v: str) -> str:
+                if not names_a_file(v):
+                    return v
+                here = base / Path(v).expanduser()
+                if not here.exists() and "/" not in v and (profiles_dir() / v).is_file():
+                    return Path(v).stem  # `pi4.yaml` names the shipped profile: recorded as `pi4`
+                return str(here.resolve())
+
+            new_list = [entry(v) for v in value]
             if new_list != list(value):
                 update[section] = update.get(section, getattr(cfg, section)).model_copy(update={key: new_list})
             continue

@@ -133,7 +133,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     """
     from rafl.config import RunConfig, load_run_config, parse_overrides
     from rafl.federation import pipeline
-    from rafl.federation.checks import check_resumable_here
+    from rafl.federation.checks import check_checkpoint_readable, check_resumable_here
     from rafl.io import check_output_dir
 
     if show_config:
@@ -164,6 +164,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
                                  "is not a rafl federate run dir (no config.yaml)", source=resume_dir,
                                  field="--resume")
         check_resumable_here(resume_dir)  # a SuperLink's run: its client states are on the nodes
+        check_checkpoint_readable(resume_dir)  # cut short by a copy: say how to recover, before any work
         fixed = sorted({key for key, _ in parse_overrides(overrides) if key.split(".")[0] != "engine"})
         if fixed:  # before the values are read: e.g. another algorithm.name would fail on the run's hparams
             raise UserInputError(f"--resume may change only engine settings (engine.rounds to extend the run, "
