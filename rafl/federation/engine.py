@@ -59,7 +59,7 @@ from rafl.federation.payload import Payload
 from rafl.federation.progress import report
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.io import atomic_write_json, atomic_write_text
-from rafl.reports.tables import fmt_bytes
+from rafl.reports.tables import accuracy_name, fmt_bytes
 
 #: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
 #: loaders shuffle with ``seed``, val/test loaders do not; "val" may return None.
@@ -608,7 +608,7 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
             pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
                    if f"{m}.acc_mean_over_clients" in r]
             x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
-            name = "deployed model" if m == "model" else m
+            name = accuracy_name(m)  # the tables' name ("deployed model", "knowledge network", ...)
             ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
             ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
         ax.set_xlabel(xlabel)
