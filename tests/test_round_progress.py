@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -28,6 +29,7 @@ def _tiny_run_config(tmp_path, supernet_dir, space, rounds=2):
     return path
 
 
+@pytest.mark.slow
 def test_a_round_reports_each_client_and_its_local_epochs(tmp_path, tiny_supernet):
     supernet_dir, space = tiny_supernet
     events = []
