@@ -144,7 +144,7 @@ def _is_latency_lut(path: Path) -> bool:
 
 @click.command("profile")
 @click.option("--device-profile", "device_profile", required=True,
-              help="Shipped profile name (pi4, jetson-nano, phone, mcu, server-gpu) or a YAML path.")
+              help="Shipped profile name (pi4, jetson-nano, phone, mcu, server-gpu; or its file name pi4.yaml, from any folder) or a YAML path.")
 @click.option("--arch", "arch_text", default=None,
               help="Subnet arch: a YAML/JSON file (ks, e, d, r) or an arch string like 'r32_k3e4.k5e6|...'. "
                    "A subnet.yaml from `rafl search` records its search space, which is used without --supernet.")
