@@ -16,9 +16,13 @@ from rafl.errors import UserInputError, shown
 #: the accuracies a method reports besides its deployed model's (``model.acc``), in table order:
 #: metric prefix -> (column label, what it measures), named as in every table and plot
 #: (:data:`rafl.reports.tables.ACCURACY_NAMES`); the same rules as ``rafl compare``'s table
-EXTRA_ACCURACIES = {k: (f"acc {name}", f"{name} accuracy") for k, name in
-                    (("knowledge", "knowledge network"), ("proto", "nearest prototype"), ("prior", "+prior"),
-                     ("local", "local header"), ("global", "shared model"))}
+EXTRA_ACCURACIES = {
+    "knowledge": ("acc knowledge network", "knowledge network accuracy"),                  # RaFL
+    "proto": ("acc nearest prototype", "nearest-prototype accuracy"),                     # FedTGP, FedProto
+    "prior": ("acc +prior", "global header + local label prior accuracy"),                # FedGH
+    "local": ("acc local header", "locally fine-tuned header accuracy"),                  # FedGH
+    "global": ("acc shared model", "shared model accuracy"),                              # FML, FedKD
+}
 
 
 def print_table(summary: dict, run_dir: Path) -> None:
@@ -59,7 +63,7 @@ def print_table(summary: dict, run_dir: Path) -> None:
     t.add_row("mean", *([""] if group else ["", f(m.get("macs_m"))]), f(m.get("params_m"), 3), "",
               str(sum(int(r["n_test"]) for r in rows)), f(m.get("model.acc"), 3), f(mean_se, 3),
               *(f(m.get(f"{k}.acc"), 3) for k in extra), style="bold")
-    con = Console(width=max(100, Console().width))
+    con = Console(width=max(120, Console().width))  # every column header on one line
     con.print(t)
     fin = summary["final"]
     tests = [int(r["n_test"]) for r in rows if r.get("model.acc") is not None]
