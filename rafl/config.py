@@ -31,7 +31,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from rafl.errors import DuplicateKeyError, UserInputError, shown
+from rafl.errors import DuplicateKeyError, UserInputError, shown, yaml_error_detail
 from rafl.io import load_yaml
 
 #: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
@@ -369,7 +369,7 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
     try:
         data = load_yaml(p.read_text(), p) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
+        raise UserInputError(yaml_error_detail(err), source=p) from None
     if not isinstance(data, dict):
         raise UserInputError("expected a mapping at the top level", source=p)
     return data
@@ -481,10 +481,19 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if dotted == "clients.profiles":  # profile files among shipped names (as load_profile tells them)
-            from rafl.search.profile import names_a_file
+            from rafl.search.profile import names_a_file, profiles_dir
 
             base = Path.cwd() if dotted in given else file_base
-            new_list = [str((base / Path(v).expanduser()).resolve()) if names_a_file(v) else v for v in value]
+
+            def entry(v: str) -> str:
+                if not names_a_file(v):
+                    return v
+                here = base / Path(v).expanduser()
+                if not here.exists() and "/" not in v and (profiles_dir() / v).is_file():
+                    return Path(v).stem  # `pi4.yaml` names the shipped profile: recorded as `pi4`
+                return str(here.resolve())
+
+            new_list = [entry(v) for v in value]
             if new_list != list(value):
                 update[section] = update.get(section, getattr(cfg, section)).model_copy(update={key: new_list})
             continue
@@ -593,3 +602,51 @@ def warn_about_test_data(cfg: RunConfig, partition: Any) -> None:
 
 __all__ = ["warn_about_test_data", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
            "AlgorithmConfig", "EngineSection", "TrainSection", "load_run_config", "parse_overrides"]
+
+
+def config_keys() -> dict[str, str]:
+    """Every dotted key of the run config's sections (``engine.rounds``, ``clients.n``, ...) ->
+    its allowed values (the field's description; for a ``Literal``, its values). The algorithm's
+    hyperparameters depend on ``algorithm.name`` and are not listed (``rafl federate
+    --list-algorithms`` shows them)."""
+    out: dict[str, str] = {}
+    for name, info in RunConfig.model_fields.items():
+        model = info.annotation
+        fields = getattr(model, "model_fields", None) if isinstance(model, type) else None
+        if not fields:
+            out[name] = _allowed_text(info)
+            continue
+        for key, sub in fields.items():
+            out[f"{name}.{key}"] = _allowed_text(sub)
+    return out
+
+
+def _allowed_text(info: Any) -> str:
+    if info.description:
+        return info.description
+    values = get_args(info.annotation)
+    if values and all(isinstance(v, str) for v in values):
+        return ", ".join(values)
+    return ""
+
+
+def commented_config(cfg: RunConfig) -> str:
+    """``cfg`` resolved (every default filled in) as a YAML run config, one key a line with its
+    allowed values as a comment: what ``rafl federate --show-config`` prints, loadable with
+    ``--config``."""
+    keys = config_keys()
+    lines: list[str] = []
+
+    def flow(value: Any) -> str:
+        return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
+
+    for section, value in cfg.resolved().items():
+        if not isinstance(value, dict):
+            lines.append(f"{section}: {flow(value)}" + (f"   # {keys[section]}" if keys.get(section) else ""))
+            continue
+        lines.append(f"{section}:" + ("   # the method's hyperparameters: rafl federate --list-algorithms"
+                                      if section == "algorithm" else ""))
+        for key, v in value.items():
+            note = keys.get(f"{section}.{key}", "")
+            lines.append(f"  {key}: {flow(v)}" + (f"   # {note}" if note else ""))
+    return "\n".join(lines) + "\n"

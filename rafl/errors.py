@@ -95,3 +95,21 @@ def load_error_detail(err: Exception, limit: int = 200) -> str:
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     detail = next((ln for ln in lines[1:]), lines[0] if lines else err.__class__.__name__)
     return detail[:limit]
+
+
+def yaml_error_detail(err: Exception, what: str = "YAML") -> str:
+    """``"not valid YAML at line L, column C: <problem>"`` for a PyYAML error, from its problem
+    mark (1-based line and column, as editors count), e.g. ``not valid YAML at line 3, column 8:
+    mapping values are not allowed here``; ``"not valid YAML (not UTF-8 text)"`` for a
+    ``UnicodeDecodeError``. ``what`` names the format (``"YAML/JSON"``)."""
+    if isinstance(err, UnicodeDecodeError):
+        return f"not valid {what} (not UTF-8 text: byte {err.start} cannot be decoded)"
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or getattr(err, "context", None) or err.__class__.__name__
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(err, "context", None)
+    if context and context != problem and getattr(err, "problem", None):
+        problem = f"{problem} ({context}"
+        ctx_mark = getattr(err, "context_mark", None)
+        problem += f" at line {ctx_mark.line + 1})" if ctx_mark is not None else ")"
+    return f"not valid {what}{where}: {problem}"

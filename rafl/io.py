@@ -170,3 +170,31 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def safetensors_damage(data: bytes) -> str | None:
+    """What is wrong with ``data`` as a safetensors file, as a phrase for an error message, or None
+    when its framing is intact (an 8-byte little-endian header length, a JSON header, and tensor
+    data up to the largest ``data_offsets`` end the header lists; the format of
+    https://github.com/huggingface/safetensors). A file cut short (an interrupted copy, a full
+    disk) reads ``truncated: 1,000 of 5,000 bytes``, so the message can say so rather than
+    "not a rafl file"."""
+    size = len(data)
+    if size < 8:
+        return f"truncated: {size:,} bytes, not even the 8-byte header length of a safetensors file"
+    n = int.from_bytes(data[:8], "little")
+    if n > 100_000_000:
+        return "not a safetensors file (its first 8 bytes are no header length)"
+    if size < 8 + n:
+        return f"truncated: {size:,} bytes, but its safetensors header alone is {8 + n:,} bytes"
+    try:
+        header = json.loads(data[8:8 + n])
+    except (ValueError, UnicodeDecodeError):
+        return "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    end = max((int(v["data_offsets"][1]) for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
+    if size < 8 + n + end:
+        return f"truncated: {size:,} of {8 + n + end:,} bytes"
+    return None

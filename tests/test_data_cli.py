@@ -103,12 +103,12 @@ def _corrupt_cache_root(tmp_path):
 
 BAD = [
     (["--dataset", "mnist"], "--dataset: is 'mnist', allowed: one of digits, cifar10, cifar100, femnist"),
-    (["--partition", "pathological", "--k", "11"], "k: is 11, allowed: an integer 1..10"),
+    (["--partition", "pathological", "--k", "11"], "--k: is 11, allowed: an integer 1..10"),
     (["--partition", "pathological"], "--k: is required"),
     (["--partition", "dirichlet", "--k", "3"], "--k: is only used with --partition pathological"),
     (["--partition", "dirichlet", "--alpha", "0"], "--alpha: is 0.0, allowed: a finite number > 0"),
     (["--partition", "dirichlet", "--alpha", "-2"], "--alpha: is -2.0"),
-    (["--clients", "5000", "--partition", "iid"], "n_clients: is 5000, but only 1797 samples"),
+    (["--clients", "5000", "--partition", "iid"], "--clients: is 5000, but only 1797 samples"),
     (["--clients", "0"], "--clients: is 0, allowed: an integer >= 1"),
     (["--clients", "-4"], "--clients: is -4"),
     (["--partition", "shards"], "--partition: is 'shards', allowed: one of iid, pathological, dirichlet, natural"),
@@ -117,7 +117,7 @@ BAD = [
     (["--split", "8:1"], "--split"),
     (["--dataset", "cifar10"], "--data-root: is required for cifar10 (or set $RAFL_DATA_ROOT"),
     (["--dataset", "cifar10", "--data-root", "/nonexistent/cifar"],
-     "/nonexistent/cifar: data_root: does not exist; expected cifar-10-batches-py/{data_batch_1..5"),
+     "/nonexistent/cifar: --data-root: does not exist; expected cifar-10-batches-py/{data_batch_1..5"),
     (["--dataset", "femnist", "--data-root", "/nonexistent/femnist"], "expected LEAF json shards"),
     (["--partition", "file:/nonexistent/partition.json"], "partition file not found"),
     (["--clients", "100", "--alpha", "0.01", "--min-samples", "17"], "raise --alpha, lower --min-samples"),

@@ -159,6 +159,7 @@ def test_nan_weights_in_a_checkpoint_are_rejected(tmp_path, tiny_supernet):
         load_supernet(bad, space)
 
 
+@pytest.mark.integration
 def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
     """A batch scheduler's SIGTERM before round 1 completes leaves no run dir (it used to leave one
     that could be neither resumed nor rerun); after a completed round the checkpoint stays and

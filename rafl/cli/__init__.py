@@ -53,6 +53,9 @@ class LazyGroup(click.Group):
             click.echo(err.format_message(), err=True)
             sys.exit(2)
         except click.UsageError as err:
+            hint = _set_hint(err, sys.argv[1:] if args is None else list(args))
+            if hint is not None:
+                err = click.UsageError(hint, err.ctx)
             path = err.ctx.command_path if err.ctx is not None else (prog_name or "rafl")
             if err.ctx is None or err.ctx.parent is None:  # e.g. a missing option value: no subcommand context
                 words = sys.argv[1:] if args is None else args
@@ -81,6 +84,39 @@ class LazyGroup(click.Group):
         except UserInputError as err:
             click.echo(f"error: {err}", err=True)
             ctx.exit(2)
+
+
+def _set_hint(err: click.UsageError, words: list[str]) -> str | None:
+    """For an unknown option of a command that takes ``--set`` (``federate``, ``compare``) whose name
+    is a run-config key (``--rounds 3``, ``--local-epochs=1``): the message with the ``--set`` to
+    use (``--set engine.rounds=3``) instead of click's nearest option name; None otherwise."""
+    if not isinstance(err, click.NoSuchOption) or err.ctx is None:
+        return None
+    if not any("--set" in p.opts for p in err.ctx.command.params):
+        return None
+    from rafl.config import config_keys
+
+    name = err.option_name.lstrip("-")
+    key = name.replace("-", "_")
+    keys = [*config_keys(), *(f"algorithm.{k}" for k in _hyperparameter_names())]
+    matches = [k for k in keys if k.split(".")[-1] == key or k == name or k.replace(".", "-").replace("_", "-") == name]
+    if not matches:
+        return None
+    value = "VALUE"
+    for i, w in enumerate(words):
+        if w == err.option_name and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            value = words[i + 1]
+        elif w.startswith(err.option_name + "="):
+            value = w.split("=", 1)[1]
+    return (f"no such option: {err.option_name}; run-config keys are set with --set, e.g. "
+            + " or ".join(f"--set {k}={value}" for k in matches[:3]))
+
+
+def _hyperparameter_names() -> list[str]:
+    """Every registered method's hyperparameter names (``local_epochs``, ``lr``, ``tau``, ...)."""
+    from rafl.federation.algorithms import ALGORITHMS
+
+    return sorted({k for cls in ALGORITHMS.values() for k in cls.defaults})
 
 
 def _exit_on_sigterm(signum, frame):  # noqa: ARG001 (signal handler signature)

@@ -12,6 +12,11 @@ from rafl.errors import UserInputError, allowed
 OUT_FILES = ("partition.json", "class_heatmap.png")
 
 
+#: :func:`rafl.data.make_partition`'s argument names -> this command's options, for its errors
+PARTITION_OPTIONS = {"k": "--k", "alpha": "--alpha", "min_samples": "--min-samples", "n_clients": "--clients",
+                     "public_fraction": "--public-fraction", "split": "--split", "partition": "--partition"}
+
+
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserInputError("exists and is not a folder", source=out, field="--out")
@@ -123,12 +128,22 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
     from rafl.data import load_dataset, make_partition
     from rafl.data.report import plot_class_heatmap, print_partition_table
 
-    ds = load_dataset(dataset, data_root, resolution=resolution, limit_per_class=limit_per_class,
-                      progress=not quiet)
+    try:
+        ds = load_dataset(dataset, data_root, resolution=resolution, limit_per_class=limit_per_class,
+                          progress=not quiet)
+    except UserInputError as err:  # the library's argument name -> the option
+        if err.field != "data_root":
+            raise
+        raise UserInputError(err.message, source=err.source, field="--data-root") from None
     labels = ds.labels.numpy()
-    part = make_partition(labels, scheme, clients, seed, k=k, alpha=alpha, min_samples=min_samples,
-                          public_fraction=public_fraction, public_seed=public_seed, writers=ds.writers,
-                          split=split, dataset=dataset, origin=ds.origin)
+    try:
+        part = make_partition(labels, scheme, clients, seed, k=k, alpha=alpha, min_samples=min_samples,
+                              public_fraction=public_fraction, public_seed=public_seed, writers=ds.writers,
+                              split=split, dataset=dataset, origin=ds.origin)
+    except UserInputError as err:  # the library names its arguments (k, min_samples): say the options
+        if err.source is not None or err.field not in PARTITION_OPTIONS:
+            raise
+        raise UserInputError(err.message, field=PARTITION_OPTIONS[err.field]) from None
     if limit_per_class is not None:
         part.meta["limit_per_class"] = limit_per_class
     counts = part.class_counts(labels, ds.num_classes)

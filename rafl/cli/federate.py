@@ -14,24 +14,25 @@ from rafl.errors import UserInputError, shown
 
 
 #: the accuracies a method reports besides its deployed model's (``model.acc``), in table order:
-#: metric prefix -> (column label, what it measures); the same rules as ``rafl compare``'s table
+#: metric prefix -> (column label, what it measures), named as in every table and plot
+#: (:data:`rafl.reports.tables.ACCURACY_NAMES`); the same rules as ``rafl compare``'s table
 EXTRA_ACCURACIES = {
-    "knowledge": ("acc knowledge", "knowledge network accuracy"),              # RaFL
-    "proto": ("acc nearest prototype", "nearest-prototype accuracy"),          # FedTGP, FedProto
-    "prior": ("acc +prior", "global header + local label prior accuracy"),     # FedGH
-    "local": ("acc local header", "locally fine-tuned header accuracy"),       # FedGH
-    "global": ("acc shared", "shared model accuracy"),                         # FML, FedKD
+    "knowledge": ("acc knowledge network", "knowledge network accuracy"),                  # RaFL
+    "proto": ("acc nearest prototype", "nearest-prototype accuracy"),                     # FedTGP, FedProto
+    "prior": ("acc +prior", "global header + local label prior accuracy"),                # FedGH
+    "local": ("acc local header", "locally fine-tuned header accuracy"),                  # FedGH
+    "global": ("acc shared model", "shared model accuracy"),                              # FML, FedKD
 }
 
 
 def print_table(summary: dict, run_dir: Path) -> None:
-    """The per-client table (profile, subnet MACs/params, the deployed model's accuracy and every
-    other accuracy the method reports, e.g. FedTGP's nearest-prototype accuracy) with means, and
-    the run dir."""
+    """The per-client table (profile, subnet MACs/params, test images, the deployed model's accuracy
+    with its binomial standard error, and every other accuracy the method reports, e.g. FedTGP's
+    nearest-prototype accuracy) with means, and the run dir."""
     from rich.console import Console
     from rich.table import Table
 
-    from rafl.reports.tables import fmt_bytes
+    from rafl.reports.tables import binomial_se, fmt_bytes
 
     rows = summary["table"]
     group = any("model" in r for r in rows)  # clients.models: a model group (no profiles, no subnets)
@@ -40,24 +41,37 @@ def print_table(summary: dict, run_dir: Path) -> None:
     for col in ("client", "model", "params (M)", "train", "test") if group else \
             ("client", "profile", "MACs (M)", "params (M)", "train", "test"):
         t.add_column(col, justify="left" if col in ("profile", "model") else "right")
-    t.add_column("acc specialized" if "knowledge" in extra else "acc", justify="right")
+    t.add_column("acc deployed model", justify="right")
+    t.add_column("± se", justify="right")
     for k in extra:
         t.add_column(EXTRA_ACCURACIES[k][0], justify="right")
 
     def f(v, d=2):
         return "-" if v is None else f"{v:.{d}f}"
 
+    var_sum, n_acc = 0.0, 0
     for r in rows:
         who = [r["model"]] if group else [r["profile"], f(r["macs_m"])]
+        acc = r.get("model.acc")
+        se = None if acc is None else binomial_se(acc, int(r["n_test"]))
+        if se is not None:
+            var_sum, n_acc = var_sum + se ** 2, n_acc + 1
         t.add_row(str(r["client"]), *who, f(r["params_m"], 3), str(r["n_train"]), str(r["n_test"]),
-                  f(r.get("model.acc"), 3), *(f(r.get(f"{k}.acc"), 3) for k in extra))
+                  f(acc, 3), f(se, 3), *(f(r.get(f"{k}.acc"), 3) for k in extra))
     m = summary["means"]
-    t.add_row("mean", *([""] if group else ["", f(m.get("macs_m"))]), f(m.get("params_m"), 3), "", "",
-              f(m.get("model.acc"), 3), *(f(m.get(f"{k}.acc"), 3) for k in extra), style="bold")
-    con = Console(width=max(100, Console().width))
+    mean_se = (var_sum ** 0.5) / n_acc if n_acc else None  # of the mean over clients (independent clients)
+    t.add_row("mean", *([""] if group else ["", f(m.get("macs_m"))]), f(m.get("params_m"), 3), "",
+              str(sum(int(r["n_test"]) for r in rows)), f(m.get("model.acc"), 3), f(mean_se, 3),
+              *(f(m.get(f"{k}.acc"), 3) for k in extra), style="bold")
+    con = Console(width=max(120, Console().width))  # every column header on one line
     con.print(t)
     fin = summary["final"]
-    for prefix, label in (("model", "model accuracy"), *((k, EXTRA_ACCURACIES[k][1]) for k in extra)):
+    tests = [int(r["n_test"]) for r in rows if r.get("model.acc") is not None]
+    if tests:
+        con.print(f"se = sqrt(p (1 - p) / test), the binomial standard error of an accuracy p over a client's "
+                  f"test images ({min(tests)}..{max(tests)} here; one image moves it by 1/test, and 1.000 on 4 "
+                  "images is 4 of 4, se 0); the mean's se is over all clients")
+    for prefix, label in (("model", "deployed model accuracy"), *((k, EXTRA_ACCURACIES[k][1]) for k in extra)):
         if f"{prefix}.acc_sample_weighted" in fin:
             con.print(f"{label}: mean over clients {fin[f'{prefix}.acc_mean_over_clients']:.3f}, "
                       f"sample-weighted {fin[f'{prefix}.acc_sample_weighted']:.3f}, std over clients "
@@ -76,7 +90,37 @@ def print_table(summary: dict, run_dir: Path) -> None:
     con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 
-@click.command("federate")
+def list_algorithms() -> str:
+    """``rafl federate --list-algorithms``: every registered method (``algorithm.name``), its paper
+    (the first sentence of its docstring), what it needs, and its hyperparameters with defaults."""
+    import re
+
+    from rafl.federation.algorithms import ALGORITHMS
+
+    lines = []
+    for name in sorted(ALGORITHMS):
+        cls = ALGORITHMS[name]
+        doc = " ".join((cls.__doc__ or "").replace("``", "").split())
+        first = re.split(r"(?<=[.)])\s+(?=Client|Server|[A-Z][a-z]+ state)", doc, maxsplit=1)[0]
+        needs = [w for w, on in (("identical client models", cls.requires_homogeneous),
+                                 ("the server's public pool", cls.uses_public_pool)) if on]
+        lines.append(f"{name}: {first}" + (f" Needs {' and '.join(needs)}." if needs else ""))
+        hp = ", ".join(f"{k}={v}" for k, v in cls.defaults.items())
+        lines.append(f"    hyperparameters (--set algorithm.KEY=VALUE): {hp}" if hp else "    no hyperparameters")
+    return "\n".join(lines)
+
+
+def _list_algorithms(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(list_algorithms())
+        ctx.exit(0)
+
+
+@click.command("federate", epilog=(
+    "Config keys and their allowed values: rafl federate --show-config (add --config/--set to see the resolved "
+    "run). Methods (algorithm.name) and their hyperparameters: rafl federate --list-algorithms. Ready-made run "
+    "configs: examples/*.yaml in the repository (CIFAR-10 with NAS subnets or HtFE models, FEMNIST natural, a "
+    "Flower deployment); the README's 'rafl federate' section explains every key."))
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Run config YAML (dataset, partition, clients and profiles, algorithm, engine...); "
                    "missing keys take the defaults.")
@@ -87,8 +131,13 @@ def print_table(summary: dict, run_dir: Path) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
               help="Parent folder of the run dir.")
 @click.option("--progress/--no-progress", " /--quiet", default=True, show_default=True, help="Progress bars.")
+@click.option("--show-config", is_flag=True,
+              help="Print the resolved run config (defaults <- --config <- --set) as YAML, each key with its allowed "
+                   "values, and exit without running.")
+@click.option("--list-algorithms", is_flag=True, is_eager=True, expose_value=False, callback=_list_algorithms,
+              help="List the methods (algorithm.name) with their hyperparameters and defaults, and exit.")
 def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: Path | None, out: Path,
-             progress: bool) -> None:
+             progress: bool, show_config: bool) -> None:
     """Federate specialized subnets across simulated devices.
 
     With no options: digits, 10 clients (profiles pi4, jetson-nano, phone), Dirichlet alpha 0.5,
@@ -98,9 +147,17 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     """
     from rafl.config import RunConfig, load_run_config, parse_overrides
     from rafl.federation import pipeline
-    from rafl.federation.checks import check_resumable_here
+    from rafl.federation.checks import check_checkpoint_readable, check_resumable_here
     from rafl.io import check_output_dir
 
+    if show_config:
+        from rafl.config import commented_config
+
+        if resume_dir is not None:
+            raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is the run's config)",
+                                 field="--show-config")
+        click.echo(commented_config(load_run_config(config_path, overrides)), nl=False)
+        return
     if resume_dir is not None:
         source = click.get_current_context().get_parameter_source("out")
         if source is not None and source.name == "COMMANDLINE":
@@ -121,6 +178,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
                                  "is not a rafl federate run dir (no config.yaml)", source=resume_dir,
                                  field="--resume")
         check_resumable_here(resume_dir)  # a SuperLink's run: its client states are on the nodes
+        check_checkpoint_readable(resume_dir)  # cut short by a copy: say how to recover, before any work
         fixed = sorted({key for key, _ in parse_overrides(overrides) if key.split(".")[0] != "engine"})
         if fixed:  # before the values are read: e.g. another algorithm.name would fail on the run's hparams
             raise UserInputError(f"--resume may change only engine settings (engine.rounds to extend the run, "

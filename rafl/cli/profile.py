@@ -18,6 +18,9 @@ def _space(width_mult: float, n_classes: int, supernet_dir: Path | None):
     from rafl.supernet.arch import SearchSpace
 
     if supernet_dir is not None:
+        from rafl.supernet.quickstart import supernet_path
+
+        supernet_dir = supernet_path(supernet_dir, "--supernet")  # `quickstart`: the cached quickstart supernet
         if not supernet_dir.exists():
             raise UserInputError("no such supernet folder (from `rafl supernet train`)", source=supernet_dir,
                                  field="--supernet")
@@ -141,7 +144,7 @@ def _is_latency_lut(path: Path) -> bool:
 
 @click.command("profile")
 @click.option("--device-profile", "device_profile", required=True,
-              help="Shipped profile name (pi4, jetson-nano, phone, mcu, server-gpu) or a YAML path.")
+              help="Shipped profile name (pi4, jetson-nano, phone, mcu, server-gpu; or its file name pi4.yaml, from any folder) or a YAML path.")
 @click.option("--arch", "arch_text", default=None,
               help="Subnet arch: a YAML/JSON file (ks, e, d, r) or an arch string like 'r32_k3e4.k5e6|...'. "
                    "A subnet.yaml from `rafl search` records its search space, which is used without --supernet.")
@@ -149,7 +152,9 @@ def _is_latency_lut(path: Path) -> bool:
               help="Subnet weights: subnet.safetensors from `rafl search` (arch and space inside), or a "
                    ".pt state dict together with --arch.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
-              help="Supernet folder: its search space (and weights) are used.")
+              help="Supernet folder (or `quickstart`, the cached quickstart supernet): its search space (and "
+                   "weights) are used. --build-lut without it (and without --width-mult/--n-classes) measures "
+                   "the quickstart supernet's space.")
 @click.option("--width-mult", type=FiniteFloatRange(min=WIDTH_MULT_MIN, max=WIDTH_MULT_MAX), default=1.0,
               show_default=True,
               help=f"Search-space width multiplier, {WIDTH_MULT_MIN:g}..{WIDTH_MULT_MAX:g} (without --supernet "
@@ -201,7 +206,17 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
         if out.exists() and not _is_latency_lut(out):  # a rebuilt LUT replaces the old one, nothing else
             raise UserInputError("exists and is not a latency LUT (--build-lut replaces only an earlier LUT); "
                                  "choose another --out", source=out, field="--out")
-        space, _ = _space(width_mult, n_classes, supernet_dir)
+        ctx = click.get_current_context()
+        given = [opt for name, opt in (("width_mult", "--width-mult"), ("n_classes", "--n-classes"))
+                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        if supernet_dir is None and not given:  # the space `rafl search` / `rafl federate` use without --supernet
+            from rafl.supernet.quickstart import quickstart_space
+
+            space = quickstart_space()
+            click.echo(f"no --supernet: measuring the quickstart supernet's space ({_space_note(space)}), the one "
+                       "rafl search and rafl federate use by default; pass --supernet DIR for another", err=True)
+        else:
+            space, _ = _space(width_mult, n_classes, supernet_dir)
         from rafl.search.latency import build_latency_lut
         from rafl.search.units import fixed_units, slot_units
 

@@ -24,7 +24,7 @@ def _check_out(out: Path, names: list[str]) -> None:
 
 @click.command("search")
 @click.option("--device-profile", "profiles", multiple=True, required=True,
-              help="Shipped profile name (pi4, jetson-nano, ...) or a YAML path; repeat for several.")
+              help="Shipped profile name (pi4, jetson-nano, ...; or its file name pi4.yaml, from any folder) or a YAML path; repeat for several.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
               help="Supernet folder from `rafl supernet train`, or a shipped one by name: cifar10 "
                    "[default: the quickstart supernet on digits, trained once and cached].")

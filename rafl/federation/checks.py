@@ -118,6 +118,38 @@ def check_resume_rounds(run_dir: str | Path, rounds: int, field: str) -> int:
     return done
 
 
+def check_checkpoint_readable(run_dir: str | Path, field: str = "--resume") -> None:
+    """Refuse, before any work, to resume ``run_dir`` from a damaged ``checkpoint.safetensors``
+    (cut short by a copy, a full disk, a sync tool; rafl itself replaces it atomically).
+
+    Raises:
+        UserInputError: naming the checkpoint, what is wrong (:func:`rafl.io.safetensors_damage`),
+            the rounds ``metrics.jsonl`` records, and how to recover: restore the file from a
+            copy, or start the run again from its ``config.yaml``. rafl keeps only the last
+            round's checkpoint and deletes the client states of earlier rounds once it is
+            written, so no earlier round can be resumed instead.
+    """
+    from rafl.io import safetensors_damage
+
+    run_dir = Path(run_dir)
+    path = run_dir / "checkpoint.safetensors"
+    try:
+        damage = safetensors_damage(path.read_bytes())
+    except OSError as err:
+        damage = f"cannot be read ({err.strerror})"
+    if damage is None:
+        return
+    import shlex
+
+    done = completed_rounds(run_dir)
+    again = (f"rafl federate --config {shlex.quote(str(run_dir / 'config.yaml'))} --out "
+             f"{shlex.quote(str(run_dir.parent))} --set name={shlex.quote(run_dir.name + '-2')}")
+    raise UserInputError(f"is {damage}, so the run cannot continue from it (metrics.jsonl records {done} complete "
+                         "round(s); rafl keeps only the last round's checkpoint, and the client states of earlier "
+                         "rounds are deleted once it is written); restore checkpoint.safetensors from a copy, or "
+                         f"start the run again: {again}", source=path, field=field)
+
+
 #: the ``clients.json`` key of a run made by the Flower App on a SuperLink (``rafl flower-app``):
 #: ``{"backend": "flower", "runtime": "superlink", "client_states": ...}``. Its client states
 #: are on the SuperNodes' disks, not in the run dir's ``clients/``: only the App can resume it.

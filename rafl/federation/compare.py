@@ -38,6 +38,7 @@ from rafl.federation.engine import CHECKPOINT, Engine, Federation, participation
 from rafl.federation.pipeline import (build_group_federation, check_public_pool, check_same_clients, engine_config,
                                       load_data_and_partition)
 from rafl.io import atomic_write_json, atomic_write_text, claim_file
+from rafl.reports.progress import round_progress
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
 
@@ -345,7 +346,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         engine = Engine(fed, ecfg, run_dir, progress=progress)
         t0 = time.perf_counter()
         try:
-            summary = engine.run(resume=continuing)
+            with round_progress(progress):  # clients done / sampled and the local epoch, inside each round
+                summary = engine.run(resume=continuing)
         except BaseException as err:
             _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
             if isinstance(err, UserInputError):  # say which method failed; its keys as compare names them

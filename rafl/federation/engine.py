@@ -56,9 +56,10 @@ from tqdm.auto import tqdm
 from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.payload import Payload
+from rafl.federation.progress import report
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.io import atomic_write_json, atomic_write_text
-from rafl.reports.tables import fmt_bytes
+from rafl.reports.tables import accuracy_name, fmt_bytes
 
 #: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
 #: loaders shuffle with ``seed``, val/test loaders do not; "val" may return None.
@@ -251,9 +252,11 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
     if not fresh:
         tc = time.perf_counter()  # loading a stored state is engine time
     torch.manual_seed(ctx.seed)
+    report("client", client=cid)
     with naming_client(ctx):  # e.g. diverged local training: say which client and model
         state, upload = fed.algorithm.client_update(state, down, ctx)
     seconds = time.perf_counter() - tc
+    report("client_done", client=cid)
     store.save(cid, ctx.round, state)
     return upload, seconds
 
@@ -476,7 +479,9 @@ class Engine:
                     bytes_down += down.nbytes()
                 if cid not in failed:
                     jobs.append((cid, down))
+            report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
             results, lost, times.client_update = self.clients.train(rnd, jobs)
+            report("trained", done=len(results))
             failed = failed + sorted(lost)
             for cid, upload in results:
                 info = fed.clients[cid]
@@ -511,6 +516,7 @@ class Engine:
             if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
                 self.store.commit()  # evaluation reads this round's states
                 te = time.perf_counter()
+                report("evaluate", clients=len(fed.clients) if cfg.eval_clients == "all" else len(self.store.committed))
                 last_eval = self._evaluate(rnd, broadcast)
                 times.evaluate = time.perf_counter() - te
                 row.update(last_eval[0])
@@ -530,6 +536,7 @@ class Engine:
             times.total += time.perf_counter() - tw
             row["time_s"], row["time_engine_s"] = times.total, times.engine
             self.times.append(times)
+            report("round_end", round=rnd)
             if "model.acc_mean_over_clients" in row:
                 bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}", comm=fmt_bytes(row["cum_mb"] * 1e6))
         bar.close()
@@ -652,7 +659,7 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
             pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
                    if f"{m}.acc_mean_over_clients" in r]
             x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
-            name = "deployed model" if m == "model" else m
+            name = accuracy_name(m)  # the tables' name ("deployed model", "knowledge network", ...)
             ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
             ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
         ax.set_xlabel(xlabel)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rafl.federation.progress import report
 from rafl.federation.prototypes import safe_distance, stack_targets, target_bank
 from rafl.federation.training import (TrainStats, check_finite_loss, kl_soft, no_singleton_batches, recalibrate_bn,
                                       train_ce, train_mode)
@@ -175,7 +176,8 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     train_mode(model_b, loader)
     st_a, st_b = TrainStats(), TrainStats()
     sum_a = sum_b = 0.0
-    for _ in range(int(epochs)):
+    for epoch in range(int(epochs)):
+        report("epoch", epoch=epoch + 1, epochs=int(epochs))
         for images, labels in no_singleton_batches(loader):
             images, labels = images.to(device), labels.to(device)
             h_a, h_b = model_a.features(images), model_b.features(images)

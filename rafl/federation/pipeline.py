@@ -644,7 +644,10 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
                                                      **({DEPLOYMENT: deployment} if deployment else {})})
     engine = Engine(prep.federation, prep.engine_config, run_dir, progress=progress, clients=clients)
     t0 = time.perf_counter()
-    summary = engine.run(resume=resume)
+    from rafl.reports.progress import round_progress
+
+    with round_progress(progress):  # clients done / sampled and the local epoch, inside each round
+        summary = engine.run(resume=resume)
     summary["wall_s"] = time.perf_counter() - t0
     summary["backend"] = backend
     rows = []

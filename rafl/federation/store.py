@@ -120,7 +120,10 @@ def load_state(path: Path) -> Any:
     try:
         return state_from_bytes(data)
     except Exception as err:  # truncated/corrupt file
-        raise UserInputError(f"cannot load state ({err.__class__.__name__})", source=path) from None
+        from rafl.io import safetensors_damage
+
+        what = safetensors_damage(data) or f"not a rafl state file ({err.__class__.__name__})"
+        raise UserInputError(f"cannot load state: {what}", source=path) from None
 
 
 class ClientStore:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import UserInputError
+from rafl.federation.progress import report
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -232,7 +233,8 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
     train_mode(model, loader)
     stats = TrainStats()
     loss_sum = 0.0
-    for _ in range(int(epochs)):
+    for epoch in range(int(epochs)):
+        report("epoch", epoch=epoch + 1, epochs=int(epochs))
         for images, labels in no_singleton_batches(loader):
             if max_steps is not None and stats.steps >= max_steps:
                 break
@@ -341,7 +343,8 @@ def train_dml(model_l: nn.Module, model_k: nn.Module, loader: Iterable[Batch],
     train_mode(model_k, loader)
     st_l, st_k = TrainStats(), TrainStats()
     sum_l = sum_k = 0.0
-    for _ in range(int(epochs)):
+    for epoch in range(int(epochs)):
+        report("epoch", epoch=epoch + 1, epochs=int(epochs))
         for images, labels in no_singleton_batches(loader):
             images, labels = images.to(device), labels.to(device)
             logits_l = model_l(images)

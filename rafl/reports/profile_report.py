@@ -11,7 +11,8 @@ finds) call. The report has
 * measured latency on this host (warm-up, then median and p90 over repeats; batch 1 and batch B);
 * every budget of the profile with pass/fail and its margin;
 * why fvcore and thop differ (what each one counts), with the numbers of this subnet;
-* ``<stem>.png``: bar charts of MACs and predicted latency per stage.
+* ``<stem>.png``: bar charts of MACs, predicted latency and activation memory per stage, and every
+  budget as the share of its limit used.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from rafl.io import atomic_write_json, atomic_write_text
-from rafl.reports.plots import bar_panels
+
 from rafl.reports.tables import fmt, markdown_table
 from rafl.search.cost import CostModel, check_budgets, energy_per_epoch_j
 from rafl.search.profile import DeviceProfile, load_profile
@@ -229,6 +230,7 @@ def write_profile_report(arch: ArchConfig, profile: DeviceProfile | str | Path, 
     stages: list[str] = []
     macs_by: dict[str, float] = {}
     lat_by: dict[str, float] = {}
+    act_by: dict[str, float] = {}
     for d in layer_docs:
         st = d["stage"]
         if st not in macs_by:
@@ -236,11 +238,14 @@ def write_profile_report(arch: ArchConfig, profile: DeviceProfile | str | Path, 
             macs_by[st], lat_by[st] = 0.0, 0.0
         macs_by[st] += d["macs_conv_linear"] / 1e6
         lat_by[st] += d["latency_ms"]
+        act_by[st] = max(act_by.get(st, 0.0), d["activation_mb"])
     png = out_dir / f"{stem}.png"
-    bar_panels(png, stages, [("MACs (M)", [macs_by[s] for s in stages]),
-                             (f"predicted latency on {profile.name} (ms)", [lat_by[s] for s in stages])],
-               title=f"{arch.r} px subnet on {profile.name}: {cost.macs_m:.3g} M MACs, "
-                     f"{cost.latency_ms:.3g} ms predicted")
+    cost_figure(png, stages, [("MACs (M)", [macs_by[s] for s in stages]),
+                              (f"predicted latency on {profile.name} (ms)", [lat_by[s] for s in stages]),
+                              ("largest output activation (MiB, batch 1)", [act_by[s] for s in stages])],
+                checks, title=f"{arch.r} px subnet on {profile.name}: {cost.macs_m:.3g} M MACs, "
+                              f"{cost.latency_ms:.3g} ms predicted,\npeak inference memory {cost.peak_memory_mb:.3g} MiB, "
+                              f"training memory {cost.train_memory_mb:.3g} MiB (batch {b})")
 
     # ---- markdown
     md = [f"# Cost report: `{arch.to_string(space)}` on `{profile.name}`", "",
@@ -259,8 +264,7 @@ def write_profile_report(arch: ArchConfig, profile: DeviceProfile | str | Path, 
           ], align="lr"),
           "## Budgets", "",
           markdown_table(["budget", "value", "limit", "result", "margin"],
-                         [[c.budget, c.value, c.limit, c.passed,
-                           f"{100 * c.margin:+.1f}%" if math.isfinite(c.margin) else "n/a"] for c in checks],
+                         [[c.budget, c.value, c.limit, c.passed, c.margin_text()] for c in checks],
                          align="lrrlr") if checks else "The profile sets no budgets.\n",
           f"**{'Feasible' if doc['feasible'] else 'Infeasible'}** on {profile.name}.", "",
           "## Per-layer costs", "",
@@ -279,6 +283,44 @@ def write_profile_report(arch: ArchConfig, profile: DeviceProfile | str | Path, 
     atomic_write_text(out_dir / f"{stem}.md", "\n".join(md))
     atomic_write_json(out_dir / f"{stem}.json", _jsonable(doc))
     return doc
+
+
+def cost_figure(path: Path, stages: list[str], panels: list[tuple[str, list[float]]], checks: list, *,
+                title: str = "") -> Path:
+    """The report's PNG: one bar chart per stage panel (MACs, predicted latency, activation
+    memory), then every budget of the profile as the share of its limit that the subnet uses (one
+    horizontal bar per budget, the limit a line at 100%, red when exceeded; a log axis once a value
+    is 10x its limit or more, so a far-over budget does not flatten the others)."""
+    from rafl.reports.plots import new_figure, save_figure
+
+    n = len(panels) + (1 if checks else 0)
+    fig, axes = new_figure(n, width=max(7.0, 0.8 * len(stages)), height=2.6)
+    for ax, (label, values), color in zip(axes, panels, ("C0", "C1", "C2")):
+        bars = ax.bar(range(len(stages)), values, color=color)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_xticks(range(len(stages)), list(stages), fontsize=7)
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    if checks:
+        ax = axes[-1]
+        usable = [c for c in checks if math.isfinite(c.value) and c.limit > 0]
+        shares = [100 * c.value / c.limit for c in usable]
+        colors = ["C3" if not c.passed else "C2" for c in usable]
+        y = range(len(usable))
+        ax.barh(list(y), shares, color=colors)
+        ax.axvline(100, color="black", lw=1, ls="--")
+        ax.set_yticks(list(y), [f"{c.budget} ({c.value:.3g} / {c.limit:.3g})" for c in usable], fontsize=7)
+        ax.invert_yaxis()
+        if shares and max(shares) >= 1000:
+            ax.set_xscale("log")
+        for i, (c, v) in enumerate(zip(usable, shares)):
+            ax.text(v, i, f" {c.margin_text()}", va="center", fontsize=7)
+        ax.set_xlabel("share of the budget used (%; dashed line = the limit)", fontsize=8)
+        ax.set_xlim(right=max([*shares, 100]) * (3 if max([*shares, 100]) >= 1000 else 1.45))
+        ax.grid(axis="x", alpha=0.3)
+    if title:
+        axes[0].set_title(title, fontsize=9)
+    return save_figure(fig, path)
 
 
 def _jsonable(obj: Any) -> Any:

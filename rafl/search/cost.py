@@ -104,7 +104,18 @@ class BudgetCheck:
             return f"{self.budget}: {self.value:.4g} <= budget {self.limit:.4g} ({100 * self.margin:.1f}% headroom)"
         if math.isnan(self.value):
             return f"{self.budget}: cannot be predicted (no model for it in the profile), budget {self.limit:.4g}"
-        return f"{self.budget}: {self.value:.4g} > budget {self.limit:.4g} (over by {-100 * self.margin:.1f}%)"
+        return f"{self.budget}: {self.value:.4g} > budget {self.limit:.4g} ({self.margin_text()})"
+
+    def margin_text(self) -> str:
+        """The margin as printed: ``"+35.0% headroom"``, ``"over by 13.3%"``, or, once the value is
+        10x the limit or more, the ratio (``"345x the limit"``; a percentage such as -34411.5% hides
+        how far off it is); ``"n/a"`` when the value cannot be predicted."""
+        if not math.isfinite(self.margin):
+            return "n/a"
+        if self.passed:
+            return f"{100 * self.margin:.1f}% headroom"
+        ratio = self.value / self.limit
+        return f"{ratio:.3g}x the limit" if ratio >= 10 else f"over by {-100 * self.margin:.1f}%"
 
 
 def energy_per_epoch_j(energy_mj: float, profile: DeviceProfile) -> float:

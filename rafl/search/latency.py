@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from rafl.errors import DuplicateKeyError, UserInputError
+from rafl.errors import DuplicateKeyError, UserInputError, yaml_error_detail
 from rafl.io import load_yaml
 from rafl.search.profile import DeviceProfile
 from rafl.search.units import UnitSpec, build_unit_module, unit_input_shape
@@ -97,7 +97,7 @@ def load_latency_lut(path: str | Path, profile: DeviceProfile | None = None) -> 
     try:
         data = load_yaml(path.read_text(), path)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise fail(f"not valid YAML ({err.__class__.__name__})") from None
+        raise fail(yaml_error_detail(err)) from None
     except DuplicateKeyError as err:
         if profile is None:
             raise

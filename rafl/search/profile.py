@@ -37,7 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rafl.config import NoBoolNumbers
-from rafl.errors import UserInputError, shown
+from rafl.errors import UserInputError, shown, yaml_error_detail
 from rafl.io import load_yaml
 
 __all__ = ["Budgets", "DeviceProfile", "load_profile", "list_profiles", "profiles_dir"]
@@ -251,8 +251,19 @@ def names_a_file(name_or_path: str | Path) -> bool:
     return path.suffix in (".yaml", ".yml") or "/" in text or path.is_file()
 
 
+def shipped_file_name(name_or_path: str | Path) -> str | None:
+    """The shipped profile's name (``"pi4"``) when ``name_or_path`` is a bare shipped file name
+    (``"pi4.yaml"``, no folder) that does not exist in the current folder; else None. Such a name
+    means the shipped profile (as a design card's ``--device-profile pi4.yaml`` does), from any folder."""
+    text = str(name_or_path)
+    if "/" in text or Path(text).expanduser().exists() or Path(text).suffix not in (".yaml", ".yml"):
+        return None
+    return Path(text).stem if (profiles_dir() / text).is_file() else None
+
+
 def load_profile(name_or_path: str | Path) -> DeviceProfile:
-    """Load a device profile by shipped name (``"pi4"``) or by path to a YAML file.
+    """Load a device profile by shipped name (``"pi4"``), by a shipped profile's file name
+    (``"pi4.yaml"``, when the current folder holds no such file) or by path to a YAML file.
 
     Raises:
         UserInputError: unknown name (lists the shipped ones), unreadable/malformed YAML, or an
@@ -269,11 +280,13 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
                                  f"{', '.join(list_profiles())} (or give a path to a YAML file)",
                                  field="device_profile")
         path = shipped
+    if not path.is_file() and shipped_file_name(text) is not None:  # `pi4.yaml` from any folder
+        path = profiles_dir() / text
     if not path.is_file():
         raise UserInputError("no such profile file; give a shipped name "
                              f"({', '.join(list_profiles())}) or a path to a YAML file", source=path)
     try:
         data = load_yaml(path.read_text(), path)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=path) from None
+        raise UserInputError(yaml_error_detail(err), source=path) from None
     return DeviceProfile.from_dict(data, source=path)

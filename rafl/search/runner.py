@@ -123,7 +123,17 @@ def load_searched_subnet(path: str | Path):
         space = SearchSpace.from_dict(json.loads(meta["search_space"]), source=path)
         arch = ArchConfig.from_dict(json.loads(meta["arch"]), source=path).validate(space, source=path)
     except (KeyError, json.JSONDecodeError, SafetensorError, OSError) as err:
-        raise UserInputError(f"not a rafl subnet file ({err.__class__.__name__})", source=path) from None
+        from rafl.io import safetensors_damage
+
+        try:
+            damage = safetensors_damage(path.read_bytes())
+        except OSError:
+            damage = None
+        if damage is not None and damage.startswith("truncated"):
+            raise UserInputError(f"{damage} (an interrupted copy or a full disk?); copy it again, or rerun rafl "
+                                 "search for this profile: it rewrites the profile's folder", source=path) from None
+        raise UserInputError(f"not a rafl subnet file ({damage or err.__class__.__name__}); expected the "
+                             f"{SUBNET_WEIGHTS} that rafl search writes", source=path) from None
     sub = subnet_from_arch(space, arch)
     try:
         sub.load_state_dict(state)

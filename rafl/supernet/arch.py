@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from rafl.errors import UserInputError, allowed, shown
+from rafl.errors import UserInputError, allowed, shown, yaml_error_detail
 from rafl.io import load_yaml
 
 # The macro-architecture of OFA's MobileNet-V3 (ofa/imagenet_classification/elastic_nn/networks/
@@ -362,7 +362,7 @@ class ArchConfig:
         try:
             data = load_yaml(path.read_text(), path)
         except (yaml.YAMLError, UnicodeDecodeError) as err:
-            raise UserInputError(f"not valid YAML/JSON ({err.__class__.__name__})", source=path) from None
+            raise UserInputError(yaml_error_detail(err, "YAML/JSON"), source=path) from None
         arch = cls.from_dict(data, source=path)
         return arch.validate(space, source=path) if space is not None else arch
 

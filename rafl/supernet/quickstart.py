@@ -71,6 +71,45 @@ def quickstart_supernet(progress: bool = True) -> tuple[Supernet, Path]:
     return load_supernet(folder), folder
 
 
+def quickstart_space():
+    """The quickstart supernet's :class:`~rafl.supernet.arch.SearchSpace` (width x0.35, 12/14/16 px,
+    10 classes), from its config alone: nothing is trained or loaded. What ``rafl search`` and
+    ``rafl federate`` search in without ``--supernet``, and so what ``rafl profile --build-lut``
+    measures by default."""
+    return quickstart_config().space(n_classes=10)  # digits: 10 classes
+
+
+#: the name that stands for the cached quickstart supernet where a supernet folder is expected
+#: (``rafl supernet info quickstart``, ``rafl profile --supernet quickstart``)
+QUICKSTART_NAME = "quickstart"
+
+
+def quickstart_folder(field: str | None = None) -> Path:
+    """The cached quickstart supernet's folder (``<cache_root>/quickstart-supernet-<hash>``).
+
+    Raises:
+        UserInputError: it has not been trained yet on this machine (naming ``field``, the folder
+            it will have, and the commands that train it).
+    """
+    from rafl.errors import UserInputError
+
+    folder = quickstart_dir()
+    if not (folder / META_NAME).is_file():
+        raise UserInputError(f"the quickstart supernet is not trained yet (it will be cached in {folder}); "
+                             "`rafl search --device-profile pi4` or `rafl federate` trains it on first use "
+                             "(about 4 min with one thread), or give a `rafl supernet train` folder",
+                             field=field)
+    return folder
+
+
+def supernet_path(text: str | Path, field: str | None = None) -> Path:
+    """``text`` as a supernet folder: :data:`QUICKSTART_NAME` is the cached quickstart supernet's
+    (:func:`quickstart_folder`) unless a folder of that name exists here; anything else, the path."""
+    if str(text) == QUICKSTART_NAME and not Path(text).exists():
+        return quickstart_folder(field)
+    return Path(text)
+
+
 def _train_into(config: TrainConfig, folder: Path, progress: bool) -> None:
     print(f"rafl: training the quickstart supernet once on the digits public pool (a few minutes on "
           f"2 CPU cores); caching it in {folder}", file=sys.stderr, flush=True)
@@ -82,4 +121,5 @@ def _train_into(config: TrainConfig, folder: Path, progress: bool) -> None:
           + json.dumps({k: round(v, 4) for k, v in metrics["test"].items()}), file=sys.stderr, flush=True)
 
 
-__all__ = ["QUICKSTART_THREADS", "cache_root", "quickstart_config", "quickstart_dir", "quickstart_supernet"]
+__all__ = ["QUICKSTART_NAME", "QUICKSTART_THREADS", "cache_root", "quickstart_config", "quickstart_dir", "quickstart_folder",
+           "quickstart_space", "quickstart_supernet", "supernet_path"]
