@@ -205,8 +205,11 @@ def info(path: Path) -> None:
 
     from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
 
+    from rafl.supernet.quickstart import supernet_path
+
     if is_pretrained_name(str(path)):
         path = pretrained_path(str(path))
+    path = supernet_path(path, "PATH")  # `quickstart`: the cached quickstart supernet's folder
     meta = load_meta(path)
     if not isinstance(meta, dict) or "search_space" not in meta:
         raise UserInputError("is not a supernet.json written by `rafl supernet train`", source=path)
