@@ -173,7 +173,8 @@ def report(args, records: list[dict]) -> str:
         lines += ["", f"after - before (overall, paired per seed): {', '.join(f'{d:+.4f}' for d in diffs)}; "
                       f"after is higher on {wins}/{len(diffs)} seeds.", ""]
         for f, r in zip(fs, [r for r in records if r["method"] == "heterofl"]):
-            lines.append(f"- seed {r['seed']}: before {json.dumps(f['archs_before'])}; after {json.dumps(f['archs_after'])}")
+            lines.append(f"- seed {r['seed']}: before {json.dumps(f['archs_before'])}; "
+                         f"after {json.dumps(f['archs_after'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"down {rec['mb_down_per_round']:.3f} MB/round  ({rec['wall_s']:.0f} s){extra}", flush=True)
     name = f"weight_sharing_{args.dataset}{('_' + args.tag) if args.tag else ''}"
     res = ROOT / "bench" / "results"
-    atomic_write_json(res / f"{name}.json", {"args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
-                                            "records": records})
+    settings = {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)}
+    atomic_write_json(res / f"{name}.json", {"args": settings, "records": records})
     atomic_write_text(res / f"{name}.md", report(args, records))
     print(f"wrote {res / name}.md")
 

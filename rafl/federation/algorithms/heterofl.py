@@ -20,9 +20,9 @@ The global model and the slices (:mod:`rafl.federation.weight_sharing`):
   kernel start with exactly the supernet's filter and larger kernels keep their outer ring) and
   those matrices set to the identity; matrices into kernels smaller than any client's stay OFA's.
   No matrix is ever sent or averaged. Since the folded matrices are the identity, ofa's own
-  extraction of the global model is the centre crop HeteroFL slices by for every kernel a client uses, and the server's final global
-  model is a supernet (``supernet.safetensors`` in the run dir) that ``rafl search --supernet RUN_DIR``
-  searches again.
+  extraction of the global model is the centre crop HeteroFL slices by for every kernel a client
+  uses, and the server's final global model is a supernet (``supernet.safetensors`` in the run
+  dir) that ``rafl search --supernet RUN_DIR`` searches again.
 * **Width-sliced models** (``clients.models: heterofl-cnn4``, ``heterofl-resnet18`` or any mix of
   ``<base>@<rate>``, :mod:`rafl.models.sliced`): the global model is the widest member; a narrower one
   holds the leading slice of every dimension. ``scaler`` (default true, the paper's Sec. 3.2)
