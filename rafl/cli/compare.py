@@ -15,7 +15,7 @@ from rafl.cli import exit_interrupted
 @click.command("compare")
 @click.option("--algorithms", default="rafl,fedgh,fedtgp,fedproto,lg-fedavg,fd,standalone", show_default=True,
               help="Comma-separated registered methods (rafl, fedgh, fedtgp, fedproto, lg-fedavg, fd, fml, "
-                   "fedkd, standalone, fedavg, ...).")
+                   "fedkd, standalone, fedavg, heterofl, fedrolex, uniform, ...).")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Run config YAML (the `rafl federate` format; its algorithm section holds shared "
                    "hyperparameters and per-method sub-sections, e.g. algorithm: {fedtgp: {server_epochs: 50}}).")

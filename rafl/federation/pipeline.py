@@ -228,6 +228,39 @@ def subnets_for_profiles(cfg: RunConfig, supernet, profiles: list, val: tuple[to
 
 
 # ---------------------------------------------------------------------- federation from parts
+def uniform_arch(space: SearchSpace, arch_of: dict[str, dict[str, Any]], profiles: list) -> dict[str, Any]:
+    """The one subnet of ``uniform`` (one size fits all): among the per-profile subnets ``arch_of``
+    (:func:`subnets_for_profiles`), the one with the best search accuracy (ties: fewer MACs, then
+    the arch string) that meets every budget of every profile in ``profiles`` (each profile's cost
+    model); with nested budgets, the weakest device's own subnet.
+
+    Returns:
+        ``{"arch", "source"}`` (source ``uniform: <profile>'s subnet``).
+
+    Raises:
+        UserInputError: no candidate meets every profile's budgets (naming each candidate's violations).
+    """
+    from rafl.search.cost import CostModel
+
+    models = {p.name: CostModel(space, p) for p in profiles}
+    fits, why = [], []
+    for name, v in sorted(arch_of.items()):
+        arch = v["arch"]
+        viol = [f"{p.name}: {x}" for p in profiles for x in models[p.name].violations(models[p.name].cost(arch), p)]
+        if viol:
+            why.append(f"{name}'s subnet violates {'; '.join(viol[:2])}")
+        else:
+            acc = v.get("search_accuracy")
+            fits.append((-(acc if acc is not None else -1.0), models[profiles[0].name].cost(arch).macs_m,
+                         arch.to_string(), name, arch))
+    if not fits:
+        raise UserInputError("uniform gives every client the largest subnet that fits the weakest device, but no "
+                             f"searched subnet meets every profile's budgets ({'; '.join(why)}); allowed: profiles "
+                             "whose budgets some subnet meets at once", field="clients.profiles")
+    best = min(fits, key=lambda t: t[:3])
+    return {"arch": best[4], "source": f"uniform: {best[3]}'s subnet"}
+
+
 def client_loaders(dataset, partition, batch_size: int):
     """The federation's ``loaders(cid, split, seed)``: a DataLoader over client ``cid``'s ``split``
     (train shuffled with ``seed``; no ``drop_last``), or ``None`` for an empty ``val`` split."""
@@ -315,6 +348,7 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
                            seed=seed, hparams=hp)
     fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
                      n_classes=dataset.num_classes, hparams=hp, device=device)
+    algorithm.check_models(server)
     return fed, table
 
 
@@ -356,6 +390,10 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
     channels, res = int(dataset.images.shape[1]), int(dataset.images.shape[-1])
     know = knowledge_model or KNOWLEDGE_MODEL
     names = [members[i % len(members)] for i in range(n)]
+    if getattr(algorithm, "one_model_for_all", False):  # uniform: the group's smallest member for everyone
+        sizes = {m: sum(p.numel() for p in make_member(m, n_classes, feature_dim, channels, res).parameters())
+                 for m in sorted(set(names))}
+        names = [min(sizes, key=lambda m: (sizes[m], m))] * n
     used = sorted(set(names))
     if algorithm.requires_homogeneous and len(used) > 1:
         raise UserInputError(f"gives the clients {len(used)} different architectures ({', '.join(used)}), but "
@@ -397,6 +435,7 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
                            space=None, supernet=None, device=device, seed=seed, hparams=hp)
     fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
                      n_classes=n_classes, hparams=hp, device=device)
+    algorithm.check_models(server)
     return fed, table
 
 
@@ -423,6 +462,8 @@ class Prepared:
     clients_table: list[dict[str, Any]]
     partition: Any
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the supernet's ``supernet.json`` (NAS runs): the config and metrics a federated supernet keeps
+    supernet_meta: dict[str, Any] | None = None
 
 
 def _load_supernet(cfg: RunConfig, dataset, progress: bool):
@@ -596,6 +637,9 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     names = [pr.name for pr in profiles]
     prof_of = [names[cid % len(names)] if len(names) != cfg.clients.n else names[cid]
                for cid in range(len(part.clients))]
+    if getattr(algo_cls, "one_model_for_all", False):  # uniform: the weakest device's subnet for everyone
+        one = uniform_arch(supernet.space, arch_of, [p for p in profiles if p.name in set(prof_of)])
+        arch_of = {name: {**v, "arch": one["arch"], "source": one["source"]} for name, v in arch_of.items()}
     fed, table = build_federation(ds, part, supernet, [arch_of[pr]["arch"] for pr in prof_of], algorithm,
                                   profiles=prof_of, batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
                                   calib_images=calib, hparams=cfg.algorithm.hparams())
@@ -603,10 +647,14 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         row["subnet_source"] = arch_of[row["profile"]]["source"]
     ecfg = engine_config(cfg)
     participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
+    from rafl.supernet.checkpoint import load_meta
+
+    meta_dir = supernet_id.split(":", 1)[1] if supernet_id.startswith("quickstart:") else cfg.supernet.path
     return Prepared(cfg, fed, ecfg, table, part, {"profiles": {n: {"arch": v["arch"].to_string(), "source": v["source"],
                                                                    "search_accuracy": v["search_accuracy"]}
                                                                for n, v in arch_of.items()},
-                                                  "supernet": supernet_id})
+                                                  "supernet": supernet_id},
+                    supernet_meta=load_meta(meta_dir))
 
 
 def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
@@ -660,9 +708,38 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
                         for k in ("macs_m", "params_m", *acc_keys)
                         if any(r.get(k) is not None for r in rows)}
     atomic_write_json(run_dir / "summary.json", summary)
+    export_federated_supernet(prep, run_dir, summary)
     return summary
+
+
+def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, Any]) -> Path | None:
+    """Write the server's final global model as a supernet (``run_dir/supernet.safetensors`` +
+    ``supernet.json``, :func:`rafl.supernet.save_supernet`) when the method keeps one (HeteroFL and
+    FedRolex over NAS subnets: ``federated_supernet``); ``rafl search --supernet RUN_DIR`` and
+    ``supernet.path: RUN_DIR`` then use it. It keeps the original supernet's training config (its
+    data and public pool) and metrics, plus ``metrics.federated`` (method, rounds, source supernet).
+    Returns the JSON path, or None."""
+    from rafl.federation.engine import CHECKPOINT
+    from rafl.federation.store import load_state
+    from rafl.supernet.checkpoint import save_supernet
+
+    export = getattr(prep.federation.algorithm, "federated_supernet", None)
+    if export is None or prep.supernet_meta is None:
+        return None
+    ck = load_state(Path(run_dir) / CHECKPOINT)
+    net = export(ck["server_state"], prep.federation.server)
+    if net is None:
+        return None
+    meta = prep.supernet_meta
+    metrics = {**meta.get("metrics", {}), "federated": {"algorithm": prep.federation.algorithm.name,
+                                                        "rounds": int(ck["round"]),
+                                                        "supernet": prep.extra.get("supernet"),
+                                                        "acc_mean_over_clients": summary.get("final", {}).get(
+                                                            "model.acc_mean_over_clients")}}
+    return save_supernet(run_dir, net, config=meta.get("config", {}), metrics=metrics)
 
 
 __all__ = ["prepare", "run", "check_resume_rounds", "build_federation", "build_group_federation",
            "load_data_and_partition", "engine_config", "check_public_pool", "Prepared", "ModelBank", "check_disjoint", "subnets_for_profiles",
-           "largest_feasible", "model_macs_params", "completed_rounds", "fast_clone", "QUICKSTART_POOL", "BACKENDS"]
+           "largest_feasible", "uniform_arch", "export_federated_supernet", "model_macs_params", "completed_rounds", "fast_clone",
+           "QUICKSTART_POOL", "BACKENDS"]

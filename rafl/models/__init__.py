@@ -15,6 +15,8 @@ from torch import nn
 
 from rafl.errors import UserInputError
 from rafl.models.plugin import build_plugin_model, is_plugin_spec, load_factory
+from rafl.models.sliced import GROUPS as SLICED_GROUPS
+from rafl.models.sliced import SlicedNet, parse_sliced
 from rafl.models.zoo import (BACKBONES, DEFAULT_FEATURE_DIM, GROUPS, KNOWLEDGE_MODEL, HeteroModel, SmallCNN,
                              build_model)
 
@@ -37,14 +39,16 @@ def resolve_models(spec: str) -> list[str]:
                              "every two commas", field="clients.models")
     if "nas" in items and len(items) > 1:
         raise UserInputError("nas cannot be mixed with other models", field="clients.models")
-    known = ["nas", *GROUPS, *sorted(BACKBONES)]
+    known = ["nas", *GROUPS, *SLICED_GROUPS, *sorted(BACKBONES)]
     out: list[str] = []
     for it in items:
         if it == "nas":
             out.append(it)
         elif it in GROUPS:
             out.extend(GROUPS[it])
-        elif it in BACKBONES or is_plugin_spec(it):
+        elif it in SLICED_GROUPS:  # width-sliced families (HeteroFL's rates)
+            out.extend(SLICED_GROUPS[it])
+        elif it in BACKBONES or is_plugin_spec(it) or parse_sliced(it) is not None:
             out.append(it)
         elif ":" in it:
             raise UserInputError(f"{it!r} is not package.module:factory (a plug-in names its module and the "
@@ -53,8 +57,9 @@ def resolve_models(spec: str) -> list[str]:
             # names are exact (case-sensitive); point at the one meant ("CNN4", "resnet-18")
             near = get_close_matches(it.lower(), known, n=1, cutoff=0.75)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise UserInputError(f"unknown model {it!r}; {hint}allowed: nas, a group ({', '.join(GROUPS)}), "
-                                 f"one of {', '.join(sorted(BACKBONES))}, or package.module:factory",
+            raise UserInputError(f"unknown model {it!r}; {hint}allowed: nas, a group "
+                                 f"({', '.join([*GROUPS, *SLICED_GROUPS])}), a width-sliced <base>@<rate> (cnn4@0.5, "
+                                 f"resnet18@0.25), one of {', '.join(sorted(BACKBONES))}, or package.module:factory",
                                  field="clients.models")
     return out
 
@@ -64,8 +69,11 @@ def make_member(name: str, n_classes: int, feature_dim: int = DEFAULT_FEATURE_DI
     """A fresh model for one member name of :func:`resolve_models` (zoo model or plug-in)."""
     if is_plugin_spec(name):
         return build_plugin_model(name, n_classes, feature_dim, in_channels, resolution)
+    sliced = parse_sliced(name)
+    if sliced is not None:
+        return SlicedNet(sliced[0], sliced[1], n_classes, feature_dim)
     return build_model(name, n_classes, feature_dim)
 
 
-__all__ = ["HeteroModel", "SmallCNN", "BACKBONES", "GROUPS", "KNOWLEDGE_MODEL", "DEFAULT_FEATURE_DIM", "build_model",
-           "build_plugin_model", "load_factory", "is_plugin_spec", "resolve_models", "make_member"]
+__all__ = ["HeteroModel", "SmallCNN", "SlicedNet", "BACKBONES", "GROUPS", "KNOWLEDGE_MODEL", "DEFAULT_FEATURE_DIM",
+           "build_model", "build_plugin_model", "load_factory", "is_plugin_spec", "resolve_models", "make_member"]

@@ -215,6 +215,16 @@ class Algorithm(ABC):
                     "the same arch",
                     field="algorithm.name")
 
+    def check_models(self, server: ServerContext) -> None:
+        """Reject client models this method cannot handle, with the built server context (called
+        once before round 1, when the federation is built; default: none). E.g. HeteroFL needs
+        every model to be a slice of one global model.
+
+        Raises:
+            UserInputError: naming the clients or models at fault.
+        """
+        return None
+
     # ------------------------------------------------------------------ the five steps
     @abstractmethod
     def init_server(self, server: ServerContext) -> tuple[State, Payload]:

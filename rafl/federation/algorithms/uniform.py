@@ -1,0 +1,30 @@
+"""One size fits all: every client trains the same model, the largest the weakest device can run; FedAvg.
+
+The control for "do tailored subnets pay?": instead of one subnet per device profile, the pipeline
+gives every client one subnet (:func:`rafl.federation.pipeline.uniform_arch`): among the subnets the
+search found for the run's profiles, the most accurate (search accuracy on the server's validation
+split; ties: fewer MACs) that meets the budgets of *every* client's profile (each profile's own cost
+model). With nested budgets that is the weakest device's own subnet. With a model group
+(``clients.models`` other than ``nas``) every client gets the group's smallest member (fewest
+parameters; HeteroFL's narrowest rate for ``heterofl-cnn4``). Training and aggregation are FedAvg's
+(McMahan et al., AISTATS 2017, Alg. 1: ``w <- sum_l (n_l / n) w_l``).
+
+Bad input: no subnet meets every profile's budgets (e.g. a profile no subnet fits) -- one error
+naming the profiles and the budgets violated, before round 1.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rafl.federation.algorithms.base import register
+from rafl.federation.algorithms.fedavg import FedAvg
+
+
+@register
+class Uniform(FedAvg):
+    """FedAvg on the one model that fits every client's device (module docstring)."""
+
+    name: ClassVar[str] = "uniform"
+    #: the pipeline gives every client the same model (the weakest device's)
+    one_model_for_all: ClassVar[bool] = True

@@ -1,0 +1,294 @@
+"""HeteroFL, FedRolex and uniform: exactness of the weight sharing, the federated supernet, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from rafl.cli import cli
+from rafl.data import load_dataset, make_partition
+from rafl.errors import UserInputError
+from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.algorithms import ServerContext, get_algorithm
+from rafl.federation.algorithms.heterofl import index_map
+from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig
+from rafl.federation.payload import Payload
+from rafl.federation.pipeline import build_federation, build_group_federation, uniform_arch
+from rafl.federation.store import load_state
+from rafl.federation.weight_sharing import (extract, fold_kernel_transforms, masked_average, nas_index_map,
+                                            prefix_index_map)
+from rafl.models import make_member, resolve_models
+from rafl.search.profile import load_profile
+from rafl.supernet import SearchSpace, build_supernet, extract_subnet
+
+SLICED = ["cnn4@1", "cnn4@0.5", "cnn4@0.25", "cnn4@0.125"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    supernet = build_supernet(space).eval()
+    with torch.no_grad():  # trained-like kernel transformation matrices (not the identity they start at)
+        for name, p in supernet.named_parameters():
+            if name.endswith("_matrix"):
+                p.add_(0.05 * torch.randn_like(p))
+    ds = load_dataset("digits", limit_per_class=10)
+    part = make_partition(ds.labels.numpy(), "dirichlet", 3, 0, alpha=1.0, min_samples=5, public_fraction=0.2)
+    return space, supernet, ds, part
+
+
+def _engine(fed, tmp_path, rounds=2):
+    summary = Engine(fed, EngineConfig(rounds=rounds, seed=1, target_accuracy=None), tmp_path, progress=False).run()
+    history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, history, load_state(tmp_path / CHECKPOINT)
+
+
+def test_masked_average_with_full_cover_is_weighted_average_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(5, 3, generator=g), "n": torch.tensor(3 + i)} for i in range(3)]
+    ups = [Payload(s, {"n_samples": c}) for s, c in zip(states, (7, 11, 13))]
+    ref = weighted_average([u.tensors for u in ups], payload_weights(ups))
+    index = {k: (k, torch.arange(v.numel()).reshape(v.shape)) for k, v in states[0].items()}
+    got = masked_average({k: torch.zeros_like(v) for k, v in states[0].items()},
+                         [(s, index, c) for s, c in zip(states, (7, 11, 13))])
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_masked_average_averages_each_element_over_its_holders():
+    glob = {"w": torch.full((4,), 9.0)}
+    a = ({"w": torch.tensor([1.0, 2.0])}, {"w": ("w", torch.tensor([0, 1]))}, 1.0)
+    b = ({"w": torch.tensor([3.0])}, {"w": ("w", torch.tensor([1]))}, 3.0)
+    assert masked_average(glob, [a, b])["w"].tolist() == [1.0, (2.0 + 9.0) / 4, 9.0, 9.0]
+
+
+@pytest.mark.parametrize("kind", ["nas", "sliced"])
+def test_heterofl_with_every_client_holding_the_full_model_is_fedavg_bit_for_bit(kind, tiny, tmp_path):
+    space, supernet, ds, part = tiny
+    runs = {}
+    for name in ("fedavg", "heterofl"):
+        algo = get_algorithm(name)(local_epochs=1, **({"static_bn": False} if name == "heterofl" else {}))
+        torch.manual_seed(0)
+        if kind == "nas":
+            fed, _ = build_federation(ds, part, supernet, [space.largest()] * 3, algo, batch_size=16, count_macs=False)
+        else:
+            fed, _ = build_group_federation(ds, part, ["cnn4@0.125"], algo, feature_dim=16, batch_size=16)
+        runs[name] = (fed, *_engine(fed, tmp_path / name))
+    keys = ("model.acc_mean_over_clients", "model.acc_sample_weighted", "bytes_up")
+    assert [[r[k] for k in keys] for r in runs["fedavg"][2]] == [[r[k] for k in keys] for r in runs["heterofl"][2]]
+    fedavg_global = runs["fedavg"][3]["server_state"]["global"]
+    fed_h, ck_h = runs["heterofl"][0], runs["heterofl"][3]
+    index = index_map(ck_h["server_state"]["layout"], fed_h.clients[0], 3, False)
+    mine = extract(ck_h["server_state"]["global"], index)
+    assert set(mine) == set(fedavg_global)
+    assert all(torch.equal(mine[k], fedavg_global[k]) for k in mine)
+
+
+def test_a_weight_no_client_holds_never_changes(tiny, tmp_path):
+    space, supernet, ds, part = tiny
+    archs = [space.smallest(), space.smallest(), space.middle()]
+    fed, _ = build_federation(ds, part, supernet, archs, get_algorithm("heterofl")(local_epochs=1, static_bn=True),
+                              batch_size=16, count_macs=False)
+    start = fed.algorithm.init_server(fed.server)[0]["global"]
+    *_, ck = _engine(fed, tmp_path, rounds=1)
+    end = ck["server_state"]["global"]
+    held = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in start.items()}
+    for arch in archs:
+        for key, (g, flat) in nas_index_map(space, arch).items():
+            if not key.endswith(("running_mean", "running_var", "num_batches_tracked")):  # static BN: not sent
+                held[g][flat.reshape(-1)] = True
+    n_free = n_moved = 0
+    for k, v in start.items():
+        free = ~held[k]
+        assert torch.equal(v.reshape(-1)[free], end[k].reshape(-1)[free]), k
+        n_free += int(free.sum())
+        n_moved += int((v.reshape(-1)[held[k]] != end[k].reshape(-1)[held[k]]).sum())
+    assert n_free > 0 and n_moved > 0
+    assert all(torch.equal(start[k], end[k]) for k in start if k.endswith("_matrix"))
+
+
+@pytest.mark.parametrize("name", ["heterofl", "fedrolex"])
+def test_merge_then_extract_returns_each_clients_trained_weights(name, tiny):
+    """One client per element: the merged supernet, cut by ofa's own extraction (what `rafl search`
+    does with the federated supernet), gives back exactly the weights the client uploaded."""
+    space, supernet, ds, part = tiny
+    algo = get_algorithm(name)(static_bn=False)
+    archs = [space.smallest(), space.middle(), space.largest()]
+    fed, _ = build_federation(ds, part, supernet, archs, algo, batch_size=16, count_macs=False)
+    state, _ = algo.init_server(fed.server)
+    g = torch.Generator().manual_seed(1)
+    for cid in range(3):
+        fed.server.round = 3  # FedRolex: a window that wraps around
+        info = fed.clients[cid]
+        spec = algo.upload_spec(state, info)
+        trained = {k: (torch.randn(s, generator=g) if not k.endswith("num_batches_tracked") else torch.tensor(5))
+                   for k, s in spec.items()}
+        new, _ = algo.server_aggregate([Payload(trained, {"client_id": cid, "n_samples": 1})], state, fed.server)
+        index = index_map(new["layout"], info, 3, algo.rolling)
+        assert all(torch.equal(v, trained[k]) for k, v in extract(new["global"], index).items())
+        if name == "heterofl":  # the prefix layout is ofa's extraction of the saved supernet
+            net = algo.federated_supernet(new, fed.server)
+            sub = extract_subnet(net, info.arch).state_dict()
+            # every weight and statistic; ofa's extraction restarts the elastic blocks' BN counters
+            assert all(torch.equal(sub[k], trained[k]) for k in trained if not k.endswith("num_batches_tracked")), cid
+
+
+def test_folding_keeps_the_smallest_used_kernel_exactly(tiny):
+    space, supernet, *_ = tiny
+    arch = space.smallest()
+    folded = build_supernet(space)
+    folded.load_state_dict(fold_kernel_transforms(supernet))
+    a, b = extract_subnet(supernet.eval(), arch).state_dict(), extract_subnet(folded.eval(), arch).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    la = extract_subnet(supernet, space.largest()).state_dict()
+    lb = extract_subnet(folded, space.largest()).state_dict()
+    assert any(not torch.equal(la[k], lb[k]) for k in la)  # a larger kernel holds the smaller filters in its centre
+    # folding down to the largest kernel only (no client uses a smaller one) changes nothing
+    same = build_supernet(space)
+    same.load_state_dict(fold_kernel_transforms(supernet, [max(space.ks_choices)] * len(supernet.blocks[1:])))
+    assert all(torch.equal(v, supernet.state_dict()[k]) for k, v in same.state_dict().items())
+
+
+def test_fedrolex_window_rolls_one_channel_per_round(tiny):
+    space, *_ = tiny
+    arch = space.smallest()
+    key = next(k for k in nas_index_map(space, arch) if k.endswith("depth_conv.conv.weight") and k.startswith("blocks.1."))
+    r1 = nas_index_map(space, arch)[key][1][:, 0, 0, 0]
+    m = None
+    from rafl.federation.weight_sharing import middle_channels
+
+    m = middle_channels(space)
+    r2 = nas_index_map(space, arch, [1] * len(m))[key][1][:, 0, 0, 0]
+    kk = r1[1] - r1[0]  # flat stride of one channel
+    assert torch.equal(r2, (r1 + kk) % (m[0] * kk))
+    local = make_member("cnn4@0.5", 10, 16).state_dict()
+    glob = make_member("cnn4@1", 10, 16).state_dict()
+    w1 = prefix_index_map(local, glob, round_=1)["backbone.0.weight"][1][:, 0, 0, 0] // glob["backbone.0.weight"][0].numel()
+    w40 = prefix_index_map(local, glob, round_=30)["backbone.0.weight"][1][:, 0, 0, 0] // glob["backbone.0.weight"][0].numel()
+    assert w1.tolist() == list(range(16)) and w40.tolist() == [(29 + j) % 32 for j in range(16)]
+
+
+@pytest.mark.parametrize("name", ["heterofl", "fedrolex"])
+def test_two_rounds_on_width_sliced_cnn4_and_nas_subnets(name, tiny, tmp_path):
+    space, supernet, ds, part = tiny
+    algo = get_algorithm(name)(local_epochs=1)
+    fed, _ = build_group_federation(ds, part, resolve_models("heterofl-cnn4")[1:], algo, feature_dim=16, batch_size=16)
+    _, hist, _ = _engine(fed, tmp_path / "sliced")
+    assert 0 <= hist[-1]["model.acc_mean_over_clients"] <= 1
+    # bytes: each client downloads and uploads its own slice only
+    sizes = {m: sum(p.numel() for p in make_member(m, 10, 16).parameters()) for m in SLICED}
+    assert sizes["cnn4@0.125"] < sizes["cnn4@0.5"] < sizes["cnn4@1"]
+    assert hist[0]["bytes_down"] < 3 * 4 * sizes["cnn4@0.5"]
+    fed, _ = build_federation(ds, part, supernet, [space.smallest(), space.middle(), space.largest()],
+                              get_algorithm(name)(local_epochs=1), batch_size=16, count_macs=False)
+    _, hist, _ = _engine(fed, tmp_path / "nas")
+    assert 0 <= hist[-1]["model.acc_mean_over_clients"] <= 1 and hist[-1]["bytes_up"] > 0
+
+
+def test_width_sliced_models_and_scaler():
+    from rafl.models.sliced import set_scalers
+
+    assert resolve_models("heterofl-resnet18") == ["resnet18@1", "resnet18@0.5", "resnet18@0.25", "resnet18@0.125"]
+    torch.manual_seed(0)
+    m = make_member("cnn4@0.25", 10, 16)
+    x = torch.randn(4, 1, 16, 16)
+    assert m(x).shape == (4, 10) and m.features(x).shape == (4, 4)
+    m.eval()
+    y_eval = m.features(x)
+    set_scalers(m, False)
+    assert torch.equal(m.features(x), y_eval)  # the scaler is the identity at inference
+    with pytest.raises(UserInputError, match="rate in"):
+        resolve_models("cnn4@2")
+
+
+def test_bad_input_other_supernet_and_not_width_sliceable(tiny):
+    space, supernet, ds, part = tiny
+    algo = get_algorithm("heterofl")()
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)
+    other = SearchSpace(width_mult=0.35, resolutions=(16,), n_classes=10)
+    foreign = build_supernet(other)
+    srv = fed.server
+    ctx = ServerContext(clients=srv.clients, make_model=lambda arch=None, client_id=None: extract_subnet(foreign, arch),
+                        public_images=None, n_classes=10, space=space, supernet=supernet)
+    with pytest.raises(UserInputError, match="comes from another supernet"):
+        algo.check_models(ctx)
+    with pytest.raises(UserInputError, match="not width-sliceable"):
+        build_group_federation(ds, part, ["cnn4@0.5", "cnn3-small"], algo, feature_dim=16)
+
+
+def _one_error_line(result):
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_cli_bad_input_exits_2_before_round_1(tmp_path, tiny_supernet, monkeypatch):
+    path, _ = tiny_supernet
+    (tmp_path / "myplug.py").write_text("from rafl.models.zoo import build_model\n"
+                                        "def make(n_classes, feature_dim):\n"
+                                        "    return build_model('cnn3-small', n_classes, feature_dim)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["federate", "--no-progress", "--set", f"supernet.path={path}", "--set", "data.limit_per_class=10",
+            "--set", "clients.n=3"]
+    out = tmp_path / "runs"
+    line = _one_error_line(CliRunner().invoke(cli, [*base[:2], *base[4:], "--out", str(out), "--set",
+                                                    "algorithm.name=heterofl", "--set", "clients.models=cnn4@1,myplug:make"]))
+    assert "clients.models" in line and "not width-sliceable" in line and "myplug:make" in line
+    assert not out.exists()
+    prof = yaml.safe_load(open("profiles/pi4.yaml"))
+    prof["name"], prof["budgets"] = "tiny-mcu", {"macs_m": 0.001}
+    (tmp_path / "tiny-mcu.yaml").write_text(yaml.safe_dump(prof))
+    line = _one_error_line(CliRunner().invoke(cli, [*base, "--out", str(out), "--set", "algorithm.name=uniform",
+                                                    "--set", f"clients.profiles=[pi4, {tmp_path / 'tiny-mcu.yaml'}]"]))
+    assert "tiny-mcu" in line and "macs_m" in line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_uniform_takes_the_subnet_that_fits_every_profile(tiny):
+    space, *_ = tiny
+    small, large = space.smallest(), space.largest()
+    from rafl.search.cost import CostModel
+
+    tight = load_profile("pi4")
+    limit = (CostModel(space, tight).cost(small).macs_m + CostModel(space, tight).cost(large).macs_m) / 2
+    tight = tight.with_budgets({"macs_m": limit})
+    roomy = load_profile("phone").with_budgets({"macs_m": 1000.0})
+    arch_of = {"pi4": {"arch": small, "search_accuracy": 0.5}, "phone": {"arch": large, "search_accuracy": 0.9}}
+    one = uniform_arch(space, arch_of, [tight, roomy])
+    assert one["arch"] == small and "pi4" in one["source"]
+    with pytest.raises(UserInputError, match="no searched subnet meets every profile"):
+        uniform_arch(space, {"phone": arch_of["phone"]}, [tight, roomy])
+
+
+def test_uniform_on_a_model_group_gives_everyone_the_smallest_member(tiny):
+    _, _, ds, part = tiny
+    _, table = build_group_federation(ds, part, SLICED, get_algorithm("uniform")(), feature_dim=16)
+    # 3 clients get cnn4@1, @0.5, @0.25 round-robin: the weakest device in the federation runs @0.25
+    assert {row["model"] for row in table} == {"cnn4@0.25"}
+
+
+def test_federated_supernet_is_saved_and_searchable(tmp_path, tiny_supernet):
+    from rafl.supernet import load_supernet
+
+    path, space = tiny_supernet
+    out = tmp_path / "runs"
+    res = CliRunner().invoke(cli, ["federate", "--no-progress", "--out", str(out), "--set", "name=h",
+                                   "--set", f"supernet.path={path}", "--set", "data.limit_per_class=10",
+                                   "--set", "clients.n=3", "--set", "algorithm.name=heterofl",
+                                   "--set", "algorithm.local_epochs=1", "--set", "engine.rounds=1",
+                                   "--set", f"clients.arch={space.smallest().to_string()}"])
+    assert res.exit_code == 0, res.output
+    run_dir = out / "h"
+    net = load_supernet(run_dir)
+    ck = load_state(run_dir / CHECKPOINT)
+    assert all(torch.equal(v, ck["server_state"]["global"][k]) for k, v in net.state_dict().items())
+    meta = json.loads((run_dir / "supernet.json").read_text())
+    assert meta["metrics"]["federated"]["algorithm"] == "heterofl" and meta["metrics"]["federated"]["rounds"] == 1
+    assert meta["config"] == json.loads((path / "supernet.json").read_text())["config"]
+    np.testing.assert_equal(len(ck["server_state"]["global"]), len(build_supernet(space).state_dict()))
