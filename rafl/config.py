@@ -199,6 +199,18 @@ class EngineSection(_Strict):
                                    "of the Simulation Runtime; null = one per client; ignored in-process)")
     round_timeout_s: float = Field(3600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
                                    "then loses its clients for the round)")
+    aggregation: Literal["mean", "median", "trimmed_mean", "norm_clip"] = Field(
+        "mean", description="mean (sample-weighted), median or trimmed_mean (coordinate-wise, Yin et al. 2018) or "
+        "norm_clip (updates clipped to an L2 norm, Sun et al. 2019): how the weight-averaging methods merge uploads")
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="a fraction in [0, 0.5) (trimmed_mean: the share "
+                                 "of largest and of smallest values dropped per coordinate)")
+    clip_norm: float | None = Field(None, gt=0, allow_inf_nan=False, description="a number > 0 or null (norm_clip: the L2 bound of an "
+                                    "update; null = the median update norm of the round)")
+    max_upload_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a number > 0 (MB) or null (twice the expected "
+                                        "float32 size + 1 MiB; 16 MiB for per-class uploads)")
+    max_abs_value: float = Field(1e6, gt=0, allow_inf_nan=False, description="a number > 0 (the largest |value| of an uploaded float)")
+    min_valid_uploads: int = Field(1, ge=1, description="an integer >= 1 (fewer valid uploads: the round fails "
+                                   "and changes no state)")
 
     @field_validator("clients_per_round", "available")
     @classmethod
