@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from rafl.errors import DuplicateKeyError, UserInputError, shown
-from rafl.io import load_yaml
+from rafl.io import load_yaml, read_text_file
 
 #: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
 #: as ``seed * 100003 + round`` from it, which must stay below torch's 2**63)
@@ -46,7 +46,9 @@ def _accepts_bool(annotation: Any) -> bool:
 
 
 class NoBoolNumbers(BaseModel):
-    """A pydantic model whose number fields refuse booleans (run configs, device profiles)."""
+    """A pydantic model whose number fields refuse booleans and NaN/Inf (run configs, device profiles)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -367,7 +369,7 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
     if not p.is_file():
         raise UserInputError("no such file (expected a YAML run config)", source=p)
     try:
-        data = load_yaml(p.read_text(), p) or {}
+        data = load_yaml(read_text_file(p), p) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserInputError(f"not valid YAML ({err.__class__.__name__})", source=p) from None
     if not isinstance(data, dict):

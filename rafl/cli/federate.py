@@ -204,10 +204,10 @@ def _is_compare_folder(cfg_file: Path) -> bool:
     import yaml
 
     from rafl.config import is_compare_record
-    from rafl.io import load_yaml
+    from rafl.io import load_yaml, read_text_file
 
     try:
-        return is_compare_record(load_yaml(cfg_file.read_text(), cfg_file))
+        return is_compare_record(load_yaml(read_text_file(cfg_file), cfg_file))
     except (OSError, UnicodeDecodeError, yaml.YAMLError, UserInputError):
         return False  # not readable as a compare config: the checks below say what it is
 

@@ -60,8 +60,8 @@ from typing import Any
 
 import numpy as np
 
-from rafl.errors import UserInputError, allowed
-from rafl.io import atomic_write_text
+from rafl.errors import UserInputError, allowed, brief
+from rafl.io import atomic_write_text, read_json_file
 
 SCHEMES: tuple[str, ...] = ("iid", "pathological", "dirichlet", "natural")
 MAX_DIRICHLET_TRIES: int = 100
@@ -164,22 +164,22 @@ class Partition:
             raise UserInputError("partition file not found (expected a partition.json written by "
                                  "`rafl data --out DIR`)", source=path)
         try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise UserInputError(f"not valid JSON ({err})", source=path) from None
+            obj = read_json_file(path)
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserInputError(f"not valid JSON ({err.__class__.__name__})", source=path) from None
         if not isinstance(obj, dict):
             raise UserInputError("top level must be an object with 'clients' (and 'public', 'meta')",
                                  source=path)
         if "format" in obj and obj["format"] != FORMAT:
-            raise UserInputError(f"is {obj['format']!r}, allowed: {FORMAT!r}", source=path, field="format")
+            raise UserInputError(f"is {brief(obj['format'])}, allowed: {FORMAT!r}", source=path, field="format")
         if "version" in obj and obj["version"] != VERSION:
-            raise UserInputError(f"is {obj['version']!r}, allowed: {VERSION}", source=path, field="version")
+            raise UserInputError(f"is {brief(obj['version'])}, allowed: {VERSION}", source=path, field="version")
         meta = obj.get("meta", {})
         if not isinstance(meta, dict):
             raise UserInputError("must be an object", source=path, field="meta")
         if n_samples is not None and "n_samples" in meta and meta["n_samples"] != n_samples:
             raise UserInputError(
-                f"is {meta['n_samples']}, but the dataset has {n_samples} samples "
+                f"is {brief(meta['n_samples'])}, but the dataset has {n_samples} samples "
                 "(the partition was made for another dataset or --limit)", source=path, field="meta.n_samples")
         raw_clients = obj.get("clients")
         if isinstance(raw_clients, list):  # tolerate a list of clients (position = id)
@@ -251,6 +251,9 @@ def _jsonable(obj: Any) -> Any:
 def _index_array(value: Any, path: Path, fieldname: str, n_samples: int | None) -> np.ndarray:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise UserInputError("must be a list of integer sample indices", source=path, field=fieldname)
+    if value and max(value) >= 2**62:
+        raise UserInputError(f"has index {brief(max(value))}; allowed: indices below 2**62", source=path,
+                             field=fieldname)
     arr = np.asarray(value, dtype=np.int64)
     if len(arr) and arr.min() < 0:
         raise UserInputError(f"has negative index {int(arr.min())}", source=path, field=fieldname)
