@@ -319,6 +319,48 @@ def claim_file(path: str | Path, field: str = "--out") -> None:
                              "allowed: a new or empty folder", source=path.parent, field=field) from None
 
 
+def lock_dir(path: str | Path, field: str = "--out") -> int:
+    """Hold an exclusive ``flock`` on the folder ``path`` for as long as the returned descriptor is
+    open (the kernel releases it when the process ends, also on ``kill -9``): a run's claim on its
+    run dir, so a later command can tell a dead run's folder from a live one's.
+
+    Returns:
+        the open descriptor (close it, or let the process end, to release the lock).
+
+    Raises:
+        UserInputError: another live process holds the lock, naming ``field``."""
+    import fcntl
+
+    from rafl.errors import UserInputError
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserInputError("another run is writing into this folder now; allowed: a folder no live run uses",
+                             source=path, field=field) from None
+    return fd
+
+
+def remove_orphaned_tmp(folder: str | Path) -> list[str]:
+    """Delete the temporary files and folders an interrupted atomic write left in ``folder``
+    (names ``.<name>.<random>.tmp`` from :func:`atomic_write_bytes` / :func:`atomic_dir`); only
+    call it while no other process writes there (a resumed run holds its :func:`lock_dir`).
+
+    Returns:
+        the names removed."""
+    removed = []
+    for p in Path(folder).glob(".*.tmp"):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        removed.append(p.name)
+    return sorted(removed)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Text (UTF-8) version of :func:`atomic_write_bytes`."""
     atomic_write_bytes(path, text.encode("utf-8"))

@@ -62,7 +62,7 @@ from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo
 from rafl.federation.payload import Payload
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import ClientStore, load_state, save_state
-from rafl.io import atomic_write_json, atomic_write_text
+from rafl.io import atomic_write_json, atomic_write_text, remove_orphaned_tmp
 from rafl.reports.tables import fmt_bytes
 
 #: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
@@ -418,6 +418,8 @@ class Engine:
         fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
         n = len(fed.clients)
         if resume:
+            for folder in (self.run_dir, self.run_dir / "clients"):  # what a kill -9 mid-write left behind
+                remove_orphaned_tmp(folder)
             ck = self._load_checkpoint()
             start = int(ck["round"]) + 1
             server_state = ck["server_state"]
