@@ -15,7 +15,9 @@ Partitioners (all deterministic for a seed; one ``numpy.random.Generator`` per c
   ``p_c ~ Dir(alpha * 1_n)`` over the clients and cut the class's shuffled samples at the
   cumulative proportions. As in NIID-Bench (Li et al., ICDE 2022, Sec. 4.1; also FedLab's
   ``hetero_dir_partition`` and HtFLlib), a client that already holds ``>= N/n`` samples gets no
-  more (``p_{c,j} = 0``). The whole draw is repeated until every client has ``>= min_samples``
+  more (``p_{c,j} = 0``); when that leaves no share (a small ``alpha`` puts a class on one full
+  client), the class's shares are drawn from ``Dir(alpha)`` over the clients that are not full, so
+  ``alpha -> 0`` gives one client per class, never an even spread. The whole draw is repeated until every client has ``>= min_samples``
   samples, at most :data:`MAX_DIRICHLET_TRIES` times, then :class:`~rafl.errors.UserInputError`.
 * ``natural`` -- one client per writer (FEMNIST, LEAF; Caldas et al., 2018). Writers with fewer than
   ``min_samples`` samples are skipped; if ``n_clients`` is smaller than the number of eligible
@@ -458,9 +460,16 @@ def _dirichlet(pool: np.ndarray, labels: np.ndarray, n_clients: int, alpha: floa
             if len(idx) == 0:
                 continue
             p = rng.dirichlet(np.full(n_clients, alpha))
-            p = p * (sizes < n / n_clients)  # NIID-Bench balancing: full clients get no more
+            open_ = sizes < n / n_clients
+            p = p * open_  # NIID-Bench balancing: full clients get no more
             if p.sum() <= 0:
-                p = np.full(n_clients, 1.0 / n_clients)
+                # every share fell on full clients (a small alpha puts all of a class on one client):
+                # draw the class's shares over the open clients, Dir(alpha) restricted to them (the
+                # renormalized sub-vector of a Dirichlet is Dirichlet), never an even spread
+                p = np.zeros(n_clients)
+                p[open_] = rng.dirichlet(np.full(int(open_.sum()), alpha)) if open_.any() else 0.0
+                if p.sum() <= 0:
+                    p = np.full(n_clients, 1.0 / n_clients)  # unreachable: some client is below N/n
             p = p / p.sum()
             cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
             for cid, part in enumerate(np.split(idx, cuts)):
