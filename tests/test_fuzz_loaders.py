@@ -183,75 +183,56 @@ def _write(tmp_path, name, text):
     return path
 
 
-@pytest.mark.parametrize("loader", ["profile", "arch", "run_config", "latency_lut"])
-def test_yaml_loaders_parse_or_reject_with_one_error(loader, tmp_path):
-    from rafl.config import load_run_config
-    from rafl.search.latency import load_latency_lut
-    from rafl.search.profile import load_profile
-    from rafl.supernet import ArchConfig
-
-    seed, load = {
-        "profile": (PROFILE, load_profile),
-        "arch": (ARCH, lambda p: ArchConfig.load(p, _space())),
-        "run_config": (RUN_CONFIG, load_run_config),
-        "latency_lut": (_lut_text(), load_latency_lut),
-    }[loader]
-    obj = yaml.safe_load(seed)
-    assert _guarded(load, _write(tmp_path, "seed.yaml", seed)) == "parsed"
-
-    @FUZZ
-    @given(mutated(seed, obj, _yaml_dump))
-    def run(text):
-        _guarded(load, _write(tmp_path, "case.yaml", text))
-
-    run()
-
-
-def test_partition_loader_parses_or_rejects_with_one_error(tmp_path):
-    from rafl.data import Partition
-
-    _partition_text().save(tmp_path / "seed.json")
-    seed = (tmp_path / "seed.json").read_text()
-    assert _guarded(Partition.load, tmp_path / "seed.json", 40) == "parsed"
-
-    @FUZZ
-    @given(mutated(seed, json.loads(seed), _json_dump))
-    def run(text):
-        _guarded(Partition.load, _write(tmp_path, "case.json", text), 40)
-
-    run()
-
-
-@pytest.fixture(scope="module")
-def supernet_dir(tmp_path_factory):
+def _supernet_dir(out: Path) -> Path:
     from rafl.supernet import build_supernet
     from rafl.supernet.checkpoint import save_supernet
 
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("supernet")
     save_supernet(out, build_supernet(_space()), config={"public_fraction": 0.3, "public_seed": 0},
                   metrics={"acc": 0.5})
     return out
 
 
-def test_supernet_checkpoint_metadata_parses_or_rejects_with_one_error(supernet_dir, tmp_path):
-    import shutil
+def loader_cases(folder: Path) -> dict:
+    """``name -> (seed text, parsed seed, dump, file name, load(path))`` of every text loader, with
+    what they need written under ``folder`` (also used by ``bench/reliability.py``)."""
+    from rafl.config import load_run_config
+    from rafl.data import Partition
+    from rafl.search.latency import load_latency_lut
+    from rafl.search.profile import load_profile
+    from rafl.supernet import ArchConfig
+    from rafl.supernet.checkpoint import META_NAME, load_meta, load_supernet
 
-    from rafl.supernet.checkpoint import META_NAME, WEIGHTS_NAME, load_meta, load_supernet
+    folder.mkdir(parents=True, exist_ok=True)
+    _partition_text().save(folder / "partition-seed.json")
+    sn = _supernet_dir(folder / "supernet")
+    meta_seed = (sn / META_NAME).read_text()
 
-    seed = (supernet_dir / META_NAME).read_text()
-    shutil.copy(supernet_dir / WEIGHTS_NAME, tmp_path / WEIGHTS_NAME)
-
-    def load(path):
+    def supernet(path):
         load_meta(path.parent)
         load_supernet(path.parent)
 
-    assert _guarded(load, _write(tmp_path, META_NAME, seed)) == "parsed"
+    part = (folder / "partition-seed.json").read_text()
+    lut = _lut_text()
+    return {
+        "profile": (PROFILE, yaml.safe_load(PROFILE), _yaml_dump, "case.yaml", load_profile),
+        "arch": (ARCH, yaml.safe_load(ARCH), _yaml_dump, "case.yaml", lambda p: ArchConfig.load(p, _space())),
+        "run_config": (RUN_CONFIG, yaml.safe_load(RUN_CONFIG), _yaml_dump, "case.yaml", load_run_config),
+        "latency_lut": (lut, yaml.safe_load(lut), _yaml_dump, "case.yaml", load_latency_lut),
+        "partition": (part, json.loads(part), _json_dump, "case.json", lambda p: Partition.load(p, 40)),
+        "supernet_json": (meta_seed, json.loads(meta_seed), _json_dump, f"supernet/{META_NAME}", supernet),
+    }
+
+
+@pytest.mark.parametrize("loader", ["profile", "arch", "run_config", "latency_lut", "partition", "supernet_json"])
+def test_every_text_loader_parses_or_rejects_with_one_error(loader, tmp_path):
+    seed, obj, dump, name, load = loader_cases(tmp_path)[loader]
+    assert _guarded(load, _write(tmp_path, name, seed)) == "parsed"
 
     @FUZZ
-    @given(mutated(seed, json.loads(seed), _json_dump))
+    @given(mutated(seed, obj, dump))
     def run(text):
-        _guarded(load, _write(tmp_path, META_NAME, text))
+        _guarded(load, _write(tmp_path, name, text))
 
     run()
 
@@ -273,13 +254,21 @@ def mutated_blob(draw, blob: bytes):
     return bytes(data)
 
 
-def test_payload_and_client_state_blobs_parse_or_reject_with_one_error(tmp_path):
+def blob_seeds() -> tuple[bytes, bytes]:
+    """A payload blob and a client-state blob (also used by ``bench/reliability.py``)."""
     from rafl.federation.payload import Payload
-    from rafl.federation.store import load_state, state_to_bytes
+    from rafl.federation.store import state_to_bytes
 
     payload = Payload({"w": torch.randn(4, 3), "n": torch.tensor([1, 2], dtype=torch.int64)},
                       {"n_samples": 12, "ids": [0, 3]}).to_bytes()
-    state = state_to_bytes({"model": {"w": torch.randn(3)}, "opt": [1, 2.5, None, "x"]})
+    return payload, state_to_bytes({"model": {"w": torch.randn(3)}, "opt": [1, 2.5, None, "x"]})
+
+
+def test_payload_and_client_state_blobs_parse_or_reject_with_one_error(tmp_path):
+    from rafl.federation.payload import Payload
+    from rafl.federation.store import load_state
+
+    payload, state = blob_seeds()
 
     @FUZZ
     @given(mutated_blob(payload), mutated_blob(state))
