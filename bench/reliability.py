@@ -168,6 +168,8 @@ def screen(fed, state, policy, results):
 
 
 def hostile_uploads(supernet: Path, methods: list[str]) -> dict:
+    from rafl.errors import UserInputError
+
     table, extra = {}, {}
     for method in methods:
         t0 = time.perf_counter()
@@ -183,7 +185,12 @@ def hostile_uploads(supernet: Path, methods: list[str]) -> dict:
             if 1 in out.rejected:
                 rows[name] = {"outcome": "rejected", "reason": out.rejected[1].split(": ", 1)[1][:110]}
                 continue
-            d = max_delta(aggregate(algo, out.accepted, state, server), ref)
+            try:
+                d = max_delta(aggregate(algo, out.accepted, state, server), ref)
+            except UserInputError as err:  # the server step itself failed on the accepted upload
+                rows[name] = {"outcome": "accepted-harmful", "max_abs_delta": math.inf,
+                              "server_step_error": str(err)[:160]}
+                continue
             rows[name] = {"outcome": "accepted-harmless" if d == 0 else "accepted-harmful", "max_abs_delta": d}
         table[method] = rows
         print(f"{method}: {sum(r['outcome'] == 'rejected' for r in rows.values())} rejected, "
@@ -437,7 +444,7 @@ def report(data: dict) -> str:
         for m in hu["table"]:
             r = hu["table"][m].get(n)
             cells.append("-" if r is None else {"rejected": "R", "accepted-harmless": "H"}.get(
-                r["outcome"], f"X {fmt(r.get('max_abs_delta'))}"))
+                r["outcome"], "X server step failed" if "server_step_error" in r else f"X {fmt(r.get('max_abs_delta'))}"))
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     tried = sum(len(v) for v in hu["table"].values())
     rej = sum(r["outcome"] == "rejected" for v in hu["table"].values() for r in v.values())
@@ -451,7 +458,7 @@ def report(data: dict) -> str:
     lines += ["", "## A 10^12-sample claim", "",
               "| method | registered n | honest client moves the average (max abs) | the 10^12 claim moves it | "
               "attacker's share under weights from the claim |", "|---|---|---|---|---|"]
-    for m in ("fedavg", "rafl"):
+    for m in [m for m in ("fedavg", "rafl") if m in hu]:
         c = hu[m]
         lines.append(f"| {m} | {c['registered_n']} | {fmt(c['honest_client_moves'])} | {fmt(c['claim_1e12_moves'])} | "
                      f"{c['old_rule_measured_share']:.6f} (n-weights: {c['old_rule_attacker_share']:.6f}) |")
@@ -459,7 +466,7 @@ def report(data: dict) -> str:
               "registered count. Under the old rule (weights from the claim) the attacker's share was ~100%.", "",
               "## A boosted (x100, in range) update per `engine.aggregation`", "",
               "| method | mean | median | trimmed_mean (0.34) | norm_clip (median norm) |", "|---|---|---|---|---|"]
-    for m in ("fedavg", "rafl"):
+    for m in [m for m in ("fedavg", "rafl") if m in hu]:
         r = hu[m]["boosted_x100_max_delta_by_rule"]
         lines.append(f"| {m} | " + " | ".join(fmt(r[k]) for k in ("mean", "median", "trimmed_mean", "norm_clip")) + " |")
     lines += ["", "Max |delta| of the aggregate against the same rule's honest aggregate (3 clients, 1 hostile).", "",
@@ -473,7 +480,7 @@ def report(data: dict) -> str:
               f"## Fuzzed loaders ({data['fuzz_examples']} examples each, deterministic)", "",
               "| loader | parsed | rejected (one UserInputError) | other (crash, hang, memory) | slowest (s) |",
               "|---|---|---|---|---|"]
-    for n, r in data["fuzz"].items():
+    for n, r in data.get("fuzz", {}).items():
         lines.append(f"| {n} | {r['parsed']} | {r['rejected']} | {r['other']} | {r['slowest_s']:.2f} |")
         for o in r["others"]:
             lines.append(f"|  | | | `{o}` | |")
@@ -496,16 +503,21 @@ def main() -> None:
     t0 = time.time()
     data = {"fuzz_examples": args.fuzz_examples, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}", "date": time.strftime("%Y-%m-%d")}
+    def save():  # after every section: a run stopped later keeps what it measured
+        data["wall_s"] = time.time() - t0
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "reliability.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        (RESULTS / "reliability.md").write_text(report(data))
+
     with tempfile.TemporaryDirectory() as tmp:
         data["hostile"] = hostile_uploads(tiny_supernet(Path(tmp) / "supernet"), args.methods.split(","))
+    save()
     data["fuzz"] = fuzz(args.fuzz_examples)
+    save()
     if not args.skip_kill:
         data["kill"] = kill_cases()
         print(json.dumps(data["kill"], indent=1), flush=True)
-    data["wall_s"] = time.time() - t0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "reliability.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    (RESULTS / "reliability.md").write_text(report(data))
+        save()
     print(report(data))
 
 
