@@ -242,8 +242,8 @@ def read_text_file(path: str | Path, limit: int = MAX_YAML_BYTES) -> str:
     """The UTF-8 text of ``path``, at most ``limit`` bytes (checked before reading).
 
     Raises:
-        UserInputError: no such file, not a regular file, larger than ``limit``, or not UTF-8
-            text, naming the file."""
+        UserInputError: no such file, not a regular file or larger than ``limit``, naming the file.
+        UnicodeDecodeError: not UTF-8 text."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -259,10 +259,7 @@ def read_text_file(path: str | Path, limit: int = MAX_YAML_BYTES) -> str:
         raise _limit_error(f"cannot be read ({err.strerror})", path) from None
     if len(data) > limit:
         raise _limit_error(f"has more than {limit} bytes; allowed: at most {limit}", path)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise _limit_error(f"is not UTF-8 text (byte {err.start})", path) from None
+    return data.decode("utf-8")  # UnicodeDecodeError: the caller names the format ("not valid YAML")
 
 
 def read_yaml_file(path: str | Path) -> Any:
@@ -270,7 +267,7 @@ def read_yaml_file(path: str | Path) -> Any:
 
     Raises:
         UserInputError: as :func:`read_text_file` and :func:`load_yaml`.
-        yaml.YAMLError: malformed YAML."""
+        yaml.YAMLError, UnicodeDecodeError: malformed YAML, not UTF-8 text."""
     return load_yaml(read_text_file(path, MAX_YAML_BYTES), path)
 
 
@@ -278,8 +275,12 @@ def read_json_file(path: str | Path) -> Any:
     """:func:`load_json` of the file ``path`` (at most :data:`MAX_JSON_BYTES`).
 
     Raises:
-        UserInputError: as :func:`read_text_file` and :func:`load_json`."""
-    return load_json(read_text_file(path, MAX_JSON_BYTES), path)
+        UserInputError: as :func:`read_text_file` and :func:`load_json`, or not UTF-8 text."""
+    try:
+        text = read_text_file(path, MAX_JSON_BYTES)
+    except UnicodeDecodeError as err:
+        raise _limit_error(f"not valid JSON (not UTF-8 text at byte {err.start})", path) from None
+    return load_json(text, path)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
