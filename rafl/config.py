@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rafl.errors import DuplicateKeyError, UserInputError, shown, yaml_error_detail
-from rafl.io import load_yaml
+from rafl.io import load_yaml, read_text_file
 
 #: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
 #: as ``seed * 100003 + round`` from it, which must stay below torch's 2**63)
@@ -46,7 +46,9 @@ def _accepts_bool(annotation: Any) -> bool:
 
 
 class NoBoolNumbers(BaseModel):
-    """A pydantic model whose number fields refuse booleans (run configs, device profiles)."""
+    """A pydantic model whose number fields refuse booleans and NaN/Inf (run configs, device profiles)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -204,6 +206,18 @@ class EngineSection(_Strict):
                                 "same for every value) or null (the CPU cores, at most the clients sampled per round)")
     round_timeout_s: float = Field(3600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
                                    "then loses its clients for the round)")
+    aggregation: Literal["mean", "median", "trimmed_mean", "norm_clip"] = Field(
+        "mean", description="mean (sample-weighted), median or trimmed_mean (coordinate-wise, Yin et al. 2018) or "
+        "norm_clip (updates clipped to an L2 norm, Sun et al. 2019): how the weight-averaging methods merge uploads")
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="a fraction in [0, 0.5) (trimmed_mean: the share "
+                                 "of largest and of smallest values dropped per coordinate)")
+    clip_norm: float | None = Field(None, gt=0, allow_inf_nan=False, description="a number > 0 or null (norm_clip: the L2 bound of an "
+                                    "update; null = the median update norm of the round)")
+    max_upload_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a number > 0 (MB) or null (twice the expected "
+                                        "float32 size + 1 MiB; 16 MiB for per-class uploads)")
+    max_abs_value: float = Field(1e6, gt=0, allow_inf_nan=False, description="a number > 0 (the largest |value| of an uploaded float)")
+    min_valid_uploads: int = Field(1, ge=1, description="an integer >= 1 (fewer valid uploads: the round fails "
+                                   "and changes no state)")
 
     @field_validator("clients_per_round", "available")
     @classmethod
@@ -367,7 +381,7 @@ def read_config_file(path: str | Path | None) -> dict[str, Any]:
     if not p.is_file():
         raise UserInputError("no such file (expected a YAML run config)", source=p)
     try:
-        data = load_yaml(p.read_text(), p) or {}
+        data = load_yaml(read_text_file(p), p) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserInputError(yaml_error_detail(err), source=p) from None
     if not isinstance(data, dict):

@@ -47,7 +47,7 @@ class DuplicateKeyError(UserInputError):
 
     def __init__(self, key: object, line: int, first_line: int, *, source: str | Path | None = None):
         self.key, self.line, self.first_line = key, line, first_line
-        super().__init__(f"duplicate key {key!r} at line {line} (first at line {first_line}); a mapping holds "
+        super().__init__(f"duplicate key {brief(key)} at line {line} (first at line {first_line}); a mapping holds "
                          "each key once (YAML readers keep the last silently): keep one", source=source)
 
 
@@ -72,6 +72,19 @@ def reset_warnings() -> None:
     _WARNED.clear()
 
 
+def brief(value: object, limit: int = 120) -> str:
+    """A bounded ``repr(value)`` for an error message (:mod:`reprlib`: long strings, lists and
+    mappings are cut with ``...``; a value of a hostile file is never printed whole)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlevel = 60, 60, 3
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 8
+    r.maxlong = 40
+    text = r.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def shown(value: object) -> str:
     """``repr(value)`` for an error message, plus a hint when YAML parsing changed what the user
     typed: ``yes``/``no``/``on``/``off``/``true``/``false`` become booleans and an empty value or
@@ -79,7 +92,7 @@ def shown(value: object) -> str:
     if isinstance(value, bool) or value is None:
         return (f"{value!r} (YAML reads yes/no/on/off/true/false as a boolean and an empty value or ~ as null; "
                 "quote the value to pass it as text)")
-    return repr(value)
+    return brief(value)
 
 
 def allowed(values: Iterable[object]) -> str:

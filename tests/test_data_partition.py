@@ -230,3 +230,14 @@ def test_bad_inputs(digits_labels, kwargs, match):
     with pytest.raises(UserInputError, match=match) as err:
         make_partition(digits_labels, **kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_dirichlet_with_a_tiny_alpha_draws_extreme_skew_not_an_even_spread():
+    """alpha -> 0: every class on one client (the balancing rule used to fall back to an even spread
+    of a class over all clients when its one-hot share landed on a full client)."""
+    labels = np.repeat(np.arange(10), 50)
+    part = make_partition(labels, "dirichlet", 5, 0, alpha=1e-9, min_samples=5, public_fraction=0.0)
+    held = np.array([np.bincount(labels[np.concatenate([c.train, c.val, c.test])], minlength=10)
+                     for c in part.clients])
+    assert ((held > 0).sum(axis=0) == 1).all(), held  # each class wholly on one client
+    assert held.sum() == 500

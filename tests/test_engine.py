@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -185,9 +186,12 @@ def test_invalid_upload_is_rejected_naming_client(tiny, tmp_path):
             return state, up
 
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, NaNRaFL(), batch_size=16, count_macs=False)
-    with pytest.raises(UserInputError, match=r"payload from client 0.*NaN or Inf values \(the client.s local training "
-                                             r"diverged\); allowed: a smaller algorithm.lr"):
-        Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False).run()
+    s = Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False).run()
+    row = _read_history(tmp_path)[0]
+    assert row["rejected"] == 3 and row["round_failed"] is True and s["rejected_uploads"] == 3
+    assert s["failed_rounds"] == 1
+    assert re.match(r"payload from client 0.*NaN or Inf values \(the client.s local training diverged\); allowed: a "
+                    r"smaller algorithm.lr", row["rejected_reasons"]["0"]), row["rejected_reasons"]
 
 
 def test_partition_indices_are_disjoint_from_public_pool(tiny):

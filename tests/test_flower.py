@@ -639,18 +639,19 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
 
 @pytest.mark.slow
 def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
-    """As in-process: a run whose round 1 fails (a client's NaN payload) leaves no half-made run dir
-    behind on the ServerApp's side (it left config.yaml and clients.json, which `--resume` refused)."""
+    """As in-process: a run whose round 1 fails (a client's local training diverges) leaves no
+    half-made run dir behind on the ServerApp's side (it left config.yaml and clients.json, which
+    `--resume` refused). (A NaN upload no longer stops a run: it is rejected and counted.)"""
     cfg = tmp_path / "div.yaml"
     cfg.write_text("name: div\ndata: {limit_per_class: 10}\npartition: {public_fraction: 0.3}\n"
                    "clients: {n: 2, models: cnn3-small, feature_dim: 16}\n"
-                   "algorithm: {name: fedproto, lr: 1.0e+6}\nengine: {rounds: 1, round_timeout_s: 300}\n")
+                   "algorithm: {name: fedproto, lr: 1.0e+12}\nengine: {rounds: 1, round_timeout_s: 300}\n")
     flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
     with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600)
     assert run.status == "finished:failed", (run, fleet.logs()[-3000:])
-    assert "payload from client 0 (model cnn3-small) on node " in run.status_details  # the node, as for loss checks
-    assert "(partition-id=0): proto.values: contains NaN or Inf values" in run.status_details
+    assert "client 0 (model cnn3-small) on node " in run.status_details  # the node, as in-process the client
+    assert "(partition-id=0): algorithm.lr: local training diverged" in run.status_details
     assert not (tmp_path / "runs" / "div").exists(), list((tmp_path / "runs").rglob("*"))
     # the node had written client 0's round-1 state; the server asked it to delete the run's folder
     assert list((tmp_path / "fleet" / "node-states").iterdir()) == [], fleet.logs()[-2000:]
@@ -737,3 +738,52 @@ def test_interrupting_the_simulation_backend_exits_promptly_and_resumes(tmp_path
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
     assert raybackend.RayBackend.__module__ == raybackend.__name__  # simulate() put Flower's backend back
+
+
+class HostileGrid(DirectGrid):
+    """A :class:`DirectGrid` whose replies are tampered with on the way back, as a hostile node
+    would: round 1 client 1's blob grows a huge extra tensor, round 2 client 2 sends NaN and
+    client 0 claims 10**12 samples."""
+
+    def answer(self, m):
+        reply = super().answer(m)
+        if m.metadata.message_type != "train" or not isinstance(reply, flwr_app.Message):
+            return reply
+        content, rnd = reply.content, int(m.metadata.group_id)
+        for cid in (0, 1, 2):
+            slot = f".{cid}"
+            if flower.PAYLOAD + slot not in content.array_records:
+                continue
+            up = flower.records_to_payload(content, "test", slot)
+            if (rnd, cid) == (1, 1):
+                n = sum(t.numel() for t in up.tensors.values())
+                up.tensors["junk"] = torch.zeros(2 * n + 300_000)
+            elif (rnd, cid) == (2, 2):
+                up.tensors = {k: v * float("nan") if v.is_floating_point() else v for k, v in up.tensors.items()}
+            elif (rnd, cid) == (2, 0):
+                up.meta["n_samples"] = 10**12
+            else:
+                continue
+            content.array_records[flower.PAYLOAD + slot] = flower.payload_to_records(up, slot)[flower.PAYLOAD + slot]
+        return reply
+
+
+def test_hostile_uploads_on_flower_are_rejected_counted_and_the_rounds_complete(tmp_path, supernet_dir, task_identity):
+    """On Flower as in-process: an oversized blob is refused before it is parsed, a NaN upload is
+    rejected, a 10**12-sample claim weighs the registered count; each rejection names the client
+    and its node, and every round completes with the others."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    sets = [f"supernet.path={supernet_dir}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=2",
+            "algorithm.name=fedavg", "clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"]
+    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
+    summary = flower.run_on_grid(HostileGrid(2), prep, tmp_path / "run", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rejected"] for r in rows] == [1, 1] and summary["rejected_uploads"] == 2
+    assert not any(r.get("round_failed") for r in rows)
+    big, nan = rows[0]["rejected_reasons"]["1"], rows[1]["rejected_reasons"]["2"]
+    assert "payload from client 1 (model " in big and "on node 2 (partition-id=1)" in big, big
+    assert "bytes; allowed: at most" in big and "(engine.max_upload_mb)" in big, big
+    assert "payload from client 2" in nan and "NaN or Inf" in nan, nan
+    assert rows[1]["n_samples_overridden"] == [0]

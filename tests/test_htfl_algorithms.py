@@ -587,13 +587,18 @@ class _LabelTamperingFedGH(get_algorithm("fedgh")):
         return state, up
 
 
-def test_a_malformed_class_upload_is_one_error_naming_client_and_tensor(digits, edge_partition, tmp_path):
-    """Before: IndexError "Target 99 is out of bounds" from the server's cross-entropy mid-round."""
+def test_a_malformed_class_upload_is_rejected_naming_client_and_tensor(digits, edge_partition, tmp_path):
+    """Before: IndexError "Target 99 is out of bounds" from the server's cross-entropy mid-round;
+    now the upload is rejected with one reason and the round completes with the other clients."""
+    import re
+
     algo = _LabelTamperingFedGH()
     fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8, seed=0)
-    with pytest.raises(UserInputError, match=r"payload from client 0 \(model cnn4-small\): lar.labels: has class "
-                                             r"id\(s\) \[99\]; allowed: 0..9"):
-        Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["rejected"] == 1 and summary["rejected_uploads"] == 1 and "round_failed" not in row
+    assert re.match(r"payload from client 0 \(model cnn4-small\): lar.labels: has class id\(s\) \[99\]; allowed: "
+                    r"0..9", row["rejected_reasons"]["0"]), row["rejected_reasons"]
 
 
 def test_a_header_blown_up_by_the_server_blames_server_lr(digits, edge_partition, tmp_path):

@@ -483,3 +483,43 @@ def test_summary_prints_small_communication_in_a_unit_that_shows_it(tmp_path, ca
     out = " ".join(capsys.readouterr().out.split())
     assert ("communication: 9.68 kB total (up 880 B, down 8.8 kB); upload per client per round 440 B; "
             "4.84 kB to reach accuracy 0.4") in out, out
+
+
+_FAST = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "algorithm.name=fedgh",
+         "--set", "clients.models=cnn4-small", "--set", "clients.feature_dim=8", "--set", "engine.rounds=1",
+         "--set", "name=killed"]
+
+
+def test_a_run_killed_before_its_first_checkpoint_reruns_under_the_same_name(tmp_path):
+    """What `kill -9` in round 1 leaves (config.yaml, clients.json, a client state, an orphaned temp
+    file, no checkpoint) is started afresh under the same name, with a warning; while a live run
+    holds the folder's lock, the rerun is refused and the folder untouched."""
+    from rafl.io import lock_dir
+
+    run_dir = tmp_path / "runs" / "killed"
+    (run_dir / "clients").mkdir(parents=True)
+    for name in ("config.yaml", "clients.json", "clients/0000001.r00001.st", ".metrics.jsonl.x1y2.tmp"):
+        (run_dir / name).write_text("left by a killed run")
+    fd = lock_dir(run_dir)  # a live run's claim
+    try:
+        line = _one_error_line(_invoke(["--out", str(tmp_path / "runs"), *_FAST]))
+        assert "killed: name: another run is writing into this folder now" in line, line
+        assert (run_dir / "clients" / "0000001.r00001.st").read_text() == "left by a killed run"
+    finally:
+        import os
+
+        os.close(fd)
+    res = _invoke(["--out", str(tmp_path / "runs"), *_FAST])
+    assert res.exit_code == 0, res.output
+    assert "never completed a round (its run was killed before the first checkpoint): starting it afresh" in res.output
+    assert (run_dir / "checkpoint.safetensors").is_file() and not list(run_dir.glob(".*.tmp"))
+    assert sorted(p.name for p in (run_dir / "clients").iterdir()) == [f"{i:07d}.r00001.st" for i in range(3)]
+    # a completed run keeps its name: refused as before
+    assert "already exists (choose another name" in _one_error_line(_invoke(["--out", str(tmp_path / "runs"), *_FAST]))
+    # --resume removes what a kill mid-write left: temp files of the run dir and of clients/
+    (run_dir / ".checkpoint.safetensors.ab12.tmp").write_bytes(b"half")
+    (run_dir / "clients" / ".0000000.r00002.st.cd34.tmp").write_bytes(b"half")
+    (run_dir / ".plots.ef56.tmp").mkdir()
+    res = _invoke(["--resume", str(run_dir), "--set", "engine.rounds=2"])
+    assert res.exit_code == 0, res.output
+    assert not list(run_dir.glob(".*.tmp")) and not list((run_dir / "clients").glob(".*.tmp"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from rafl.cli import exit_interrupted
-from rafl.errors import UserInputError, shown
+from rafl.errors import UserInputError, shown, warn
 
 
 #: the accuracies a method reports besides its deployed model's (``model.acc``), in table order:
@@ -90,6 +90,16 @@ def print_table(summary: dict, run_dir: Path) -> None:
     con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 
+def _hold(fd: int) -> int:
+    """Keep the run dir's lock (:func:`rafl.io.lock_dir`) until the command ends; returns ``fd``."""
+    import os
+
+    click.get_current_context().call_on_close(lambda: os.close(fd))
+    return fd
+
+
+
+
 def list_algorithms() -> str:
     """``rafl federate --list-algorithms``: every registered method (``algorithm.name``), its paper
     (the first sentence of its docstring), what it needs, and its hyperparameters with defaults."""
@@ -148,7 +158,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     from rafl.config import RunConfig, load_run_config, parse_overrides
     from rafl.federation import pipeline
     from rafl.federation.checks import check_checkpoint_readable, check_resumable_here
-    from rafl.io import check_output_dir
+    from rafl.io import check_output_dir, lock_dir
 
     if show_config:
         from rafl.config import commented_config
@@ -172,7 +182,8 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
                                  f"compare --resume {shlex.quote(str(resume_dir))}", source=resume_dir, field="--resume")
         if cfg_file.is_file() and not (resume_dir / "checkpoint.safetensors").is_file():
             raise UserInputError("never completed a round (no checkpoint.safetensors), so there is nothing to "
-                                 "resume: delete it and run the command again", source=resume_dir, field="--resume")
+                                 "resume: run the command again under the same name (the folder is reused)",
+                                 source=resume_dir, field="--resume")
         if not cfg_file.is_file():
             raise UserInputError("does not exist" if not resume_dir.exists() else
                                  "is not a rafl federate run dir (no config.yaml)", source=resume_dir,
@@ -195,6 +206,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
         if changed:
             raise UserInputError(f"--resume may change only engine settings, not {sorted(changed)}", field="--set")
         pipeline.check_resume_rounds(resume_dir, cfg.engine.rounds, "engine.rounds")
+        _hold(lock_dir(resume_dir, "--resume"))  # until the command ends: one run writes here at a time
         prep = pipeline.prepare(cfg, progress=progress)
         try:
             summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
@@ -216,6 +228,7 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
                              field="name")
     run_dir = out / name
     out_existed = out.exists()
+    lock: int | None = None
     if cfg.name is None:  # a default name: runs started in the same second (a sweep) get -2, -3, ...
         # claimed with an atomic mkdir, so parallel runs never share (or clean up) one run dir
         stem, i = name, 1
@@ -228,19 +241,26 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
                 name = f"{stem}-{i}"
                 run_dir = out / name
     elif run_dir.exists():
-        if not (run_dir / "config.yaml").is_file():
+        if not (run_dir / "config.yaml").is_file() and any(run_dir.iterdir()):
             raise UserInputError("already exists and is not a rafl federate run dir (choose another name or --out)",
                                  source=run_dir)
-        if not (run_dir / "checkpoint.safetensors").is_file():  # e.g. killed (SIGKILL) before round 1 ended
-            raise UserInputError("already exists but never completed a round (no checkpoint.safetensors): delete "
-                                 "it and run again, or choose another name or --out", source=run_dir)
-        raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
+        if (run_dir / "checkpoint.safetensors").is_file():
+            raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
+        # never completed a round: a run killed (kill -9) before its first checkpoint, whose lock the
+        # kernel released; a live run holds it, and lock_dir refuses then
+        lock = _hold(lock_dir(run_dir, "name"))
+        for p in list(run_dir.iterdir()):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        warn(f"{run_dir} never completed a round (its run was killed before the first checkpoint): starting it "
+             "afresh")
     else:
         try:
             run_dir.mkdir(parents=True)
         except FileExistsError:  # another run took this name a moment ago
             raise UserInputError("already exists: another run took this name (choose another name or --out)",
                                  source=run_dir) from None
+    if lock is None:
+        lock = _hold(lock_dir(run_dir, "name"))  # until the command ends (the kernel releases it on kill -9)
     try:
         prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; the run dir is still empty
         summary = pipeline.run(prep, run_dir, progress=progress)
@@ -262,10 +282,10 @@ def _is_compare_folder(cfg_file: Path) -> bool:
     import yaml
 
     from rafl.config import is_compare_record
-    from rafl.io import load_yaml
+    from rafl.io import load_yaml, read_text_file
 
     try:
-        return is_compare_record(load_yaml(cfg_file.read_text(), cfg_file))
+        return is_compare_record(load_yaml(read_text_file(cfg_file), cfg_file))
     except (OSError, UnicodeDecodeError, yaml.YAMLError, UserInputError):
         return False  # not readable as a compare config: the checks below say what it is
 

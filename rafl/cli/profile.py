@@ -54,11 +54,10 @@ def _recorded_space(text: str | None):
     ``rafl search`` writes ``search_space`` and ``supernet`` into its ``subnet.yaml``; for a
     ``subnet.yaml`` written before it did, the ``result.json`` beside it (same arch) records them.
     """
-    import json
 
     import yaml
 
-    from rafl.io import load_yaml
+    from rafl.io import load_yaml, read_json_file, read_text_file
     from rafl.supernet.arch import SearchSpace
 
     if text is None:
@@ -67,7 +66,7 @@ def _recorded_space(text: str | None):
     if not path.is_file():
         return None
     try:
-        data = load_yaml(path.read_text(), path)
+        data = load_yaml(read_text_file(path), path)
     except (yaml.YAMLError, UnicodeDecodeError, OSError, UserInputError):
         return None  # ArchConfig.load reports it
     if not isinstance(data, dict):
@@ -76,7 +75,7 @@ def _recorded_space(text: str | None):
     if not isinstance(rec.get("search_space"), dict):
         beside = path.parent / "result.json"
         try:
-            rec = json.loads(beside.read_text()) if beside.is_file() else None
+            rec = read_json_file(beside) if beside.is_file() else None
         except (OSError, ValueError):
             rec = None
         if not (isinstance(rec, dict) and isinstance(rec.get("search_space"), dict)

@@ -15,7 +15,9 @@ Partitioners (all deterministic for a seed; one ``numpy.random.Generator`` per c
   ``p_c ~ Dir(alpha * 1_n)`` over the clients and cut the class's shuffled samples at the
   cumulative proportions. As in NIID-Bench (Li et al., ICDE 2022, Sec. 4.1; also FedLab's
   ``hetero_dir_partition`` and HtFLlib), a client that already holds ``>= N/n`` samples gets no
-  more (``p_{c,j} = 0``). The whole draw is repeated until every client has ``>= min_samples``
+  more (``p_{c,j} = 0``); when that leaves no share (a small ``alpha`` puts a class on one full
+  client), the class's shares are drawn from ``Dir(alpha)`` over the clients that are not full, so
+  ``alpha -> 0`` gives one client per class, never an even spread. The whole draw is repeated until every client has ``>= min_samples``
   samples, at most :data:`MAX_DIRICHLET_TRIES` times, then :class:`~rafl.errors.UserInputError`.
 * ``natural`` -- one client per writer (FEMNIST, LEAF; Caldas et al., 2018). Writers with fewer than
   ``min_samples`` samples are skipped; if ``n_clients`` is smaller than the number of eligible
@@ -60,8 +62,8 @@ from typing import Any
 
 import numpy as np
 
-from rafl.errors import UserInputError, allowed
-from rafl.io import atomic_write_text
+from rafl.errors import UserInputError, allowed, brief
+from rafl.io import atomic_write_text, read_json_file
 
 SCHEMES: tuple[str, ...] = ("iid", "pathological", "dirichlet", "natural")
 MAX_DIRICHLET_TRIES: int = 100
@@ -164,22 +166,22 @@ class Partition:
             raise UserInputError("partition file not found (expected a partition.json written by "
                                  "`rafl data --out DIR`)", source=path)
         try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise UserInputError(f"not valid JSON ({err})", source=path) from None
+            obj = read_json_file(path)
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserInputError(f"not valid JSON ({err.__class__.__name__})", source=path) from None
         if not isinstance(obj, dict):
             raise UserInputError("top level must be an object with 'clients' (and 'public', 'meta')",
                                  source=path)
         if "format" in obj and obj["format"] != FORMAT:
-            raise UserInputError(f"is {obj['format']!r}, allowed: {FORMAT!r}", source=path, field="format")
+            raise UserInputError(f"is {brief(obj['format'])}, allowed: {FORMAT!r}", source=path, field="format")
         if "version" in obj and obj["version"] != VERSION:
-            raise UserInputError(f"is {obj['version']!r}, allowed: {VERSION}", source=path, field="version")
+            raise UserInputError(f"is {brief(obj['version'])}, allowed: {VERSION}", source=path, field="version")
         meta = obj.get("meta", {})
         if not isinstance(meta, dict):
             raise UserInputError("must be an object", source=path, field="meta")
         if n_samples is not None and "n_samples" in meta and meta["n_samples"] != n_samples:
             raise UserInputError(
-                f"is {meta['n_samples']}, but the dataset has {n_samples} samples "
+                f"is {brief(meta['n_samples'])}, but the dataset has {n_samples} samples "
                 "(the partition was made for another dataset or --limit)", source=path, field="meta.n_samples")
         raw_clients = obj.get("clients")
         if isinstance(raw_clients, list):  # tolerate a list of clients (position = id)
@@ -251,6 +253,9 @@ def _jsonable(obj: Any) -> Any:
 def _index_array(value: Any, path: Path, fieldname: str, n_samples: int | None) -> np.ndarray:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise UserInputError("must be a list of integer sample indices", source=path, field=fieldname)
+    if value and max(value) >= 2**62:
+        raise UserInputError(f"has index {brief(max(value))}; allowed: indices below 2**62", source=path,
+                             field=fieldname)
     arr = np.asarray(value, dtype=np.int64)
     if len(arr) and arr.min() < 0:
         raise UserInputError(f"has negative index {int(arr.min())}", source=path, field=fieldname)
@@ -455,9 +460,16 @@ def _dirichlet(pool: np.ndarray, labels: np.ndarray, n_clients: int, alpha: floa
             if len(idx) == 0:
                 continue
             p = rng.dirichlet(np.full(n_clients, alpha))
-            p = p * (sizes < n / n_clients)  # NIID-Bench balancing: full clients get no more
+            open_ = sizes < n / n_clients
+            p = p * open_  # NIID-Bench balancing: full clients get no more
             if p.sum() <= 0:
-                p = np.full(n_clients, 1.0 / n_clients)
+                # every share fell on full clients (a small alpha puts all of a class on one client):
+                # draw the class's shares over the open clients, Dir(alpha) restricted to them (the
+                # renormalized sub-vector of a Dirichlet is Dirichlet), never an even spread
+                p = np.zeros(n_clients)
+                p[open_] = rng.dirichlet(np.full(int(open_.sum()), alpha)) if open_.any() else 0.0
+                if p.sum() <= 0:
+                    p = np.full(n_clients, 1.0 / n_clients)  # unreachable: some client is below N/n
             p = p / p.sum()
             cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
             for cid, part in enumerate(np.split(idx, cuts)):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import pickle
 import re
@@ -42,6 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError
+from rafl.io import read_json_file
 
 CACHE_VERSION = 1
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")
@@ -387,9 +387,9 @@ def load_femnist(root: str | Path, limit_per_class: int | None = None, progress:
     for split, f in tqdm(shards, desc="reading LEAF shards", unit="shard", disable=not progress or len(shards) < 4,
                          leave=False):
         try:
-            obj = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise UserInputError(f"not valid JSON ({err})", source=f) from None
+            obj = read_json_file(f)
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserInputError(f"not valid JSON ({err.__class__.__name__})", source=f) from None
         if not isinstance(obj, dict) or not all(k in obj for k in ("users", "num_samples", "user_data")):
             raise UserInputError("needs the LEAF keys users, num_samples, user_data", source=f)
         if len(obj["users"]) != len(obj["num_samples"]):

@@ -2,12 +2,23 @@
 
 * :func:`weighted_average` -- sample-weighted averaging of state dicts (FedAvg, McMahan et al.
   2017, Alg. 1; RaFL Eq. 7 for the knowledge networks);
-* :func:`payload_weights` -- the weights ``n_l / N_S`` from uploads' ``n_samples``.
+* :func:`payload_weights` -- the weights ``n_l / N_S`` from uploads' ``n_samples`` (the engine
+  replaces every upload's ``n_samples`` by the client's registered training-sample count before the
+  server step, so a client's own claim never weighs: :mod:`rafl.federation.screening`);
+* :func:`robust_average` / :func:`server_average` -- the run's aggregation rule
+  (``engine.aggregation``): the weighted mean, or a Byzantine-robust rule: coordinate-wise median
+  and coordinate-wise trimmed mean (Yin et al., "Byzantine-Robust Distributed Learning: Towards
+  Optimal Statistical Rates", ICML 2018, Defs. 1-2), or norm-bounded updates (Sun et al., "Can You
+  Really Backdoor Federated Learning?", 2019, Sec. 4: every update ``theta_l - theta`` clipped to
+  an L2 norm ``M`` before the weighted mean).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,19 +26,32 @@ from rafl.errors import UserInputError
 from rafl.federation.payload import Payload
 
 
+#: the largest ``n_samples`` a weight may come from (2**53: every count up to it is exact as a float);
+#: a larger value is refused, never rounded or overflowed
+MAX_SAMPLES = 2**53
+
+
 def payload_weights(uploads: Sequence[Payload]) -> list[float]:
     """``n_l / N_S`` for every upload, ``N_S = sum_l n_l`` over the uploads (RaFL Eq. 7).
 
+    ``n_l`` is ``meta["n_samples"]``; in a run the engine has set it to the client's registered
+    training-sample count (the partition's), whatever the client sent.
+
     Raises:
-        UserInputError: an upload without a positive ``meta["n_samples"]``.
+        UserInputError: an upload whose ``meta["n_samples"]`` is not a whole number in
+            ``1..MAX_SAMPLES`` (a boolean, a fraction, NaN, 10**400 are refused).
     """
     counts = []
     for p in uploads:
         n = p.meta.get("n_samples")
-        if not isinstance(n, (int, float)) or n <= 0:
-            raise UserInputError(f"needs a positive n_samples, got {n!r}",
+        whole = isinstance(n, int) and not isinstance(n, bool)
+        if isinstance(n, float) and math.isfinite(n) and n.is_integer():
+            n, whole = int(n), True
+        if not whole or not 1 <= n <= MAX_SAMPLES:
+            shown_n = n if whole and abs(n) < 10**30 else type(n).__name__ if not whole else "a huge integer"
+            raise UserInputError(f"needs n_samples a whole number in 1..2**53, got {shown_n!r}",
                                  source=f"payload from client {p.meta.get('client_id', '?')}")
-        counts.append(float(n))
+        counts.append(int(n))
     total = sum(counts)
     return [c / total for c in counts]
 
@@ -70,4 +94,128 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
     return out
 
 
-__all__ = ["weighted_average", "payload_weights"]
+#: the values of ``engine.aggregation``
+AGGREGATIONS = ("mean", "median", "trimmed_mean", "norm_clip")
+
+
+@dataclass(frozen=True)
+class AggregationRule:
+    """How the weight-averaging methods merge the uploads (``engine.aggregation`` and its options).
+
+    Attributes:
+        name: ``mean`` (sample-weighted mean), ``median`` (coordinate-wise median, Yin et al.
+            2018 Def. 1), ``trimmed_mean`` (coordinate-wise ``beta``-trimmed mean, Def. 2) or
+            ``norm_clip`` (updates clipped to an L2 norm, Sun et al. 2019).
+        trim_fraction: ``beta`` in ``[0, 0.5)``: ``floor(beta * m)`` largest and smallest values of
+            every coordinate are dropped over ``m`` uploads.
+        clip_norm: ``M`` (> 0) for ``norm_clip``, or None: the median of the round's update norms.
+    """
+
+    name: str = "mean"
+    trim_fraction: float = 0.1
+    clip_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in AGGREGATIONS:
+            raise UserInputError(f"is {self.name!r}; allowed: {', '.join(AGGREGATIONS)}", field="engine.aggregation")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise UserInputError(f"is {self.trim_fraction}; allowed: a fraction in [0, 0.5)",
+                                 field="engine.trim_fraction")
+        if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise UserInputError(f"is {self.clip_norm}; allowed: a number > 0 or null (the median update norm)",
+                                 field="engine.clip_norm")
+
+
+def _stacked(states: Sequence[Mapping[str, torch.Tensor]], key: str) -> torch.Tensor:
+    ref = states[0][key]
+    rows = []
+    for s in states:
+        if key not in s:
+            raise ValueError(f"state is missing {key!r}")
+        if s[key].shape != ref.shape:
+            raise ValueError(f"{key!r}: shape {tuple(s[key].shape)} != {tuple(ref.shape)}")
+        rows.append(s[key].detach().to("cpu", torch.float64))
+    return torch.stack(rows)  # (m, *shape)
+
+
+def _cast(acc: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return acc.to(ref.dtype) if ref.is_floating_point() else acc.round().to(ref.dtype)
+
+
+def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
+                   rule: AggregationRule | None = None,
+                   reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Merge ``m`` state dicts by ``rule`` (default: :func:`weighted_average`).
+
+    * ``median``: per coordinate the median of the ``m`` values (the mean of the two middle ones
+      for even ``m``); weights are not used (Yin et al. 2018, Def. 1).
+    * ``trimmed_mean``: per coordinate, drop the ``b = floor(beta m)`` largest and smallest values
+      and average the other ``m - 2b`` (Def. 2); weights are not used.
+    * ``norm_clip``: ``theta = ref + sum_l w_l * Delta_l * min(1, M / ||Delta_l||_2)`` with
+      ``Delta_l = theta_l - ref`` over the floating tensors of a state (its global L2 norm), and
+      ``M = rule.clip_norm`` or the median of the round's ``||Delta_l||``; integer tensors take
+      the weighted mean (Sun et al. 2019, Sec. 4). ``reference`` is the model the clients started
+      from (the previous global); None when the states already are updates (a zero reference).
+
+    Args:
+        states: >= 1 mappings with identical keys and shapes, e.g. ``(C_out, C_in, k, k)`` tensors.
+        weights: one weight per state (normalized here); for ``mean`` and ``norm_clip``.
+        rule: the :class:`AggregationRule`, or None (``mean``).
+        reference: ``norm_clip`` only: ``key -> tensor`` the updates are measured from.
+
+    Returns:
+        a new state dict (CPU tensors, the dtypes of ``states[0]``).
+
+    Raises:
+        ValueError: no states, mismatched lengths, keys or shapes, or non-positive total weight.
+    """
+    if rule is None or rule.name == "mean" or len(states) == 1 and rule.name != "norm_clip":
+        return weighted_average(states, weights)
+    if not states or len(states) != len(weights):
+        raise ValueError(f"need >= 1 state and one weight per state, got {len(states)} and {len(weights)}")
+    m = len(states)
+    out: dict[str, torch.Tensor] = {}
+    if rule.name in ("median", "trimmed_mean"):
+        b = int(math.floor(rule.trim_fraction * m)) if rule.name == "trimmed_mean" else 0
+        for key, ref in states[0].items():
+            ordered = _stacked(states, key).sort(dim=0).values
+            if rule.name == "median":
+                mid = ordered[(m - 1) // 2] if m % 2 else (ordered[m // 2 - 1] + ordered[m // 2]) / 2
+            else:
+                mid = ordered[b:m - b].mean(dim=0)
+            out[key] = _cast(mid, ref)
+        return out
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weights must sum to > 0")
+    w = [float(x) / total for x in weights]
+    floats = [k for k, v in states[0].items() if v.is_floating_point()]
+    refs = {k: (reference[k].detach().to("cpu", torch.float64) if reference is not None
+                else torch.zeros(states[0][k].shape, dtype=torch.float64)) for k in floats}
+    norms = []
+    for s in states:
+        sq = sum(float(((s[k].detach().to("cpu", torch.float64) - refs[k]) ** 2).sum()) for k in floats)
+        norms.append(math.sqrt(sq))
+    bound = rule.clip_norm if rule.clip_norm is not None else float(torch.tensor(norms).median())
+    scale = [1.0 if nl <= bound or nl == 0 else bound / nl for nl in norms]
+    for key, ref in states[0].items():
+        rows = _stacked(states, key)
+        if key in refs:
+            acc = refs[key] + sum(wi * si * (row - refs[key]) for wi, si, row in zip(w, scale, rows))
+        else:
+            acc = sum(wi * row for wi, row in zip(w, rows))
+        out[key] = _cast(acc, ref)
+    return out
+
+
+def server_average(states: Sequence[Mapping[str, torch.Tensor]], uploads: Sequence[Payload], server: Any,
+                   reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`robust_average` of ``states`` with the weights :func:`payload_weights` of
+    ``uploads`` and the run's rule (``server.aggregation``, an :class:`AggregationRule` on the
+    :class:`~rafl.federation.algorithms.base.ServerContext`; the mean when it has none)."""
+    rule = getattr(server, "aggregation", None)
+    return robust_average(states, payload_weights(uploads), rule, reference)
+
+
+__all__ = ["weighted_average", "payload_weights", "MAX_SAMPLES", "AGGREGATIONS", "AggregationRule", "robust_average",
+           "server_average"]

@@ -11,8 +11,11 @@ server steps and knows no algorithm by name. One round ``t``:
    nothing and its state is not updated. The round completes with the rest (failures counted).
 4. Every surviving client: its committed state is loaded from disk (or ``init_client`` on first
    use), ``client_update`` runs with loaders and torch RNG seeded by ``(seed, client, t)``, the
-   new state is written to disk, the upload is validated (shapes vs ``upload_spec``, finiteness,
-   the method's ``check_upload``).
+   new state is written to disk, the upload is screened (:mod:`rafl.federation.screening`: size,
+   dtypes, finite values in range, shapes vs ``upload_spec``, the method's ``check_upload``); a
+   rejected upload is logged and counted and its client's new state discarded; below
+   ``min_valid_uploads`` valid uploads the round is reported failed and changes no state. An
+   accepted upload's ``n_samples`` is the client's registered count, never its own claim.
    A *client runner* does the client part: :class:`InProcessClients` here, one client after the
    other, :class:`rafl.federation.workers.WorkerClients` in ``engine.workers`` forked processes, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
    (a node that fails or times out loses its clients for the round: counted as failed).
@@ -53,12 +56,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rafl.errors import UserInputError, shown
+from rafl.errors import UserInputError, shown, warn
+from rafl.federation.aggregation import AggregationRule
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.payload import Payload
 from rafl.federation.progress import report
+from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import ClientStore, load_state, save_state
-from rafl.io import atomic_write_json, atomic_write_text
+from rafl.io import atomic_write_json, atomic_write_text, remove_orphaned_tmp
 from rafl.reports.tables import accuracy_name, fmt_bytes
 
 #: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
@@ -94,6 +99,10 @@ class EngineConfig:
         seed: the run seed.
         workers: processes running the client steps (:mod:`rafl.federation.workers`), or None:
             the CPU cores, capped by the clients sampled per round (1 on CUDA).
+        aggregation, trim_fraction, clip_norm: the weight-averaging methods' rule
+            (:class:`rafl.federation.aggregation.AggregationRule`).
+        max_upload_mb, max_abs_value, min_valid_uploads: what the server accepts
+            (:class:`rafl.federation.screening.UploadPolicy`).
     """
 
     rounds: int = 10
@@ -106,6 +115,12 @@ class EngineConfig:
     target_accuracy: float | None = None
     seed: int = 0
     workers: int | None = None
+    aggregation: str = "mean"
+    trim_fraction: float = 0.1
+    clip_norm: float | None = None
+    max_upload_mb: float | None = None
+    max_abs_value: float = 1e6
+    min_valid_uploads: int = 1
 
 
 def _count(spec: float | int, n: int, name: str, of: str) -> int:
@@ -357,6 +372,8 @@ class Engine:
         if config.eval_clients not in ("all", "sampled"):
             raise UserInputError(f"is {shown(config.eval_clients)}; allowed: all, sampled", field="engine.eval_clients")
         self.n_available, self.n_sampled = participation(config, n)
+        self.rule = AggregationRule(config.aggregation, config.trim_fraction, config.clip_norm)
+        self.policy = UploadPolicy(config.max_upload_mb, config.max_abs_value, config.min_valid_uploads)
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
         if clients is None:
@@ -373,6 +390,7 @@ class Engine:
         s.seed = self.cfg.seed
         s.rng = np.random.default_rng(seed_of(self.cfg.seed, rnd, 7))
         s.hparams = dict(self.fed.hparams)
+        s.aggregation = self.rule
         return s
 
     # ------------------------------------------------------------------ checkpoint
@@ -439,6 +457,8 @@ class Engine:
         fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
         n = len(fed.clients)
         if resume:
+            for folder in (self.run_dir, self.run_dir / "clients"):  # what a kill -9 mid-write left behind
+                remove_orphaned_tmp(folder)
             ck = self._load_checkpoint()
             start = int(ck["round"]) + 1
             server_state = ck["server_state"]
@@ -470,36 +490,46 @@ class Engine:
             uploads: list[Payload] = []
             shared_nbytes: int | None = None  # the common broadcast is serialized once per round
             jobs: list[tuple[int, Payload]] = []
+            limits: dict[int, int] = {}  # the largest upload the server accepts, per client
             for cid in sampled:
                 down = algo.client_broadcast(broadcast, fed.clients[cid])
                 if down is broadcast:
                     shared_nbytes = broadcast.nbytes() if shared_nbytes is None else shared_nbytes
-                    bytes_down += shared_nbytes
+                    down_bytes = shared_nbytes
                 else:
-                    bytes_down += down.nbytes()
+                    down_bytes = down.nbytes()
+                bytes_down += down_bytes
                 if cid not in failed:
                     jobs.append((cid, down))
+                    limits[cid] = self.policy.byte_limit(algo.upload_spec(server_state, fed.clients[cid]), down_bytes)
+            if hasattr(self.clients, "upload_limits"):  # a runner that receives wire bytes checks them unparsed
+                self.clients.upload_limits = limits
             report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
             results, lost, times.client_update = self.clients.train(rnd, jobs)
             report("trained", done=len(results))
             failed = failed + sorted(lost)
-            for cid, upload in results:
-                info = fed.clients[cid]
-                bytes_up += upload.nbytes()
-                # the sender names the client's model: a NaN upload usually means that model diverged
-                sender = f"client {cid} (model {info.model_key}){self.clients.where(cid)}"
-                upload.validate(algo.upload_spec(server_state, info), nonfinite_hint=DIVERGED_UPLOAD, sender=sender)
-                try:
-                    algo.check_upload(upload, server_state, info, fed.server.n_classes)
-                except UserInputError as err:
-                    raise UserInputError(err.message, source=f"payload from {sender}", field=err.field) from None
-                upload.meta["client_id"] = cid
-                uploads.append(upload)
-            torch.manual_seed(seed_of(cfg.seed, rnd, 7))
-            ta = time.perf_counter()
-            server_state, broadcast = algo.server_aggregate(uploads, server_state, self._server_ctx(rnd))
-            times.aggregate = time.perf_counter() - ta
+            # the sender names the client's model: a NaN upload usually means that model diverged
+            screened = screen_uploads(
+                results, algo, server_state, fed.clients, fed.server.n_classes, self.policy, limits=limits,
+                sender=lambda c: f"client {c} (model {fed.clients[c].model_key}){self.clients.where(c)}",
+                nonfinite_hint=DIVERGED_UPLOAD)
+            uploads, bytes_up = screened.accepted, screened.bytes_up
+            for cid, why in screened.rejected.items():
+                self.store.pending.pop(cid, None)  # a rejected client's new state is not committed
+                warn(f"round {rnd}: rejected the upload of {why}")
+            round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
+            if round_failed:  # too few valid uploads: the round changes no server or client state
+                self.store.pending.clear()
+                warn(f"round {rnd} failed: {len(uploads)} valid upload(s), engine.min_valid_uploads is "
+                     f"{self.policy.min_valid_uploads}; the server state is unchanged")
+            else:
+                torch.manual_seed(seed_of(cfg.seed, rnd, 7))
+                ta = time.perf_counter()
+                server_state, broadcast = algo.server_aggregate(uploads, server_state, self._server_ctx(rnd))
+                times.aggregate = time.perf_counter() - ta
             del uploads
+            counters["rejected"] = counters.get("rejected", 0) + len(screened.rejected)
+            counters["failed_rounds"] = counters.get("failed_rounds", 0) + int(round_failed)
             counters["cum_bytes_up"] += bytes_up
             counters["cum_bytes_down"] += bytes_down
             counters["failures"] += len(failed)
@@ -510,7 +540,15 @@ class Engine:
                 "cum_bytes_up": counters["cum_bytes_up"], "cum_bytes_down": counters["cum_bytes_down"],
                 "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
                 "bytes_up_per_client": bytes_up / max(1, len(sampled) - len(failed)),
+                "rejected": len(screened.rejected),
             }
+            if screened.rejected:  # uploads the server refused, with the reason (rafl.federation.screening)
+                row["rejected_reasons"] = {str(cid): why for cid, why in sorted(screened.rejected.items())}
+                row["bytes_rejected"] = screened.bytes_rejected
+            if screened.claims_overridden:  # clients whose own n_samples claim the registered count replaced
+                row["n_samples_overridden"] = screened.claims_overridden
+            if round_failed:
+                row["round_failed"] = True
             if lost:  # clients a runner lost (a Flower node's error or timeout), with the reason
                 row["lost"] = {str(cid): why for cid, why in sorted(lost.items())}
             if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
@@ -618,6 +656,8 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         "co_mb_to_target": counters["co_mb_to_target"],
         "co_round": counters["co_round"],
         "failures": counters["failures"],
+        "rejected_uploads": counters.get("rejected", 0),
+        "failed_rounds": counters.get("failed_rounds", 0),
         "clients": clients,
         "time_s": tot,
         "engine_overhead_share": eng / tot if tot > 0 else 0.0,

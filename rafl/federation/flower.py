@@ -81,6 +81,7 @@ from rafl.errors import UserInputError, warn
 from rafl.federation.engine import Federation
 from rafl.federation.flower_fleet import FleetRun, LocalFleet
 from rafl.federation.payload import Payload
+from rafl.federation.screening import RejectedUpload
 from rafl.federation.store import ClientStore
 
 #: Record names in a Flower message's ``RecordDict`` (a payload's record is ``PAYLOAD + slot``) and
@@ -120,16 +121,34 @@ def _blob_records(blob: bytes, slot: str) -> dict[str, Any]:
     return {PAYLOAD + slot: app.ArrayRecord({BLOB: app.Array(np.frombuffer(blob, dtype=np.uint8))})}
 
 
-def records_to_payload(content: Any, sender: str, slot: str = "") -> Payload:
-    """Inverse of :func:`payload_to_records`.
+def records_to_payload(content: Any, sender: str, slot: str = "", max_bytes: int | None = None) -> Payload:
+    """Inverse of :func:`payload_to_records`; a blob over ``max_bytes`` is refused unparsed.
 
     Raises:
-        UserInputError: a message without the payload record, or a corrupt blob, naming ``sender``."""
+        UserInputError: a message without the payload record, a blob over ``max_bytes``, or a
+            corrupt blob, naming ``sender``."""
     name = PAYLOAD + slot
     record = content.array_records.get(name)
     if record is None or BLOB not in record:
-        raise UserInputError(f"carries no rafl payload {name!r} (records {sorted(content.keys())})", source=sender)
-    return Payload.from_bytes(record[BLOB].numpy().tobytes(), source=sender)
+        raise UserInputError(f"carries no rafl payload {name!r} (records {sorted(content.keys())[:10]})",
+                             source=sender)
+    array = record[BLOB]
+    size = len(array.data) if isinstance(getattr(array, "data", None), bytes) else None  # .npy: blob + its header
+    if max_bytes is not None and size is not None and size > max_bytes + 4096:
+        raise UserInputError(f"holds about {size} bytes; allowed: at most {max_bytes} (engine.max_upload_mb)",
+                             source=sender)
+    blob = array.numpy().tobytes()
+    if max_bytes is not None and len(blob) > max_bytes:
+        raise UserInputError(f"holds {len(blob)} bytes; allowed: at most {max_bytes} (engine.max_upload_mb)",
+                             source=sender)
+    return Payload.from_bytes(blob, source=sender)
+
+
+def _blob_size(content: Any, slot: str) -> int:
+    """Bytes of the payload blob in ``content`` (0 when it has none), without copying it."""
+    record = content.array_records.get(PAYLOAD + slot)
+    data = getattr(record[BLOB], "data", b"") if record is not None and BLOB in record else b""
+    return len(data) if isinstance(data, bytes) else 0
 
 
 # ---------------------------------------------------------------------- server side
@@ -308,6 +327,8 @@ class FlowerClients:
         self.grid, self.node_of, self.config_text = grid, node_of, config_text
         self.run_key, self.timeout = run_key, timeout
         self._unanswered: set[int] = set()  # joined nodes that did not answer the node-config query
+        #: ``client id -> largest upload in bytes`` of the round (set by the engine before :meth:`train`)
+        self.upload_limits: dict[int, int] = {}
 
     def _rejoined(self) -> None:
         """Hand the clients of a node that left the grid to a node that joined with the same
@@ -432,11 +453,15 @@ class FlowerClients:
             cid, why = min(lost.items())
             raise UserInputError(f"round {rnd}: all {len(jobs)} sampled clients were lost (client {cid}: {why})",
                                  source=node_name(self.node_of, cid))
-        uploads = []
+        uploads: list[tuple[int, Payload | RejectedUpload]] = []
         for cid, _ in jobs:
             if cid in replies:
-                uploads.append((cid, records_to_payload(replies[cid], f"client {cid}", f".{cid}")))
                 self.store.pending[cid] = rnd  # the node wrote version rnd; committed with the checkpoint
+                try:  # the wire bytes are checked against the limit before they are parsed
+                    uploads.append((cid, records_to_payload(replies[cid], f"client {cid}", f".{cid}",
+                                                            self.upload_limits.get(cid))))
+                except UserInputError as err:  # refused: the engine counts it and discards the client's state
+                    uploads.append((cid, RejectedUpload(err.message, _blob_size(replies[cid], f".{cid}"))))
         return uploads, lost, time.perf_counter() - t0
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:

@@ -146,7 +146,7 @@ class Payload:
                     raise UserInputError(f"has shape {list(got)}, expected {list(shape)}",
                                          source=f"payload from {sender}", field=name)
         for name, t in self.tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
                 raise UserInputError(f"contains NaN or Inf values{nonfinite_hint}", source=f"payload from {sender}",
                                      field=name)
         for key in required_meta:

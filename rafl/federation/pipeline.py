@@ -448,7 +448,10 @@ def engine_config(cfg: RunConfig) -> EngineConfig:
     return EngineConfig(rounds=e.rounds, clients_per_round=e.clients_per_round, sporadic_rate=e.sporadic_rate,
                         available=e.available, dropout=e.dropout, eval_every=e.eval_every,
                         eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed,
-                        workers=e.workers)
+                        workers=e.workers,
+                        aggregation=e.aggregation, trim_fraction=e.trim_fraction, clip_norm=e.clip_norm,
+                        max_upload_mb=e.max_upload_mb, max_abs_value=e.max_abs_value,
+                        min_valid_uploads=e.min_valid_uploads)
 
 
 # ---------------------------------------------------------------------- prepare / run

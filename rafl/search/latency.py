@@ -17,6 +17,7 @@ Fig. 1.1.9): ``MACs x E_mac + DRAM bytes x E_byte``, or ``avg_power x latency``.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -26,8 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from rafl.errors import DuplicateKeyError, UserInputError, yaml_error_detail
-from rafl.io import load_yaml
+from rafl.errors import UserInputError, brief, shown, yaml_error_detail
+from rafl.io import load_yaml, read_text_file
 from rafl.search.profile import DeviceProfile
 from rafl.search.units import UnitSpec, build_unit_module, unit_input_shape
 
@@ -95,10 +96,10 @@ def load_latency_lut(path: str | Path, profile: DeviceProfile | None = None) -> 
         raise fail("is this profile itself, not a latency LUT (a relative latency_lut is taken against the "
                    "profile's folder); build the LUT with `rafl profile --build-lut --out PATH`")
     try:
-        data = load_yaml(path.read_text(), path)
+        data = load_yaml(read_text_file(path), path)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise fail(yaml_error_detail(err)) from None
-    except DuplicateKeyError as err:
+    except UserInputError as err:  # a duplicate key, a file over a limit
         if profile is None:
             raise
         raise fail(err.message) from None
@@ -107,8 +108,8 @@ def load_latency_lut(path: str | Path, profile: DeviceProfile | None = None) -> 
                    "{unit key: latency_ms}")
     out = {}
     for key, value in data["entries"].items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise fail(f"latency must be a number > 0 (ms), got {value!r}", field=f"entries.{key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise fail(f"latency must be a finite number > 0 (ms), got {shown(value)}", field=f"entries.{brief(key)}")
         out[str(key)] = float(value)
     return out
 

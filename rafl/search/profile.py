@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rafl.config import NoBoolNumbers
 from rafl.errors import UserInputError, shown, yaml_error_detail
-from rafl.io import load_yaml
+from rafl.io import load_yaml, read_text_file
 
 __all__ = ["Budgets", "DeviceProfile", "load_profile", "list_profiles", "profiles_dir"]
 
@@ -286,7 +286,7 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
         raise UserInputError("no such profile file; give a shipped name "
                              f"({', '.join(list_profiles())}) or a path to a YAML file", source=path)
     try:
-        data = load_yaml(path.read_text(), path)
+        data = load_yaml(read_text_file(path), path)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserInputError(yaml_error_detail(err), source=path) from None
     return DeviceProfile.from_dict(data, source=path)

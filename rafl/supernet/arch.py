@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from rafl.errors import UserInputError, allowed, shown, yaml_error_detail
-from rafl.io import load_yaml
+from rafl.errors import UserInputError, allowed, brief, shown, yaml_error_detail
+from rafl.io import load_yaml, read_text_file
 
 # The macro-architecture of OFA's MobileNet-V3 (ofa/imagenet_classification/elastic_nn/networks/
 # ofa_mbv3.py): widths before the width multiplier, per elastic stage.
@@ -184,14 +184,41 @@ class SearchSpace:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | Path | None = None) -> SearchSpace:
-        """Inverse of :meth:`to_dict`. Raises UserInputError on unknown keys or bad values."""
+        """Inverse of :meth:`to_dict`. Raises UserInputError on unknown keys or bad values: every
+        choice list a non-empty list of at most 64 integers in 1..4096, ``n_stages``/``stem_stride``
+        integers in 1..64, ``width_mult`` a number, ``n_classes`` an integer (their ranges are
+        checked on construction)."""
+        if not isinstance(data, dict):
+            raise UserInputError(f"is {shown(data)}; allowed: a mapping of the search space's keys", source=source,
+                                 field="search_space")
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
-            raise UserInputError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(known)}",
+            raise UserInputError(f"unknown key(s) {brief(sorted(map(str, unknown)))}; allowed: {sorted(known)}",
                                  source=source, field="search_space")
+
+        def whole(v: Any, lo: int, hi: int) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+        for k, v in data.items():
+            if k in ("ks_choices", "e_choices", "d_choices", "resolutions", "stage_strides"):
+                if not isinstance(v, list | tuple) or not 1 <= len(v) <= 64 or not all(whole(x, 1, 4096) for x in v):
+                    raise UserInputError(f"is {shown(v)}; allowed: a list of 1..64 integers in 1..4096", source=source,
+                                         field=f"search_space.{k}")
+            elif k in ("n_stages", "stem_stride") and not whole(v, 1, 64):
+                raise UserInputError(f"is {shown(v)}; allowed: an integer in 1..64", source=source,
+                                     field=f"search_space.{k}")
+            elif k == "n_classes" and not whole(v, N_CLASSES_MIN, N_CLASSES_MAX):
+                raise UserInputError(f"is {shown(v)}; allowed: an integer in {N_CLASSES_MIN}..{N_CLASSES_MAX}",
+                                     source=source, field="search_space.n_classes")
+            elif k == "width_mult" and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise UserInputError(f"is {shown(v)}; allowed: a number in {WIDTH_MULT_MIN:g}..{WIDTH_MULT_MAX:g}",
+                                     source=source, field="search_space.width_mult")
         kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except UserInputError as err:
+            raise UserInputError(err.message, source=source, field=err.field) from None
 
 
 @dataclass(frozen=True)
@@ -360,7 +387,7 @@ class ArchConfig:
         if not path.is_file():
             raise UserInputError("no such file (expected a YAML/JSON arch with ks, e, d, r)", source=path)
         try:
-            data = load_yaml(path.read_text(), path)
+            data = load_yaml(read_text_file(path), path)
         except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise UserInputError(yaml_error_detail(err, "YAML/JSON"), source=path) from None
         arch = cls.from_dict(data, source=path)

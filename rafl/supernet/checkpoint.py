@@ -13,7 +13,6 @@ describes weights that are not completely on disk.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from rafl.errors import UserInputError
+from rafl.errors import UserInputError, brief
 from rafl.io import atomic_write_bytes, atomic_write_json
 from rafl.supernet.arch import SearchSpace
 from rafl.supernet.model import Supernet, build_supernet
@@ -66,6 +65,56 @@ def save_supernet(directory: str | Path, supernet: Supernet, config: dict[str, A
     }
     atomic_write_json(directory / META_NAME, meta)
     return directory / META_NAME
+
+
+def check_meta(meta: Any, path: str | Path) -> dict[str, Any]:
+    """Check the fields of a parsed ``supernet.json`` (types and ranges, before any is used); return it.
+
+    ``search_space`` a mapping, ``weights`` a bare file name beside it (never a path elsewhere),
+    ``weights_bytes`` an integer >= 0, ``weights_sha256`` 64 hex digits, ``feature_dim`` an
+    integer >= 1, ``config`` and ``metrics`` mappings whose numbers are finite.
+
+    Raises:
+        UserInputError: naming the file and the field."""
+    import math
+    import re
+
+    if not isinstance(meta, dict):
+        raise UserInputError("expected a JSON object at the top level", source=path)
+    if not isinstance(meta.get("search_space"), dict):
+        raise UserInputError(f"is {brief(meta.get('search_space'))}; allowed: a mapping of the search space "
+                             "(written by rafl supernet train)", source=path, field="search_space")
+    weights = meta.get("weights", WEIGHTS_NAME)
+    if not isinstance(weights, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", weights) or weights in (".", ".."):
+        raise UserInputError(f"is {brief(weights)}; allowed: a file name beside {META_NAME}", source=path,
+                             field="weights")
+    for key, ok, what in (
+            ("weights_bytes", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+            ("weights_sha256", lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v), "64 hex digits"),
+            ("feature_dim", lambda v: type(v) is int and 1 <= v <= 1 << 20, "an integer in 1..2**20"),
+            ("config", lambda v: isinstance(v, dict), "a mapping"),
+            ("metrics", lambda v: isinstance(v, dict), "a mapping")):
+        if key in meta and not ok(meta[key]):
+            raise UserInputError(f"is {brief(meta[key])}; allowed: {what}", source=path, field=key)
+    conf = meta.get("config") or {}
+    for where in (conf, conf.get("data") if isinstance(conf.get("data"), dict) else {}):
+        frac, seed = where.get("public_fraction"), where.get("public_seed")
+        if frac is not None and not (type(frac) in (int, float) and 0 <= frac < 1):
+            raise UserInputError(f"is {brief(frac)}; allowed: a fraction in [0, 1)", source=path,
+                                 field="config.public_fraction")
+        if seed is not None and not (type(seed) is int and 0 <= seed < 2**32):
+            raise UserInputError(f"is {brief(seed)}; allowed: an integer in 0..2**32-1", source=path,
+                                 field="config.public_seed")
+    stack = [(f"{k}", v) for k in ("config", "metrics") for v in [meta.get(k)] if v is not None]
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserInputError("is NaN or Inf; allowed: a finite number", source=path, field=name)
+        if isinstance(value, dict):
+            stack.extend((f"{name}.{brief(k, 40)}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{name}[{i}]", v) for i, v in enumerate(value))
+    return meta
 
 
 def _space_mismatch(found: SearchSpace, expected: SearchSpace) -> str | None:
@@ -143,13 +192,11 @@ def load_supernet(path: str | Path, space: SearchSpace | None = None) -> Superne
                                  source=path, field="space")
         return load_state_into(build_supernet(space), _read_weights(path), path).eval()
 
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserInputError("not valid JSON (truncated or corrupted?)", source=path) from None
+    meta = read_json_file(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise UserInputError(f"format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
+        raise UserInputError(f"format is {brief(meta.get('format') if isinstance(meta, dict) else None)}, "
                              f"expected {FORMAT!r}", source=path, field="format")
+    check_meta(meta, path)
     saved_space = SearchSpace.from_dict(meta["search_space"], source=path)
     if space is not None:
         mismatch = _space_mismatch(saved_space, space)
@@ -175,7 +222,8 @@ def load_meta(path: str | Path) -> dict[str, Any]:
         UserInputError: missing or malformed file.
     """
     path = pretrained_path(str(path)) if is_pretrained_name(str(path)) else Path(path)
-    return read_json_file(path / META_NAME if path.is_dir() else path)
+    path = path / META_NAME if path.is_dir() else path
+    return check_meta(read_json_file(path), path)
 
 
 def read_json_file(path: Path) -> Any:
@@ -184,12 +232,9 @@ def read_json_file(path: Path) -> Any:
     Raises:
         UserInputError: missing file, or not valid JSON (naming the file).
     """
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserInputError("no such file", source=path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserInputError("not valid JSON (truncated or corrupted?)", source=path) from None
+    from rafl.io import read_json_file as bounded
+
+    return bounded(path)
 
 
 def _parse_safetensors(data: bytes, source: Path) -> dict[str, torch.Tensor]:
@@ -214,5 +259,5 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-__all__ = ["save_supernet", "load_supernet", "load_meta", "load_state_into", "FORMAT", "WEIGHTS_NAME",
+__all__ = ["save_supernet", "load_supernet", "load_meta", "check_meta", "load_state_into", "FORMAT", "WEIGHTS_NAME",
            "META_NAME"]

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError, allowed, shown
+from rafl.federation.aggregation import AggregationRule
 from rafl.federation.payload import Payload
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -146,6 +147,8 @@ class ServerContext:
         rng: numpy Generator for this server step.
         round: the round whose uploads are being aggregated (0 during ``init_server``).
         hparams: the algorithm's hyperparameters.
+        aggregation: the run's rule for merging weights (``engine.aggregation``: the mean or a
+            robust rule), used through :func:`rafl.federation.aggregation.server_average`.
     """
 
     clients: list[ClientInfo]
@@ -159,6 +162,7 @@ class ServerContext:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
     hparams: dict[str, Any] = field(default_factory=dict)
+    aggregation: AggregationRule = field(default_factory=AggregationRule)
 
 
 class Algorithm(ABC):

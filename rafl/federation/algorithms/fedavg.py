@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
 
-from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.aggregation import payload_weights, server_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.payload import Payload
@@ -62,7 +63,7 @@ class FedAvg(Algorithm):
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         if not uploads:
             return server_state, Payload.from_state_dict(server_state["global"])
-        new = weighted_average([u.tensors for u in uploads], payload_weights(uploads))
+        new = server_average([u.tensors for u in uploads], uploads, server, reference=server_state["global"])
         return {"global": new}, Payload.from_state_dict(new)
 
     def upload_spec(self, server_state, client: ClientInfo):
@@ -128,7 +129,9 @@ class FedNova(FedAvg):
         model = server.make_model(client_id=int(uploads[0].meta["client_id"]))
         params = {k for k, _ in model.named_parameters()}
         tau_eff = sum(pi * float(u.meta["a_norm"]) for pi, u in zip(p, uploads))
-        avg = weighted_average([u.tensors for u in uploads], p)
+        # params travel as normalized updates (reference 0), buffers as values (reference: the old ones)
+        avg = server_average([u.tensors for u in uploads], uploads, server,
+                             reference={k: torch.zeros_like(v) if k in params else v for k, v in old.items()})
         new = {}
         for k, v in old.items():
             new[k] = (v.float() - tau_eff * avg[k].float()).to(v.dtype) if k in params else avg[k]

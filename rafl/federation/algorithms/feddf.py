@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.payload import Payload
@@ -78,7 +78,7 @@ class FedDF(Algorithm):
         for u in uploads:
             members.setdefault(group_of(by_id[int(u.meta["client_id"])].model_key), []).append(u)
         for g, ups in members.items():
-            groups[g] = weighted_average([u.tensors for u in ups], payload_weights(ups))
+            groups[g] = server_average([u.tensors for u in ups], ups, server, reference=groups[g])
         images = server.public_images
         logits = []
         for u in uploads:

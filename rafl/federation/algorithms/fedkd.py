@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import (
     LOCAL_DEFAULTS,
     build,
@@ -146,7 +146,7 @@ class FedKD(Algorithm):
             return server_state, Payload.from_state_dict(glob, PREFIX)
         shapes = {k: v.shape for k, v in glob.items()}
         deltas = [decompress_update(u.state_dict(UPD), shapes) for u in uploads]
-        mean = weighted_average(deltas, payload_weights(uploads))
+        mean = server_average(deltas, uploads, server)  # the deltas are updates
         new = {k: (glob[k] + mean[k].to(glob[k].dtype)) if glob[k].is_floating_point() else mean[k] for k in glob}
         return {"global": new}, Payload.from_state_dict(new, PREFIX)
 

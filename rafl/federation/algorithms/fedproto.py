@@ -25,6 +25,7 @@ from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms._common import (LOCAL_DEFAULTS, build, cpu_state, divergence_keys, eval_counts,
                                                optimizer_for)
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.headers import feature_dim
 from rafl.federation.losses import prototype_regularizer, train_regularized
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import (check_class_upload, evaluate_head_and_prototypes, from_payload, local_class_averages,
@@ -55,7 +56,9 @@ class FedProto(Algorithm):
         return hp
 
     def init_server(self, server: ServerContext):
-        return {"values": torch.zeros(0, 0), "labels": torch.zeros(0, dtype=torch.int32)}, Payload()
+        # (0, D): the prototype width D every upload must have, from round 1 on (D of client 0's model)
+        width = feature_dim(server.make_model(client_id=server.clients[0].client_id)) if server.clients else 0
+        return {"values": torch.zeros(0, width), "labels": torch.zeros(0, dtype=torch.int32)}, Payload()
 
     def init_client(self, client: ClientContext):
         return {"model": cpu_state(client.make_model())}
@@ -89,8 +92,12 @@ class FedProto(Algorithm):
         """Prototypes ``proto.values (S, D)`` (D that of the global prototypes once there are any),
         ``proto.labels (S,)`` distinct class ids < K, ``proto.counts (S,)`` positive
         (:func:`rafl.federation.prototypes.check_class_upload`)."""
-        dim = int(server_state["values"].shape[1]) if len(server_state["labels"]) else None
+        dim = int(server_state["values"].shape[1]) or None
         check_class_upload(upload.tensors, PROTO, n_classes=n_classes, dim=dim, counts=True)
+        total = int(upload.tensors[PROTO + "counts"].to(torch.int64).sum())
+        if total > client.n_samples:  # the Eq. 6 weights: no more samples than the client registered
+            raise UserInputError(f"sums to {total} samples; allowed: at most the client's {client.n_samples} training "
+                                 "samples", field=PROTO + "counts")
 
     def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
         return {**state, "global": dict(broadcast.tensors)}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from rafl.errors import UserInputError, shown
-from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.rafl import resolve_knowledge_arch
@@ -82,7 +82,7 @@ class FML(Algorithm):
                                                                     meta={"n_samples": client.n_samples})
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
-        glob = (weighted_average([u.state_dict(PREFIX) for u in uploads], payload_weights(uploads))
+        glob = (server_average([u.state_dict(PREFIX) for u in uploads], uploads, server, reference=server_state["global"])
                 if uploads else server_state["global"])
         return {"global": glob}, Payload.from_state_dict(glob, PREFIX)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.headers import common_header, head_state, load_head
@@ -49,7 +49,7 @@ class LGFedAvg(Algorithm):
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         if uploads:
-            head = weighted_average([u.state_dict(HEAD) for u in uploads], payload_weights(uploads))
+            head = server_average([u.state_dict(HEAD) for u in uploads], uploads, server, reference=server_state["head"])
         else:
             head = server_state["head"]
         return {"head": head}, Payload.from_state_dict(head, HEAD)

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.payload import Payload
@@ -128,7 +128,7 @@ class RaFL(Algorithm):
         if not uploads:
             return server_state, Payload.from_state_dict(server_state["knowledge"], PREFIX)
         states = [u.state_dict(PREFIX) for u in uploads]
-        merged = weighted_average(states, payload_weights(uploads))  # Eq. 7
+        merged = server_average(states, uploads, server, reference=server_state["knowledge"])  # Eq. 7
         if self.hparams["distill"]:
             merged = self._distill(merged, states, server)
         return {"knowledge": merged}, Payload.from_state_dict(merged, PREFIX)

@@ -1,0 +1,205 @@
+"""The server's screening of client uploads: what a received upload must be before it reaches
+``server_aggregate``, and the server-side truth that replaces a client's claims.
+
+Every upload of a round goes through :func:`screen_uploads` (in this process and on Flower), in
+this order, and the first failed check rejects it:
+
+1. *Size*: its bytes (the wire blob on Flower, checked before it is parsed; the tensors' raw bytes
+   plus its names and metadata in this process, counted without serializing) at most
+   :meth:`UploadPolicy.byte_limit`.
+2. *Dtypes*: every tensor ``float32``, ``int32`` or ``int64`` (what the methods upload: weights,
+   class ids, counts); ``float64``/``float16``/``bfloat16``/``bool``/complex are refused.
+3. *Values*: floating values finite and ``|x| <= max_abs``; integer values in ``0..2**31-1``;
+   metadata numbers finite.
+4. *Shapes* (the method's ``upload_spec``) and the method's own ``check_upload``.
+
+A rejected upload is logged (one ``warning:`` line naming the round, the client and the reason),
+counted in the round's metrics (``rejected``, ``rejected_reasons``) and left out of the round; the
+client's new state is discarded (as for a client that failed). A round with fewer valid uploads
+than ``min_valid`` (of the clients that uploaded) is reported failed (``round_failed``) and changes
+no server or client state.
+
+Server-side truth: an accepted upload's ``meta["n_samples"]`` is set to the client's registered
+training-sample count (its partition split, :attr:`ClientInfo.n_samples`); the client's own claim
+never weighs an average (a claim of 10**12 samples weighs as much as the honest count).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rafl.errors import UserInputError
+from rafl.federation.payload import Payload
+
+#: the tensor dtypes an upload may hold
+ALLOWED_DTYPES = (torch.float32, torch.int32, torch.int64)
+#: integer tensors (class ids, sample counts, BatchNorm's num_batches_tracked) lie in 0..INT_MAX
+INT_MAX = 2**31 - 1
+#: added to the byte bound of a method with a fixed upload spec: names, shapes, metadata
+HEADER_SLACK = 1 << 20
+#: the byte bound of a method without a fixed upload spec (per-class vectors), at least
+UNSPECIFIED_LIMIT = 16 << 20
+
+
+@dataclass(frozen=True)
+class UploadPolicy:
+    """What the server accepts (the run config's ``engine`` keys of the same names).
+
+    Attributes:
+        max_upload_mb: the largest upload in MB (10**6 bytes), or None: twice the float32 size of
+            the method's expected tensors plus 1 MiB, or (a method without a fixed spec) 16 MiB or
+            twice the broadcast, whichever is larger.
+        max_abs_value: the largest ``|x|`` of a floating value (> 0).
+        min_valid_uploads: the fewest valid uploads a round needs (>= 1); below it the round fails.
+    """
+
+    max_upload_mb: float | None = None
+    max_abs_value: float = 1e6
+    min_valid_uploads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_upload_mb is not None and not (math.isfinite(self.max_upload_mb) and self.max_upload_mb > 0):
+            raise UserInputError(f"is {self.max_upload_mb}; allowed: a number > 0 or null", field="engine.max_upload_mb")
+        if not (math.isfinite(self.max_abs_value) and self.max_abs_value > 0):
+            raise UserInputError(f"is {self.max_abs_value}; allowed: a number > 0", field="engine.max_abs_value")
+        if isinstance(self.min_valid_uploads, bool) or not isinstance(self.min_valid_uploads, int) \
+                or self.min_valid_uploads < 1:
+            raise UserInputError(f"is {self.min_valid_uploads!r}; allowed: an integer >= 1",
+                                 field="engine.min_valid_uploads")
+
+    def byte_limit(self, spec: Mapping[str, tuple[int, ...]] | None, broadcast_bytes: int = 0) -> int:
+        """The largest upload in bytes for an expected ``name -> shape`` spec (or None)."""
+        if self.max_upload_mb is not None:
+            return int(self.max_upload_mb * 1e6)
+        if spec is not None:
+            return 2 * 4 * sum(math.prod(s) for s in spec.values()) + HEADER_SLACK
+        return max(UNSPECIFIED_LIMIT, 2 * broadcast_bytes)
+
+
+def raw_nbytes(upload: Payload) -> int:
+    """An upper-bound-like size of ``upload`` without serializing it: the tensors' raw bytes, the
+    names and the metadata's text (strings by length, numbers and list items at 24 bytes)."""
+    size = sum(t.numel() * t.element_size() + len(k) for k, t in upload.tensors.items())
+    for k, v in upload.meta.items():
+        size += len(k) + (len(v) if isinstance(v, str) else 24 * len(v) if isinstance(v, list) else 24)
+    return size
+
+
+def check_values(upload: Payload, max_abs: float) -> None:
+    """Dtype, finiteness and range of every tensor and metadata number (checks 2-3 above).
+
+    Raises:
+        UserInputError: naming the tensor or metadata key (``field``) and what is allowed."""
+    allowed_names = ", ".join(str(d).replace("torch.", "") for d in ALLOWED_DTYPES)
+    for name, t in upload.tensors.items():
+        if t.dtype not in ALLOWED_DTYPES:
+            raise UserInputError(f"is a {str(t.dtype).replace('torch.', '')} tensor; allowed: {allowed_names}",
+                                 field=name)
+        if t.numel() == 0:
+            continue
+        if t.is_floating_point():
+            if not bool(torch.isfinite(t).all()):
+                raise UserInputError("contains NaN or Inf values", field=name)
+            top = float(t.abs().max())
+            if top > max_abs:
+                raise UserInputError(f"has a value of magnitude {top:.3g}; allowed: |x| <= {max_abs:g} "
+                                     "(engine.max_abs_value)", field=name)
+        else:
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi > INT_MAX:
+                raise UserInputError(f"has integer values in {lo}..{hi}; allowed: 0..{INT_MAX}", field=name)
+    for key, v in upload.meta.items():
+        items = v if isinstance(v, list) else [v]
+        for x in items:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise UserInputError("is NaN or Inf", field=f"meta.{key}")
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) > 2**63:
+                raise UserInputError("is an integer of more than 63 bits", field=f"meta.{key}")
+
+
+@dataclass
+class Screened:
+    """The outcome of one round's screening.
+
+    Attributes:
+        accepted: the valid uploads (``meta["client_id"]`` and the registered ``n_samples`` set).
+        accepted_ids: their client ids, in job order.
+        rejected: ``client_id -> reason`` (one line each).
+        bytes_up: serialized bytes of the accepted uploads (:meth:`Payload.nbytes`).
+        bytes_rejected: bytes of the rejected ones (wire bytes, or :func:`raw_nbytes`).
+        claims_overridden: clients whose own ``n_samples`` differed from the registered count.
+    """
+
+    accepted: list[Payload] = field(default_factory=list)
+    accepted_ids: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    bytes_up: int = 0
+    bytes_rejected: int = 0
+    claims_overridden: list[int] = field(default_factory=list)
+
+
+class RejectedUpload:
+    """What a client runner returns in place of an upload it refused before parsing (e.g. a Flower
+    reply whose blob is over the byte limit): the reason and the bytes received."""
+
+    def __init__(self, reason: str, nbytes: int):
+        self.reason, self.nbytes = reason, nbytes
+
+
+def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algorithm: Any, server_state: Any,
+                   clients: Sequence[Any], n_classes: int, policy: UploadPolicy, *,
+                   limits: Mapping[int, int], sender: Callable[[int], str], nonfinite_hint: str = "") -> Screened:
+    """Screen one round's uploads (the module docstring's checks 1-4) and set the server-side truth.
+
+    Args:
+        results: ``(client_id, upload)`` in job order, as a client runner returns them.
+        algorithm: the method (its ``upload_spec`` and ``check_upload``).
+        server_state: the server state the uploads answer.
+        clients: every client's :class:`ClientInfo`, by id (``n_samples`` registered).
+        n_classes: K.
+        policy: the :class:`UploadPolicy`.
+        limits: ``client_id -> byte limit`` (:meth:`UploadPolicy.byte_limit`).
+        sender: ``client_id -> "client 3 (model ...)"`` for the reasons.
+        nonfinite_hint: appended to a NaN/Inf reason (the likely cause).
+
+    Returns:
+        :class:`Screened`. Raises nothing for a bad upload: the reason is recorded instead.
+    """
+    out = Screened()
+    for cid, upload in results:
+        info = clients[cid]
+        if isinstance(upload, RejectedUpload):
+            out.rejected[cid] = f"payload from {sender(cid)}: {upload.reason}"
+            out.bytes_rejected += upload.nbytes
+            continue
+        size = raw_nbytes(upload)
+        try:
+            if size > limits[cid]:
+                raise UserInputError(f"holds {size} bytes; allowed: at most {limits[cid]} (engine.max_upload_mb)")
+            check_values(upload, policy.max_abs_value)
+            upload.validate(algorithm.upload_spec(server_state, info))
+            algorithm.check_upload(upload, server_state, info, n_classes)
+        except UserInputError as err:
+            hint = nonfinite_hint if "NaN or Inf" in err.message else ""
+            out.rejected[cid] = UserInputError(err.message + hint, source=f"payload from {sender(cid)}",
+                                               field=err.field).__str__()
+            out.bytes_rejected += size
+            continue
+        out.bytes_up += upload.nbytes()  # what was sent, before the server's own fields are set
+        claim = upload.meta.get("n_samples")
+        if "n_samples" in upload.meta and (type(claim) is not int or claim != info.n_samples):
+            out.claims_overridden.append(cid)
+        upload.meta["n_samples"] = int(info.n_samples)
+        upload.meta["client_id"] = cid
+        out.accepted.append(upload)
+        out.accepted_ids.append(cid)
+    return out
+
+
+__all__ = ["ALLOWED_DTYPES", "INT_MAX", "UploadPolicy", "raw_nbytes", "check_values", "Screened", "RejectedUpload",
+           "screen_uploads"]
