@@ -30,9 +30,13 @@ def supernet_dir(tiny_supernet):
 
 
 @pytest.fixture(autouse=True)
-def _flower_home(tmp_path, monkeypatch):
+def _flower_home(tmp_path, tmp_path_factory, monkeypatch):
+    """Every node of these tests (in this process or a SuperNode started here) keeps its client
+    states under the test's folder and, as its operator's own setting, reads run inputs (the tiny
+    supernet, profile files) from pytest's temporary folders."""
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
     monkeypatch.setenv("RAFL_FLOWER_STATE_DIR", str(tmp_path / "node-states"))
+    monkeypatch.setenv("RAFL_FLOWER_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))
 
 
 def _federate(args):
@@ -68,6 +72,7 @@ def deployed(supernet_dir, tmp_path_factory):
     prep = pipeline.prepare(load_run_config(None, [f"supernet.path={supernet_dir}", *ARGS[1::2]]), progress=False)
     with pytest.MonkeyPatch.context() as mp:  # as the function-scoped fixtures _flower_home and task_identity do
         mp.setenv("RAFL_FLOWER_STATE_DIR", str(out / "node-states"))
+        mp.setenv("RAFL_FLOWER_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))
         for name in ("_run_id", "_node_id", "_task_id"):
             mp.setattr(TaskIdentity, name, int(name == "_run_id"))
         flower.run_on_grid(DirectGrid(2), prep, out / "run", progress=False)
@@ -567,6 +572,133 @@ def test_every_client_lost_stops_the_run(tmp_path, supernet_dir, task_identity):
     grid = FaultyGrid(1, dead=1, dead_from=1)
     with pytest.raises(UserInputError, match=r"round 1: all 3 sampled clients were lost \(client 0: node 1 \(partition-id=0\): no reply within 1 s\)"):
         flower.run_on_grid(grid, prep, tmp_path / "run", progress=False)
+
+
+# ---------------------------------------------------------------------- the node's trust boundary
+def _node(node_config=None, node_id=1):
+    """A node's Context: partition 0 of 1 plus ``node_config`` (its operator's settings)."""
+    return flwr_app.Context(run_id=1, node_id=node_id, state=flwr_app.RecordDict(), run_config={},
+                            node_config={"partition-id": 0, "num-partitions": 1, **(node_config or {})})
+
+
+def _forged(kind, control):
+    """A message as anyone who reaches the SuperLink could send it to a node."""
+    return flwr_app.Message(flwr_app.RecordDict({flower.CONTROL: flwr_app.ConfigRecord(control)}), dst_node_id=1,
+                            message_type=kind)
+
+
+def _step_control(config: dict, **extra):
+    import yaml
+
+    from rafl.config import RunConfig
+
+    text = yaml.safe_dump(RunConfig.model_validate(config).resolved(), sort_keys=True)
+    return {"client_ids": [0], "slots": [0], "state_versions": [-1], "round": 1, "run_key": "0123456789abcdef",
+            "config": text, "state_dir": "", **extra}
+
+
+def test_a_forged_message_cannot_make_a_node_import_a_plug_in(tmp_path, monkeypatch, task_identity):
+    """A train message whose run config names a plug-in model the node's config does not list is
+    refused before anything is imported (the module would have left a marker), with one line naming
+    the node-config key, and counted in the node's refused.jsonl; a listed plug-in is allowed."""
+    from rafl.config import RunConfig
+
+    (tmp_path / "evilmod.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n"
+                                         "def make(**kw):\n    raise SystemExit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ctl = _step_control({"clients": {"models": "evilmod:make,cnn4"}})
+    reply = flower.client_app(_forged("train", ctl), _node({"plugins": "other.mod:make"}))
+    rec = reply.content.config_records[flower.CONTROL]
+    assert rec["refused"] is True and rec["user_error_field"] == "node_config.plugins"
+    assert rec["user_error"].startswith("the message's clients.models names plug-in 'evilmod:make', which this "
+                                        "node does not allow (plugins: other.mod:make)")
+    assert not (tmp_path / "imported").exists() and "evilmod" not in __import__("sys").modules
+    (row,) = flower_node.refusals(tmp_path / "node-states")  # the env's state-dir of this node
+    assert row["message_type"] == "train" and row["field"] == "node_config.plugins"
+    assert not (tmp_path / "node-states" / "0123456789abcdef").exists()  # nothing written for the run
+    trust = flower_node.NodeTrust.of({"plugins": "other.mod:make, evilmod:make"})  # the message chooses among them
+    trust.check_run_config(RunConfig.model_validate({"clients": {"models": "evilmod:make,cnn4"}}))
+    assert not (tmp_path / "imported").exists()
+
+
+def test_a_forged_message_cannot_make_a_node_read_a_path_outside_its_data_roots(tmp_path, task_identity, monkeypatch):
+    """Every input path a run config names (supernet, data root, partition file, profile and arch
+    files) must lie in the node's data-roots, symlinks resolved; the first outside is refused and
+    counted, and a path inside is the message's choice to make."""
+    from rafl.config import RunConfig
+
+    roots = tmp_path / "data"
+    (roots / "cifar").mkdir(parents=True)
+    (roots / "escape").symlink_to(tmp_path / "secret", target_is_directory=True)
+    node = {"data-roots": f"{roots}{os.pathsep}{tmp_path / 'nets'}", "state-dir": str(tmp_path / "states")}
+    forged = [({"supernet": {"path": "/etc"}}, "supernet.path", "/etc"),
+              ({"data": {"dataset": "cifar10", "root": str(roots / "escape")}}, "data.root", str(roots / "escape")),
+              ({"data": {"root": str(roots / ".." / "secret")}}, "data.root", str(roots / ".." / "secret")),
+              ({"partition": {"scheme": f"file:{tmp_path / 'p.json'}"}}, "partition.scheme", str(tmp_path / "p.json")),
+              ({"clients": {"profiles": [str(tmp_path / "pi.yaml")]}}, "clients.profiles", str(tmp_path / "pi.yaml")),
+              ({"clients": {"arch": str(tmp_path / "a.yaml")}}, "clients.arch", str(tmp_path / "a.yaml"))]
+    for n, (config, field, path) in enumerate(forged, 1):
+        reply = flower.client_app(_forged("evaluate", _step_control(config)), _node(node))
+        rec = reply.content.config_records[flower.CONTROL]
+        assert rec["refused"] is True and rec["user_error_field"] == "node_config.data-roots", (config, rec)
+        assert rec["user_error"].startswith(f"the message's {field} names {path!r}, outside this node's data-roots")
+        assert len(flower_node.refusals(tmp_path / "states")) == n
+    trust = flower_node.NodeTrust.of(node)
+    trust.check_run_config(RunConfig.model_validate({"data": {"dataset": "cifar10", "root": str(roots / "cifar")},
+                                                     "supernet": {"path": str(tmp_path / "nets" / "s1")}}))
+    monkeypatch.delenv("RAFL_FLOWER_DATA_ROOTS")  # a node whose operator allowed no folder
+    with pytest.raises(flower_node.Refused, match="outside this node's data-roots \\(none\\)"):
+        flower_node.NodeTrust.of({}).check_run_config(RunConfig.model_validate({"supernet": {"path": str(roots)}}))
+
+
+def test_a_forged_discard_or_run_key_cannot_make_a_node_delete_or_write_a_foreign_folder(tmp_path, task_identity):
+    """`discard` of a folder the message names, a run key that is a path, or a state folder the
+    node did not share is refused (and counted); the foreign folder stays. A discard of the node's
+    own <state-dir>/<run key> deletes it."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("x")
+    states = tmp_path / "node-states"  # the env's state-dir of these nodes
+    forged = [("query", {"ask": "discard", "run_key": "victim", "state_dir": str(victim)}),
+              ("query", {"ask": "discard", "run_key": "../victim", "state_dir": ""}),
+              ("query", {"ask": "commit", "run_key": "0123456789abcdef", "state_dir": str(victim),
+                         "committed": "{}"}),
+              ("train", _step_control({}, state_dir=str(victim))),
+              ("train", _step_control({}, run_key="../victim"))]
+    for n, (kind, ctl) in enumerate(forged, 1):
+        reply = flower.client_app(_forged(kind, ctl), _node())
+        rec = reply.content.config_records[flower.CONTROL]
+        assert "refused" in rec and rec["refused"] is not False, (ctl, rec)
+        assert (victim / "keep.txt").is_file() and len(flower_node.refusals(states)) == n
+    assert [r["field"] for r in flower_node.refusals(states)] == [  # a run key that is no key is refused first
+        "node_config.state-dir", "node_config.state-dir", "node_config.shared-state-dirs",
+        "node_config.shared-state-dirs", "node_config.state-dir"]
+    assert not (tmp_path / "victim" / "0123456789abcdef").exists()
+    own = states / "0123456789abcdef"
+    own.mkdir()
+    (own / "0000000.r00001.st").write_bytes(b"")
+    reply = flower.client_app(_forged("query", {"ask": "discard", "run_key": "0123456789abcdef", "state_dir": ""}),
+                              _node())
+    assert reply.content.config_records[flower.CONTROL]["done"] and not own.exists()
+    shared = flower_node.NodeTrust.of({"shared-state-dirs": str(victim)})  # an operator's explicit share
+    assert shared.run_folder({"run_key": "0123456789abcdef", "state_dir": str(victim)}) == victim.resolve()
+
+
+def test_a_run_the_nodes_refuse_stops_with_the_nodes_reason(tmp_path, supernet_dir, task_identity, monkeypatch):
+    """rafl's own ServerApp, with a run config naming a supernet outside the nodes' data-roots: the
+    run stops at round 1 with one line naming the node, the field and the node-config key."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
+    monkeypatch.setenv("RAFL_FLOWER_DATA_ROOTS", str(tmp_path / "elsewhere"))
+    with pytest.raises(UserInputError) as err:
+        flower.run_on_grid(DirectGrid(2), prep, tmp_path / "run", progress=False)
+    assert str(err.value).startswith("node 1 (partition-id=0) refused the train message: node_config.data-roots: the "
+                                     f"message's supernet.path names {str(supernet_dir)!r}, outside this node's "
+                                     "data-roots")
+    assert len(flower_node.refusals(tmp_path / "node-states")) == 2  # both nodes counted it
+    assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
 
 
 # ---------------------------------------------------------------------- whole runs

@@ -396,8 +396,11 @@ class FlowerClients:
             if rec is not None and "user_error" in rec:
                 cid = int(rec["user_error_client"])
                 source = str(rec.get("user_error_source", "")) or f"client {cid}"
-                user_errors[cid] = UserInputError(str(rec["user_error"]),
-                                                  source=f"{source} on {node_name(self.node_of, cid)}",
+                if rec.get("refused"):  # the node's trust boundary (flower_node.NodeTrust): about the node, not a client
+                    source = f"{node_name(self.node_of, cid)} refused the {kind} message"
+                else:
+                    source = f"{source} on {node_name(self.node_of, cid)}"
+                user_errors[cid] = UserInputError(str(rec["user_error"]), source=source,
                                                   field=str(rec.get("user_error_field", "")) or None)
                 continue
             failed = json.loads(str(rec.get("client_errors", "{}"))) if rec is not None else {}
@@ -468,8 +471,7 @@ class FlowerClients:
         msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
             "ask": "commit", "committed": json.dumps(versions), "run_key": self.run_key,
             "state_dir": self.state_dir})}), dst_node_id=nid, message_type=QUERY)) for nid, versions in by_node.items()]
-        _, lost = _exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop)
-        return lost
+        return _refusals(*_exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop))
 
     def discard(self, timeout: float = 10.0) -> dict[int, str]:
         """The run failed before its first complete round (its run dir is removed): tell every
@@ -479,8 +481,17 @@ class FlowerClients:
         msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
             "ask": "discard", "run_key": self.run_key, "state_dir": self.state_dir})}),
             dst_node_id=nid, message_type=QUERY)) for nid in sorted(set(self.node_of.values()))]
-        _, lost = _exchange(self.grid, msgs, min(self.timeout, timeout))
-        return lost
+        return _refusals(*_exchange(self.grid, msgs, min(self.timeout, timeout)))
+
+
+def _refusals(replies: dict[Any, Any], lost: dict[Any, str]) -> dict[Any, str]:
+    """``lost`` plus the nodes whose reply to a commit/discard query says they refused it."""
+    out = dict(lost)
+    for nid, reply in replies.items():
+        rec = reply.content.config_records.get(CONTROL)
+        if rec is not None and "refused" in rec:
+            out[nid] = f"refused: {rec['refused']}"
+    return out
 
 
 def run_key_of(run_dir: Path, resolved: dict[str, Any]) -> str:

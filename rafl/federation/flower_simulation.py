@@ -118,6 +118,13 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
             out["error"] = err
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # the virtual nodes are this process's own (Ray workers inherit its environment): they allow
+    # what this run config names and its run dir's clients/ (flower_node.NodeTrust)
+    from rafl.federation.flower_node import own_node_env
+
+    trust_env = own_node_env(prep.cfg, Path(run_dir) / "clients")
+    saved_env = {k: os.environ.get(k) for k in trust_env}
+    os.environ.update(trust_env)
     quiet = _Quiet()
     before = set(threading.enumerate())
     flwr_backend = getattr(raybackend, "RayBackend", None)  # the Simulation Runtime looks it up here when it starts
@@ -137,6 +144,11 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
         raise
     finally:
         stop.set()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if flwr_backend is not None:
             raybackend.RayBackend = flwr_backend
         logging.getLogger("flwr").removeFilter(quiet)
