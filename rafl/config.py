@@ -197,8 +197,9 @@ class EngineSection(_Strict):
         "(Flower's Simulation Runtime: every client step a ClientApp on a virtual SuperNode; needs rafl[flower])")
     supernodes: int | None = Field(None, ge=1, description="an integer in 1..clients.n (flower: virtual SuperNodes "
                                    "of the Simulation Runtime; null = one per client; ignored in-process)")
-    round_timeout_s: float = Field(3600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
-                                   "then loses its clients for the round)")
+    round_timeout_s: float = Field(600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
+                                   "then loses its clients for the round; raise it for slow devices or many clients "
+                                   "per node)")
 
     @field_validator("clients_per_round", "available")
     @classmethod

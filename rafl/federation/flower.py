@@ -308,6 +308,7 @@ class FlowerClients:
         self.grid, self.node_of, self.config_text = grid, node_of, config_text
         self.run_key, self.timeout = run_key, timeout
         self._unanswered: set[int] = set()  # joined nodes that did not answer the node-config query
+        self._wire = {"down": 0, "up": 0, "eval_down": 0}  # payload bytes the messages carried (take_traffic)
 
     def _rejoined(self) -> None:
         """Hand the clients of a node that left the grid to a node that joined with the same
@@ -358,6 +359,7 @@ class FlowerClients:
             if digest not in by_content:
                 by_content[digest] = len(by_content)
                 records.update(_blob_records(blob, f".{by_content[digest]}"))
+                self._wire["down" if kind == TRAIN else "eval_down"] += len(blob)
             by_object[id(payload)] = by_content[digest]
         control = app.ConfigRecord({
             "client_ids": [cid for cid, _ in jobs], "slots": [by_object[id(p)] for _, p in jobs],
@@ -416,7 +418,8 @@ class FlowerClients:
             cid, why = min(lost.items())
             if self.stop is not None and self.stop.is_set():
                 raise Stopped("interrupted")
-            raise UserInputError(f"{kind} in round {rnd} failed: {why}", source=f"client {cid} (Simulation Runtime)")
+            hint = "; raise engine.round_timeout_s for slower clients" if "no reply within" in why else ""
+            raise UserInputError(f"{kind} in round {rnd} failed: {why}{hint}", source=f"client {cid} (Simulation Runtime)")
         return replies, lost
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
@@ -439,8 +442,18 @@ class FlowerClients:
         for cid, _ in jobs:
             if cid in replies:
                 uploads.append((cid, records_to_payload(replies[cid], f"client {cid}", f".{cid}")))
+                self._wire["up"] += uploads[-1][1].nbytes()  # its blob, as it travelled
                 self.store.pending[cid] = rnd  # the node wrote version rnd; committed with the checkpoint
         return uploads, lost, time.perf_counter() - t0
+
+    def take_traffic(self) -> dict[str, int]:
+        """The payload bytes this runner's messages carried since the last call, as sent:
+        ``down`` (train messages: each distinct payload once per message, so a broadcast that
+        several clients of a node share travels once to that node), ``up`` (the uploads in the
+        replies) and ``eval_down`` (evaluate messages). Flower's own framing and the control
+        record are not counted. Resets the counts."""
+        out, self._wire = self._wire, {"down": 0, "up": 0, "eval_down": 0}
+        return out
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
         """The evaluation contract's counts of every client in ``ids``, computed on its node (one
@@ -475,8 +488,10 @@ class FlowerClients:
 
     def discard(self, timeout: float = 10.0) -> dict[int, str]:
         """The run failed before its first complete round (its run dir is removed): tell every
-        node to delete the run's client-state folder, which no resume can use. Best effort, even
-        after an interrupt (``stop`` is not consulted): returns the nodes that did not confirm."""
+        node to delete the run's client-state folder, which no resume can use, and wait up to
+        ``timeout`` seconds (at most the round timeout) for each to confirm. Best effort, even
+        after an interrupt (``stop`` is not consulted): returns the nodes that did not confirm,
+        with the reason."""
         app = _flwr()
         msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
             "ask": "discard", "run_key": self.run_key, "state_dir": self.state_dir})}),
@@ -537,12 +552,23 @@ def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, pr
     try:
         summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner,
                                backend="flower-simulation" if shared_disk else "flower-superlink", deployment=deployment)
-    except BaseException:
+    except BaseException as err:
         if made and not resume and not shared_disk and not (Path(run_dir) / "checkpoint.safetensors").is_file():
-            try:  # no round completed: the nodes' states of this run can never be resumed
-                made[-1].discard()
-            except Exception:  # noqa: BLE001 - best effort; the run's own error is the news
-                pass
+            # no round completed: the nodes' states of this run can never be resumed. After an error
+            # the nodes get the round timeout to confirm (a loaded node starts a ClientApp process
+            # slowly); after an interrupt 10 s, the user is waiting
+            interrupted = isinstance(err, (Stopped, KeyboardInterrupt, SystemExit))
+            try:
+                lost = made[-1].discard(10.0 if interrupted else made[-1].timeout)
+            except Exception as why:  # noqa: BLE001 - best effort; the run's own error is the news
+                lost = {"all nodes": one_line(str(why))}
+            if lost:
+                print("rafl: the run failed before its first complete round; "
+                      + "; ".join(f"node {nid} did not delete its client states ({why})" for nid, why in lost.items())
+                      + f": delete <state-dir>/{key}/ on them by hand", flush=True)
+            else:
+                print(f"rafl: the run failed before its first complete round; the nodes deleted its client states "
+                      f"(<state-dir>/{key}/)", flush=True)
         raise
     made[-1].finish()
     return summary
