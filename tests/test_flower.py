@@ -30,6 +30,14 @@ def supernet_dir(tiny_supernet):
 
 
 @pytest.fixture(autouse=True)
+def _frozen_node_clock(monkeypatch):
+    """Nodes in this process (DirectGrid) answer while the server pushes, so no server timeout
+    runs on them; their per-client deadline would only turn the machine's load into lost clients.
+    Their clock stands still unless a test moves it."""
+    monkeypatch.setattr(flower_node, "_clock", lambda: 0.0)
+
+
+@pytest.fixture(autouse=True)
 def _flower_home(tmp_path, tmp_path_factory, monkeypatch):
     """Every node of these tests (in this process or a SuperNode started here) keeps its client
     states under the test's folder and, as its operator's own setting, reads run inputs (the tiny
@@ -74,6 +82,7 @@ def deployed(supernet_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # as the function-scoped fixtures _flower_home and task_identity do
         mp.setenv("RAFL_FLOWER_STATE_DIR", str(out / "node-states"))
         mp.setenv("RAFL_FLOWER_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))
+        mp.setattr(flower_node, "_clock", lambda: 0.0)  # as _frozen_node_clock
         for name in ("_run_id", "_node_id", "_task_id"):
             mp.setattr(TaskIdentity, name, int(name == "_run_id"))
         flower.run_on_grid(DirectGrid(2), prep, out / "run", progress=False)
@@ -539,6 +548,33 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     rows = _rows(tmp_path / "flaky")
     assert [r["failed"] for r in rows] == [0, 1]
     assert rows[1]["lost"] == {"2": "node 1 (partition-id=0): node error: RuntimeError: CUDA out of memory"}
+
+
+def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_path, supernet_dir, task_identity,
+                                                                            monkeypatch):
+    """Node 1 hosts clients 0, 2, 4 and each training step takes 0.4 s on its clock (moved by the
+    step, not by the machine's load) against a 1 s round timeout: after two steps (0.8 s, mean
+    0.4 s) a third would end past 0.9 s, so client 4 is not started and is lost alone, named with
+    the reason; clients 0 and 2 count (a node used to lose its whole batch to the timeout)."""
+    from rafl.config import load_run_config
+    from rafl.federation import engine, pipeline
+
+    sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=1)]
+    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
+    now = [0.0]
+    real = engine.train_client
+
+    def timed(fed, store, ctx, down):
+        now[0] += 0.4
+        return real(fed, store, ctx, down)
+
+    monkeypatch.setattr(flower_node, "_clock", lambda: now[0])
+    monkeypatch.setattr(flower_node, "train_client", timed)
+    flower.run_on_grid(DirectGrid(2), prep, tmp_path / "run", progress=False)
+    (row,) = _rows(tmp_path / "run")
+    assert row["failed"] == 1 and row["participated"] == 4
+    assert row["lost"] == {"4": "node 1 (partition-id=0): node error: not started: this node's earlier clients took "
+                                "0.8 s of the 1 s round timeout (engine.round_timeout_s)"}
 
 
 class RestartGrid(DirectGrid):

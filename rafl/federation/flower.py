@@ -364,7 +364,8 @@ class FlowerClients:
         control = app.ConfigRecord({
             "client_ids": [cid for cid, _ in jobs], "slots": [by_object[id(p)] for _, p in jobs],
             "state_versions": [self.store.committed.get(cid, -1) for cid, _ in jobs], "round": rnd,
-            "run_key": self.run_key, "config": self.config_text, "state_dir": self.state_dir})
+            "run_key": self.run_key, "config": self.config_text, "state_dir": self.state_dir,
+            "deadline_s": float(self.timeout)})
         return app.Message(app.RecordDict({**records, CONTROL: control}), dst_node_id=nid, message_type=kind,
                            group_id=str(rnd))
 

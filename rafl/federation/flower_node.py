@@ -262,12 +262,24 @@ def _client_step(msg: Any, context: Any, kind: str, fed: Federation, seed: int, 
     return {f"metrics.{cid}": app.MetricRecord({k: float(v) for k, v in evaluate_client(fed, store, ctx, down).items()})}
 
 
+#: the node's clock for its per-client deadlines (seconds)
+_clock = time.monotonic
+#: the share of the message's ``deadline_s`` (the server's round timeout) a node spends on its
+#: clients: the rest covers the ClientApp's start and the reply's transfer, which it cannot time
+BUDGET_SHARE = 0.9
+
+
 def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
     """A ClientApp function: every client step a message carries (:func:`_client_step`, in
     order) and one reply with all their records. A :class:`UserInputError` (bad input or
     diverged training: a fact about the run, not about the node) ends the message and goes back
     as a record, so the server stops with the same one-line error as in-process; any other
-    exception of a client step loses that client only (``client_errors``, one line each)."""
+    exception of a client step loses that client only (``client_errors``, one line each).
+
+    Per-client deadline: the message's ``deadline_s`` is the server's round timeout. Before each
+    client after the first, a node whose elapsed time plus its mean step time so far would pass
+    :data:`BUDGET_SHARE` of it starts no more clients and replies with those done; the rest are
+    lost for the round (named with the reason), not the whole batch."""
     from rafl.federation import flower as w  # the wire format (flower imports this module)
 
     def handler(msg: Any, context: Any) -> Any:
@@ -277,16 +289,28 @@ def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
         failed: dict[str, str] = {}
         cid = -1
         trust = NodeTrust.of(context.node_config)
+        start = _clock()
+        budget = BUDGET_SHARE * float(ctl.get("deadline_s", 0.0) or 0.0)  # 0: none (an older server)
         try:
             trust.run_folder(ctl)  # before anything is built or written
             fed, seed = _node_federation(str(ctl["config"]), trust)
+            steps: list[float] = []
             for index, cid in enumerate(int(c) for c in ctl["client_ids"]):
+                spent = _clock() - start
+                if budget > 0 and steps and spent + sum(steps) / len(steps) > budget:
+                    # the next step would likely end after the server stopped waiting: reply now with
+                    # the clients done (they count), instead of losing the whole batch to the timeout
+                    failed[str(cid)] = (f"not started: this node's earlier clients took {spent:.1f} s of the "
+                                        f"{ctl['deadline_s']:g} s round timeout (engine.round_timeout_s)")
+                    continue
+                t0 = _clock()
                 try:
                     records.update(_client_step(msg, context, kind, fed, seed, index))
                 except UserInputError:
                     raise
                 except Exception as err:  # noqa: BLE001 - this client is lost, the node's others go on
                     failed[str(cid)] = w.one_line(f"{type(err).__name__}: {err}")
+                steps.append(_clock() - t0)
         except UserInputError as err:
             if isinstance(err, Refused):
                 trust.count_refusal(err, msg)
