@@ -14,7 +14,8 @@ new: the plug-in models it may import (node config ``plugins``), the folders it 
 from (``data-roots``: dataset roots, supernet checkpoints, profile, arch and partition files) and
 the folders it keeps client states in (``state-dir``, and ``shared-state-dirs`` for a state folder
 the server names, as the Simulation Runtime does). Each key may also come from the node process's
-environment (:data:`TRUST_ENV`); the node config wins. A message naming anything else is refused
+environment (:data:`TRUST_ENV`); the node config wins. The Simulation Runtime's virtual nodes
+(the user's own process) allow what the run config names (:func:`own_node_config`). A message naming anything else is refused
 (:class:`Refused`, one line to the server naming the node-config key that would allow it), and
 counted: one JSON line per refusal in ``<state-dir>/refused.jsonl`` and a line on the node's log.
 """
@@ -194,14 +195,14 @@ class NodeTrust:
         return count
 
 
-def own_node_env(cfg: Any, state_folder: str | Path) -> dict[str, str]:
-    """The trust settings (:data:`TRUST_ENV` variables) of a node that is the user's own process:
-    the Simulation Runtime's virtual SuperNodes run the user's run config on the user's machine, so
-    they allow exactly what it names (:func:`named_inputs`) and the run dir's ``state_folder``."""
+def own_node_config(cfg: Any, state_folder: str | Path) -> dict[str, str]:
+    """The trust settings (node-config keys) of a node that is the user's own process: the
+    Simulation Runtime's virtual SuperNodes run the user's run config on the user's machine, so
+    they allow exactly what it names (:func:`named_inputs`) and the run dir's ``state_folder``
+    (handed to :func:`_make_client_app`, which travels to the Ray workers with the ClientApp)."""
     paths, plugins = named_inputs(cfg)
-    return {TRUST_ENV["data-roots"]: os.pathsep.join(sorted({str(p.resolve()) for _, p in paths})),
-            TRUST_ENV["plugins"]: ",".join(plugins),
-            TRUST_ENV["shared-state-dirs"]: str(Path(state_folder).resolve())}
+    return {"data-roots": os.pathsep.join(sorted({str(p.resolve()) for _, p in paths})),
+            "plugins": ",".join(plugins), "shared-state-dirs": str(Path(state_folder).resolve())}
 
 
 def refusals(state_root: str | Path) -> list[dict[str, Any]]:
@@ -236,18 +237,19 @@ def _node_federation(config_text: str, trust: NodeTrust) -> tuple[Federation, in
     return _PREPARED[key]
 
 
-def _client_step(msg: Any, context: Any, kind: str, fed: Federation, seed: int, index: int) -> dict[str, Any]:
+def _client_step(msg: Any, node_config: dict[str, Any], kind: str, fed: Federation, seed: int,
+                 index: int) -> dict[str, Any]:
     """The ``index``-th client step a node message carries: its reply records."""
     from rafl.federation import flower as w  # the wire format (flower imports this module)
 
     ctl = msg.content.config_records[w.CONTROL]
     cid, rnd = int(ctl["client_ids"][index]), int(ctl["round"])
     version = int(ctl["state_versions"][index])
-    pid, parts = int(context.node_config.get("partition-id", 0)), int(context.node_config.get("num-partitions", 1))
+    pid, parts = int(node_config.get("partition-id", 0)), int(node_config.get("num-partitions", 1))
     if cid % max(1, parts) != pid:
         raise UserInputError(f"client {cid} is not hosted by this node (partition-id={pid}, num-partitions={parts})",
                              field="node_config")
-    store = ClientStore(NodeTrust.of(context.node_config).run_folder(ctl),
+    store = ClientStore(NodeTrust.of(node_config).run_folder(ctl),
                         committed={cid: version} if version >= 0 else None)
     down = w.records_to_payload(msg.content, "the server", f".{int(ctl['slots'][index])}")
     ctx = client_context(fed, seed, cid, rnd)
@@ -269,7 +271,7 @@ _clock = time.monotonic
 BUDGET_SHARE = 0.9
 
 
-def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
+def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any, Any], Any]:
     """A ClientApp function: every client step a message carries (:func:`_client_step`, in
     order) and one reply with all their records. A :class:`UserInputError` (bad input or
     diverged training: a fact about the run, not about the node) ends the message and goes back
@@ -288,7 +290,8 @@ def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
         records: dict[str, Any] = {}
         failed: dict[str, str] = {}
         cid = -1
-        trust = NodeTrust.of(context.node_config)
+        node_config = {**(own or {}), **context.node_config}
+        trust = NodeTrust.of(node_config)
         start = _clock()
         budget = BUDGET_SHARE * float(ctl.get("deadline_s", 0.0) or 0.0)  # 0: none (an older server)
         try:
@@ -305,7 +308,7 @@ def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
                     continue
                 t0 = _clock()
                 try:
-                    records.update(_client_step(msg, context, kind, fed, seed, index))
+                    records.update(_client_step(msg, node_config, kind, fed, seed, index))
                 except UserInputError:
                     raise
                 except Exception as err:  # noqa: BLE001 - this client is lost, the node's others go on
@@ -336,8 +339,10 @@ def _integer(node_config: dict[str, Any], key: str, default: int) -> int:
     return number
 
 
-def _make_client_app() -> Any:
-    """rafl's ClientApp: the node-config / commit / discard queries and the two client steps."""
+def _make_client_app(own: dict[str, str] | None = None) -> Any:
+    """rafl's ClientApp: the node-config / commit / discard queries and the two client steps.
+    ``own``: trust settings (node-config keys) under the node config's own, for nodes that are
+    the user's own process (:func:`own_node_config`); None on a SuperNode."""
     from flwr.clientapp import ClientApp
 
     from rafl.federation import flower as w  # the wire format (flower imports this module)
@@ -347,7 +352,7 @@ def _make_client_app() -> Any:
     @capp.query()
     def _query(msg: Any, context: Any) -> Any:
         app = w._flwr()
-        nc = context.node_config
+        nc = {**(own or {}), **context.node_config}
         ctl = msg.content.config_records[w.CONTROL]
         if ctl.get("ask") in ("commit", "discard"):
             trust = NodeTrust.of(nc)
@@ -371,7 +376,7 @@ def _make_client_app() -> Any:
             answer = {"node_config_error": str(err)}
         return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord(answer)}), reply_to=msg)
 
-    capp.train()(_node_handler(w.TRAIN))
-    capp.evaluate()(_node_handler(w.EVALUATE))
+    capp.train()(_node_handler(w.TRAIN, own))
+    capp.evaluate()(_node_handler(w.EVALUATE, own))
 
     return capp
