@@ -204,8 +204,9 @@ class EngineSection(_Strict):
     workers: int | None = Field(None, ge=1, description="an integer >= 1 (in-process: processes running the "
                                 "sampled clients' steps and the evaluation, one torch thread each; results are the "
                                 "same for every value) or null (the CPU cores, at most the clients sampled per round)")
-    round_timeout_s: float = Field(3600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
-                                   "then loses its clients for the round)")
+    round_timeout_s: float = Field(600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
+                                   "then loses its clients for the round; raise it for slow devices or many clients "
+                                   "per node)")
     aggregation: Literal["mean", "median", "trimmed_mean", "norm_clip"] = Field(
         "mean", description="mean (sample-weighted), median or trimmed_mean (coordinate-wise, Yin et al. 2018) or "
         "norm_clip (updates clipped to an L2 norm, Sun et al. 2019): how the weight-averaging methods merge uploads")

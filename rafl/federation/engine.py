@@ -27,7 +27,10 @@ server steps and knows no algorithm by name. One round ``t``:
    (``nbytes()`` of what the client returned; the sender id travels in the envelope) per round and
    cumulative. ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the
    cumulative MB (up + down) at the first evaluated round whose ``model.acc_mean_over_clients``
-   reaches ``target_accuracy``.
+   reaches ``target_accuracy``. These are per-client payload bytes (the papers' communication
+   cost: every client's copy of a broadcast counts). A runner that sends messages (Flower) also
+   reports the bytes its messages carried (``wire_bytes_down``/``_up``/``_eval_down``,
+   ``cum_wire_mb``: a broadcast the clients of one node share travels once to that node).
 8. ``metrics.jsonl``/``metrics.csv`` rewritten, then ``checkpoint.safetensors`` (server state, broadcast,
    available set, committed client-state versions, counters, metrics so far) written atomically.
 
@@ -443,6 +446,21 @@ class Engine:
             summary["eval_lost"] = {str(cid): why for cid, why in sorted(lost.items())}
         return summary, per_client
 
+    def _count_wire(self, row: dict[str, Any], counters: dict[str, Any]) -> None:
+        """A runner that sends messages (Flower) reports the bytes they carried (``take_traffic``):
+        the round's ``wire_bytes_down`` / ``wire_bytes_up`` (training: a broadcast several clients of
+        a node share counted once per node) and ``wire_bytes_eval_down`` (evaluation), and
+        ``cum_wire_mb`` (training, down + up); beside the per-client payload bytes
+        (``bytes_down`` / ``bytes_up``, the papers' communication cost, every client's copy)."""
+        take = getattr(self.clients, "take_traffic", None)
+        if take is None:
+            return
+        sent = take()
+        for key in ("down", "up", "eval_down"):
+            row[f"wire_bytes_{key}"] = int(sent[key])
+            counters[f"cum_wire_bytes_{key}"] = counters.get(f"cum_wire_bytes_{key}", 0) + int(sent[key])
+        row["cum_wire_mb"] = (counters["cum_wire_bytes_down"] + counters["cum_wire_bytes_up"]) / 1e6
+
     # ------------------------------------------------------------------ main loop
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Run (or continue) the federation; returns the summary (also in ``summary.json``)."""
@@ -563,6 +581,7 @@ class Engine:
                         and acc is not None and acc >= cfg.target_accuracy):
                     counters["co_mb_to_target"] = row["cum_mb"]
                     counters["co_round"] = rnd
+            self._count_wire(row, counters)
             times.total = time.perf_counter() - t0
             row.update({"time_s": times.total, "time_client_update_s": times.client_update,
                         "time_aggregate_s": times.aggregate, "time_evaluate_s": times.evaluate,
@@ -652,6 +671,10 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         "cum_bytes_down": counters["cum_bytes_down"],
         "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
         "mean_bytes_up_per_client_per_round": (counters["cum_bytes_up"] / sum(part)) if sum(part) else 0.0,
+        **({"cum_wire_bytes_down": counters["cum_wire_bytes_down"], "cum_wire_bytes_up": counters["cum_wire_bytes_up"],
+            "cum_wire_bytes_eval_down": counters["cum_wire_bytes_eval_down"],
+            "cum_wire_mb": (counters["cum_wire_bytes_down"] + counters["cum_wire_bytes_up"]) / 1e6}
+           if "cum_wire_bytes_down" in counters else {}),
         "target_accuracy": cfg.target_accuracy,
         "co_mb_to_target": counters["co_mb_to_target"],
         "co_round": counters["co_round"],

@@ -329,6 +329,7 @@ class FlowerClients:
         self._unanswered: set[int] = set()  # joined nodes that did not answer the node-config query
         #: ``client id -> largest upload in bytes`` of the round (set by the engine before :meth:`train`)
         self.upload_limits: dict[int, int] = {}
+        self._wire = {"down": 0, "up": 0, "eval_down": 0}  # payload bytes the messages carried (take_traffic)
 
     def _rejoined(self) -> None:
         """Hand the clients of a node that left the grid to a node that joined with the same
@@ -379,11 +380,13 @@ class FlowerClients:
             if digest not in by_content:
                 by_content[digest] = len(by_content)
                 records.update(_blob_records(blob, f".{by_content[digest]}"))
+                self._wire["down" if kind == TRAIN else "eval_down"] += len(blob)
             by_object[id(payload)] = by_content[digest]
         control = app.ConfigRecord({
             "client_ids": [cid for cid, _ in jobs], "slots": [by_object[id(p)] for _, p in jobs],
             "state_versions": [self.store.committed.get(cid, -1) for cid, _ in jobs], "round": rnd,
-            "run_key": self.run_key, "config": self.config_text, "state_dir": self.state_dir})
+            "run_key": self.run_key, "config": self.config_text, "state_dir": self.state_dir,
+            "deadline_s": float(self.timeout)})
         return app.Message(app.RecordDict({**records, CONTROL: control}), dst_node_id=nid, message_type=kind,
                            group_id=str(rnd))
 
@@ -417,8 +420,11 @@ class FlowerClients:
             if rec is not None and "user_error" in rec:
                 cid = int(rec["user_error_client"])
                 source = str(rec.get("user_error_source", "")) or f"client {cid}"
-                user_errors[cid] = UserInputError(str(rec["user_error"]),
-                                                  source=f"{source} on {node_name(self.node_of, cid)}",
+                if rec.get("refused"):  # the node's trust boundary (flower_node.NodeTrust): about the node, not a client
+                    source = f"{node_name(self.node_of, cid)} refused the {kind} message"
+                else:
+                    source = f"{source} on {node_name(self.node_of, cid)}"
+                user_errors[cid] = UserInputError(str(rec["user_error"]), source=source,
                                                   field=str(rec.get("user_error_field", "")) or None)
                 continue
             failed = json.loads(str(rec.get("client_errors", "{}"))) if rec is not None else {}
@@ -434,7 +440,8 @@ class FlowerClients:
             cid, why = min(lost.items())
             if self.stop is not None and self.stop.is_set():
                 raise Stopped("interrupted")
-            raise UserInputError(f"{kind} in round {rnd} failed: {why}", source=f"client {cid} (Simulation Runtime)")
+            hint = "; raise engine.round_timeout_s for slower clients" if "no reply within" in why else ""
+            raise UserInputError(f"{kind} in round {rnd} failed: {why}{hint}", source=f"client {cid} (Simulation Runtime)")
         return replies, lost
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
@@ -462,7 +469,17 @@ class FlowerClients:
                                                             self.upload_limits.get(cid))))
                 except UserInputError as err:  # refused: the engine counts it and discards the client's state
                     uploads.append((cid, RejectedUpload(err.message, _blob_size(replies[cid], f".{cid}"))))
+                self._wire["up"] += _blob_size(replies[cid], f".{cid}")  # its blob, as it travelled
         return uploads, lost, time.perf_counter() - t0
+
+    def take_traffic(self) -> dict[str, int]:
+        """The payload bytes this runner's messages carried since the last call, as sent:
+        ``down`` (train messages: each distinct payload once per message, so a broadcast that
+        several clients of a node share travels once to that node), ``up`` (the uploads in the
+        replies) and ``eval_down`` (evaluate messages). Flower's own framing and the control
+        record are not counted. Resets the counts."""
+        out, self._wire = self._wire, {"down": 0, "up": 0, "eval_down": 0}
+        return out
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
         """The evaluation contract's counts of every client in ``ids``, computed on its node (one
@@ -493,19 +510,29 @@ class FlowerClients:
         msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
             "ask": "commit", "committed": json.dumps(versions), "run_key": self.run_key,
             "state_dir": self.state_dir})}), dst_node_id=nid, message_type=QUERY)) for nid, versions in by_node.items()]
-        _, lost = _exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop)
-        return lost
+        return _refusals(*_exchange(self.grid, msgs, min(self.timeout, 60.0), self.stop))
 
     def discard(self, timeout: float = 10.0) -> dict[int, str]:
         """The run failed before its first complete round (its run dir is removed): tell every
-        node to delete the run's client-state folder, which no resume can use. Best effort, even
-        after an interrupt (``stop`` is not consulted): returns the nodes that did not confirm."""
+        node to delete the run's client-state folder, which no resume can use, and wait up to
+        ``timeout`` seconds (at most the round timeout) for each to confirm. Best effort, even
+        after an interrupt (``stop`` is not consulted): returns the nodes that did not confirm,
+        with the reason."""
         app = _flwr()
         msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord({
             "ask": "discard", "run_key": self.run_key, "state_dir": self.state_dir})}),
             dst_node_id=nid, message_type=QUERY)) for nid in sorted(set(self.node_of.values()))]
-        _, lost = _exchange(self.grid, msgs, min(self.timeout, timeout))
-        return lost
+        return _refusals(*_exchange(self.grid, msgs, min(self.timeout, timeout)))
+
+
+def _refusals(replies: dict[Any, Any], lost: dict[Any, str]) -> dict[Any, str]:
+    """``lost`` plus the nodes whose reply to a commit/discard query says they refused it."""
+    out = dict(lost)
+    for nid, reply in replies.items():
+        rec = reply.content.config_records.get(CONTROL)
+        if rec is not None and "refused" in rec:
+            out[nid] = f"refused: {rec['refused']}"
+    return out
 
 
 def run_key_of(run_dir: Path, resolved: dict[str, Any]) -> str:
@@ -551,12 +578,23 @@ def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, pr
     try:
         summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner,
                                backend="flower-simulation" if shared_disk else "flower-superlink", deployment=deployment)
-    except BaseException:
+    except BaseException as err:
         if made and not resume and not shared_disk and not (Path(run_dir) / "checkpoint.safetensors").is_file():
-            try:  # no round completed: the nodes' states of this run can never be resumed
-                made[-1].discard()
-            except Exception:  # noqa: BLE001 - best effort; the run's own error is the news
-                pass
+            # no round completed: the nodes' states of this run can never be resumed. After an error
+            # the nodes get the round timeout to confirm (a loaded node starts a ClientApp process
+            # slowly); after an interrupt 10 s, the user is waiting
+            interrupted = isinstance(err, (Stopped, KeyboardInterrupt, SystemExit))
+            try:
+                lost = made[-1].discard(10.0 if interrupted else made[-1].timeout)
+            except Exception as why:  # noqa: BLE001 - best effort; the run's own error is the news
+                lost = {"all nodes": one_line(str(why))}
+            if lost:
+                print("rafl: the run failed before its first complete round; "
+                      + "; ".join(f"node {nid} did not delete its client states ({why})" for nid, why in lost.items())
+                      + f": delete <state-dir>/{key}/ on them by hand", flush=True)
+            else:
+                print(f"rafl: the run failed before its first complete round; the nodes deleted its client states "
+                      f"(<state-dir>/{key}/)", flush=True)
         raise
     made[-1].finish()
     return summary

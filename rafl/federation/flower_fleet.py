@@ -96,7 +96,7 @@ class LocalFleet:
             self.procs.append(subprocess.Popen([self._program(args[0]), *args[1:]], stdout=fh,
                                                stderr=subprocess.STDOUT, env=self.env, start_new_session=True))
 
-    def _wait_for(self, port: int, log: str, timeout: float = 60.0) -> None:
+    def _wait_for(self, port: int, log: str, timeout: float = 180.0) -> None:
         """Block until 127.0.0.1:``port`` accepts connections (RuntimeError naming ``log`` if the
         process exits or ``timeout`` seconds pass)."""
         import socket
@@ -167,86 +167,102 @@ class LocalFleet:
         return "".join(f"==> {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.workdir.glob("*.log")))
 
     def _descendants(self) -> list[int]:
-        """Every live process below the ones started here (``ps``: Linux and macOS). The
-        SuperExec starts the ServerApp and ClientApps in process groups of their own, so
-        stopping our groups alone can leave them behind (a failed run's ServerApp stayed)."""
-        import subprocess
-
-        try:
-            out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
-        children: dict[int, list[int]] = {}
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
-                children.setdefault(int(parts[1]), []).append(int(parts[0]))
-        found, todo = [], [p.pid for p in self.procs]
-        while todo:
-            for child in children.get(todo.pop(), []):
-                found.append(child)
-                todo.append(child)
-        return found
+        """Every live process below the ones started here (:func:`descendants`)."""
+        return descendants([p.pid for p in self.procs])
 
     def stop(self) -> None:
-        """SIGTERM every process group started here and every process below them (SIGKILL
-        after 20 s)."""
-        import signal
-        import subprocess
-
-        below = self._descendants()
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        deadline = time.monotonic() + 20  # the groups' other members (SuperExec, ClientApps) end too
-        for proc in self.procs:
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # what left our groups (a group of its own, orphaned)
-            alive = []
-            for pid in below:
-                try:
-                    os.kill(pid, sig)
-                    alive.append(pid)
-                except ProcessLookupError:
-                    pass
-            below = alive
-            deadline = time.monotonic() + 10
-            while below and sig == signal.SIGTERM and time.monotonic() < deadline:
-                time.sleep(0.2)
-                below = [pid for pid in below if _alive(pid)]
+        """Stop every process started here and everything below them (:func:`stop_process_trees`)."""
+        stop_process_trees(self.procs)
         self.procs = []
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
+def descendants(pids: list[int]) -> list[int]:
+    """Every live process below ``pids`` (``ps``: Linux and macOS). The SuperExec starts the
+    ServerApp and ClientApps in process groups of their own, so stopping our groups alone can
+    leave them behind (a failed run's ServerApp stayed)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            children.setdefault(int(parts[1]), []).append(int(parts[0]))
+    found, todo = [], list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_process_trees(procs: list[Any]) -> None:
+    """SIGTERM the process groups of ``procs`` (``subprocess.Popen`` objects started with
+    ``start_new_session=True``) and every process below them (SIGKILL after 20 s), and wait
+    until they are gone (bounded)."""
+    import signal
+    import subprocess
+
+    below = descendants([p.pid for p in procs])
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 20  # the groups' other members (SuperExec, ClientApps) end too
+    for proc in procs:
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # what left our groups (a group of its own, orphaned)
+        alive = []
+        for pid in below:
+            try:
+                os.kill(pid, sig)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        below = alive
+        deadline = time.monotonic() + (10 if sig == signal.SIGTERM else 30)
+        while below and time.monotonic() < deadline:  # gone, not just signalled: callers check at once
+            time.sleep(0.2)
+            below = [pid for pid in below if _alive(pid)]
+
+
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts too)."""
+    """Whether process ``pid`` exists (one of another user counts too) and is not a zombie (an
+    ended process its parent has not reaped yet: on Linux, state ``Z`` in ``/proc/PID/stat``)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs (macOS): signal 0 is all there is
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
-__all__ = ["LocalFleet"]
+__all__ = ["FleetRun", "LocalFleet", "descendants", "stop_process_trees"]

@@ -7,14 +7,29 @@ federation from the run config the message carries (cached per process), runs
 for each client of the message in order, with the seeds the in-process engine uses, and keeps the
 clients' states in versioned files on the node's disk (:class:`ClientStore`). The message format
 is described in :mod:`rafl.federation.flower`, whose server side sends them.
+
+Trust boundary (:class:`NodeTrust`). A message comes from whoever can reach the SuperLink's
+Fleet/Control API, so it may choose among what the node's operator allowed, never name anything
+new: the plug-in models it may import (node config ``plugins``), the folders it may read run inputs
+from (``data-roots``: dataset roots, supernet checkpoints, profile, arch and partition files) and
+the folders it keeps client states in (``state-dir``, and ``shared-state-dirs`` for a state folder
+the server names, as the Simulation Runtime does). Each key may also come from the node process's
+environment (:data:`TRUST_ENV`); the node config wins. The Simulation Runtime's virtual nodes
+(the user's own process) allow what the run config names (:func:`own_node_config`). A message naming anything else is refused
+(:class:`Refused`, one line to the server naming the node-config key that would allow it), and
+counted: one JSON line per refusal in ``<state-dir>/refused.jsonl`` and a line on the node's log.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,47 +41,216 @@ from rafl.io import load_yaml
 
 _PREPARED: dict[str, Any] = {}
 
+#: the node-config keys of the trust boundary and the environment variables that stand in for
+#: them when the node config does not set them (the node config wins)
+TRUST_ENV = {"state-dir": "RAFL_FLOWER_STATE_DIR", "data-roots": "RAFL_FLOWER_DATA_ROOTS",
+             "plugins": "RAFL_FLOWER_PLUGINS", "shared-state-dirs": "RAFL_FLOWER_SHARED_STATE_DIRS"}
+#: a run key as :func:`rafl.federation.flower.run_key_of` makes it (the name of a run's state folder)
+RUN_KEY = re.compile(r"[0-9a-f]{16}")
+#: where a node counts the messages it refused (one JSON line each), under its state root
+REFUSED_LOG = "refused.jsonl"
 
-def _node_federation(config_text: str) -> tuple[Federation, int]:
-    """The run's federation built on this node from the run config (cached per config)."""
+
+class Refused(UserInputError):
+    """A message asked this node for something its own configuration does not allow (a plug-in
+    module to import, a path to read, a state folder to write or delete); ``field`` names the
+    node-config key that would allow it."""
+
+
+def _node_setting(node_config: dict[str, Any], key: str) -> str:
+    value = node_config.get(key)
+    if value is None or value == "":
+        value = os.environ.get(TRUST_ENV[key], "")
+    return str(value)
+
+
+def _within(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def _arch_names_a_file(text: str) -> bool:
+    """Whether a ``clients.arch`` / ``clients.archs`` value is read as a file (as the pipeline's
+    ``_resolve_arch`` does), not parsed as an arch string."""
+    path = Path(text).expanduser()
+    return path.suffix in (".yaml", ".yml", ".json") or "/" in text or path.is_file()
+
+
+def named_inputs(cfg: Any) -> tuple[list[tuple[str, Path]], list[str]]:
+    """What a run config makes a node read or import: ``([(field, path), ...], [plug-in spec, ...])``
+    -- ``data.root``, ``supernet.path``, a ``partition.scheme`` ``file:PATH``, profile files among
+    ``clients.profiles``, arch files of ``clients.arch`` / ``clients.archs``, and the
+    ``package.module:factory`` members of ``clients.models``. Null values (rafl's own default
+    locations on the node) are not named."""
+    from rafl.models import is_plugin_spec, resolve_models
+    from rafl.search.profile import names_a_file
+
+    paths: list[tuple[str, Path]] = []
+    for field, value in (("data.root", cfg.data.root), ("supernet.path", cfg.supernet.path)):
+        if value:
+            paths.append((field, Path(value)))
+    if cfg.partition.scheme.startswith("file:"):
+        paths.append(("partition.scheme", Path(cfg.partition.scheme[len("file:"):])))
+    paths += [("clients.profiles", Path(v)) for v in cfg.clients.profiles if names_a_file(v)]
+    if cfg.clients.arch is not None and _arch_names_a_file(cfg.clients.arch):
+        paths.append(("clients.arch", Path(cfg.clients.arch)))
+    paths += [(f"clients.archs.{k}", Path(v)) for k, v in sorted(cfg.clients.archs.items()) if _arch_names_a_file(v)]
+    plugins = [] if cfg.clients.models.strip().lower() == "nas" else [
+        m for m in resolve_models(cfg.clients.models) if is_plugin_spec(m)]
+    return [(f, p.expanduser()) for f, p in paths], sorted(set(plugins))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeTrust:
+    """What this node's operator allows a message to use (node config, else :data:`TRUST_ENV`).
+
+    Attributes:
+        state_root: ``state-dir``; a run's client states go to ``<state_root>/<run key>``
+            (default ``~/.cache/rafl/flower-states``).
+        data_roots: ``data-roots`` (folders separated by ``os.pathsep``): every file or folder a
+            run config names (:func:`named_inputs`) must lie in one, after resolving symlinks.
+        plugins: ``plugins`` (comma-separated ``package.module:factory``): the plug-in models a
+            run config may name.
+        shared_state_dirs: ``shared-state-dirs`` (``os.pathsep``-separated): exact folders a
+            message may name as a run's state folder (the Simulation Runtime's run dir
+            ``clients/``); none on a SuperNode by default.
+    """
+
+    state_root: Path
+    data_roots: tuple[Path, ...]
+    plugins: frozenset[str]
+    shared_state_dirs: tuple[Path, ...]
+
+    @classmethod
+    def of(cls, node_config: dict[str, Any]) -> NodeTrust:
+        def folders(key: str) -> tuple[Path, ...]:
+            return tuple(Path(p).expanduser().resolve() for p in _node_setting(node_config, key).split(os.pathsep)
+                         if p.strip())
+
+        root = _node_setting(node_config, "state-dir")
+        return cls(state_root=Path(root).expanduser() if root else Path.home() / ".cache" / "rafl" / "flower-states",
+                   data_roots=folders("data-roots"), shared_state_dirs=folders("shared-state-dirs"),
+                   plugins=frozenset(p.strip() for p in _node_setting(node_config, "plugins").split(",") if p.strip()))
+
+    def check_run_config(self, cfg: Any) -> None:
+        """Refuse a run config that names a path outside :attr:`data_roots` or a plug-in not in
+        :attr:`plugins` (before anything is read or imported).
+
+        Raises:
+            Refused: naming the run-config field, the value and the node-config key to change."""
+        paths, plugins = named_inputs(cfg)
+        for field, path in paths:
+            if not _within(path.resolve(), self.data_roots):
+                roots = os.pathsep.join(str(r) for r in self.data_roots) or "none"
+                raise Refused(f"the message's {field} names {str(path)!r}, outside this node's data-roots ({roots}); "
+                              "a message may only choose among the node's own inputs: allow its folder with "
+                              f"--node-config \"data-roots='FOLDER{os.pathsep}...'\" on the SuperNode",
+                              field="node_config.data-roots")
+        for spec in plugins:
+            if spec not in self.plugins:
+                allowed = ",".join(sorted(self.plugins)) or "none"
+                raise Refused(f"the message's clients.models names plug-in {spec!r}, which this node does not allow "
+                              f"(plugins: {allowed}); a message may only choose among the node's own plug-ins: allow "
+                              f"it with --node-config \"plugins='{spec}'\" on the SuperNode", field="node_config.plugins")
+
+    def run_folder(self, ctl: Any) -> Path:
+        """The message's run's client-state folder: ``<state_root>/<run key>``, or the folder the
+        message names when it is one of :attr:`shared_state_dirs`.
+
+        Raises:
+            Refused: a run key that is not rafl's (16 hex digits: no path of its own), or a named
+                folder that is not a shared state dir."""
+        key = str(ctl.get("run_key", ""))
+        if not RUN_KEY.fullmatch(key):
+            raise Refused(f"the message's run_key is {key[:60]!r}; allowed: 16 hex digits (rafl's run key names a "
+                          "folder in the node's state-dir, never a path)", field="node_config.state-dir")
+        named = str(ctl.get("state_dir", "") or "")
+        if not named:
+            return self.state_root / key
+        folder = Path(named).expanduser().resolve()
+        if folder not in self.shared_state_dirs:
+            shared = os.pathsep.join(str(d) for d in self.shared_state_dirs) or "none"
+            raise Refused(f"the message names state folder {named[:200]!r}, which is not one of this node's "
+                          f"shared-state-dirs ({shared}); a node keeps client states in <state-dir>/<run key> "
+                          "unless its operator shares a folder with --node-config \"shared-state-dirs='FOLDER'\"",
+                          field="node_config.shared-state-dirs")
+        return folder
+
+    def count_refusal(self, err: Refused, msg: Any) -> int:
+        """Count ``err`` (refusing ``msg``): a JSON line in ``<state_root>/refused.jsonl`` and a
+        line on stderr (the SuperNode's log). Returns the number of refusals counted so far (0 when
+        the log cannot be written)."""
+        log = self.state_root / REFUSED_LOG
+        meta = getattr(msg, "metadata", None)
+        row = {"time": time.time(), "run_id": getattr(meta, "run_id", None),
+               "message_type": getattr(meta, "message_type", None), "field": err.field, "reason": err.message}
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            count = sum(1 for _ in log.open())
+        except OSError:
+            count = 0
+        print(f"rafl node: refused a message ({row['message_type']}) of run {row['run_id']}: {err} "
+              f"({count} refused so far, {log})", file=sys.stderr, flush=True)
+        return count
+
+
+def own_node_config(cfg: Any, state_folder: str | Path) -> dict[str, str]:
+    """The trust settings (node-config keys) of a node that is the user's own process: the
+    Simulation Runtime's virtual SuperNodes run the user's run config on the user's machine, so
+    they allow exactly what it names (:func:`named_inputs`) and the run dir's ``state_folder``
+    (handed to :func:`_make_client_app`, which travels to the Ray workers with the ClientApp)."""
+    paths, plugins = named_inputs(cfg)
+    return {"data-roots": os.pathsep.join(sorted({str(p.resolve()) for _, p in paths})),
+            "plugins": ",".join(plugins), "shared-state-dirs": str(Path(state_folder).resolve())}
+
+
+def refusals(state_root: str | Path) -> list[dict[str, Any]]:
+    """The refusals a node counted under ``state_root`` (:meth:`NodeTrust.count_refusal`), oldest first."""
+    log = Path(state_root) / REFUSED_LOG
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+
+
+def _node_federation(config_text: str, trust: NodeTrust) -> tuple[Federation, int]:
+    """The run's federation built on this node from the run config (cached per config), after
+    :meth:`NodeTrust.check_run_config`.
+
+    Raises:
+        Refused: the config names an input the node does not allow.
+        UserInputError: an invalid run config."""
+    from pydantic import ValidationError
+
+    from rafl.config import RunConfig
+
+    try:
+        cfg = RunConfig.model_validate(load_yaml(config_text))
+    except ValidationError as err:
+        raise UserInputError(f"the message's run config is invalid ({err.errors()[0].get('msg', 'invalid')})",
+                             field="config") from None
+    trust.check_run_config(cfg)  # every message: the cache is no way around the node's rules
     key = hashlib.sha256(config_text.encode()).hexdigest()
     if key not in _PREPARED:
-        from rafl.config import RunConfig
         from rafl.federation import pipeline
 
-        cfg = RunConfig.model_validate(load_yaml(config_text))
         _PREPARED.clear()  # one run at a time per ClientApp process
         _PREPARED[key] = (pipeline.prepare(cfg, progress=False).federation, cfg.seed)
     return _PREPARED[key]
 
 
-def _state_root(node_config: dict[str, Any]) -> Path:
-    root = node_config.get("state-dir") or os.environ.get("RAFL_FLOWER_STATE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "rafl" / "flower-states"
-
-
-def _state_folder(ctl: Any, node_config: dict[str, Any]) -> Path:
-    """This node's folder of the run's client states: the server's hint (the simulation's run
-    dir ``clients/``, shared with the in-process engine) unless the node config names its own
-    ``state-dir``; else ``<state root>/<run key>``."""
-    hint = str(ctl.get("state_dir", "") or "")
-    if hint and "state-dir" not in node_config:
-        return Path(hint)
-    return _state_root(node_config) / str(ctl["run_key"])
-
-
-def _client_step(msg: Any, context: Any, kind: str, fed: Federation, seed: int, index: int) -> dict[str, Any]:
+def _client_step(msg: Any, node_config: dict[str, Any], kind: str, fed: Federation, seed: int,
+                 index: int) -> dict[str, Any]:
     """The ``index``-th client step a node message carries: its reply records."""
     from rafl.federation import flower as w  # the wire format (flower imports this module)
 
     ctl = msg.content.config_records[w.CONTROL]
     cid, rnd = int(ctl["client_ids"][index]), int(ctl["round"])
     version = int(ctl["state_versions"][index])
-    pid, parts = int(context.node_config.get("partition-id", 0)), int(context.node_config.get("num-partitions", 1))
+    pid, parts = int(node_config.get("partition-id", 0)), int(node_config.get("num-partitions", 1))
     if cid % max(1, parts) != pid:
         raise UserInputError(f"client {cid} is not hosted by this node (partition-id={pid}, num-partitions={parts})",
                              field="node_config")
-    store = ClientStore(_state_folder(ctl, context.node_config), committed={cid: version} if version >= 0 else None)
+    store = ClientStore(NodeTrust.of(node_config).run_folder(ctl),
+                        committed={cid: version} if version >= 0 else None)
     down = w.records_to_payload(msg.content, "the server", f".{int(ctl['slots'][index])}")
     ctx = client_context(fed, seed, cid, rnd)
     if kind == w.TRAIN:
@@ -80,12 +264,24 @@ def _client_step(msg: Any, context: Any, kind: str, fed: Federation, seed: int, 
     return {f"metrics.{cid}": app.MetricRecord({k: float(v) for k, v in evaluate_client(fed, store, ctx, down).items()})}
 
 
-def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
+#: the node's clock for its per-client deadlines (seconds)
+_clock = time.monotonic
+#: the share of the message's ``deadline_s`` (the server's round timeout) a node spends on its
+#: clients: the rest covers the ClientApp's start and the reply's transfer, which it cannot time
+BUDGET_SHARE = 0.9
+
+
+def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any, Any], Any]:
     """A ClientApp function: every client step a message carries (:func:`_client_step`, in
     order) and one reply with all their records. A :class:`UserInputError` (bad input or
     diverged training: a fact about the run, not about the node) ends the message and goes back
     as a record, so the server stops with the same one-line error as in-process; any other
-    exception of a client step loses that client only (``client_errors``, one line each)."""
+    exception of a client step loses that client only (``client_errors``, one line each).
+
+    Per-client deadline: the message's ``deadline_s`` is the server's round timeout. Before each
+    client after the first, a node whose elapsed time plus its mean step time so far would pass
+    :data:`BUDGET_SHARE` of it starts no more clients and replies with those done; the rest are
+    lost for the round (named with the reason), not the whole batch."""
     from rafl.federation import flower as w  # the wire format (flower imports this module)
 
     def handler(msg: Any, context: Any) -> Any:
@@ -94,18 +290,35 @@ def _node_handler(kind: str) -> Callable[[Any, Any], Any]:
         records: dict[str, Any] = {}
         failed: dict[str, str] = {}
         cid = -1
+        node_config = {**(own or {}), **context.node_config}
+        trust = NodeTrust.of(node_config)
+        start = _clock()
+        budget = BUDGET_SHARE * float(ctl.get("deadline_s", 0.0) or 0.0)  # 0: none (an older server)
         try:
-            fed, seed = _node_federation(str(ctl["config"]))
+            trust.run_folder(ctl)  # before anything is built or written
+            fed, seed = _node_federation(str(ctl["config"]), trust)
+            steps: list[float] = []
             for index, cid in enumerate(int(c) for c in ctl["client_ids"]):
+                spent = _clock() - start
+                if budget > 0 and steps and spent + sum(steps) / len(steps) > budget:
+                    # the next step would likely end after the server stopped waiting: reply now with
+                    # the clients done (they count), instead of losing the whole batch to the timeout
+                    failed[str(cid)] = (f"not started: this node's earlier clients took {spent:.1f} s of the "
+                                        f"{ctl['deadline_s']:g} s round timeout (engine.round_timeout_s)")
+                    continue
+                t0 = _clock()
                 try:
-                    records.update(_client_step(msg, context, kind, fed, seed, index))
+                    records.update(_client_step(msg, node_config, kind, fed, seed, index))
                 except UserInputError:
                     raise
                 except Exception as err:  # noqa: BLE001 - this client is lost, the node's others go on
                     failed[str(cid)] = w.one_line(f"{type(err).__name__}: {err}")
+                steps.append(_clock() - t0)
         except UserInputError as err:
+            if isinstance(err, Refused):
+                trust.count_refusal(err, msg)
             return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({
-                "user_error": err.message, "user_error_source": err.source or "", "user_error_field": err.field or "",
+                "refused": isinstance(err, Refused), "user_error": err.message, "user_error_source": err.source or "", "user_error_field": err.field or "",
                 "user_error_client": cid if cid >= 0 else int(ctl["client_ids"][0])})}), reply_to=msg)
         return app.Message(app.RecordDict({**records, w.CONTROL: app.ConfigRecord({"client_errors": json.dumps(failed)})}),
                            reply_to=msg)
@@ -126,8 +339,10 @@ def _integer(node_config: dict[str, Any], key: str, default: int) -> int:
     return number
 
 
-def _make_client_app() -> Any:
-    """rafl's ClientApp: the node-config / commit / discard queries and the two client steps."""
+def _make_client_app(own: dict[str, str] | None = None) -> Any:
+    """rafl's ClientApp: the node-config / commit / discard queries and the two client steps.
+    ``own``: trust settings (node-config keys) under the node config's own, for nodes that are
+    the user's own process (:func:`own_node_config`); None on a SuperNode."""
     from flwr.clientapp import ClientApp
 
     from rafl.federation import flower as w  # the wire format (flower imports this module)
@@ -137,17 +352,23 @@ def _make_client_app() -> Any:
     @capp.query()
     def _query(msg: Any, context: Any) -> Any:
         app = w._flwr()
-        nc = context.node_config
+        nc = {**(own or {}), **context.node_config}
         ctl = msg.content.config_records[w.CONTROL]
-        if ctl.get("ask") == "commit":  # the run ended: keep only the final version of each client
-            folder = _state_folder(ctl, nc)
-            for cid, version in json.loads(str(ctl["committed"])).items():
-                ClientStore(folder, committed={int(cid): int(version)}).cleanup(int(cid))
-            return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
-        if ctl.get("ask") == "discard":  # the run failed before its first complete round
-            folder = _state_folder(ctl, nc)
-            if folder.name == str(ctl["run_key"]):  # never a folder the server named (a run dir's clients/)
-                shutil.rmtree(folder, ignore_errors=True)
+        if ctl.get("ask") in ("commit", "discard"):
+            trust = NodeTrust.of(nc)
+            try:
+                folder = trust.run_folder(ctl)
+                if ctl.get("ask") == "commit":  # the run ended: keep only the final version of each client
+                    for cid, version in json.loads(str(ctl["committed"])).items():
+                        ClientStore(folder, committed={int(cid): int(version)}).cleanup(int(cid))
+                else:  # the run failed before its first complete round: its folder in this node's state-dir
+                    if str(ctl.get("state_dir", "") or ""):
+                        raise Refused("a discard message names a state folder; a node deletes only "
+                                      "<state-dir>/<run key> of its own state-dir", field="node_config.state-dir")
+                    shutil.rmtree(folder, ignore_errors=True)
+            except Refused as err:
+                trust.count_refusal(err, msg)
+                return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({"refused": str(err)})}), reply_to=msg)
             return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
         try:
             answer = {"partition-id": _integer(nc, "partition-id", 0), "num-partitions": _integer(nc, "num-partitions", 1)}
@@ -155,7 +376,7 @@ def _make_client_app() -> Any:
             answer = {"node_config_error": str(err)}
         return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord(answer)}), reply_to=msg)
 
-    capp.train()(_node_handler(w.TRAIN))
-    capp.evaluate()(_node_handler(w.EVALUATE))
+    capp.train()(_node_handler(w.TRAIN, own))
+    capp.evaluate()(_node_handler(w.EVALUATE, own))
 
     return capp

@@ -118,13 +118,18 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
             out["error"] = err
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # the virtual nodes are this process's own: they allow what this run config names and its run
+    # dir's clients/ (flower_node.NodeTrust); the settings travel with the ClientApp to Ray's workers
+    from rafl.federation.flower_node import _make_client_app, own_node_config
+
+    client_app = _make_client_app(own_node_config(prep.cfg, Path(run_dir) / "clients"))
     quiet = _Quiet()
     before = set(threading.enumerate())
     flwr_backend = getattr(raybackend, "RayBackend", None)  # the Simulation Runtime looks it up here when it starts
     if flwr_backend is not None:
         raybackend.RayBackend = _interruptible_ray_backend(stop, quiet)
     try:
-        run_simulation(sapp, flower.client_app, num_supernodes=n_nodes, backend_config={
+        run_simulation(sapp, client_app, num_supernodes=n_nodes, backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             "init_args": {"num_cpus": max(1, min(os.cpu_count() or 1, n_nodes)), "include_dashboard": False,
                           "log_to_driver": False}})
