@@ -170,7 +170,7 @@ def save_picks_plot(path: str | Path, picks: dict[str, dict[str, Any]], title: s
     ax.set_xlabel("predicted latency on the profile's device (ms / image, batch 1)")
     ax.set_ylabel("top-1 accuracy on server-val")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.legend(fontsize=7, loc="best", ncol=2, framealpha=0.8)
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
