@@ -27,9 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
+import itertools
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -40,9 +39,19 @@ import torch
 
 from rafl.io import atomic_write_json, atomic_write_text
 from rafl.search.cost import CostModel, energy_per_epoch_j
-from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy, measurement_cache_dir
-from rafl.search.evolution import (SearchConfig, binding_text, budget_use, cost_fn_for, evolve, profile_limits,
-                                   search_subnets)
+from rafl.search.estimators import (
+    MeasuredAccuracy,
+    PredictedAccuracy,
+    measurement_cache_dir,
+)
+from rafl.search.evolution import (
+    SearchConfig,
+    binding_text,
+    cost_fn_for,
+    evolve,
+    profile_limits,
+    search_subnets,
+)
 from rafl.search.genome import Population
 from rafl.search.predictor import tau_meaning
 from rafl.search.profile import DeviceProfile, load_profile
@@ -386,8 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     archs = {n: r["rafl"]["arch"] for n, r in rows.items()}
     macs = [rows[n]["rafl"]["macs_m"] for n in reversed(PROFILES) if n in rows]
     accs = [rows[n]["rafl"]["accuracy"] for n in reversed(PROFILES) if n in rows]
-    ordered_macs = all(a >= b for a, b in zip(macs, macs[1:]))
-    ordered_acc = all(a >= b for a, b in zip(accs, accs[1:]))
+    ordered_macs = all(a >= b for a, b in itertools.pairwise(macs))
+    ordered_acc = all(a >= b for a, b in itertools.pairwise(accs))
     bound = [n for n, r in rows.items() if r["rafl"]["binding"] is not None]
     report["checks"] = {"distinct_subnets": len(set(archs.values())), "ordered_macs": ordered_macs,
                         "ordered_accuracy": ordered_acc, "bound_within_10pct": bound}

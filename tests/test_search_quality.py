@@ -10,7 +10,13 @@ import yaml
 
 from rafl.search.cost import CostModel
 from rafl.search.estimators import MeasuredAccuracy, sample_across_space
-from rafl.search.evolution import binding_budget, binding_text, budget_use, cost_fn_for, profile_limits
+from rafl.search.evolution import (
+    binding_budget,
+    binding_text,
+    budget_use,
+    cost_fn_for,
+    profile_limits,
+)
 from rafl.search.genome import Population
 from rafl.search.profile import load_profile
 from rafl.supernet import SearchSpace, build_supernet
