@@ -107,19 +107,6 @@ class PartitionConfig(_Strict):
         return v
 
 
-#: Budget overrides of the default (quickstart) run. The shipped profiles' latency budgets are
-#: sized for 24-32 px models (a few ms per image); every subnet of the quickstart's digits supernet
-#: (width 0.35, 12-16 px) is far below them, so all devices would get the same subnet. These
-#: per-image latency targets put the three devices in different regions of that space (by the
-#: cost model: pi4 0.92-2.16 ms, jetson-nano 0.46-0.91 ms, phone 0.23-0.55 ms from the smallest
-#: to the largest subnet): pi4 gets a small subnet, jetson-nano a middle one, phone any.
-#: Set ``clients.budgets`` to ``{}`` (or your own) for other supernets.
-QUICKSTART_BUDGETS: dict[str, dict[str, float | None]] = {
-    "pi4": {"latency_ms": 1.2},
-    "jetson-nano": {"latency_ms": 0.65},
-}
-
-
 class ClientsConfig(_Strict):
     """The client population: how many, their device profiles, optional fixed archs, or a
     heterogeneous model group instead of supernet subnets.
@@ -128,8 +115,8 @@ class ClientsConfig(_Strict):
     ``archs`` maps a profile name to a fixed subnet (arch string or arch YAML/JSON path), which
     then replaces the search for that profile; ``arch`` gives one arch to every client
     (homogeneous population, e.g. for FedAvg). ``budgets`` replaces some budgets of a profile for
-    this run (same device, another application: e.g. ``{pi4: {latency_ms: 1.2}}``); the shipped
-    profiles' budgets are sized for 24-32 px models, the quickstart's digits supernet is smaller.
+    this run (same device, another application: e.g. ``{pi4: {latency_ms: 1.2}}``); none by
+    default (the shipped profiles' own budgets bind on the shipped supernets' 12-32 px subnets).
     ``models`` other than ``nas`` gives client ``i`` member ``i % len(members)`` of a model group
     (:func:`rafl.models.resolve_models`: the FedTGP paper's HtFE groups, zoo names, plug-ins), each
     with a feature extractor of width ``feature_dim`` and its own header; no supernet, profile or
@@ -142,7 +129,7 @@ class ClientsConfig(_Strict):
     archs: dict[str, str] = Field(default_factory=dict, description="profile name -> arch string or file")
     arch: str | None = Field(None, description="one arch (string or file) for every client, or null")
     budgets: dict[str, dict[str, float | None]] = Field(
-        default_factory=lambda: {k: dict(v) for k, v in QUICKSTART_BUDGETS.items()},
+        default_factory=dict,
         description="profile name -> {budget name: limit} overrides")
     models: str = Field("nas", min_length=1,
                         description="nas (a searched subnet of the supernet per device profile) or a model group: "

@@ -178,11 +178,18 @@ def _is_latency_lut(path: Path) -> bool:
 @click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall", show_default=True,
               help="LUT timing clock: wall clock (a quiet device), or the thread's CPU time (a shared, "
                    "loaded host; use with --threads 1).")
+@click.option("--statistic", type=click.Choice(["median", "min"]), default="median", show_default=True,
+              help="--build-lut: the LUT keeps the median of the timed runs (a quiet device) or the minimum "
+                   "(the run least disturbed by other processes: a shared host).")
+@click.option("--calibrate", type=click.IntRange(min=0), default=20, show_default=True,
+              help="--build-lut: also time this many random whole subnets and store the LUT's "
+                   "network_correction (whole latency = a x sum of layers + b); 0 = none.")
 @click.option("--no-measure", is_flag=True, help="Skip the host latency measurement in the report.")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bar.")
 def profile(device_profile: str, arch_text: str | None, model_path: Path | None, supernet_dir: Path | None,
             width_mult: float, n_classes: int, build_lut: bool, out: Path, batch_size: int | None, threads: int,
-            warmup: int, repeats: int, clock: str, no_measure: bool, quiet: bool) -> None:
+            warmup: int, repeats: int, clock: str, statistic: str, calibrate: int, no_measure: bool,
+            quiet: bool) -> None:
     """Cost report of a subnet on a device, or (--build-lut) a measured per-layer latency table.
 
     \b
@@ -225,10 +232,17 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
             specs += [s for _, s in head + tail]
             specs += [s for row in slot_units(space, r) for col in row for s in col]
         entries = build_latency_lut(specs, out, threads=threads, warmup=warmup, repeats=repeats,
-                                    progress=not quiet, clock=clock,
+                                    progress=not quiet, clock=clock, statistic=statistic, space=space,
+                                    calibrate=calibrate,
                                     meta={"device_profile": prof.name, "search_space": space.to_dict()})
-        click.echo(f"wrote {out}: {len(entries)} layer configurations, median of {repeats} runs each "
-                   f"({threads} thread(s), {clock} clock); reference it from a profile with `latency_lut: {out}`")
+        from rafl.search.latency import latency_lut_correction
+
+        a, b = latency_lut_correction(out)
+        corr = (f"; whole-network correction a = {a:.3f}, b = {b:+.3f} ms from {calibrate} random subnets"
+                if calibrate else "")
+        click.echo(f"wrote {out}: {len(entries)} layer configurations, {statistic} of {repeats} runs each "
+                   f"({threads} thread(s), {clock} clock){corr}; reference it from a profile with "
+                   f"`latency_lut: {out}`")
         return
 
     if arch_text is None and model_path is None:

@@ -15,7 +15,7 @@ def _check_out(out: Path, names: list[str]) -> None:
         raise UserInputError("exists and is not a folder", source=out, field="--out")
     if out.is_dir():
         foreign = [p.name for p in out.iterdir()
-                   if not (p.name == "search.json" or (p / "result.json").is_file() or p.name.startswith("."))]
+                   if not (p.name in ("search.json", "pareto.png") or (p / "result.json").is_file() or p.name.startswith("."))]
         if foreign:
             raise UserInputError(f"is a folder holding files that are not `rafl search` output "
                                  f"({', '.join(sorted(foreign)[:3])}); choose a new or empty folder",
@@ -40,8 +40,9 @@ def _check_out(out: Path, names: list[str]) -> None:
 @click.option("--estimator", type=click.Choice(["predictor", "measured"]), default="predictor",
               show_default=True, help="Accuracy during the evolution: an MLP predictor trained on "
                                       "measured subnets, or measuring every subnet (slow).")
-@click.option("--predictor-samples", type=click.IntRange(min=4), default=48, show_default=True,
-              help="Subnets measured to train the predictor.")
+@click.option("--predictor-samples", type=click.IntRange(min=4), default=500, show_default=True,
+              help="Subnets measured (on the server-val split, cached per supernet) to train the predictor "
+                   "(OFA: thousands; >= 500 for a predictor that ranks).")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
               help="Final candidates re-measured per profile; the best measured one that meets the "
                    "profile's budgets wins (any profile's finalists, when several are searched).")
@@ -80,13 +81,19 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
                           estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
                           progress=not quiet)  # the options' click ranges are SearchConfig's constraints
     results = run_search(profs, out, config, supernet_dir=supernet_dir)
+    from rafl.search.evolution import binding_text
+    from rafl.search.predictor import tau_meaning
+    from rafl.search.runner import same_subnet_note
+
     fit = next(iter(results.values())).predictor_fit
     if fit:
-        click.echo(f"predictor: Kendall tau {fit['kendall_tau']:.3f} ({fit['folds']}-fold cross-validation over "
-                   f"{fit['n_holdout']} measured subnets, RMSE {fit['rmse']:.3f})")
+        click.echo(f"predictor: Kendall tau {fit['kendall_tau']:.3f}, RMSE {fit['rmse']:.4f} ({fit['folds']}-fold "
+                   f"cross-validation over {fit['n_holdout']} measured subnets): {tau_meaning(fit['kendall_tau'])}")
     for name, res in results.items():
         c = res.cost
         where = "" if res.found_for == name else f", found for {res.found_for}"
         click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} (measured{where})  "
                    f"{c.macs_m:.2f} M MACs  {c.latency_ms:.3g} ms  peak {c.peak_memory_mb:.3g} MiB  "
-                   f"-> {out / name}")
+                   f"binds: {binding_text(res.budget_use)}  -> {out / name}")
+    for line in same_subnet_note(results):
+        click.echo(line)

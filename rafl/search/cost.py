@@ -19,7 +19,8 @@ Metrics (batch 1, float32 unless said otherwise):
   (3 x params x 4 bytes) + B x the activations autograd saves per sample (measured per unit with
   ``saved_tensors_hooks``).
 * ``latency_ms``: per-unit roofline (profile throughput/bandwidth + per-layer overhead) or the
-  profile's measured per-unit LUT; NaN without a profile.
+  profile's measured per-unit LUT (with its ``network_correction``, ``a x sum + b_ms``, when it
+  has one: :func:`rafl.search.latency.build_latency_lut`); NaN without a profile.
 * ``energy_mj``: MACs x pJ/MAC + DRAM bytes x pJ/byte, or average power x latency; NaN without
   an energy model. Energy per local epoch (a budget) = 3 x energy_mj x epoch_samples
   (backward ~ 2 x forward; Kaplan et al., "Scaling Laws for Neural Language Models", 2020, Sec. 2.1).
@@ -278,10 +279,12 @@ class CostModel:
             raise UserInputError(f"must be >= 1, got {batch_size}", field="batch_size")
         self.batch_size = int(batch_size)
         self._lut: dict[str, float] | None = None
+        self._lut_scale, self._lut_offset_ms = 1.0, 0.0
         if self.profile is not None and self.profile.latency_lut is not None:
-            from rafl.search.latency import load_latency_lut
+            from rafl.search.latency import latency_lut_correction, load_latency_lut
 
             self._lut = load_latency_lut(self.profile.latency_lut_path(), self.profile)
+            self._lut_scale, self._lut_offset_ms = latency_lut_correction(self.profile.latency_lut_path())
         self._r_index = {r: i for i, r in enumerate(space.resolutions)}
         self._k_lookup = _lookup(space.ks_choices)
         self._e_lookup = _lookup(space.e_choices)
@@ -305,6 +308,10 @@ class CostModel:
                         self._add[ri, i, k, e, 3:] = self._latency_energy(spec)
             fixed = t["head"] + t["tail"]
             lat_en = np.array([self._latency_energy(s) for _, s in fixed]).sum(axis=0)
+            if self._lut_offset_ms:  # the LUT's whole-network term (network_correction.b_ms)
+                lat_en[0] += self._lut_offset_ms
+                if self.profile.energy_pj_per_mac is None and self.profile.avg_power_w is not None:
+                    lat_en[1] += self.profile.avg_power_w * self._lut_offset_ms
             self._fixed_add[ri] = [t["fixed_macs"], t["fixed_params"],
                                    self.batch_size * t["fixed_saved"] + t["fixed_saved_fixed"], *lat_en]
             self._fixed_peak[ri] = t["fixed_peak"]
@@ -319,7 +326,8 @@ class CostModel:
 
     # ----------------------------------------------------------------- per unit
     def unit_latency_ms(self, spec: UnitSpec) -> float:
-        """Predicted latency of one unit (LUT entry or roofline), ms; NaN without a profile.
+        """Predicted latency of one unit (LUT entry, times the LUT's ``network_correction.a`` if it
+        has one, or roofline), ms; NaN without a profile.
 
         Raises:
             UserInputError: the profile's LUT has no entry for this unit configuration.
@@ -332,7 +340,7 @@ class CostModel:
                     f"has no entry for layer {spec.key!r} (built for another search space?); rebuild it "
                     "with `rafl profile --build-lut` for this space", source=self.profile.latency_lut_path(),
                     field="latency_lut")
-            return self._lut[spec.key]
+            return self._lut_scale * self._lut[spec.key]
         from rafl.search.latency import roofline_latency_ms
 
         return roofline_latency_ms(spec, self.profile)

@@ -9,6 +9,7 @@ server's pool-train part, accuracy on the server's validation split.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -51,31 +52,117 @@ def check_eval_data(val_data: tuple[Tensor, Tensor], calib_data: Tensor, n_class
                              f"{int(labels.max())}]", field="val_data")
 
 
+def tensor_fingerprint(*tensors: Tensor) -> str:
+    """SHA-256 (hex, 16 chars) of the bytes of ``tensors`` (their dtype and shape included)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for x in tensors:
+        x = x.detach().cpu().contiguous()
+        h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+        h.update(x.numpy().tobytes() if x.dtype != torch.bfloat16 else x.float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def supernet_fingerprint(supernet) -> str:
+    """SHA-256 (hex, 16 chars) of a supernet's search space and every tensor of its state dict:
+    the key of the per-supernet measurement cache (another checkpoint, another key)."""
+    import hashlib
+
+    state = supernet.state_dict()
+    h = hashlib.sha256(repr(supernet.space).encode())
+    h.update(tensor_fingerprint(*(state[k] for k in sorted(state))).encode())
+    return h.hexdigest()[:16]
+
+
+def measurement_cache_dir() -> Path:
+    """``$RAFL_CACHE_DIR/search-measurements`` (default ``~/.cache/rafl``)."""
+    import os
+
+    return Path(os.environ.get("RAFL_CACHE_DIR") or Path.home() / ".cache" / "rafl") / "search-measurements"
+
+
 class MeasuredAccuracy:
     """Top-1 accuracy (fraction 0..1) of extracted, BN-recalibrated subnets; cached per arch.
 
     For each arch: :func:`rafl.supernet.extract_subnet`, :func:`rafl.supernet.recalibrate_bn` on
-    ``calib_batches`` batches of ``calib_data``, then accuracy on ``val_data`` in eval mode.
+    ``calib_batches`` batches of ``calib_data``, then accuracy on ``val_data`` in eval mode
+    (OFA's measurement of its predictor's training set, Cai et al. 2020, Sec. 3.2 / 3.4).
+    :meth:`measure` works in batches: archs grouped by resolution, the validation and
+    calibration images resized once per resolution, channels-last inference.
 
     Args:
         supernet: a trained :class:`rafl.supernet.Supernet` (left unchanged).
         val_data: ``(images (N, C, H, W), labels (N,))`` the server's validation split.
         calib_data: ``(M, C, H, W)`` server images for BN recalibration (pool-train part).
         batch_size: images per forward pass. calib_batches: batches used to recalibrate BN.
+        cache_dir: a folder for the on-disk cache of measurements (None: in memory only). The
+            file is keyed by :func:`supernet_fingerprint`, the validation and calibration images
+            and labels, ``batch_size`` and ``calib_batches``, so a later search of the same
+            supernet on the same data measures no arch twice; it is rewritten (atomically) after
+            every batch of measurements, so an interrupted run keeps what it measured.
     Raises:
         UserInputError: see :func:`check_eval_data`.
     """
 
     def __init__(self, supernet, val_data: tuple[Tensor, Tensor], calib_data: Tensor, *,
-                 batch_size: int = 128, calib_batches: int = 2):
+                 batch_size: int = 128, calib_batches: int = 2, cache_dir: str | Path | None = None):
         check_eval_data(val_data, calib_data, supernet.space.n_classes)
         self.supernet = supernet
         self.space: SearchSpace = supernet.space
         self.images, self.labels = val_data[0].float(), val_data[1].long()
-        self.calib = [calib_data[i:i + batch_size].float() for i in range(0, calib_data.shape[0], batch_size)]
-        self.calib_batches = max(1, min(calib_batches, len(self.calib)))
+        self.calib_images = calib_data.float()
+        n_cal = -(-calib_data.shape[0] // batch_size)
+        self.calib_batches = max(1, min(calib_batches, n_cal))
         self.batch_size = batch_size
         self.cache: dict[str, float] = {}
+        self.cache_path: Path | None = None
+        self.n_measured = 0  # archs measured by this object (cache hits excluded)
+        self._resized: dict[int, tuple[Tensor, list[Tensor]]] = {}
+        if cache_dir is not None:
+            key = tensor_fingerprint(self.images, self.labels,
+                                     self.calib_images[: self.calib_batches * batch_size])
+            self.cache_path = (Path(cache_dir) / f"{supernet_fingerprint(supernet)}-{key}-b{batch_size}"
+                               f"c{self.calib_batches}.json")
+            self._load_cache()
+
+    # ------------------------------------------------------------------ disk cache
+    def _load_cache(self) -> None:
+        import json
+
+        try:
+            data = json.loads(self.cache_path.read_text())
+            acc = data["accuracy"]
+            self.cache.update({str(k): float(v) for k, v in acc.items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return  # no cache yet, or a damaged one: measure again
+
+    def _save_cache(self) -> None:
+        from rafl.io import atomic_write_json
+
+        if self.cache_path is None:
+            return
+        try:
+            atomic_write_json(self.cache_path, {
+                "format": "rafl-measured-accuracy/1", "n_val": int(self.images.shape[0]),
+                "note": "top-1 (fraction) on the server-val split after BN recalibration, per canonical arch",
+                "accuracy": self.cache})
+        except OSError:
+            self.cache_path = None  # read-only cache folder: keep measuring in memory
+
+    # ------------------------------------------------------------------ measuring
+    def _inputs(self, r: int) -> tuple[Tensor, list[Tensor]]:
+        """Validation images and calibration batches resized to ``r`` once, channels-last."""
+        if r not in self._resized:
+            from rafl.supernet.model import prepare_input
+
+            cl = torch.channels_last
+            val = prepare_input(self.images, r).contiguous(memory_format=cl)
+            cal = prepare_input(self.calib_images[: self.calib_batches * self.batch_size], r)
+            cal = [cal[i:i + self.batch_size].contiguous(memory_format=cl)
+                   for i in range(0, cal.shape[0], self.batch_size)]
+            self._resized = {r: (val, cal)}  # one resolution at a time (archs come grouped by r)
+        return self._resized[r]
 
     def _measure_one(self, arch: ArchConfig) -> float:
         from rafl.supernet import extract_subnet, recalibrate_bn
@@ -86,33 +173,68 @@ class MeasuredAccuracy:
             sub = extract_subnet(self.supernet, arch)
         finally:
             self.supernet.train(was_training)
-        recalibrate_bn(sub, self.calib, n_batches=self.calib_batches)
+        val, cal = self._inputs(arch.r)
+        sub = sub.to(memory_format=torch.channels_last)
+        recalibrate_bn(sub, cal, n_batches=self.calib_batches)
         sub.eval()
         correct = 0
-        with torch.no_grad():
-            for i in range(0, self.images.shape[0], self.batch_size):
-                logits = sub(self.images[i:i + self.batch_size])
+        with torch.inference_mode():
+            for i in range(0, val.shape[0], self.batch_size):
+                logits = sub(val[i:i + self.batch_size])
                 correct += int((logits.argmax(1) == self.labels[i:i + self.batch_size]).sum())
-        return correct / self.images.shape[0]
+        return correct / val.shape[0]
 
-    def measure(self, archs: Sequence[ArchConfig], progress: bool = False, desc: str = "measuring subnets"
-                ) -> np.ndarray:
-        """``(len(archs),)`` float64 accuracies (fraction 0..1); cached per canonical arch."""
-        out = np.empty(len(archs), dtype=np.float64)
-        todo = [i for i, a in enumerate(archs) if a.canonical(self.space).to_string() not in self.cache]
+    def measure(self, archs: Sequence[ArchConfig], progress: bool = False, desc: str = "measuring subnets",
+                save_every: int = 25) -> np.ndarray:
+        """``(len(archs),)`` float64 accuracies (fraction 0..1); cached per canonical arch.
+
+        The archs not in the cache are measured grouped by resolution; the disk cache (if any)
+        is rewritten every ``save_every`` measurements and at the end.
+        """
+        keys = [a.canonical(self.space).to_string() for a in archs]
+        todo: dict[str, ArchConfig] = {}
+        for a, k in zip(archs, keys):
+            if k not in self.cache:
+                todo.setdefault(k, a.canonical(self.space))
         bar = tqdm(total=len(todo), desc=desc, disable=not progress or not todo, leave=False)
-        for i, arch in enumerate(archs):
-            key = arch.canonical(self.space).to_string()
-            if key not in self.cache:
-                self.cache[key] = self._measure_one(arch.canonical(self.space))
-                bar.update(1)
-            out[i] = self.cache[key]
+        for done, (key, arch) in enumerate(sorted(todo.items(), key=lambda kv: kv[1].r), start=1):
+            self.cache[key] = self._measure_one(arch)
+            self.n_measured += 1
+            bar.update(1)
+            if done % save_every == 0:
+                self._save_cache()
         bar.close()
-        return out
+        if todo:
+            self._save_cache()
+        return np.asarray([self.cache[k] for k in keys], dtype=np.float64)
 
     def __call__(self, pop: Population) -> np.ndarray:
         """Accuracy of every member of a :class:`Population` (the evolution's score function)."""
         return self.measure(pop.archs())
+
+
+def sample_across_space(space: SearchSpace, n: int, seed: int = 0) -> list[ArchConfig]:
+    """``n`` distinct archs for the predictor's training set, spread over the whole space.
+
+    The smallest and the largest arch, then uniformly random archs (OFA samples its predictor's
+    training set uniformly, Cai et al. 2020, Sec. 3.4) with the resolution stratified (every
+    resolution equally often) so that no resolution is under-represented by chance. Fewer than
+    ``n`` only if the space has fewer distinct archs.
+    """
+    rng = np.random.default_rng(seed)
+    archs: dict[str, ArchConfig] = {}
+    for a in (space.smallest(), space.largest()):
+        archs[a.canonical(space).to_string()] = a.canonical(space)
+    n_r = len(space.resolutions)
+    for _ in range(50):
+        if len(archs) >= n:
+            break
+        pop = Population.sample(space, n, rng)
+        pop.r[:] = (np.arange(len(pop)) + len(archs)) % n_r  # stratified resolution
+        for a in pop.canonical().archs():
+            if len(archs) < n:
+                archs.setdefault(a.to_string(), a)
+    return list(archs.values())
 
 
 class PredictedAccuracy:
@@ -130,8 +252,8 @@ class PredictedAccuracy:
     def from_measurements(cls, measured: MeasuredAccuracy, n_samples: int, seed: int = 0, *,
                           folds: int = 4, hidden: int = 128, epochs: int = 400,
                           progress: bool = True) -> PredictedAccuracy:
-        """Measure ``n_samples`` distinct random archs (always including the smallest and the
-        largest) and train the predictor on them (OFA Sec. 3.4); Kendall tau by ``folds``-fold CV.
+        """Measure ``n_samples`` distinct archs spread over the space (:func:`sample_across_space`)
+        and train the predictor on them (OFA Sec. 3.4); Kendall tau and RMSE by ``folds``-fold CV.
 
         Raises:
             UserInputError: ``n_samples < 4``.
@@ -139,21 +261,19 @@ class PredictedAccuracy:
         if n_samples < 4:
             raise UserInputError(f"must be >= 4, got {n_samples}", field="search.predictor_samples")
         space = measured.space
-        rng = np.random.default_rng(seed)
-        archs: dict[str, ArchConfig] = {}
-        for a in (space.smallest(), space.largest()):
-            archs[a.to_string()] = a
-        tries = 0
-        while len(archs) < n_samples and tries < 50:
-            for a in Population.sample(space, n_samples, rng).archs():
-                if len(archs) < n_samples:
-                    archs.setdefault(a.to_string(), a)
-            tries += 1
-        arch_list = list(archs.values())
+        arch_list = sample_across_space(space, n_samples, seed)
         acc = measured.measure(arch_list, progress=progress, desc="measuring subnets for the predictor")
         x = Population.from_archs(space, arch_list).encode()
         model, fit = train_predictor(x, acc, folds=folds, hidden=hidden, epochs=epochs, seed=seed)
         return cls(model, fit)
 
 
-__all__ = ["MeasuredAccuracy", "PredictedAccuracy", "check_eval_data"]
+__all__ = [
+    "MeasuredAccuracy",
+    "PredictedAccuracy",
+    "check_eval_data",
+    "measurement_cache_dir",
+    "sample_across_space",
+    "supernet_fingerprint",
+    "tensor_fingerprint",
+]

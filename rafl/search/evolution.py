@@ -65,7 +65,7 @@ class SearchConfig(BaseModel):
     mutate_prob: float = Field(0.1, ge=0, le=1, description="a probability in [0, 1] (per block / stage)")
     resolution_mutate_prob: float = Field(0.5, ge=0, le=1, description="a probability in [0, 1]")
     estimator: Literal["predictor", "measured"] = Field("predictor", description="'predictor' or 'measured'")
-    predictor_samples: int = Field(48, ge=4, description="an integer >= 4 (measured subnets to train the predictor)")
+    predictor_samples: int = Field(500, ge=4, description="an integer >= 4 (measured subnets to train the predictor; OFA-style: >= 500)")
     predictor_folds: int = Field(4, ge=0, description="an integer >= 0 (cross-validation folds for the predictor's Kendall tau; 0/1 = none)")
     predictor_hidden: int = Field(128, ge=1, description="an integer >= 1")
     predictor_epochs: int = Field(400, ge=1, description="an integer >= 1")
@@ -77,6 +77,8 @@ class SearchConfig(BaseModel):
     seed: int = Field(0, description="an integer (everything is deterministic for it)")
     threads: int | None = Field(1, ge=1, description="an integer >= 1 (torch threads during the search), or null (unchanged)")
     progress: bool = Field(True, description="true/false (progress bars)")
+    cache_measurements: bool = Field(True, description="true/false (keep measured accuracies on disk, per supernet "
+                                                       "and validation split, under $RAFL_CACHE_DIR/search-measurements)")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | None = None) -> SearchConfig:
@@ -454,6 +456,8 @@ class SearchResult:
         shared_candidates: the other profiles' finalists this profile considered,
             ``[{"arch", "accuracy", "predicted_accuracy", "found_for", "feasible", "violates"}]``
             (``violates``: the budget keys of this profile it exceeds).
+        budget_use: :func:`budget_use` of ``arch`` on this profile (most used budget first).
+        binding: the budget that binds the pick (:func:`binding_budget`: used to >= 90%), or None.
     """
 
     arch: ArchConfig
@@ -469,6 +473,8 @@ class SearchResult:
     budgets: dict[str, float] = field(default_factory=dict)
     found_for: str = ""
     shared_candidates: list[dict[str, Any]] = field(default_factory=list)
+    budget_use: list[dict[str, Any]] = field(default_factory=list)
+    binding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.found_for:
@@ -559,6 +565,43 @@ def pick_shared(space: SearchSpace, finalists: dict[str, list[Finalist]], cost_f
 def profile_limits(profile) -> dict[str, float]:
     """``{cost key: limit}`` of a :class:`DeviceProfile` (its effective budgets)."""
     return {k: float(v) for k, v in profile.effective_budgets()}
+
+
+#: A pick whose cost is at least this share of a budget is said to be bound by it.
+BINDING_USE = 0.9
+
+
+def budget_use(values: dict[str, float], limits: dict[str, float]) -> list[dict[str, Any]]:
+    """How much of every budget a subnet uses, most used first.
+
+    Args:
+        values: the subnet's cost per key (e.g. one row of :func:`cost_fn_for`'s arrays).
+        limits: ``{key: limit}``.
+    Returns:
+        ``[{"budget", "value", "limit", "use"}]`` with ``use = value / limit`` (1.0 = at the limit),
+        sorted by ``use`` descending (ties in ``limits`` order).
+    """
+    rows = [{"budget": k, "value": float(values[k]), "limit": float(v), "use": float(values[k]) / float(v)}
+            for k, v in limits.items()]
+    return sorted(rows, key=lambda r: -r["use"])
+
+
+def binding_budget(use: list[dict[str, Any]], threshold: float = BINDING_USE) -> dict[str, Any] | None:
+    """The budget that binds a pick: the most used one, if it is used to ``>= threshold``
+    (within 10% of its limit by default); None when no budget does (the pick is not limited
+    by the device but by the search space or the accuracy landscape)."""
+    return dict(use[0]) if use and use[0]["use"] >= threshold else None
+
+
+def binding_text(use: list[dict[str, Any]], threshold: float = BINDING_USE) -> str:
+    """One phrase naming what limits a pick, e.g. ``latency_ms 1.49 of 1.5 (99%)`` or
+    ``no budget binds (most used: latency_ms at 62%)``."""
+    b = binding_budget(use, threshold)
+    if b is not None:
+        return f"{b['budget']} {b['value']:.4g} of {b['limit']:.4g} ({100 * b['use']:.0f}%)"
+    if not use:
+        return "no budgets"
+    return f"no budget binds (most used: {use[0]['budget']} at {100 * use[0]['use']:.0f}%)"
 
 
 class _ArchRows:
@@ -673,8 +716,11 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     if len(set(names)) != len(names):
         raise UserInputError(f"duplicate profile names {names}", field="device_profile")
     space: SearchSpace = supernet.space
+    from rafl.search.estimators import measurement_cache_dir
+
     measured = MeasuredAccuracy(supernet, val_data, calib_data, batch_size=config.batch_size,
-                                calib_batches=config.calib_batches)
+                                calib_batches=config.calib_batches,
+                                cache_dir=measurement_cache_dir() if config.cache_measurements else None)
     models = dict(cost_models or {})
     for p in profs:
         if p.name not in models:
@@ -733,6 +779,8 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     for p in profs:
         out = evolved[p.name]
         pick = picks[p.name].pick
+        row = {k: float(v[0]) for k, v in cost_fns[p.name](Population.from_archs(space, [pick.arch])).items()}
+        use = budget_use(row, limits[p.name])
         results[p.name] = SearchResult(
             arch=pick.arch, accuracy=pick.accuracy, cost=models[p.name].cost(pick.arch), profile=p.name,
             predicted_accuracy=pick.predicted_accuracy, estimator=config.estimator,
@@ -740,11 +788,12 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
             top_k=[{"arch": f.arch.to_string(), "predicted_accuracy": f.predicted_accuracy, "accuracy": f.accuracy}
                    for f in finalists[p.name]],
             history=out.history, outcome=out, budgets=limits[p.name], found_for=pick.found_for,
-            shared_candidates=picks[p.name].considered)
+            shared_candidates=picks[p.name].considered, budget_use=use, binding=binding_budget(use))
     return results
 
 
 __all__ = ["SearchConfig", "SearchResult", "EvolutionOutcome", "evolve", "search_subnets", "feasible_mask",
            "Finalist", "SharedPick", "pick_shared",
            "check_satisfiable",
-           "infeasibility_error", "profile_limits", "cost_fn_for"]
+           "infeasibility_error", "profile_limits", "cost_fn_for", "budget_use", "binding_budget", "binding_text",
+           "BINDING_USE"]

@@ -33,7 +33,8 @@ from rafl.search.profile import DeviceProfile
 from rafl.search.units import UnitSpec, build_unit_module, unit_input_shape
 
 __all__ = ["roofline_latency_ms", "unit_energy_mj", "load_latency_lut", "build_latency_lut",
-           "measure_latency_ms", "LUT_FORMAT", "CLOCKS"]
+           "measure_latency_ms", "LUT_FORMAT", "CLOCKS", "STATISTICS", "latency_lut_correction",
+           "fit_network_correction"]
 
 LUT_FORMAT = "rafl-latency-lut/1"
 
@@ -115,6 +116,54 @@ def load_latency_lut(path: str | Path, profile: DeviceProfile | None = None) -> 
 
 
 CLOCKS = ("wall", "thread")
+STATISTICS = ("median", "min")
+
+
+def latency_lut_correction(path: str | Path) -> tuple[float, float]:
+    """``(a, b_ms)`` of a LUT's ``network_correction`` (whole-network latency = ``a x`` the sum of
+    its layers' entries ``+ b_ms``); ``(1.0, 0.0)`` for a LUT without one. Read after
+    :func:`load_latency_lut` validated the file."""
+    data = load_yaml(Path(path).read_text(), Path(path))
+    corr = data.get("network_correction") if isinstance(data, dict) else None
+    if not isinstance(corr, dict):
+        return 1.0, 0.0
+    a, b = corr.get("a"), corr.get("b_ms")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b)) or not a > 0:
+        raise UserInputError(f"network_correction must have a > 0 and b_ms numbers, got {corr!r}", source=path,
+                             field="network_correction")
+    return float(a), float(b)
+
+
+def fit_network_correction(layer_sums, measured) -> tuple[float, float]:
+    """``(a, b_ms)`` minimizing the squared *relative* error of ``a * layer_sum + b`` against the
+    measured whole-network latencies (least squares; both in ms, one entry per network).
+
+    A network pays what none of its layers pays alone (the module's own forward, the global pool,
+    cache misses between layers); nn-Meter (Zhang et al., MobiSys 2021) predicts a model as the sum
+    of its kernels' latencies, and this one linear term accounts for the rest."""
+    import numpy as np
+
+    s, y = np.asarray(layer_sums, dtype=float), np.asarray(measured, dtype=float)
+    design = np.stack([s / y, 1.0 / y], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, np.ones(len(y)), rcond=None)
+    return float(a), float(b)
+
+
+def _time_round_robin(modules, warmup: int, repeats: int, now, statistic: str, progress: bool, desc: str
+                      ) -> list[float]:
+    import torch
+    from tqdm import tqdm
+
+    times: list[list[float]] = [[] for _ in modules]
+    with torch.inference_mode():
+        for rnd in tqdm(range(warmup + repeats), desc=desc, unit="round", disable=not progress):
+            for i, (module, x) in enumerate(modules):
+                t0 = now()
+                module(x)
+                if rnd >= warmup:
+                    times[i].append((now() - t0) * 1e3)
+    pick = statistics.median if statistic == "median" else min
+    return [pick(ts) for ts in times]
 
 
 def measure_latency_ms(module, x, *, warmup: int = 5, repeats: int = 20, clock: str = "wall") -> list[float]:
@@ -148,7 +197,8 @@ def measure_latency_ms(module, x, *, warmup: int = 5, repeats: int = 20, clock: 
 
 def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: int = 1, warmup: int = 5,
                       repeats: int = 15, progress: bool = True, meta: dict | None = None,
-                      clock: str = "wall") -> dict[str, float]:
+                      clock: str = "wall", statistic: str = "median", space=None, calibrate: int = 0,
+                      seed: int = 0) -> dict[str, float]:
     """Measure every distinct unit configuration on this machine and write the LUT (YAML, atomic).
 
     Layers are timed round-robin (each round runs every layer once) so that caches are in the state
@@ -158,13 +208,22 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
         specs: unit configurations (duplicates are measured once).
         out: output YAML path.
         threads: ``torch.set_num_threads`` during the measurement (restored afterwards).
-        warmup, repeats: untimed warm-up runs and timed repeats per configuration (median kept).
+        warmup, repeats: untimed warm-up runs and timed repeats per configuration.
         progress: show a tqdm bar.
         meta: extra fields recorded in the file (e.g. the search space).
         clock: ``"wall"`` or ``"thread"`` (see :func:`measure_latency_ms`).
+        statistic: ``"median"`` (a quiet device) or ``"min"`` (the run least disturbed by other
+            processes: a shared, loaded host) of the timed runs.
+        space, calibrate: with a :class:`SearchSpace` and ``calibrate > 0``, also time
+            ``calibrate`` random whole subnets of ``space`` (random weights; latency does not depend
+            on them) the same way and store ``network_correction: {a, b_ms}``
+            (:func:`fit_network_correction`), which :class:`rafl.search.cost.CostModel` applies.
+        seed: the random subnets and weights.
 
     Returns:
-        unit key -> median latency (ms), batch 1.
+        unit key -> latency (ms), batch 1.
+    Raises:
+        UserInputError: an unknown ``clock`` or ``statistic``.
     """
     import torch
     from tqdm import tqdm
@@ -173,39 +232,52 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
 
     if clock not in CLOCKS:
         raise UserInputError(f"is {clock!r}, allowed: {', '.join(CLOCKS)}", field="clock")
+    if statistic not in STATISTICS:
+        raise UserInputError(f"is {statistic!r}, allowed: {', '.join(STATISTICS)}", field="statistic")
     now = time.perf_counter if clock == "wall" else time.thread_time
     unique: dict[str, UnitSpec] = {}
     for s in specs:
         unique.setdefault(s.key, s)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    times: dict[str, list[float]] = {key: [] for key in unique}
+    correction = None
     try:
-        torch.manual_seed(0)
-        built = [(key, build_unit_module(spec).eval(), torch.randn(unit_input_shape(spec)))
-                 for key, spec in tqdm(unique.items(), desc="build layers", unit="layer", disable=not progress)]
+        torch.manual_seed(seed)
+        built = [(build_unit_module(spec).eval(), torch.randn(unit_input_shape(spec)))
+                 for spec in tqdm(unique.values(), desc="build layers", unit="layer", disable=not progress)]
         # Round-robin: every round runs each layer once, so between two runs of a layer the others
         # have run (as inside a network, where a layer's weights are not hot in cache); a layer timed
         # back-to-back would look faster than it is in a network.
-        with torch.inference_mode():
-            for rnd in tqdm(range(warmup + repeats), desc="latency LUT", unit="round", disable=not progress):
-                for key, module, x in built:
-                    t0 = now()
-                    module(x)
-                    if rnd >= warmup:
-                        times[key].append((now() - t0) * 1e3)
+        lat = _time_round_robin(built, warmup, repeats, now, statistic, progress, "latency LUT")
+        entries = {key: round(v, 6) for key, v in zip(unique, lat)}
+        if space is not None and calibrate > 0:
+            import numpy as np
+
+            from rafl.search.units import arch_units
+            from rafl.supernet import build_supernet, extract_subnet
+
+            rng = np.random.default_rng(seed)
+            archs = [space.sample(rng) for _ in range(calibrate)]
+            supernet = build_supernet(space).eval()
+            nets = [(extract_subnet(supernet, a).eval(), torch.randn(1, 3, a.r, a.r)) for a in archs]
+            whole = _time_round_robin(nets, warmup, repeats, now, statistic, progress, "whole subnets")
+            sums = [sum(entries[s.key] for _, s in arch_units(space, a)) for a in archs]
+            a, b = fit_network_correction(sums, whole)
+            correction = {"a": round(a, 6), "b_ms": round(b, 6), "n_subnets": calibrate,
+                          "method": "least squares on the relative error of a x (sum of layer entries) + b_ms "
+                                    "against whole random subnets timed the same way"}
     finally:
         torch.set_num_threads(old_threads)
-    entries = {key: round(statistics.median(ts), 6) for key, ts in times.items()}
     doc = {
         "format": LUT_FORMAT,
         "host": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                  "system": platform.system(), "cpu_count": os.cpu_count(), "torch": str(torch.__version__)},
-        "threads": threads, "warmup": warmup, "repeats": repeats, "statistic": "median", "batch_size": 1,
+        "threads": threads, "warmup": warmup, "repeats": repeats, "statistic": statistic, "batch_size": 1,
         "schedule": "round-robin",
         "clock": clock,
         "unit": "ms",
         **(meta or {}),
+        **({"network_correction": correction} if correction else {}),
         "entries": entries,
     }
     atomic_write_yaml(out, doc)

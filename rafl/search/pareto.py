@@ -106,4 +106,78 @@ def save_fronts(directory: str | Path, accuracy: np.ndarray, costs: dict[str, np
     return doc
 
 
-__all__ = ["pareto_front", "front_records", "save_fronts"]
+def save_picks_plot(path: str | Path, picks: dict[str, dict[str, Any]], title: str = "") -> None:
+    """One accuracy-vs-latency picture of every profile's pick, each profile's latency budget a line.
+
+    Args:
+        path: the PNG to write (atomically).
+        picks: ``{profile: {"latency_ms", "accuracy" (measured), "predicted_accuracy" (or None),
+            "latency_budget_ms" (or None), "arch"}}``; latency is the pick's predicted latency on
+            that profile's device (ms per image, batch 1).
+        title: the figure title.
+
+    The axes are zoomed to the picks and the budgets near them; a budget off the scale (beyond
+    1.5x the largest or below 0.5x the smallest pick latency) is drawn as an arrow at the edge,
+    labelled with its value. Measured accuracy is a filled marker, predicted a hollow one, joined
+    by a thin line.
+    """
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(picks)
+    lat = np.array([float(picks[n]["latency_ms"]) for n in names])
+    acc = np.array([float(picks[n]["accuracy"]) for n in names])
+    pred = np.array([np.nan if picks[n].get("predicted_accuracy") is None else float(picks[n]["predicted_accuracy"])
+                     for n in names])
+    budgets = {n: picks[n].get("latency_budget_ms") for n in names}
+    lo_keep, hi_keep = 0.5 * lat.min(), 1.5 * lat.max()
+    on = {n: b for n, b in budgets.items() if b is not None and lo_keep <= b <= hi_keep}
+    xs = np.concatenate([lat, np.array(list(on.values()), dtype=float)])
+    span = max(xs.max() - xs.min(), 0.05 * xs.max())
+    x0, x1 = xs.min() - 0.12 * span, xs.max() + 0.12 * span
+    ys = np.concatenate([acc, pred[~np.isnan(pred)]])
+    yspan = max(ys.max() - ys.min(), 0.01)
+    y0, y1 = ys.min() - 0.25 * yspan, ys.max() + 0.25 * yspan
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, n in enumerate(names):
+        c = colors[i % len(colors)]
+        ax.scatter([lat[i]], [acc[i]], s=70, color=c, zorder=4, label=f"{n}: measured")
+        if not np.isnan(pred[i]):
+            ax.scatter([lat[i]], [pred[i]], s=70, facecolors="none", edgecolors=c, zorder=4,
+                       label=f"{n}: predicted")
+            ax.plot([lat[i], lat[i]], [acc[i], pred[i]], color=c, lw=0.8, zorder=3)
+        b = budgets[n]
+        if b is None:
+            continue
+        if n in on:
+            ax.axvline(b, color=c, ls="--", lw=1.2)
+            ax.annotate(f"{n} budget {b:g} ms", (b, y1), xytext=(2, -4), textcoords="offset points", rotation=90,
+                        va="top", ha="left", fontsize=7, color=c)
+        else:
+            edge = x1 if b > hi_keep else x0
+            direction = 1 if b > hi_keep else -1
+            y = y0 + (0.1 + 0.1 * i) * (y1 - y0)
+            ax.annotate(f"{n} budget {b:g} ms", xy=(edge, y), xytext=(edge - direction * 0.18 * (x1 - x0), y),
+                        arrowprops={"arrowstyle": "->", "color": c}, fontsize=7, color=c, va="center",
+                        ha="right" if direction > 0 else "left")
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(y0, y1)
+    ax.set_xlabel("predicted latency on the profile's device (ms / image, batch 1)")
+    ax.set_ylabel("top-1 accuracy on server-val")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best", ncol=2, framealpha=0.8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+__all__ = ["pareto_front", "front_records", "save_fronts", "save_picks_plot"]

@@ -18,7 +18,9 @@ when complete, so an interrupted run leaves nothing half-written):
   ``shared_candidates``: the other profiles' finalists considered, the resolved search config and
   the supernet used).
 
-And ``<out>/search.json``: one entry per profile folder present in ``<out>`` (a later search into
+And ``<out>/pareto.png``: every profile of the run's pick (measured and predicted accuracy) against
+its predicted device latency, each profile's latency budget a line
+(:func:`rafl.search.pareto.save_picks_plot`); ``<out>/search.json``: one entry per profile folder present in ``<out>`` (a later search into
 the same folder adds or replaces its own profiles' folders and keeps the others, so the index is
 rebuilt from every ``<out>/<profile>/result.json`` after each folder is written, atomically), with
 the supernet, data and config of the latest run.
@@ -38,7 +40,7 @@ import torch
 
 from rafl.errors import UserInputError
 from rafl.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
-from rafl.search.evolution import SearchConfig, SearchResult, search_subnets
+from rafl.search.evolution import BINDING_USE, SearchConfig, SearchResult, search_subnets
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
 SUBNET_WEIGHTS = "subnet.safetensors"
@@ -290,6 +292,12 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         with atomic_dir(out / prof.name, overwrite=True) as tmp, torch_threads(config.threads):
             _write_profile(tmp, res, prof, supernet, calib, config, meta, data_info, models[prof.name], names)
         write_search_index(out, run, names)  # after every folder: the index always matches the folders
+    from rafl.search.pareto import save_picks_plot
+
+    save_picks_plot(out / "pareto.png", {
+        name: {"latency_ms": r.cost.latency_ms, "accuracy": r.accuracy, "predicted_accuracy": r.predicted_accuracy,
+               "latency_budget_ms": r.budgets.get("latency_ms"), "arch": r.arch.to_string()}
+        for name, r in results.items()}, title=f"{', '.join(names)}: the picks and their latency budgets")
     return results
 
 
@@ -337,6 +345,36 @@ def write_subnet_yaml(path: str | Path, arch: ArchConfig, space: SearchSpace, su
                                            sort_keys=False))
 
 
+def _fit_note(fit: dict[str, Any] | None) -> str | None:
+    if not fit:
+        return None
+    from rafl.search.predictor import tau_meaning
+
+    return (f"Kendall tau of {fit['folds']}-fold out-of-fold predictions over {fit['n_holdout']} measured subnets: "
+            f"{tau_meaning(fit['kendall_tau'])}; RMSE in accuracy (fraction)")
+
+
+def same_subnet_note(results: dict[str, SearchResult]) -> list[str]:
+    """One line per group of profiles that got the same subnet, saying why (no budget of theirs
+    binds, so each got the best subnet the space offers them), e.g. for the digits quickstart."""
+    from rafl.search.evolution import binding_text
+
+    groups: dict[str, list[str]] = {}
+    for name, res in results.items():
+        groups.setdefault(res.arch.to_string(), []).append(name)
+    lines = []
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        why = "; ".join(f"{n}: {binding_text(results[n].budget_use)}" for n in names)
+        unbound = all(results[n].binding is None for n in names)
+        lines.append(f"{', '.join(names)} got the same subnet: "
+                     + ("none of their budgets binds on this supernet (its subnets are cheaper than every "
+                        "budget), so each gets the best subnet it can run" if unbound else
+                        "it is the best measured finalist that meets each one's budgets") + f" ({why})")
+    return lines
+
+
 def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tensor, config: SearchConfig,
                    meta: dict[str, Any], data_info: dict[str, Any], cost_model, searched_with: list[str]) -> None:
     from rafl.search.pareto import save_fronts
@@ -365,7 +403,10 @@ def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tens
         "accuracy": res.accuracy, "accuracy_note": "measured top-1 (fraction) on the server's validation "
                                                    "split after BN recalibration",
         "predicted_accuracy": res.predicted_accuracy, "estimator": res.estimator,
-        "predictor_fit": res.predictor_fit, "cost": _cost_dict(res.cost), "budgets": res.budgets,
+        "predictor_fit": res.predictor_fit, "predictor_fit_note": _fit_note(res.predictor_fit),
+        "cost": _cost_dict(res.cost), "budgets": res.budgets,
+        "binding_budget": res.binding, "budget_use": res.budget_use,
+        "binding_note": f"the budget the pick uses to >= {int(100 * BINDING_USE)}% (null: none binds)",
         "top_k": res.top_k, "found_for": res.found_for, "searched_with": searched_with,
         "shared_candidates": res.shared_candidates,
         "generations_run": len(res.history), "onnx": onnx_check, "cost_reports": reports,
@@ -374,4 +415,4 @@ def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tens
 
 
 __all__ = ["run_search", "server_eval_data", "load_searched_subnet", "save_subnet_weights", "export_onnx",
-           "write_cost_report", "load_search_supernet", "write_search_index", "write_subnet_yaml"]
+           "write_cost_report", "load_search_supernet", "write_search_index", "write_subnet_yaml", "same_subnet_note"]
