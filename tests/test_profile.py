@@ -116,8 +116,8 @@ def test_train_ram_is_the_training_memory_limit_when_no_budget_is_given():
 
 
 def test_budgets_give_different_feasible_sets_on_the_quickstart_space():
-    """pi4 is tighter than jetson-nano, tighter than phone; mcu admits nothing; server-gpu all."""
-    for wm in (0.5, 1.0):
+    """pi4 is tighter than jetson-nano, tighter than phone, tighter than server-gpu; mcu admits nothing."""
+    for wm in (0.35, 0.5):  # the widths the budgets are derived for (the shipped supernets': 0.35)
         space = SearchSpace(width_mult=wm)
         rng = np.random.default_rng(0)
         archs = [space.smallest(), space.largest()] + [space.sample(rng) for _ in range(400)]
@@ -125,10 +125,10 @@ def test_budgets_give_different_feasible_sets_on_the_quickstart_space():
         macs = CostModel(space).batch(archs)["macs_m"]
         best = {n: macs[m].max() for n, m in feasible.items() if m.any()}
         assert not feasible["mcu"].any()
-        assert feasible["server-gpu"].all()
+        assert feasible["server-gpu"].sum() >= feasible["phone"].sum()
         for n in ("pi4", "jetson-nano", "phone"):
             assert feasible[n][0], f"{n}: the smallest subnet must fit at width {wm}"
-        assert best["pi4"] < best["jetson-nano"] < best["phone"], (wm, best)
+        assert best["pi4"] < best["jetson-nano"] < best["phone"] <= best["server-gpu"], (wm, best)
 
 
 def test_mcu_reports_clear_violations():

@@ -25,6 +25,7 @@ PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "pretrained"
 
 #: name -> SHA-256 of its ``supernet.safetensors`` (the shipped bytes).
 PRETRAINED: dict[str, str] = {
+    "cifar10": "47c364b3e2aefd679e4bf4d39704be1eafc014791c22bb235c5434b22932d5f7",
 }
 
 

@@ -165,8 +165,8 @@ class TrainConfig(BaseModel):
             opts["data_root"] = os.environ["RAFL_DATA_ROOT"]  # as `rafl data` and the run config take it
         per_phase = opts.pop("epochs_per_phase", None)
         if per_phase is not None:
-            for name in PHASES:
-                opts.setdefault(f"epochs_{name}", per_phase)
+            for name in PHASES:  # the option overrides a config file's per-phase counts
+                opts[f"epochs_{name}"] = per_phase
         try:
             return cls(**opts)
         except ValidationError as err:

@@ -1,0 +1,1 @@
+"""Supernets shipped with rafl, one folder each (see rafl.supernet.pretrained)."""
