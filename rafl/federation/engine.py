@@ -100,7 +100,8 @@ class EngineConfig:
             (:func:`rafl.federation.workers.summarize_untrained`) unless the method opts out.
         target_accuracy: accuracy in [0, 1] for ``co_mb_to_target``, or None.
         seed: the run seed.
-        workers: processes running the client steps (:mod:`rafl.federation.workers`), or None:
+        workers: processes running the client steps (:mod:`rafl.federation.workers`; default 1 =
+            in-process), or None:
             the CPU cores, capped by the clients sampled per round (1 on CUDA).
         aggregation, trim_fraction, clip_norm: the weight-averaging methods' rule
             (:class:`rafl.federation.aggregation.AggregationRule`).
@@ -117,7 +118,7 @@ class EngineConfig:
     eval_clients: str = "all"
     target_accuracy: float | None = None
     seed: int = 0
-    workers: int | None = None
+    workers: int | None = 1
     aggregation: str = "mean"
     trim_fraction: float = 0.1
     clip_norm: float | None = None
