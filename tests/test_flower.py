@@ -364,7 +364,7 @@ class DirectGrid(FakeGrid):
 
 
 ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", "fedkd", "feddf", "standalone",
-               "fedavg", "fedprox", "fednova"]
+               "fedavg", "fedprox", "fednova", "heterofl", "fedrolex", "uniform"]
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
