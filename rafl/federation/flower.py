@@ -469,7 +469,8 @@ class FlowerClients:
                                                             self.upload_limits.get(cid))))
                 except UserInputError as err:  # refused: the engine counts it and discards the client's state
                     uploads.append((cid, RejectedUpload(err.message, _blob_size(replies[cid], f".{cid}"))))
-                self._wire["up"] += _blob_size(replies[cid], f".{cid}")  # its blob, as it travelled
+                up = uploads[-1][1]  # what its blob carried: the payload's bytes (a refused one: its size)
+                self._wire["up"] += up.nbytes() if isinstance(up, Payload) else _blob_size(replies[cid], f".{cid}")
         return uploads, lost, time.perf_counter() - t0
 
     def take_traffic(self) -> dict[str, int]:
