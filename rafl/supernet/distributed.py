@@ -147,18 +147,34 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for v in t.cpu()]
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks whose backward sums the incoming gradients over ranks too (the adjoint of a
+    sum all-reduce, as ``SyncBatchNorm``'s backward reduces its statistics' gradients)."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:  # noqa: ARG004 - autograd signature
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ARG004
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+
 def _global_batch_norm(orig, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                        weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
                        momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
     """``F.batch_norm`` with the batch statistics of all ranks' inputs together.
 
     Mean and biased variance over ``(N, H, W)`` of the global batch, each from one autograd-aware
-    sum all-reduce (``torch.distributed.nn.functional.all_reduce``; its backward sums the
-    gradients over ranks, as ``SyncBatchNorm``'s backward does); the running statistics move by
+    sum all-reduce (:class:`_AllReduceSum`: its backward sums the gradients over ranks, as
+    ``SyncBatchNorm``'s backward does); the running statistics move by
     ``momentum`` toward the global mean and the unbiased global variance. ``input``: ``(N, C, ...)``.
     """
-    from torch.distributed.nn.functional import all_reduce as ar
-
+    ar = _AllReduceSum.apply
     if not training:
         return orig(input, running_mean, running_var, weight, bias, training, momentum, eps)
     c = input.shape[1]
