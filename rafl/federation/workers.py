@@ -271,6 +271,8 @@ def _interrupt_flag() -> Iterator[list[int]]:
         yield flag
     finally:
         signal.signal(signal.SIGINT, previous)
+    if flag:  # pressed after the wait loop's last look: not lost
+        raise KeyboardInterrupt
 
 
 def _stop(workers: list[_Worker], kill: bool) -> None:
