@@ -50,6 +50,27 @@ def test_a_round_reports_each_client_and_its_local_epochs(tmp_path, tiny_superne
     assert first[names.index("evaluate")][1] == {"clients": 3}  # engine.eval_clients: all
 
 
+@pytest.mark.slow
+def test_with_worker_processes_only_the_run_shows_progress_and_counts_their_clients(tmp_path, tiny_supernet):
+    supernet_dir, space = tiny_supernet
+    events = []
+    log = tmp_path / "progress.log"
+    with open(log, "w") as stream:  # a real file: what a forked worker would write lands here too
+        display = RoundProgress(stream, interval_s=0.0, terminal=False)
+        with listening(display), listening(lambda event, info: events.append((event, dict(info)))):
+            res = CliRunner().invoke(cli, ["federate", "--no-progress", "--config",
+                                           str(_tiny_run_config(tmp_path, supernet_dir, space, rounds=3)),
+                                           "--set", "engine.workers=2", "--out", str(tmp_path / "runs")])
+    assert res.exit_code == 0, res.output
+    names = [e for e, _ in events[:events.index(("round_end", {"round": 1})) + 1]]
+    # the workers' clients reported by the run as their replies come (no per-epoch events from them)
+    assert names == ["round", "client_done", "client_done", "trained", "evaluate", "round_end"], names
+    lines = log.read_text().splitlines()
+    shown = [(int(line.split("/")[0].split()[1]), int(line.split(": ")[1].split("/")[0])) for line in lines]
+    assert shown and [r for r, _ in shown] == sorted(r for r, _ in shown)  # never a stale round's state
+    assert all(done <= 2 for _, done in shown) and {r for r, _ in shown} == {1, 2, 3}
+
+
 def _feed(display, events):
     for event, info in events:
         display(event, info)

@@ -37,6 +37,12 @@ def report(event: str, **info: Any) -> None:
         listener(event, info)
 
 
+def silence() -> None:
+    """Remove every listener (a forked worker process: the display it inherited is the run's,
+    which its own events would overwrite with stale state; the run reports its clients)."""
+    _LISTENERS.clear()
+
+
 @contextlib.contextmanager
 def listening(listener: Listener | None) -> Iterator[None]:
     """Install ``listener`` for the block (None: nothing is installed)."""

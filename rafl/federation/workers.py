@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from rafl.errors import UserInputError
+from rafl.federation import progress
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore
 
@@ -210,6 +211,7 @@ def _worker_main(conn, others: list, fed, store_dir: str, seed: int) -> None:
     for c in others:  # the run's ends of the other workers' pipes: let them see EOF when the run dies
         c.close()
     torch.set_num_threads(1)
+    progress.silence()  # the run's process shows the round's progress (its clients done, as replies come)
     store = ClientStore(store_dir)
     downloads: dict[int, Payload] = {}
     while True:
@@ -389,6 +391,8 @@ class WorkerClients:
                         w.job = None
                         if msg[0] == "ok":
                             results[i] = msg[1]
+                            if kind == "train":
+                                progress.report("client_done", client=jobs[i][0])
                         else:
                             self._raise(msg[1], msg[2])
                         continue
