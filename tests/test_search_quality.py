@@ -85,6 +85,23 @@ def test_measurements_are_cached_per_supernet_on_disk(tmp_path):
     assert np.allclose(plain.measure(archs), acc)
 
 
+def test_measuring_in_forked_workers_gives_the_same_accuracies(tmp_path):
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(12, 16), n_classes=10)
+    net = build_supernet(space).eval()
+    g = torch.Generator().manual_seed(0)
+    val = (torch.randn(24, 3, 16, 16, generator=g), torch.randint(0, 10, (24,), generator=g))
+    calib = torch.randn(8, 3, 16, 16, generator=g)
+    archs = sample_across_space(space, 20, seed=0)
+    one = MeasuredAccuracy(net, val, calib, batch_size=8, calib_batches=1, workers=1).measure(archs)
+    two = MeasuredAccuracy(net, val, calib, batch_size=8, calib_batches=1, workers=2, cache_dir=tmp_path)
+    assert two._worker_count(20) == 2
+    got = two.measure(archs, save_every=4)  # 5 chunks over 2 processes, the cache saved as they come back
+    assert np.array_equal(got, one) and two.n_measured == 20
+    again = MeasuredAccuracy(net, val, calib, batch_size=8, calib_batches=1, workers=2, cache_dir=tmp_path)
+    assert len(again.cache) == 20 and np.array_equal(again.measure(archs), one) and again.n_measured == 0
+
+
 def test_lut_network_correction_is_stored_and_applied(tmp_path):
     from rafl.search.latency import build_latency_lut, latency_lut_correction
     from rafl.search.profile import DeviceProfile

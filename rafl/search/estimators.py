@@ -101,12 +101,17 @@ class MeasuredAccuracy:
             and labels, ``batch_size`` and ``calib_batches``, so a later search of the same
             supernet on the same data measures no arch twice; it is rewritten (atomically) after
             every batch of measurements, so an interrupted run keeps what it measured.
+        workers: processes measuring in parallel when many archs are to be measured (forked from
+            this one, one torch thread each, each a share of the archs; the same accuracies as one
+            process: every arch is measured alone, in eval mode); None = the CPU cores; 1 (or no
+            fork on this platform, or a CUDA supernet) = in this process.
     Raises:
         UserInputError: see :func:`check_eval_data`.
     """
 
     def __init__(self, supernet, val_data: tuple[Tensor, Tensor], calib_data: Tensor, *,
-                 batch_size: int = 128, calib_batches: int = 2, cache_dir: str | Path | None = None):
+                 batch_size: int = 128, calib_batches: int = 2, cache_dir: str | Path | None = None,
+                 workers: int | None = 1):
         check_eval_data(val_data, calib_data, supernet.space.n_classes)
         self.supernet = supernet
         self.space: SearchSpace = supernet.space
@@ -115,6 +120,7 @@ class MeasuredAccuracy:
         n_cal = -(-calib_data.shape[0] // batch_size)
         self.calib_batches = max(1, min(calib_batches, n_cal))
         self.batch_size = batch_size
+        self.workers = workers
         self.cache: dict[str, float] = {}
         self.cache_path: Path | None = None
         self.n_measured = 0  # archs measured by this object (cache hits excluded)
@@ -197,12 +203,17 @@ class MeasuredAccuracy:
             if k not in self.cache:
                 todo.setdefault(k, a.canonical(self.space))
         bar = tqdm(total=len(todo), desc=desc, disable=not progress or not todo, leave=False)
-        for done, (key, arch) in enumerate(sorted(todo.items(), key=lambda kv: kv[1].r), start=1):
-            self.cache[key] = self._measure_one(arch)
-            self.n_measured += 1
-            bar.update(1)
-            if done % save_every == 0:
-                self._save_cache()
+        items = sorted(todo.items(), key=lambda kv: kv[1].r)
+        workers = self._worker_count(len(items))
+        if workers > 1:
+            self._measure_forked(items, workers, bar, save_every)
+        else:
+            for done, (key, arch) in enumerate(items, start=1):
+                self.cache[key] = self._measure_one(arch)
+                self.n_measured += 1
+                bar.update(1)
+                if done % save_every == 0:
+                    self._save_cache()
         bar.close()
         if todo:
             self._save_cache()
@@ -211,6 +222,57 @@ class MeasuredAccuracy:
     def __call__(self, pop: Population) -> np.ndarray:
         """Accuracy of every member of a :class:`Population` (the evolution's score function)."""
         return self.measure(pop.archs())
+
+    #: fewer archs than this per worker are measured in this process (forking costs more)
+    MIN_PER_WORKER = 8
+
+    def _worker_count(self, n_todo: int) -> int:
+        import multiprocessing
+        import os
+
+        workers = self.workers
+        if workers is None:
+            try:
+                workers = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                workers = os.cpu_count() or 1
+        on_cpu = all(p.device.type == "cpu" for p in self.supernet.parameters())
+        if workers <= 1 or not on_cpu or "fork" not in multiprocessing.get_all_start_methods():
+            return 1
+        return max(1, min(int(workers), n_todo // self.MIN_PER_WORKER))
+
+    def _measure_forked(self, items: list[tuple[str, ArchConfig]], workers: int, bar, save_every: int) -> None:
+        """Measure ``items`` in ``workers`` forked processes, in chunks of at most ``save_every``
+        archs (the cache is saved as chunks come back); the supernet and images are shared with
+        the children by fork (copy-on-write), only arch keys and accuracies cross the pipes."""
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        global _FORKED
+        size = max(1, min(save_every, -(-len(items) // workers)))
+        chunks = [items[i:i + size] for i in range(0, len(items), size)]
+        _FORKED = self
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                futures = [pool.submit(_measure_chunk, chunk) for chunk in chunks]
+                for fut in as_completed(futures):
+                    got = fut.result()
+                    self.cache.update(got)
+                    self.n_measured += len(got)
+                    bar.update(len(got))
+                    self._save_cache()
+        finally:
+            _FORKED = None
+
+
+#: the estimator a forked measuring process works for (set by the parent just before the fork)
+_FORKED: MeasuredAccuracy | None = None
+
+
+def _measure_chunk(items: list[tuple[str, ArchConfig]]) -> dict[str, float]:
+    """In a forked worker: the accuracy of each ``(key, arch)`` (:meth:`MeasuredAccuracy._measure_one`)."""
+    return {key: _FORKED._measure_one(arch) for key, arch in items}
 
 
 def sample_across_space(space: SearchSpace, n: int, seed: int = 0) -> list[ArchConfig]:

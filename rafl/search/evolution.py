@@ -76,6 +76,8 @@ class SearchConfig(BaseModel):
     batch_size: int = Field(128, ge=1, description="an integer >= 1 (images per forward pass)")
     seed: int = Field(0, description="an integer (everything is deterministic for it)")
     threads: int | None = Field(1, ge=1, description="an integer >= 1 (torch threads during the search), or null (unchanged)")
+    workers: int | None = Field(None, ge=1, description="an integer >= 1 (processes measuring subnets, one torch "
+                                "thread each; the same accuracies for every value) or null (the CPU cores)")
     progress: bool = Field(True, description="true/false (progress bars)")
     cache_measurements: bool = Field(True, description="true/false (keep measured accuracies on disk, per supernet "
                                                        "and validation split, under $RAFL_CACHE_DIR/search-measurements)")
@@ -720,7 +722,8 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
 
     measured = MeasuredAccuracy(supernet, val_data, calib_data, batch_size=config.batch_size,
                                 calib_batches=config.calib_batches,
-                                cache_dir=measurement_cache_dir() if config.cache_measurements else None)
+                                cache_dir=measurement_cache_dir() if config.cache_measurements else None,
+                                workers=config.workers)
     models = dict(cost_models or {})
     for p in profs:
         if p.name not in models:

@@ -59,7 +59,9 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
     the bars of reading a dataset source (a cache miss).
 
     Returns:
-        ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``.
+        ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``; the
+        calibration images are all of pool-train in a fixed random order
+        (:func:`rafl.supernet.server_data.calibration_sample`), so any first batches mix the classes.
     Raises:
         UserInputError: an empty validation split, or a dataset whose classes do not match the
             supernet's ``n_classes``.
@@ -90,7 +92,12 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
     info = {"dataset": name, "public_fraction": public_fraction, "public_seed": public_seed,
             "val_fraction": val_fraction, "n_val": int(len(split.pool_val)),
             "n_calib": int(len(split.pool_train))}
-    return val, ds.images[split.pool_train], info
+    from rafl.supernet.server_data import calibration_sample
+
+    # all of pool-train in a fixed random order: the measurement and the written subnet recalibrate BN
+    # on its first batches, which must mix the classes (a class-by-class source's first images are one class)
+    calib = ds.images[torch.as_tensor(calibration_sample(split.pool_train, len(split.pool_train)))]
+    return val, calib, info
 
 
 # ---------------------------------------------------------------------- subnet files
