@@ -129,6 +129,32 @@ def run_ofa(est, space, cost_model, profile, population, generations, seed):
     return ArchConfig(arch["ks"], arch["e"], arch["d"], arch["image_size"]).canonical(space), float(acc), float(eff)
 
 
+# ---------------------------------------------------------------------- measurement noise
+def noise_ceiling(supernet, val, calib, cfg, n_samples: int, n: int, seed: int) -> dict:
+    """How well server-val can rank subnets at all: ``n`` of the predictor's subnets measured on
+    two disjoint random halves of server-val; Kendall tau between the two halves' accuracies (a
+    reproducibility ceiling for any ranking judged on a split of that size)."""
+    from rafl.search.estimators import sample_across_space
+    from rafl.search.predictor import kendall_tau
+
+    images, labels = val
+    perm = np.random.default_rng([seed, 4242]).permutation(len(labels))
+    half = len(perm) // 2
+    a, b = np.sort(perm[:half]), np.sort(perm[half:2 * half])
+    archs = sample_across_space(supernet.space, n_samples, seed)[:n]
+    acc = []
+    for idx in (a, b):
+        m = MeasuredAccuracy(supernet, (images[idx], labels[idx]), calib, batch_size=cfg.batch_size,
+                             calib_batches=cfg.calib_batches, cache_dir=measurement_cache_dir(), workers=None)
+        acc.append(m.measure(archs, progress=True, desc="measuring on a half of server-val"))
+    full = MeasuredAccuracy(supernet, val, calib, batch_size=cfg.batch_size, calib_batches=cfg.calib_batches,
+                            cache_dir=measurement_cache_dir(), workers=None).measure(archs)
+    p = float(np.mean(full))
+    return {"n": len(archs), "half": int(half), "tau_halves": kendall_tau(acc[0], acc[1]),
+            "se_half": float(np.sqrt(p * (1 - p) / half)), "se_full": float(np.sqrt(p * (1 - p) / len(labels))),
+            "std_over_subnets": float(np.std(full))}
+
+
 # ---------------------------------------------------------------------- random baseline
 def random_feasible(space, cost_fns, limits, n: int, seed: int, max_draws: int = 200_000):
     """Per profile, the first ``n`` archs of one shared uniform random stream that meet all its
@@ -268,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--random", type=int, default=1000, help="random feasible subnets measured per profile")
     ap.add_argument("--population", type=int, default=100)
     ap.add_argument("--generations", type=int, default=500)
+    ap.add_argument("--noise-ceiling", type=int, default=200,
+                    help="predictor subnets also measured on two halves of server-val (0: skip)")
     ap.add_argument("--latency-archs", type=int, default=100)
     ap.add_argument("--latency-repeats", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
@@ -295,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = SearchConfig(population=args.population, generations=args.generations, progress=False, seed=args.seed,
                        predictor_samples=args.predictor_samples)
     measured = MeasuredAccuracy(supernet, val, calib, batch_size=cfg.batch_size, calib_batches=cfg.calib_batches,
-                                cache_dir=measurement_cache_dir())
+                                cache_dir=measurement_cache_dir(), workers=None)
     t0 = time.perf_counter()
     est = PredictedAccuracy.from_measurements(measured, args.predictor_samples, seed=args.seed, progress=True)
     t_pred = time.perf_counter() - t0
@@ -311,6 +339,15 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"- Kendall tau **{fit['kendall_tau']:.3f}** ({tau_meaning(fit['kendall_tau'])}; target >= 0.7)")
     say(f"- RMSE **{fit['rmse']:.4f}** (accuracy as a fraction; measured accuracies span "
         f"{min(measured.cache.values()):.3f}-{max(measured.cache.values()):.3f})")
+    if args.noise_ceiling:
+        ceiling = noise_ceiling(supernet, val, calib, cfg, args.predictor_samples, args.noise_ceiling, args.seed)
+        report["noise_ceiling"] = ceiling
+        say(f"- Measurement noise: the same {ceiling['n']} subnets measured on two disjoint random halves of "
+            f"server-val ({ceiling['half']} images each) rank with Kendall tau **{ceiling['tau_halves']:.3f}** "
+            f"between the halves (the std of one half's accuracy, binomial: ~{ceiling['se_half']:.4f}; of the "
+            f"whole split's: ~{ceiling['se_full']:.4f}; the measured accuracies' std over subnets: "
+            f"{ceiling['std_over_subnets']:.4f}). The predictor's OOF tau against the whole split "
+            f"({fit['kendall_tau']:.3f}) vs this: how much of the ranking the labels can tell at all.")
     say("")
 
     # --- 2. rafl vs random vs ofa

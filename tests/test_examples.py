@@ -15,9 +15,9 @@ from rafl.config import load_run_config
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
-def test_the_four_examples_are_shipped():
-    assert [p.name for p in EXAMPLES] == ["cifar10-htfe.yaml", "cifar10-nas.yaml", "femnist-natural.yaml",
-                                          "flower-deployment.yaml"]
+def test_the_five_examples_are_shipped():
+    assert [p.name for p in EXAMPLES] == ["cifar10-devices.yaml", "cifar10-htfe.yaml", "cifar10-nas.yaml",
+                                          "femnist-natural.yaml", "flower-deployment.yaml"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -37,6 +37,25 @@ def test_cifar10_nas_example_points_at_the_cifar10_preset_pool():
     assert (cfg.partition.public_fraction, cfg.partition.public_seed) == (preset["public_fraction"],
                                                                            preset["public_seed"])
     assert cfg.supernet.path == str((REPO / "runs" / "supernet-c10").resolve())  # relative to examples/
+
+
+def test_the_headline_example_is_a_comparison_on_the_shipped_cifar10_supernet():
+    import yaml
+
+    from rafl.federation.compare import load_compare_config
+
+    path = REPO / "examples" / "cifar10-devices.yaml"
+    methods = ["standalone", "uniform", "heterofl", "fedrolex", "rafl", "fedgh", "fedtgp", "fedproto"]
+    cfg, hparams = load_compare_config(path, [], methods)
+    assert list(hparams) == methods and all(hp["local_epochs"] == 1 for hp in hparams.values())
+    assert cfg.supernet.path == "cifar10" and cfg.clients.models == "nas" and cfg.clients.budgets == {}
+    assert cfg.clients.profiles == ["pi4", "jetson-nano", "phone"] and cfg.clients.archs == {}
+    preset = yaml.safe_load((REPO / "rafl" / "supernet" / "presets" / "cifar10.yaml").read_text())
+    assert (cfg.partition.public_fraction, cfg.partition.public_seed) == (preset["public_fraction"],
+                                                                           preset["public_seed"])
+    # the search as rafl search runs it (its measurements shared): the whole server-val split, 500 subnets
+    assert (cfg.search.predictor_samples, cfg.search.val_samples, cfg.search.population,
+            cfg.search.generations) == (500, 2500, 100, 500)
 
 
 def _federate(args, out):

@@ -292,3 +292,40 @@ def test_federated_supernet_is_saved_and_searchable(tmp_path, tiny_supernet):
     assert meta["metrics"]["federated"]["algorithm"] == "heterofl" and meta["metrics"]["federated"]["rounds"] == 1
     assert meta["config"] == json.loads((path / "supernet.json").read_text())["config"]
     np.testing.assert_equal(len(ck["server_state"]["global"]), len(build_supernet(space).state_dict()))
+
+
+def test_compare_of_nas_subnets_reports_accuracy_per_device_tier(tmp_path, tiny_supernet):
+    path, space = tiny_supernet
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--no-progress", "--models", "nas", "--out", str(out),
+                                   "--algorithms", "standalone,heterofl", "--set", f"supernet.path={path}",
+                                   "--set", "data.limit_per_class=10", "--set", "clients.n=4",
+                                   "--set", "clients.profiles=[pi4, phone]", "--set", "algorithm.local_epochs=1",
+                                   "--set", "engine.rounds=2", "--set", "search.method=largest-feasible",
+                                   "--set", "search.samples=50"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "compare.json").read_text())["rows"]
+    table = json.loads((out / "heterofl" / "clients.json").read_text())["clients"]
+    for row in rows:
+        summary = json.loads((out / row["algorithm"] / "summary.json").read_text())
+        assert set(row["tiers"]) == {"pi4", "phone"}
+        for prof, tier in row["tiers"].items():  # the tier's clients' accuracies, recomputed
+            mine = [summary["clients"][str(r["client"])] for r in table if r["profile"] == prof]
+            n = sum(c["test_samples"] for c in mine)
+            assert tier["test_samples"] == n and tier["clients"] == len(mine)
+            assert tier["acc_pooled"] == pytest.approx(sum(c["model.acc"] * c["test_samples"] for c in mine) / n)
+            assert tier["se"] == pytest.approx(np.sqrt(tier["acc_pooled"] * (1 - tier["acc_pooled"]) / n))
+        pooled = sum(t["acc_pooled"] * t["test_samples"] for t in row["tiers"].values()) / \
+            sum(t["test_samples"] for t in row["tiers"].values())
+        assert pooled == pytest.approx(row["model.acc_pooled"])
+        history = [json.loads(x) for x in (out / row["algorithm"] / "metrics.jsonl").read_text().splitlines()]
+        assert row["mb_up_per_client_round"] == pytest.approx(sum(r["bytes_up"] for r in history) / 1e6
+                                                              / sum(r["participated"] for r in history))
+        for prof, sub in row["subnets"].items():  # the budgets the tier's subnet meets on its device
+            assert sub["budgets"]["fits"] and {u["budget"] for u in sub["budgets"]["use"]} >= {"macs_m"}
+            assert all(u["value"] <= u["limit"] for u in sub["budgets"]["use"])
+    text = (out / "compare.md").read_text()
+    assert "Per device tier" in text and "| pi4 (n) | phone (n) |" in text and "binding budget" in text
+    assert (out / "compare_curve.png").stat().st_size > 1000
+    header = (out / "compare.csv").read_text().splitlines()[0].split(",")
+    assert "tier.pi4.acc_pooled" in header and "subnet.phone" in header

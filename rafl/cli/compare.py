@@ -21,6 +21,8 @@ from rafl.cli import exit_interrupted
                    "hyperparameters and per-method sub-sections, e.g. algorithm: {fedtgp: {server_epochs: 50}}).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field, e.g. --set engine.rounds=5 --set algorithm.fedgh.server_lr=0.05.")
+@click.option("--data-root", type=click.Path(path_type=Path), default=None,
+              help="Where the dataset is (a tarball or an unpacked tree; `rafl data`): short for --set data.root=PATH.")
 @click.option("--models", default="htfe-tiny", show_default=True,
               help="nas (resource-aware subnets of the supernet), a model group (htfe4, htfe8, htfe-tiny), "
                    "or a comma list of model names / package.module:factory plug-ins (round-robin). "
@@ -34,8 +36,8 @@ from rafl.cli import exit_interrupted
               help="Continue an interrupted comparison in this folder with its own config.yaml: finished "
                    "methods are kept, an interrupted one continues from its last complete round.")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
-def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...], models: str, feature_dim: int,
-            out: Path | None, resume_dir: Path | None, quiet: bool) -> None:
+def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...], data_root: Path | None, models: str,
+            feature_dim: int, out: Path | None, resume_dir: Path | None, quiet: bool) -> None:
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
@@ -45,7 +47,8 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
 
     if resume_dir is not None:
         ctx = click.get_current_context()
-        flags = {"algorithms": "--algorithms", "config_path": "--config", "overrides": "--set", "models": "--models",
+        flags = {"algorithms": "--algorithms", "config_path": "--config", "overrides": "--set",
+                 "data_root": "--data-root", "models": "--models",
                  "feature_dim": "--feature-dim", "out": "--out"}
         given = [flag for param, flag in flags.items() if _given(ctx, param)]
         if given:
@@ -69,6 +72,8 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         if _given(ctx, "models"):
             with _models_option():
                 resolve_models(models)  # a bad --models before the config is read
+        if data_root is not None:  # a --set data.root given too comes after it and wins
+            overrides = (f"data.root={data_root}", *overrides)
         cfg, hparams = load_compare_config(config_path, overrides, names,
                                            models if _given(ctx, "models") else None)
         # clients.models / clients.feature_dim set in the config (or --set) count unless the option is given

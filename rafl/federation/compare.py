@@ -211,8 +211,47 @@ def with_settings(rows: list[dict[str, Any]], hparams: dict[str, dict[str, Any]]
     return [r | {"settings": method_settings(r["algorithm"], hparams[r["algorithm"]], hparams)} for r in rows]
 
 
-def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_s: float) -> dict[str, Any]:
-    """One row of the comparison table from an engine summary and its metrics history."""
+def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]], model: str = "model"
+                  ) -> dict[str, dict[str, float]]:
+    """Final-round test accuracy per device tier (the clients of one device profile).
+
+    Args:
+        clients: the engine summary's ``clients`` (``{client id: {"<model>.acc", "test_samples"}}``).
+        table: the clients table (one row per client with its ``"client"`` and ``"profile"``).
+        model: which model's accuracy (``model`` = the deployed client model).
+    Returns:
+        ``{profile: {"clients", "test_samples", "acc_mean", "acc_pooled", "se"}}``: ``acc_mean`` is
+        the unweighted mean over the tier's clients, ``acc_pooled`` correct / test samples of the
+        tier's clients together, ``se`` its binomial standard error ``sqrt(p (1 - p) / n)``, all
+        fractions in [0, 1]; clients without test samples are left out; ``{}`` if the table names no
+        profiles.
+    """
+    by: dict[str, list[tuple[float, int]]] = {}
+    for row in table:
+        if "profile" not in row:
+            return {}
+        rec = clients.get(str(row["client"]), {})
+        acc, n = rec.get(f"{model}.acc"), int(rec.get("test_samples", 0) or 0)
+        if acc is not None and n > 0:
+            by.setdefault(str(row["profile"]), []).append((float(acc), n))
+    out = {}
+    for prof, vals in by.items():
+        n = sum(t for _, t in vals)
+        pooled = sum(a * t for a, t in vals) / n
+        out[prof] = {"clients": len(vals), "test_samples": n, "acc_mean": float(np.mean([a for a, _ in vals])),
+                     "acc_pooled": float(pooled), "se": float(math.sqrt(pooled * (1 - pooled) / n))}
+    return out
+
+
+def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_s: float,
+                  table: list[dict[str, Any]] | None = None, subnets: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One row of the comparison table from an engine summary and its metrics history.
+
+    With the clients ``table`` (NAS clients name their device profile): ``tiers``, the final-round
+    accuracy per device tier (:func:`tier_accuracy`); with ``subnets`` (the pipeline's per-profile
+    subnets and budgets): ``subnets``. ``mb_up_per_client_round`` / ``mb_down_per_client_round``:
+    payload MB per participating client per round (mean over rounds).
+    """
     last = next((r for r in reversed(history) if "model.acc_mean_over_clients" in r), {})
     row: dict[str, Any] = {"algorithm": name}
     for model in ("model", "proto", "prior", "local", "global", "knowledge"):
@@ -226,6 +265,18 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     row.update({"mb_up": up / 1e6, "mb_down": down / 1e6, "mb_total": (up + down) / 1e6,
                 "bytes_up_last_round": history[-1]["bytes_up"] if history else 0,
                 "rounds": len(history), "wall_s": float(wall_s)})
+    part = sum(r.get("participated", 0) for r in history)
+    row["mb_up_per_client_round"] = up / part / 1e6 if part else 0.0
+    row["mb_down_per_client_round"] = down / part / 1e6 if part else 0.0
+    if last and "model.acc_pooled" in row and not math.isnan(row["model.acc_pooled"]):
+        n = sum(int(c.get("test_samples", 0) or 0) for c in summary.get("clients", {}).values())
+        p = row["model.acc_pooled"]
+        row["model.acc_pooled_se"] = float(math.sqrt(p * (1 - p) / n)) if n else float("nan")
+    tiers = tier_accuracy(summary.get("clients", {}), table or [])
+    if tiers:
+        row["tiers"] = tiers
+    if subnets:
+        row["subnets"] = {prof: {k: v[k] for k in ("arch", "source", "budgets") if k in v} for prof, v in subnets.items()}
     return row
 
 
@@ -271,6 +322,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     feds: dict[str, tuple[Federation, list]] = {}
+    subnets: dict[str, dict[str, Any]] = {}  # nas: {method: {profile: arch, source, budgets}}
     if members == ["nas"]:
         from rafl.federation.pipeline import prepare
 
@@ -286,6 +338,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                     raise
                 raise UserInputError(err.message, source=err.source, field="--algorithms") from None
             feds[name] = (prep.federation, prep.clients_table)
+            subnets[name] = prep.extra.get("profiles", {})
     else:
         ds, part = load_data_and_partition(cfg, progress)
         device = torch.device(cfg.train.device)
@@ -354,11 +407,12 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise _method_error(err, name, hparams[name], out) from None
             raise
         wall = time.perf_counter() - t0 + earlier_s
-        rows.append(summarize_run(name, summary, read_history(run_dir), wall))
+        rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
         write_table(out, with_settings(rows, hparams), models)
     rows = with_settings(rows, hparams)
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
+    plot_accuracy_vs_mb(out / "compare_curve.png", {r["algorithm"]: read_history(out / r["algorithm"]) for r in rows})
     return rows
 
 
@@ -538,6 +592,96 @@ def _fmt(v: Any, key: str = "") -> str:
     return str(v)
 
 
+def _flat_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A table row for the CSV: ``tiers`` as ``tier.<profile>.<key>`` columns, ``subnets`` as
+    ``subnet.<profile>`` (the arch string)."""
+    flat = {k: v for k, v in row.items() if k not in ("tiers", "subnets")}
+    for prof, t in (row.get("tiers") or {}).items():
+        flat.update({f"tier.{prof}.{k}": v for k, v in t.items()})
+    for prof, v in (row.get("subnets") or {}).items():
+        flat[f"subnet.{prof}"] = v.get("arch", "")
+    return flat
+
+
+def tier_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines of the per-device-tier tables (NAS comparisons; ``[]`` otherwise): accuracy
+    per tier and overall (mean over clients / pooled +- binomial standard error), MB per client per
+    round, wall time; then each tier's subnet(s), what they cost and the budget that binds."""
+    tiered = [r for r in rows if r.get("tiers")]
+    if not tiered:
+        return []
+    profs = list(dict.fromkeys(p for r in tiered for p in r["tiers"]))
+
+    def acc(t: dict[str, Any] | None) -> str:
+        if not t:
+            return "-"
+        return f"{t['acc_mean']:.4f} / {t['acc_pooled']:.4f} ± {t['se']:.4f}"
+
+    lines = ["", "Per device tier (final round; mean over the tier's clients / pooled ± binomial standard "
+             "error sqrt(p(1-p)/n) over its test samples; MB = payload per participating client per round):", "",
+             "| method | " + " | ".join(f"{p} (n)" for p in profs) + " | overall | MB up | MB down | wall s |",
+             "|" + "---|" * (len(profs) + 5)]
+    for r in tiered:
+        t = r["tiers"]
+        overall = {"acc_mean": r.get("model.acc_mean", float("nan")), "acc_pooled": r.get("model.acc_pooled", float("nan")),
+                   "se": r.get("model.acc_pooled_se", float("nan"))}
+        cells = [acc(t.get(p)) + (f" ({t[p]['test_samples']})" if p in t else "") for p in profs]
+        lines.append(f"| {r['algorithm']} | " + " | ".join(cells) + f" | {acc(overall)} | "
+                     f"{_fmt(r.get('mb_up_per_client_round'), 'mb_up')} | {_fmt(r.get('mb_down_per_client_round'), 'mb_down')} | "
+                     f"{_fmt(r.get('wall_s'), 'wall_s')} |")
+    seen: dict[tuple[str, str], list[str]] = {}
+    info: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in tiered:
+        for prof, v in (r.get("subnets") or {}).items():
+            if prof in profs and "budgets" in v:
+                seen.setdefault((prof, v["arch"]), []).append(r["algorithm"])
+                info[(prof, v["arch"])] = v["budgets"]
+    if seen:
+        lines += ["", "Each tier's subnet and what it costs on the tier's device (latency: the profile's estimate; "
+                  "the binding budget is the one the subnet uses to >= 90%):", "",
+                  "| tier | methods | subnet | MACs (M) | latency (ms) | peak memory (MiB) | binding budget | fits |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for (prof, arch), methods in seen.items():
+            b = info[(prof, arch)]
+            cell = arch.replace("|", "\\|")  # a pipe inside a table cell, even in backticks, ends the cell
+            lines.append(f"| {prof} | {', '.join(methods)} | `{cell}` | {b['macs_m']:.2f} | {b['latency_ms']:.3g} | "
+                         f"{b['peak_memory_mb']:.3g} | {b['binding']} | {'yes' if b['fits'] else 'NO'} |")
+    return lines
+
+
+def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) -> None:
+    """Client test accuracy (mean over clients, every evaluated round) against cumulative MB
+    communicated (payload up + down, all clients), one line per method (PNG, atomic). A method
+    that communicates nothing (standalone) is a horizontal line at its final accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rafl.io import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), layout="constrained")
+    top = max((r.get("cum_mb", 0.0) for h in histories.values() for r in h), default=0.0)
+    for name, hist in histories.items():
+        pts = [(r.get("cum_mb", 0.0), r["model.acc_mean_over_clients"]) for r in hist if "model.acc_mean_over_clients" in r]
+        if not pts:
+            continue
+        if max(x for x, _ in pts) == 0 and top > 0:
+            ax.axhline(pts[-1][1], ls="--", lw=1, color="gray")
+            ax.annotate(name, (top, pts[-1][1]), ha="right", va="bottom", fontsize=7, color="gray")
+            continue
+        ax.plot(*zip(*pts), marker=".", ms=3, lw=1.2, label=name)
+    ax.set_xlabel("cumulative MB communicated (payload up + down, all clients)")
+    ax.set_ylabel("client test accuracy (mean over clients)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
     cols = [c for c in _COLS if any(r.get(c[0]) not in (None, "") for r in rows)]
@@ -549,12 +693,14 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
              + "MB = payload bytes up + down / 1e6.", "",
              "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(k), k) for k, _ in cols) + " |" for r in rows]
+    lines += tier_tables(rows)
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n")
-    keys = sorted({k for r in rows for k in r}, key=lambda k: (k != "algorithm", k))
+    flat = [_flat_row(r) for r in rows]
+    keys = sorted({k for r in flat for k in r}, key=lambda k: (k != "algorithm", k))
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=keys)
     w.writeheader()
-    for r in rows:
+    for r in flat:
         w.writerow({k: r.get(k, "") for k in keys})
     atomic_write_text(out / "compare.csv", buf.getvalue())
     atomic_write_json(out / "compare.json", {"models": models, "rows": rows})
@@ -622,4 +768,4 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 __all__ = ["build_group_federation", "load_compare_config", "run_compare", "summarize_run", "write_table",
-           "plot_compare", "engine_config", "DEFAULT_ALGORITHMS"]
+           "plot_compare", "plot_accuracy_vs_mb", "tier_accuracy", "tier_tables", "engine_config", "DEFAULT_ALGORITHMS"]

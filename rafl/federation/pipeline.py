@@ -156,6 +156,60 @@ def largest_feasible(space: SearchSpace, profile, samples: int, seed: int) -> tu
     return archs[best], cm.cost(archs[best])
 
 
+def subnet_budgets(space: SearchSpace, arch: ArchConfig, profile) -> dict[str, Any]:
+    """What a client's subnet costs on its device and how much of each budget that uses.
+
+    Returns:
+        ``{"macs_m", "params_m", "latency_ms", "peak_memory_mb", "train_memory_mb", "energy_mj"}``
+        (:class:`rafl.search.cost.Cost`: millions, ms per image at batch 1, MiB, mJ; latency is the
+        profile's own estimate: its measured LUT or roofline) plus ``"use"``: one
+        ``{"budget", "value", "limit", "use"}`` per budget of the profile, most used first
+        (:func:`rafl.search.evolution.budget_use`), ``"fits"`` (every budget met) and ``"binding"``
+        (:func:`rafl.search.evolution.binding_text`).
+    """
+    import math
+
+    from rafl.search.cost import CostModel, check_budgets
+    from rafl.search.evolution import binding_text
+
+    cost = CostModel(space, profile).cost(arch)
+    checks = check_budgets(cost, profile)
+    use = sorted(({"budget": c.budget, "value": float(c.value), "limit": float(c.limit),
+                   "use": float(c.value) / float(c.limit) if c.limit else math.inf} for c in checks),
+                 key=lambda r: -r["use"])
+    return {**{k: float(v) for k, v in cost.to_dict().items()}, "use": use,
+            "fits": all(c.passed for c in checks), "binding": binding_text(use)}
+
+
+def search_split(cfg: RunConfig, ds, public: np.ndarray, pool: tuple[float, int] | None,
+                 supernet_config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(validation indices, calibration indices)`` into ``ds`` for the per-profile search.
+
+    A supernet that records the public pool it trained on (``pool`` = its public fraction and
+    seed) is searched as ``rafl search`` does it: accuracy on its own server-val split (pool
+    images it did not train on, :func:`rafl.supernet.server_data.server_split` with its
+    ``val_fraction``), at most ``search.val_samples`` of them (a fixed random subset), and BN
+    recalibration on its pool-train part in a fixed random order; so the two commands share the
+    measurement cache. Otherwise: ``search.val_samples`` random public-pool images, and the
+    calibration on the public pool.
+    """
+    from rafl.supernet.server_data import calibration_sample, server_split
+
+    rng = np.random.default_rng([cfg.seed, 5])
+    if pool is not None:
+        conf = supernet_config.get("data", supernet_config) if isinstance(supernet_config.get("data"), dict) \
+            else supernet_config
+        split = server_split(ds, public_fraction=pool[0], public_seed=pool[1],
+                             val_fraction=float(conf.get("val_fraction", 0.1)), test_samples=None)
+        if len(split.pool_val):
+            val = split.pool_val
+            if len(val) > cfg.search.val_samples:
+                val = np.sort(rng.permutation(val)[: cfg.search.val_samples])
+            return val, calibration_sample(split.pool_train, len(split.pool_train))
+    val = np.sort(rng.permutation(public)[: min(cfg.search.val_samples, len(public))])
+    return val, calibration_sample(public, 512)
+
+
 def subnets_for_profiles(cfg: RunConfig, supernet, profiles: list, val: tuple[torch.Tensor, torch.Tensor],
                          calib: torch.Tensor, supernet_id: str, progress: bool = True) -> dict[str, dict[str, Any]]:
     """One subnet per device profile: fixed archs from the config, else the search
@@ -210,8 +264,7 @@ def subnets_for_profiles(cfg: RunConfig, supernet, profiles: list, val: tuple[to
         from rafl.search.evolution import SearchConfig, search_subnets
 
         scfg = SearchConfig(population=s.population, generations=s.generations, estimator=s.estimator,
-                            predictor_samples=s.predictor_samples, top_k=s.top_k, seed=cfg.seed, progress=progress,
-                            batch_size=64)
+                            predictor_samples=s.predictor_samples, top_k=s.top_k, seed=cfg.seed, progress=progress)
         res = search_subnets(supernet, todo, val, calib, scfg)
         for name, r in res.items():
             found[name] = {"arch": r.arch, "source": f"search (evolution, {s.estimator})",
@@ -630,13 +683,17 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     if len(public) == 0:
         raise UserInputError("the search and BN recalibration need the server's public pool; set "
                              "partition.public_fraction > 0", field="partition.public_fraction")
-    rng = np.random.default_rng([cfg.seed, 5])
-    val_idx = np.sort(rng.permutation(public)[: min(cfg.search.val_samples, len(public))])
-    val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
+    from rafl.supernet.checkpoint import load_meta
     from rafl.supernet.server_data import calibration_sample
 
+    meta_dir = supernet_id.split(":", 1)[1] if supernet_id.startswith("quickstart:") else cfg.supernet.path
+    meta = load_meta(meta_dir)
+    val_idx, search_calib_idx = search_split(cfg, ds, public, pool, meta.get("config") or {})
+    val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
+    search_calib = ds.images[torch.as_tensor(search_calib_idx)]
     calib = ds.images[torch.as_tensor(calibration_sample(public, 512))]  # class-mixed, whatever the data's order
-    arch_of = subnets_for_profiles(cfg, supernet, profiles, val, calib, supernet_id, progress=progress)
+    arch_of = subnets_for_profiles(cfg, supernet, profiles, val, search_calib, supernet_id, progress=progress)
+    del search_calib
     names = [pr.name for pr in profiles]
     prof_of = [names[cid % len(names)] if len(names) != cfg.clients.n else names[cid]
                for cid in range(len(part.clients))]
@@ -648,16 +705,16 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
                                   calib_images=calib, hparams=cfg.algorithm.hparams())
     for row in table:
         row["subnet_source"] = arch_of[row["profile"]]["source"]
+    used = {pr.name: pr for pr in profiles if pr.name in set(prof_of)}
+    budgets = {name: subnet_budgets(supernet.space, arch_of[name]["arch"], pr) for name, pr in used.items()}
     ecfg = engine_config(cfg)
     participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
-    from rafl.supernet.checkpoint import load_meta
-
-    meta_dir = supernet_id.split(":", 1)[1] if supernet_id.startswith("quickstart:") else cfg.supernet.path
     return Prepared(cfg, fed, ecfg, table, part, {"profiles": {n: {"arch": v["arch"].to_string(), "source": v["source"],
-                                                                   "search_accuracy": v["search_accuracy"]}
+                                                                   "search_accuracy": v["search_accuracy"],
+                                                                   **({"budgets": budgets[n]} if n in budgets else {})}
                                                                for n, v in arch_of.items()},
                                                   "supernet": supernet_id},
-                    supernet_meta=load_meta(meta_dir))
+                    supernet_meta=meta)
 
 
 def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
