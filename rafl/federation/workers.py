@@ -326,20 +326,27 @@ class WorkerClients:
         w.conn.close()
         self._workers.remove(w)
 
+    def _job_size(self, who) -> int:
+        """A job's work, in samples: its clients' training samples (an evaluation group: all of them)."""
+        ids = who if isinstance(who, list) else [who]
+        return sum(int(getattr(self.fed.clients[c], "n_samples", 0) or 0) for c in ids)
+
     def where(self, cid: int) -> str:
         """Where client ``cid`` computes, as errors append it ("" : this machine)."""
         return ""
 
     def _run(self, kind: str, rnd: int, jobs: list[tuple[Any, Payload]]) -> tuple[dict[int, Any], dict[int, str]]:
         """Run ``jobs`` (``(client id or group, download)``) on the workers, each job on the next
-        free worker. Returns ``(results by job index, failures by job index)``."""
+        free worker, the largest (most samples) first. Returns ``(results by job index, failures by job index)``."""
         keys: dict[int, int] = {}
         blobs: dict[int, bytes] = {}
         for _, down in jobs:
             if id(down) not in keys:
                 keys[id(down)] = len(keys)
                 blobs[keys[id(down)]] = down.to_bytes()
-        todo = list(range(len(jobs)))[::-1]
+        # the largest jobs first (longest-processing-time-first: the workers finish about together);
+        # results are keyed by job index, so the order changes no number
+        todo = sorted(range(len(jobs)), key=lambda i: (self._job_size(jobs[i][0]), -i))
         results: dict[int, Any] = {}
         failed: dict[int, str] = {}
         for w in list(self._workers):
