@@ -188,7 +188,7 @@ class EngineSection(_Strict):
         "(Flower's Simulation Runtime: every client step a ClientApp on a virtual SuperNode; needs rafl[flower])")
     supernodes: int | None = Field(None, ge=1, description="an integer in 1..clients.n (flower: virtual SuperNodes "
                                    "of the Simulation Runtime; null = one per client; ignored in-process)")
-    workers: int | None = Field(1, ge=1, description="an integer >= 1 (in-process: processes running the "
+    workers: int | None = Field(None, ge=1, description="an integer >= 1 (in-process: processes running the "
                                 "sampled clients' steps and the evaluation, one torch thread each; results are the "
                                 "same for every value) or null (the CPU cores, at most the clients sampled per round)")
     round_timeout_s: float = Field(600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "

@@ -163,11 +163,14 @@ def test_version_and_help_exit_0(capsys):
 def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path, monkeypatch):
     """Interrupt fedtgp in round 2 of 2 (after fedgh finished): --resume keeps fedgh's row, continues
     fedtgp from its round-1 checkpoint, runs standalone, and ends with the same table as an
-    uninterrupted comparison."""
+    uninterrupted comparison. The clients run in this process (engine.workers=1): the Ctrl-C is
+    raised inside a client's step, and a forked worker's client counts a crash as a failed client
+    (test_workers.py checks a real Ctrl-C with workers)."""
     from rafl.federation.algorithms.fedtgp import FedTGP
 
+    tiny = [*TINY, "--set", "engine.workers=1"]
     args = ["compare", "--algorithms", "fedgh,fedtgp,standalone",
-            *["engine.rounds=2" if a == "engine.rounds=1" else a for a in TINY]]
+            *["engine.rounds=2" if a == "engine.rounds=1" else a for a in tiny]]
     ref = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "ref")])
     assert ref.exit_code == 0, ref.output
 
@@ -183,7 +186,7 @@ def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path
     # Ctrl-C before any method completed a round: no folder, and a line that says so (not click's "Aborted!")
     calls["n"] = -10**9
     monkeypatch.setattr(FedTGP, "client_update", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
-    early = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", *TINY, "--out", str(tmp_path / "early")])
+    early = CliRunner().invoke(cli, ["compare", "--algorithms", "fedtgp", *tiny, "--out", str(tmp_path / "early")])
     assert early.exit_code == 130 and not (tmp_path / "early").exists()
     assert early.stderr.strip() == "interrupted before any method completed a round: nothing was kept", early.stderr
     calls["n"] = 0
@@ -686,3 +689,16 @@ def test_table_never_shows_zero_mb_for_a_method_that_communicated(tmp_path):
              for line in (tmp_path / "compare.md").read_text().splitlines() if line.startswith("| ")}
     assert table["fedproto"] == ["0.00044", "0.000044", "0.00048"]
     assert table["fedavg"] == ["1.250", "1.250", "2.500"] and table["standalone"] == ["0.000"] * 3
+
+
+def test_data_root_option_is_short_for_set_data_root(tmp_path):
+    missing = tmp_path / "no-such-cifar"
+    for cmd in (["compare", "--algorithms", "standalone", *TINY, "--out", str(tmp_path / "c")],
+                ["federate", "--no-progress", "--out", str(tmp_path / "f")]):
+        res = CliRunner().invoke(cli, [*cmd, "--data-root", str(missing), "--set", "data.dataset=cifar10"])
+        assert res.exit_code == 2 and str(missing) in res.output, res.output
+        assert not (tmp_path / "c").exists() and not (tmp_path / "f").exists()
+    shown = CliRunner().invoke(cli, ["federate", "--data-root", str(missing), "--show-config"])
+    assert shown.exit_code == 0 and f"root: {missing}" in shown.output
+    both = CliRunner().invoke(cli, ["compare", "--resume", str(tmp_path), "--data-root", str(missing)])
+    assert both.exit_code == 2 and "--data-root" in both.output

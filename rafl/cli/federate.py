@@ -136,6 +136,8 @@ def _list_algorithms(ctx: click.Context, param: click.Parameter, value: bool) ->
                    "missing keys take the defaults.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override one config key (dotted, value parsed as YAML), e.g. --set engine.rounds=3. Repeatable.")
+@click.option("--data-root", type=click.Path(path_type=Path), default=None,
+              help="Where the dataset is (a tarball or an unpacked tree; `rafl data`): short for --set data.root=PATH.")
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
               help="Continue RUN_DIR from its last complete round (same config; --set may extend engine.rounds).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
@@ -146,8 +148,8 @@ def _list_algorithms(ctx: click.Context, param: click.Parameter, value: bool) ->
                    "values, and exit without running.")
 @click.option("--list-algorithms", is_flag=True, is_eager=True, expose_value=False, callback=_list_algorithms,
               help="List the methods (algorithm.name) with their hyperparameters and defaults, and exit.")
-def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: Path | None, out: Path,
-             progress: bool, show_config: bool) -> None:
+def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Path | None, resume_dir: Path | None,
+             out: Path, progress: bool, show_config: bool) -> None:
     """Federate specialized subnets across simulated devices.
 
     With no options: digits, 10 clients (profiles pi4, jetson-nano, phone), Dirichlet alpha 0.5,
@@ -160,6 +162,11 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], resume_dir: P
     from rafl.federation.checks import check_checkpoint_readable, check_resumable_here
     from rafl.io import check_output_dir, lock_dir
 
+    if data_root is not None:
+        if resume_dir is not None:
+            raise UserInputError("cannot be combined with --resume (the run dir's config.yaml names its data)",
+                                 field="--data-root")
+        overrides = (f"data.root={data_root}", *overrides)  # a --set data.root given too comes after it and wins
     if show_config:
         from rafl.config import commented_config
 
