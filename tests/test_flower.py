@@ -472,11 +472,14 @@ def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_
 
 def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet_dir, task_identity):
     """Diverged local training is the run's fault, not the node's: the same one-line error as
-    in-process (naming the client, its model and the node), no round committed."""
+    in-process (naming the client, its model and the node), no round committed. In-process with
+    one worker: the clients one after another in job order, as a node runs its batch (every client
+    diverges; with parallel workers the first to fail is named)."""
     from rafl.config import load_run_config
     from rafl.federation import pipeline
 
-    prep = pipeline.prepare(load_run_config(None, [*_tiny_sets(supernet_dir), "algorithm.lr=1e12"]), progress=False)
+    prep = pipeline.prepare(load_run_config(None, [*_tiny_sets(supernet_dir), "algorithm.lr=1e12",
+                                                   "engine.workers=1"]), progress=False)
     with pytest.raises(UserInputError) as in_process:
         pipeline.run(prep, tmp_path / "a", progress=False)
     with pytest.raises(UserInputError) as on_flower:

@@ -21,7 +21,7 @@ def _tiny_run_config(tmp_path, supernet_dir, space, rounds=2):
         "clients": {"n": 3, "profiles": ["pi4", "phone"], "arch": space.smallest().to_string()},
         "supernet": {"path": str(supernet_dir)},
         "algorithm": {"name": "standalone", "local_epochs": 2},
-        "engine": {"rounds": rounds, "clients_per_round": 2, "target_accuracy": None},
+        "engine": {"rounds": rounds, "clients_per_round": 2, "target_accuracy": None, "workers": 1},
         "train": {"batch_size": 16},
     }
     path = tmp_path / "run.yaml"

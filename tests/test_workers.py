@@ -126,7 +126,16 @@ class _InterruptedFromWorker(get_algorithm("fedproto")):
         return super().client_update(state, broadcast, client)
 
 
-def test_ctrl_c_stops_the_workers_and_resume_gives_the_same_metrics(digits, tmp_path):
+@pytest.fixture
+def default_sigint():
+    """Python's own Ctrl-C handler during the test, as in a fresh ``rafl federate``: earlier tests of
+    the session (Flower's runtime) install SIGINT handlers of their own, which a run leaves alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_stops_the_workers_and_resume_gives_the_same_metrics(digits, tmp_path, default_sigint):
     ds, part = digits
     cfg = EngineConfig(rounds=4, clients_per_round=6, dropout=0.1, seed=2, workers=2)
     ref = Engine(_group(digits), cfg, tmp_path / "a", progress=False).run()

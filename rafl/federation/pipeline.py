@@ -205,7 +205,9 @@ def search_split(cfg: RunConfig, ds, public: np.ndarray, pool: tuple[float, int]
             val = split.pool_val
             if len(val) > cfg.search.val_samples:
                 val = np.sort(rng.permutation(val)[: cfg.search.val_samples])
-            return val, calibration_sample(split.pool_train, len(split.pool_train))
+            # the order rafl search uses (all of pool-train, shuffled); the search reads only its first
+            # calib_batches x batch_size images, so the first 2,048 of them are enough
+            return val, calibration_sample(split.pool_train, len(split.pool_train))[:2048]
     val = np.sort(rng.permutation(public)[: min(cfg.search.val_samples, len(public))])
     return val, calibration_sample(public, 512)
 
