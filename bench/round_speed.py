@@ -237,11 +237,10 @@ def report(args, runs: dict[str, list[dict]], big: dict[str, dict], load: str) -
         f"Command: `nice -n 10 python bench/round_speed.py --limit-per-class {args.limit_per_class} --rounds {args.rounds} "
         f"--repeats {args.repeats} --big-clients {args.big_clients}`",
         "",
-        f"**Ran on a shared machine** ({os.cpu_count()} cores, load average {load} at the start; other "
-        "jobs -- a supernet training and other sessions' tests -- ran at the same time, under `nice`). "
-        "Ratios of variants run back to back are what this measures; absolute seconds, and the parallel "
-        "speed-up above all, depend on how much of the second core the other jobs left. Rerun it on a quiet "
-        "machine for the issue's targets.",
+        f"Machine: {os.cpu_count()} cores, load average (1, 5, 15 min) {load} at the start and "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. Ratios of variants run back to back are "
+        "what this measures; absolute seconds, and the parallel speed-up above all, depend on the second core "
+        "being free (a load average above ~1 at the start means another job shared the machine).",
         "",
         f"Scenario: CIFAR-10 subset ({args.limit_per_class} images per class from each split, pooled), "
         f"{args.clients} clients, pathological 2 classes each, `cnn4`, batch 10, 1 local epoch, FedProto "
@@ -274,6 +273,11 @@ def report(args, runs: dict[str, list[dict]], big: dict[str, dict], load: str) -
         "(its own initialization and shuffling); they show it learns the same task.",
         "Peak PSS counts the pages the forked workers share with the run's process (the dataset, the "
         "model code) once; peak RSS counts them in every process.",
+        "",
+        "Targets (issue 35): workers 1 <= 1.05x the bare loop: "
+        f"**{med('w1', 'wall_s') / bare:.2f}x** (rounds alone {med('w1', 'rounds_s') / bare:.2f}x); workers 2 <= 0.6x: "
+        f"**{med('w2', 'wall_s') / bare:.2f}x**; peak memory <= the bare loop's + 300 MB: PSS "
+        f"{max(r['peak_pss_mb'] for r in runs['w2']):.0f} vs {max(r['peak_pss_mb'] for r in runs['bare']):.0f} + 300 MB.",
         "",
     ]
     if big:

@@ -329,3 +329,23 @@ def test_compare_of_nas_subnets_reports_accuracy_per_device_tier(tmp_path, tiny_
     assert (out / "compare_curve.png").stat().st_size > 1000
     header = (out / "compare.csv").read_text().splitlines()[0].split(",")
     assert "tier.pi4.acc_pooled" in header and "subnet.phone" in header
+
+
+def test_tier_figures_cover_the_clients_every_method_evaluated(tmp_path):
+    from rafl.federation.compare import common_client_tiers, tier_tables
+
+    table = [{"client": c, "profile": p} for c, p in enumerate(["pi4", "phone", "pi4", "phone"])]
+    full = {str(c): {"model.acc": a, "test_samples": n} for c, a, n in [(0, 0.5, 10), (1, 1.0, 20), (2, 0.0, 10),
+                                                                        (3, 0.75, 40)]}
+    shared = {k: v for k, v in full.items() if k != "3"}  # client 3 never trained: no per-client figure
+    rows = []
+    for name, clients in (("fedgh", full), ("rafl", shared)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"clients": clients}))
+        rows.append({"algorithm": name, "tiers": {"pi4": {}}})
+    common_client_tiers(rows, tmp_path, table)
+    for r in rows:
+        assert r["clients_left_out"] == ["3"] and r["tier_clients"] == 3
+        assert r["tiers"]["pi4"]["acc_pooled"] == 0.25 and r["tiers"]["phone"]["test_samples"] == 20
+        assert r["tiers_overall"]["acc_pooled"] == pytest.approx((5 + 20 + 0) / 40)
+    assert "left out: client(s) 3" in "\n".join(tier_tables(rows))

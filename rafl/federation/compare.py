@@ -243,6 +243,36 @@ def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]
     return out
 
 
+def common_client_tiers(rows: list[dict[str, Any]], out: Path, table: list[dict[str, Any]]) -> None:
+    """Restrict every row's per-tier figures to the clients that every method evaluated one by one.
+
+    A method that shares one evaluation among its never-trained clients (``eval_clients: all``,
+    :mod:`rafl.federation.workers`) reports per-client accuracies only for the trained ones; FedGH
+    evaluates everyone. So that the tier table compares methods on the same clients, ``tiers`` (and
+    ``tiers_overall``: the same figures over all tiers together) are recomputed from each method's
+    ``summary.json`` over the intersection, and ``tier_clients`` / ``clients_left_out`` say how many
+    clients that is and which were left out. Rows are changed in place.
+    """
+    summaries = {}
+    for r in rows:
+        path = out / r["algorithm"] / "summary.json"
+        if r.get("tiers") and path.is_file():
+            summaries[r["algorithm"]] = json.loads(path.read_text()).get("clients", {})
+    if not summaries:
+        return
+    common = set.intersection(*(set(c) for c in summaries.values()))
+    everyone = {str(row["client"]) for row in table}
+    for r in rows:
+        clients = summaries.get(r["algorithm"])
+        if clients is None:
+            continue
+        kept = {cid: clients[cid] for cid in common}
+        r["tiers"] = tier_accuracy(kept, table)
+        r["tiers_overall"] = tier_accuracy(kept, [{**row, "profile": "all"} for row in table]).get("all", {})
+        r["tier_clients"] = len(common)
+        r["clients_left_out"] = sorted(everyone - common, key=int)
+
+
 def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_s: float,
                   table: list[dict[str, Any]] | None = None, subnets: dict[str, Any] | None = None) -> dict[str, Any]:
     """One row of the comparison table from an engine summary and its metrics history.
@@ -410,6 +440,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
         write_table(out, with_settings(rows, hparams), models)
     rows = with_settings(rows, hparams)
+    if members == ["nas"]:
+        common_client_tiers(rows, out, next(iter(feds.values()))[1])
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
     plot_accuracy_vs_mb(out / "compare_curve.png", {r["algorithm"]: read_history(out / r["algorithm"]) for r in rows})
@@ -595,7 +627,9 @@ def _fmt(v: Any, key: str = "") -> str:
 def _flat_row(row: dict[str, Any]) -> dict[str, Any]:
     """A table row for the CSV: ``tiers`` as ``tier.<profile>.<key>`` columns, ``subnets`` as
     ``subnet.<profile>`` (the arch string)."""
-    flat = {k: v for k, v in row.items() if k not in ("tiers", "subnets")}
+    flat = {k: v for k, v in row.items() if k not in ("tiers", "subnets", "tiers_overall", "clients_left_out")}
+    for k, v in (row.get("tiers_overall") or {}).items():
+        flat[f"tier.all.{k}"] = v
     for prof, t in (row.get("tiers") or {}).items():
         flat.update({f"tier.{prof}.{k}": v for k, v in t.items()})
     for prof, v in (row.get("subnets") or {}).items():
@@ -617,14 +651,20 @@ def tier_tables(rows: list[dict[str, Any]]) -> list[str]:
             return "-"
         return f"{t['acc_mean']:.4f} / {t['acc_pooled']:.4f} ± {t['se']:.4f}"
 
+    left = tiered[0].get("clients_left_out")
+    over = (f" Over the {tiered[0]['tier_clients']} clients every method evaluated one by one (left out: client(s) "
+            f"{', '.join(left)}, never trained by some method, whose shared evaluation of the initial model has no "
+            "per-client figure)." if left else "")
     lines = ["", "Per device tier (final round; mean over the tier's clients / pooled ± binomial standard "
-             "error sqrt(p(1-p)/n) over its test samples; MB = payload per participating client per round):", "",
+             "error sqrt(p(1-p)/n) over its test samples; MB = payload per participating client per round)."
+             + over, "",
              "| method | " + " | ".join(f"{p} (n)" for p in profs) + " | overall | MB up | MB down | wall s |",
              "|" + "---|" * (len(profs) + 5)]
     for r in tiered:
         t = r["tiers"]
-        overall = {"acc_mean": r.get("model.acc_mean", float("nan")), "acc_pooled": r.get("model.acc_pooled", float("nan")),
-                   "se": r.get("model.acc_pooled_se", float("nan"))}
+        overall = r.get("tiers_overall") or {"acc_mean": r.get("model.acc_mean", float("nan")),
+                                             "acc_pooled": r.get("model.acc_pooled", float("nan")),
+                                             "se": r.get("model.acc_pooled_se", float("nan"))}
         cells = [acc(t.get(p)) + (f" ({t[p]['test_samples']})" if p in t else "") for p in profs]
         lines.append(f"| {r['algorithm']} | " + " | ".join(cells) + f" | {acc(overall)} | "
                      f"{_fmt(r.get('mb_up_per_client_round'), 'mb_up')} | {_fmt(r.get('mb_down_per_client_round'), 'mb_down')} | "
@@ -651,8 +691,9 @@ def tier_tables(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) -> None:
     """Client test accuracy (mean over clients, every evaluated round) against cumulative MB
-    communicated (payload up + down, all clients), one line per method (PNG, atomic). A method
-    that communicates nothing (standalone) is a horizontal line at its final accuracy."""
+    communicated (payload up + down, all clients), one line per method (PNG, atomic); a log MB
+    axis when the methods' traffic spans more than 20x. A method that communicates nothing
+    (standalone) is a horizontal line at its final accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -671,7 +712,11 @@ def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) 
             ax.annotate(name, (top, pts[-1][1]), ha="right", va="bottom", fontsize=7, color="gray")
             continue
         ax.plot(*zip(*pts), marker=".", ms=3, lw=1.2, label=name)
-    ax.set_xlabel("cumulative MB communicated (payload up + down, all clients)")
+    xs = [r["cum_mb"] for h in histories.values() for r in h if r.get("cum_mb", 0) > 0]
+    log = bool(xs) and max(xs) / min(xs) > 20  # prototypes (kB) beside whole models (MB): a log axis
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel("cumulative MB communicated (payload up + down, all clients)" + (", log scale" if log else ""))
     ax.set_ylabel("client test accuracy (mean over clients)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
