@@ -130,14 +130,19 @@ def run_ofa(est, space, cost_model, profile, population, generations, seed):
 
 
 # ---------------------------------------------------------------------- predictor learning curve
-def predictor_curve(measured, n_max: int, seed: int) -> list[dict]:
+def predictor_curve(measured, n_max: int, seed: int, n_first: int) -> list[dict]:
     """The predictor's cross-validated Kendall tau and RMSE against the number of measured subnets:
-    ``n_max`` subnets (:func:`sample_across_space`) measured, then random subsets of 1/8, 1/4,
-    1/2 and all of them, each fit with :func:`train_predictor`'s defaults (4-fold CV)."""
+    ``n_max`` subnets measured (the predictor's ``n_first``, then more drawn by
+    :func:`sample_across_space` with the next seed), then random subsets of 1/8, 1/4, 1/2 and all
+    of them, each fit with :func:`train_predictor`'s defaults (4-fold CV)."""
     from rafl.search.estimators import sample_across_space
     from rafl.search.predictor import train_predictor
 
-    archs = sample_across_space(measured.space, n_max, seed)
+    # the predictor's own subnets first (measured already), then others drawn the same way up to n_max
+    archs = sample_across_space(measured.space, min(n_max, n_first), seed)
+    seen = {a.to_string() for a in archs}
+    archs += [a for a in sample_across_space(measured.space, n_max, seed + 1) if a.to_string() not in seen]
+    archs = archs[:n_max]
     acc = measured.measure(archs, progress=True, desc="measuring subnets for the learning curve")
     x = Population.from_archs(measured.space, archs).encode()
     order = np.random.default_rng([seed, 77]).permutation(len(archs))
@@ -362,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"- RMSE **{fit['rmse']:.4f}** (accuracy as a fraction; measured accuracies span "
         f"{min(measured.cache.values()):.3f}-{max(measured.cache.values()):.3f})")
     if args.curve:
-        curve = predictor_curve(measured, args.curve, args.seed)
+        curve = predictor_curve(measured, args.curve, args.seed, args.predictor_samples)
         report["predictor_curve"] = curve
         say(f"- More measured subnets ({args.curve} sampled across the space the same way, cross-validated the same "
             "way on subsets): " + ", ".join(f"{c['n']}: tau {c['kendall_tau']:.3f} / RMSE {c['rmse']:.4f}"

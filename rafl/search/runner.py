@@ -244,13 +244,17 @@ def write_cost_report(directory: Path, arch: ArchConfig, space: SearchSpace, pro
 
 # ---------------------------------------------------------------------- the command
 def load_search_supernet(supernet_dir: str | Path | None, progress: bool = True):
-    """``(supernet, meta)``: from ``supernet_dir``, or the cached quickstart supernet on digits."""
+    """``(supernet, meta)``: from ``supernet_dir`` (a folder or a shipped name), or the cached
+    quickstart supernet on digits."""
     from rafl.supernet import load_supernet, quickstart_supernet
     from rafl.supernet.checkpoint import load_meta
 
     if supernet_dir is None:
         supernet, path = quickstart_supernet(progress=progress)
         return supernet, load_meta(path) | {"path": str(path)}
+    from rafl.supernet.pretrained import resolve_supernet
+
+    supernet_dir = resolve_supernet(supernet_dir)  # a shipped name (cifar10) -> its checked folder
     supernet = load_supernet(supernet_dir)
     # recorded absolute (subnet.yaml's `supernet`), so the record names it from any folder
     return supernet, load_meta(supernet_dir) | {"path": str(Path(supernet_dir).expanduser().resolve())}
