@@ -327,6 +327,8 @@ def test_compare_of_nas_subnets_reports_accuracy_per_device_tier(tmp_path, tiny_
     text = (out / "compare.md").read_text()
     assert "Per device tier" in text and "| pi4 (n) | phone (n) |" in text and "binding budget" in text
     assert (out / "compare_curve.png").stat().st_size > 1000
+    # heterofl's global model is kept as a searchable supernet, as rafl federate keeps it
+    assert (out / "heterofl" / "supernet.safetensors").is_file() and not (out / "standalone" / "supernet.json").exists()
     header = (out / "compare.csv").read_text().splitlines()[0].split(",")
     assert "tier.pi4.acc_pooled" in header and "subnet.phone" in header
 

@@ -353,6 +353,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         torch.set_num_threads(cfg.train.threads)
     feds: dict[str, tuple[Federation, list]] = {}
     subnets: dict[str, dict[str, Any]] = {}  # nas: {method: {profile: arch, source, budgets}}
+    preps: dict[str, Any] = {}  # nas: the pipeline's preparation per method
     if members == ["nas"]:
         from rafl.federation.pipeline import prepare
 
@@ -369,6 +370,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise UserInputError(err.message, source=err.source, field="--algorithms") from None
             feds[name] = (prep.federation, prep.clients_table)
             subnets[name] = prep.extra.get("profiles", {})
+            preps[name] = prep
     else:
         ds, part = load_data_and_partition(cfg, progress)
         device = torch.device(cfg.train.device)
@@ -437,6 +439,10 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise _method_error(err, name, hparams[name], out) from None
             raise
         wall = time.perf_counter() - t0 + earlier_s
+        if name in preps:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
+            from rafl.federation.pipeline import export_federated_supernet
+
+            export_federated_supernet(preps[name], run_dir, summary)
         rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
         write_table(out, with_settings(rows, hparams), models)
     rows = with_settings(rows, hparams)
