@@ -69,34 +69,9 @@ def say(text: str = "") -> None:
 
 
 # ---------------------------------------------------------------------- ofa adapters
-class OFAAccuracyAdapter:
-    """rafl's predictor behind the interface ofa's EvolutionFinder calls (``arch_encoder``,
-    ``predict_acc(list of arch dicts)``); ofa's own ``arch2feature`` encodes, columns permuted to
-    rafl's encoding layout, the same MLP runs in torch."""
-
-    def __init__(self, predictor, space):
-        from ofa.nas.accuracy_predictor.arch_encoder import MobileNetArchEncoder
-
-        self.arch_encoder = MobileNetArchEncoder(image_size_list=list(space.resolutions), ks_list=list(space.ks_choices),
-                                                 expand_list=list(space.e_choices), depth_list=list(space.d_choices),
-                                                 n_stage=space.n_stages)
-        self.predictor = predictor
-        enc = self.arch_encoder
-        perm = np.zeros(space.encoding_size, dtype=np.int64)
-        nk, ne = len(space.ks_choices), len(space.e_choices)
-        for i in range(space.n_blocks):
-            for a, k in enumerate(space.ks_choices):
-                perm[i * (nk + ne) + a] = enc.k_info["val2id"][i][k]
-            for b, e in enumerate(space.e_choices):
-                perm[i * (nk + ne) + nk + b] = enc.e_info["val2id"][i][e]
-        for c, r in enumerate(space.resolutions):
-            perm[space.n_blocks * (nk + ne) + c] = enc.r_info["val2id"][r]
-        self.perm = perm
-
-    def predict_acc(self, arch_dict_list):
-        x = np.array([self.arch_encoder.arch2feature(a) for a in arch_dict_list])[:, self.perm]
-        with torch.no_grad():
-            return self.predictor(torch.tensor(x).float())
+# rafl's predictor behind ofa's EvolutionFinder interface: the adapter of bench/search_vs_ofa.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from search_vs_ofa import OFAAccuracyAdapter  # noqa: E402
 
 
 class OFABudgetAdapter:
