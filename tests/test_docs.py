@@ -92,3 +92,22 @@ def test_the_option_tables_list_options_of_their_command(name):
         else:
             in_table = False
     assert tables >= 1
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "design.md"], ids=lambda p: p.name)
+def test_every_quoted_python_name_exists(page):
+    """A ``rafl.module.name`` the page quotes imports (design.md describes the target layout, so it
+    may name floors still being built)."""
+    import importlib
+
+    for name in sorted(set(re.findall(r"`(rafl(?:\.[A-Za-z_]\w*)+)", page.read_text()))):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ModuleNotFoundError:
+                continue
+            break
+        for attr in parts[i:]:
+            assert hasattr(obj, attr), f"{page.name}: `{name}`: {'.'.join(parts[:i])} has no {attr}"
+            obj = getattr(obj, attr)
