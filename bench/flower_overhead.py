@@ -10,17 +10,24 @@ process's session:
    Ray, one virtual SuperNode per client);
 3. **Flower deployment**: ``rafl flower-app`` + ``flwr run`` against a SuperLink and ``--nodes``
    SuperNodes on 127.0.0.1 (:class:`rafl.federation.flower.LocalFleet`); each round sends one
-   train and one evaluate message per node (carrying all its clients), and each message starts a
-   ``flwr-clientapp`` process (Flower's subprocess isolation), which imports torch and rebuilds the
-   federation from the run config (data, partition, cached supernet and search).
+   train and one evaluate message per node (carrying all its clients). Twice, back to back:
+   ``fork`` (rafl's default: each SuperNode with ``--isolation process`` beside ``rafl
+   flower-superexec``, which forks each message's ClientApp from one warm process holding torch and
+   the run's federation) and ``subprocess`` (Flower's own SuperExec: each message starts a
+   ``flwr-clientapp`` process, which imports torch and rebuilds the federation from the run config).
+
+``--case tiny``: 1,000 clients with the tiny heterogeneous CNNs (``htfe-tiny``) on CIFAR-10, IID,
+FedProto, 20 clients sampled per round and evaluated (``eval_clients: sampled``): the per-message
+cost against little work per client.
 
 Printed per backend: wall seconds of the whole run (preparation included; deployment: the
-``flwr run`` command), mean seconds per round (from ``metrics.jsonl``), the ratio to in-process,
-and whether every metric except the timings equals the in-process run's (it must: same seeds,
-same client steps).
+``flwr run`` command), mean seconds per round (from ``metrics.jsonl``; also without round 1,
+where a node builds the run's federation), the ratios to in-process, and whether every metric
+except the timings equals the in-process run's (it must: same seeds, same client steps).
 
-Run: ``python bench/flower_overhead.py [--rounds 3] [--algorithm rafl] [--nodes 2]``; writes
-``bench/results/flower_overhead.md`` and ``.json`` (a few minutes on 2 cores).
+Run: ``python bench/flower_overhead.py [--rounds 3] [--algorithm rafl] [--nodes 2]`` (writes
+``bench/results/flower_overhead.md`` and ``.json``); ``python bench/flower_overhead.py --case tiny
+--data-root ~/.cache/rafl-data/cifar10`` (``flower_overhead_tiny.*``). A few minutes each on 2 cores.
 """
 
 from __future__ import annotations
@@ -45,21 +52,50 @@ def no_time(rs: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rs]
 
 
+#: the 1,000-tiny-client case (``--case tiny``): run-config overrides
+TINY = ["data.dataset=cifar10", "clients.n=1000", "clients.models=htfe-tiny", "partition.scheme=iid",
+        "algorithm.name=fedproto", "engine.clients_per_round=20", "engine.eval_clients=sampled",
+        "train.batch_size=10"]
+
+
+def nested(overrides: list[str]) -> dict:
+    """``a.b=v`` overrides as a nested YAML mapping (values parsed as YAML scalars)."""
+    out: dict = {}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--algorithm", default="rafl")
+    ap.add_argument("--algorithm", default=None, help="default: rafl (--case default), fedproto (--case tiny)")
     ap.add_argument("--nodes", type=int, default=2, help="SuperNodes of the local deployment")
+    ap.add_argument("--case", choices=("default", "tiny"), default="default")
+    ap.add_argument("--data-root", type=Path, default=None, help="CIFAR-10 (--case tiny)")
+    ap.add_argument("--isolations", default="fork,subprocess", help="deployments to run, comma-separated")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
     from rafl.config import load_run_config
     from rafl.federation import flower, pipeline
 
+    base_overrides = [*(TINY if args.case == "tiny" else []), f"engine.rounds={args.rounds}"]
+    if args.algorithm:
+        base_overrides.append(f"algorithm.name={args.algorithm}")
+    if args.data_root:
+        base_overrides.append(f"data.root={args.data_root.expanduser().resolve()}")
+        # the nodes' trust boundary: a message may name only data under the node's own data roots
+        os.environ["RAFL_FLOWER_DATA_ROOTS"] = str(args.data_root.expanduser().resolve())
+    algorithm = args.algorithm or ("fedproto" if args.case == "tiny" else "rafl")
     work = Path(tempfile.mkdtemp(prefix="rafl-flower-bench-"))
     os.environ["FLWR_HOME"] = str(work / "flwr-home-sim")
-    overrides = [f"engine.rounds={args.rounds}", f"algorithm.name={args.algorithm}"]
-    cfg = load_run_config(None, overrides)
+    cfg = load_run_config(None, base_overrides)
     pipeline.prepare(cfg, progress=False)  # warm the supernet and search caches: every backend reads them
 
     results: dict[str, dict] = {}
@@ -69,68 +105,86 @@ def main() -> None:
         run_dir = fn()
         wall = time.perf_counter() - t0
         rs = rows(run_dir)
+        later = [r["time_s"] for r in rs[1:]] or [rs[0]["time_s"]]
         results[name] = {"wall_s": wall, "round_s": sum(r["time_s"] for r in rs) / len(rs),
+                         "round_s_after_1": sum(later) / len(later),
                          "final_acc": rs[-1].get("model.acc_mean_over_clients"), "rows": no_time(rs)}
         print(f"{name}: {wall:.1f} s, {results[name]['round_s']:.2f} s/round", flush=True)
 
     def in_process() -> Path:
-        c = load_run_config(None, [*overrides, "name=inproc"])
+        c = load_run_config(None, [*base_overrides, "name=inproc"])
         pipeline.run(pipeline.prepare(c, progress=False), work / "runs" / "inproc", progress=False)
         return work / "runs" / "inproc"
 
     def simulation() -> Path:
-        c = load_run_config(None, [*overrides, "name=sim", "engine.backend=flower"])
+        c = load_run_config(None, [*base_overrides, "name=sim", "engine.backend=flower"])
         pipeline.run(pipeline.prepare(c, progress=False), work / "runs" / "sim", progress=False)
         return work / "runs" / "sim"
 
-    def deployment() -> Path:
-        cfg_file = work / "run.yaml"
-        cfg_file.write_text(yaml.safe_dump({"name": "deployed", "engine": {"rounds": args.rounds},
-                                            "algorithm": {"name": args.algorithm}}))
-        flower.write_app(work / "app", config=cfg_file, out=work / "runs")
-        with flower.LocalFleet(args.nodes, work / "fleet") as fleet:
-            run = fleet.run(work / "app", timeout=3600)
-            if not run.completed:
-                sys.exit(f"the deployment failed ({run.status}: {run.status_details}):\n{run.stdout}\n{run.stderr}\n"
-                         f"{fleet.logs()[-5000:]}")
-        return work / "runs" / "deployed"
+    def deployment(isolation: str):
+        def go() -> Path:
+            name = f"deployed-{isolation}"
+            cfg_file = work / f"{name}.yaml"
+            cfg_file.write_text(yaml.safe_dump({**nested(base_overrides), "name": name}))
+            flower.write_app(work / f"app-{isolation}", config=cfg_file, out=work / "runs")
+            with flower.LocalFleet(args.nodes, work / f"fleet-{isolation}", isolation=isolation) as fleet:
+                run = fleet.run(work / f"app-{isolation}", timeout=3600)
+                if not run.completed:
+                    sys.exit(f"the deployment failed ({run.status}: {run.status_details}):\n{run.stdout}\n"
+                             f"{run.stderr}\n{fleet.logs()[-5000:]}")
+            return work / "runs" / name
+        return go
 
     timed("in-process", in_process)
-    timed("flower simulation", simulation)
-    timed(f"flower deployment ({args.nodes} SuperNodes)", deployment)
+    if args.case == "default":
+        timed("flower simulation", simulation)
+    for isolation in args.isolations.split(","):
+        timed(f"flower deployment, {isolation} ({args.nodes} SuperNodes)", deployment(isolation))
 
     base = results["in-process"]
+    command = (f"python bench/flower_overhead.py --case {args.case} --rounds {args.rounds} --nodes {args.nodes}"
+               + (f" --algorithm {args.algorithm}" if args.algorithm else "")
+               + (" --data-root DATA" if args.data_root else ""))
+    setting = ("The `rafl federate` default pipeline (digits, 10 clients, quickstart supernet)"
+               if args.case == "default" else
+               "1,000 clients, `htfe-tiny` models, CIFAR-10 IID, 20 clients sampled and evaluated per round")
     lines = [
         "# Flower backend: cost and equality vs the in-process engine",
         "",
-        f"`python bench/flower_overhead.py --rounds {args.rounds} --algorithm {args.algorithm} --nodes {args.nodes}` "
-        f"({time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}). The `rafl federate` default pipeline (digits, 10 clients, "
-        f"quickstart supernet), {args.algorithm}, {args.rounds} rounds; supernet and search caches warm.",
+        f"`{command}` ({time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}, load average before "
+        f"{os.getloadavg()[0]:.1f}). {setting}, {algorithm}, {args.rounds} rounds; supernet and search caches warm. "
+        "Backends run one after the other in this process's session.",
         "",
-        "| backend | wall s (run) | s / round | ratio to in-process (wall) | final acc (mean over clients) | "
-        "metrics equal to in-process |",
-        "|---|---|---|---|---|---|",
+        "| backend | wall s (run) | s / round | s / round after round 1 | ratio to in-process (s / round) | "
+        "ratio after round 1 | final acc (mean over clients) | metrics equal to in-process |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         same = r["rows"] == base["rows"]
         r["equal_to_in_process"] = same
         r["ratio_wall"] = r["wall_s"] / base["wall_s"]
-        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['round_s']:.2f} | {r['ratio_wall']:.2f}x | "
-                     f"{r['final_acc']:.4f} | {'yes' if same else 'NO'} |")
-    lines += ["", "Metrics compared: every column of `metrics.jsonl` except the `time*` columns (accuracies, "
+        r["ratio_round"] = r["round_s"] / base["round_s"]
+        r["ratio_round_after_1"] = r["round_s_after_1"] / base["round_s_after_1"]
+        acc = r["final_acc"]
+        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['round_s']:.2f} | {r['round_s_after_1']:.2f} | "
+                     f"{r['ratio_round']:.2f}x | {r['ratio_round_after_1']:.2f}x | "
+                     f"{'-' if acc is None else f'{acc:.4f}'} | {'yes' if same else 'NO'} |")
+    target = 1.3 if args.case == "default" else 3.0
+    lines += ["", f"Target (issue 32): deployment s/round <= {target}x in-process.",
+              "Metrics compared: every column of `metrics.jsonl` except the `time*` columns (accuracies, "
               "bytes up/down, failures), every round.",
               "Deployment: per round one train and one evaluate message per node, each carrying all the "
-              "node's clients; each message starts a `flwr-clientapp` process that imports torch and rebuilds "
-              "the federation from the run config (~6 s here), most of a round's time on this small model.",
-              "History (same command, same machine): 28.43x with one message per client and one Flower array "
-              "per tensor (rafl: 231 tensors per knowledge network, each moved as its own object through the SuperLink); 16.50x "
-              "with one message per node. Now: one array per payload (its safetensors blob)."]
+              "node's clients. `fork`: `rafl flower-superexec` forks each message's ClientApp from a process "
+              "that imported torch, flwr and rafl once and built the run's federation once (when the first "
+              "message of the run reported it); `subprocess`: Flower's SuperExec starts a new `flwr-clientapp` "
+              "process per message, which imports torch and rebuilds the federation."]
     text = "\n".join(lines) + "\n"
     print(text)
+    tag = "flower_overhead" + ("" if args.case == "default" else f"_{args.case}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "flower_overhead.md").write_text(text)
-    (args.out / "flower_overhead.json").write_text(json.dumps(
+    (args.out / f"{tag}.md").write_text(text)
+    (args.out / f"{tag}.json").write_text(json.dumps(
         {k: {kk: vv for kk, vv in v.items() if kk != "rows"} for k, v in results.items()}, indent=2) + "\n")
     if not all(r["equal_to_in_process"] for r in results.values()):
         sys.exit("FAIL: a Flower backend computed other numbers than the in-process engine")

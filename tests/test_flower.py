@@ -781,7 +781,8 @@ def test_a_model_group_on_the_simulation_backend_matches_in_process(tmp_path):
 @pytest.mark.slow
 def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, in_process):
     """`rafl flower-app` + `flwr run` against a real SuperLink and two SuperNodes hosting the three
-    clients (node 0: clients 0 and 2, node 1: client 1) ends with the in-process numbers."""
+    clients (node 0: clients 0 and 2, node 1: client 1), each node with `rafl flower-superexec`,
+    ends with the in-process numbers; each warm process built the run once."""
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"name: deployed\nsupernet: {{path: {supernet_dir}}}\ndata: {{limit_per_class: 10}}\n"
                    "clients: {n: 3}\nengine: {rounds: 2, round_timeout_s: 300}\nalgorithm: {name: fedgh}\n")
@@ -793,6 +794,8 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
         assert run.completed and run.status == "finished:completed", (run, fleet.logs()[-4000:])
         assert "rafl: 2 rounds" in run.stdout, (run.stdout + run.stderr + fleet.logs())[-4000:]
         pids = [p.pid for p in fleet.procs]
+    for i in range(2):  # the first message reported the run; the warm process built it for the rest
+        assert "later messages start with it" in (tmp_path / "fleet" / f"superexec{i}.log").read_text()
     for pid in pids:  # stopped, with their process groups
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
@@ -809,8 +812,11 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     (folder,) = {p.parent.name for p in (tmp_path / "fleet" / "node-states").rglob("*.st")}
     assert f"the nodes keep its client states in <state-dir>/{folder}/" in run.stdout  # which folder to delete
     # the README's resume with more rounds, on a fresh fleet whose nodes keep the same state-dir
-    # (the nodes' state folder was keyed by the config with engine.rounds, so round 3 found no state)
-    with flower.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states") as fleet:
+    # (the nodes' state folder was keyed by the config with engine.rounds, so round 3 found no state);
+    # its nodes run Flower's own SuperExec (a flwr-clientapp process per message), the first fleet
+    # rafl's forking one: both compute the in-process numbers
+    with flower.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states",
+                           isolation="subprocess") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600, run_config=f"resume='{run_dir}' rounds=3")
         assert run.completed, (run, fleet.logs()[-4000:])
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["rounds"] == 3

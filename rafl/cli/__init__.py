@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "profile": "rafl.cli.profile:profile",
     "federate": "rafl.cli.federate:federate",
     "flower-app": "rafl.cli.flower:flower_app",
+    "flower-superexec": "rafl.cli.flower:flower_superexec",
 }
 
 

@@ -1,4 +1,5 @@
-"""``rafl flower-app``: write the Flower App that runs rafl's federation on a SuperLink."""
+"""``rafl flower-app``: write the Flower App that runs rafl's federation on a SuperLink;
+``rafl flower-superexec``: run a SuperNode's ClientApps from one warm process."""
 
 from __future__ import annotations
 
@@ -37,3 +38,30 @@ def flower_app(folder: Path, config: Path | None, runs: Path) -> None:
     path = write_app(folder, config=config, out=runs)
     click.echo(f"wrote {path}")
     click.echo(f"run it: flwr run {folder} <superlink connection> --stream")
+
+
+@click.command("flower-superexec")
+@click.option("--runtime-api-address", required=True,
+              help="the SuperNode's Runtime API, host:port (the SuperNode's --host/--port; it must run with "
+                   "--isolation process)")
+@click.option("--insecure", is_flag=True, help="no TLS to the Runtime API (a SuperNode on this machine)")
+@click.option("--root-certificates", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="CA certificate (PEM) that signed the SuperNode's Runtime API certificate (its --ssl-* options)")
+@click.option("--parent-pid", type=int, default=None, help="stop when this process exits")
+@click.option("--superexec-auth-secret-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="the SuperNode's --superexec-auth-secret-file, if it sets one")
+def flower_superexec(runtime_api_address: str, insecure: bool, root_certificates: str | None,
+                     parent_pid: int | None, superexec_auth_secret_file: str | None) -> None:
+    """Run the ClientApps of a SuperNode started with `--isolation process`, each forked from this
+    one warm process (torch, flwr and rafl imported once; each run's data, subnets and search
+    built once), instead of Flower's new `flwr-clientapp` process per message. Stops on Ctrl-C /
+    SIGTERM. Linux and macOS (fork).
+    """
+    from rafl.errors import UserInputError
+    from rafl.federation.flower_superexec import run
+
+    if not insecure and root_certificates is None:
+        raise UserInputError("give --root-certificates (TLS to the Runtime API) or --insecure (a SuperNode on "
+                             "this machine)", field="--insecure")
+    run(runtime_api_address, insecure=insecure, root_certificates=root_certificates, parent_pid=parent_pid,
+        superexec_auth_secret_file=superexec_auth_secret_file)

@@ -56,15 +56,28 @@ class LocalFleet:
             nodes' ClientApps kept both cores busy).
         state_dir: the nodes' client-state folder (``RAFL_FLOWER_STATE_DIR``), default
             ``workdir/node-states``.
+        isolation: ``"fork"`` (default): each SuperNode runs with ``--isolation process`` beside a
+            ``rafl flower-superexec`` (log ``superexec<i>.log``) that forks each message's
+            ClientApp from one warm process (:mod:`rafl.federation.flower_superexec`);
+            ``"subprocess"``: Flower's own SuperExec, a new ``flwr-clientapp`` process per message.
+
+    Raises:
+        UserInputError: ``n_nodes`` < 1 or an unknown ``isolation``.
     """
+
+    ISOLATIONS = ("fork", "subprocess")
 
     CONNECTION = "rafl-local"
 
-    def __init__(self, n_nodes: int, workdir: str | Path, state_dir: str | Path | None = None):
+    def __init__(self, n_nodes: int, workdir: str | Path, state_dir: str | Path | None = None,
+                 isolation: str = "fork"):
         import sys
 
         if n_nodes < 1:
             raise UserInputError(f"is {n_nodes}; allowed: >= 1", field="n_nodes")
+        if isolation not in self.ISOLATIONS:
+            raise UserInputError(f"is {isolation!r}; allowed: {', '.join(self.ISOLATIONS)}", field="isolation")
+        self.isolation = isolation
         self.n_nodes, self.workdir = n_nodes, Path(workdir)
         self.bindir = Path(sys.executable).parent
         self.home = self.workdir / "flwr-home"
@@ -124,9 +137,14 @@ class LocalFleet:
                          "--disable-runtime-dependency-installation"], "superlink.log")
             self._wait_for(port, "superlink.log")
             for i in range(self.n_nodes):
-                self._start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--host",
-                             "127.0.0.1", "--port", str(self._free_port()), "--node-config",
+                runtime_port = self._free_port()
+                fork = ["--isolation", "process"] if self.isolation == "fork" else []
+                self._start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", *fork, "--host",
+                             "127.0.0.1", "--port", str(runtime_port), "--node-config",
                              f"partition-id={i} num-partitions={self.n_nodes}"], f"node{i}.log")
+                if fork:
+                    self._start(["rafl", "flower-superexec", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
+                                 "--insecure"], f"superexec{i}.log")
         except BaseException:
             self.stop()
             raise

@@ -211,6 +211,41 @@ def refusals(state_root: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
 
 
+#: called with a run config text the first time this process meets it, after the node's trust
+#: rules accepted it and before the federation is built: rafl's forking SuperExec
+#: (:mod:`rafl.federation.flower_superexec`) sets it in its children, to build the run once in the
+#: warm process the next children fork from; None otherwise
+on_new_run: Callable[[str], None] | None = None
+
+
+def _parse_run_config(config_text: str) -> Any:
+    """The message's run config (a :class:`~rafl.config.RunConfig`).
+
+    Raises:
+        UserInputError: an invalid run config (field ``config``)."""
+    from pydantic import ValidationError
+
+    from rafl.config import RunConfig
+
+    try:
+        return RunConfig.model_validate(load_yaml(config_text))
+    except ValidationError as err:
+        raise UserInputError(f"the message's run config is invalid ({err.errors()[0].get('msg', 'invalid')})",
+                             field="config") from None
+
+
+def _build(config_text: str, cfg: Any) -> tuple[Federation, int]:
+    """The run's federation, from the cache or built (``pipeline.prepare``) and cached: one run at
+    a time per process."""
+    key = hashlib.sha256(config_text.encode()).hexdigest()
+    if key not in _PREPARED:
+        from rafl.federation import pipeline
+
+        _PREPARED.clear()
+        _PREPARED[key] = (pipeline.prepare(cfg, progress=False).federation, cfg.seed)
+    return _PREPARED[key]
+
+
 def _node_federation(config_text: str, trust: NodeTrust) -> tuple[Federation, int]:
     """The run's federation built on this node from the run config (cached per config), after
     :meth:`NodeTrust.check_run_config`.
@@ -218,23 +253,28 @@ def _node_federation(config_text: str, trust: NodeTrust) -> tuple[Federation, in
     Raises:
         Refused: the config names an input the node does not allow.
         UserInputError: an invalid run config."""
-    from pydantic import ValidationError
-
-    from rafl.config import RunConfig
-
-    try:
-        cfg = RunConfig.model_validate(load_yaml(config_text))
-    except ValidationError as err:
-        raise UserInputError(f"the message's run config is invalid ({err.errors()[0].get('msg', 'invalid')})",
-                             field="config") from None
+    cfg = _parse_run_config(config_text)
     trust.check_run_config(cfg)  # every message: the cache is no way around the node's rules
-    key = hashlib.sha256(config_text.encode()).hexdigest()
-    if key not in _PREPARED:
-        from rafl.federation import pipeline
+    if on_new_run is not None and hashlib.sha256(config_text.encode()).hexdigest() not in _PREPARED:
+        on_new_run(config_text)
+    return _build(config_text, cfg)
 
-        _PREPARED.clear()  # one run at a time per ClientApp process
-        _PREPARED[key] = (pipeline.prepare(cfg, progress=False).federation, cfg.seed)
-    return _PREPARED[key]
+
+def warm(config_text: str) -> None:
+    """Build and cache the federation of a run config that a forked ClientApp child of this
+    process accepted under the node's trust rules (:data:`on_new_run`), so that the next children
+    start with it. The text is the message's own, already checked by the child against the node
+    config it came with; this builds it with the same code the child runs.
+
+    A run with ``train.threads`` other than 1 is not built here (its children build it): building
+    would start torch's thread pool in this process, and a child forked from a process with a
+    running pool hangs at its first parallel operation (GNU OpenMP is not fork-safe).
+
+    Raises:
+        UserInputError: an invalid run config; whatever ``pipeline.prepare`` raises."""
+    cfg = _parse_run_config(config_text)
+    if cfg.train.threads == 1:
+        _build(config_text, cfg)
 
 
 def _client_step(msg: Any, node_config: dict[str, Any], kind: str, fed: Federation, seed: int,
