@@ -553,6 +553,47 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     assert rows[1]["lost"] == {"2": "node 1 (partition-id=0): node error: RuntimeError: CUDA out of memory"}
 
 
+def test_a_node_whose_uploads_would_pass_the_reply_bound_gets_several_train_messages(
+        tmp_path, supernet_dir, task_identity, monkeypatch):
+    """With the reply bound below two clients' upload limits, each train message carries one
+    client (node 1: three messages, node 2: two), evaluation stays one message per node, and the
+    run computes the in-process numbers."""
+    from rafl.config import load_run_config
+    from rafl.federation import pipeline
+
+    sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
+    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
+    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
+    grid = CountingGrid(2)
+    limits: list[int] = []
+    real = flower.FlowerClients._batches
+
+    def batches(self, kind, jobs):
+        limits.extend(self.upload_limits.get(cid) for cid, _ in jobs if kind == "train")
+        return real(self, kind, jobs)
+
+    monkeypatch.setattr(flower.FlowerClients, "_batches", batches)
+    monkeypatch.setattr(flower, "MAX_REPLY_BYTES", 1)  # every client alone exceeds it: one per message
+    got = flower.run_on_grid(grid, prep, tmp_path / "msg", progress=False)
+    assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
+    assert limits and all(limit > 1 for limit in limits)
+    steps = [s for s in grid.sent if s[0] in ("train", "evaluate")]
+    assert steps == [step for rnd in (1, 2) for step in
+                     [("train", rnd, 1, [0]), ("train", rnd, 1, [2]), ("train", rnd, 1, [4]), ("train", rnd, 2, [1]),
+                      ("train", rnd, 2, [3]), ("evaluate", rnd, 1, [0, 2, 4]), ("evaluate", rnd, 2, [1, 3])]]
+
+
+def test_reply_batches_fill_up_to_the_bound_in_job_order(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(flower, "MAX_REPLY_BYTES", 100)
+    clients = SimpleNamespace(upload_limits={0: 40, 1: 40, 2: 40, 3: 150, 4: 10})
+    jobs = [(cid, Payload()) for cid in range(5)]
+    got = flower.FlowerClients._batches(clients, "train", jobs)
+    assert [[cid for cid, _ in b] for b in got] == [[0, 1], [2], [3], [4]]  # a client alone may pass it
+    assert [[cid for cid, _ in b] for b in flower.FlowerClients._batches(clients, "evaluate", jobs)] == [[0, 1, 2, 3, 4]]
+
+
 def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_path, supernet_dir, task_identity,
                                                                             monkeypatch):
     """Node 1 hosts clients 0, 2, 4 and each training step takes 0.4 s on its clock (moved by the

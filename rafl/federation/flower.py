@@ -298,6 +298,12 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: boo
         time.sleep(0.2)
 
 
+#: the most upload bytes one train message's reply may carry: a node with more sampled clients
+#: than fit gets several messages (:meth:`FlowerClients._batches`), so a node's reply, and the
+#: memory that holds it on the node and the SuperLink, stay bounded
+MAX_REPLY_BYTES = 256 * 2**20
+
+
 class FlowerClients:
     """The engine's client runner over a Flower :class:`~flwr.serverapp.Grid`.
 
@@ -390,8 +396,27 @@ class FlowerClients:
         return app.Message(app.RecordDict({**records, CONTROL: control}), dst_node_id=nid, message_type=kind,
                            group_id=str(rnd))
 
+    def _batches(self, kind: str, jobs: list[tuple[int, Payload]]) -> list[list[tuple[int, Payload]]]:
+        """A node's jobs as the messages that carry them (in job order): one message, except for
+        train messages whose clients' uploads could exceed :data:`MAX_REPLY_BYTES` together (each
+        client counted at its upload limit, ``engine.max_upload_mb``, or its broadcast's size), which
+        are split so that every reply stays under it (a client alone may exceed it)."""
+        if kind != TRAIN:  # evaluation replies carry a few metrics per client
+            return [jobs]
+        out: list[list[tuple[int, Payload]]] = [[]]
+        size = 0
+        for cid, payload in jobs:
+            nbytes = self.upload_limits.get(cid) or payload.nbytes()
+            if out[-1] and size + nbytes > MAX_REPLY_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append((cid, payload))
+            size += nbytes
+        return out
+
     def _replies(self, kind: str, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[dict[int, Any], dict[int, str]]:
-        """Exchange one message per node hosting clients of ``jobs`` (Flower's deployment starts a
+        """Exchange the messages of the nodes hosting clients of ``jobs`` (one per node, or more, see
+        :meth:`_batches`; Flower's deployment starts a
         ClientApp process per message: one per client cost a process start, an import of torch
         and a rebuild of the federation per client and step). Returns ``(reply content by client,
         reasons by lost client)``: a node that fails or does not reply loses its clients; a client
@@ -405,17 +430,18 @@ class FlowerClients:
         by_node: dict[int, list[tuple[int, Payload]]] = {}
         for cid, payload in jobs:
             by_node.setdefault(self.node_of[cid], []).append((cid, payload))
+        batches = {(nid, i): batch for nid, js in by_node.items() for i, batch in enumerate(self._batches(kind, js))}
         node_replies, node_lost = _exchange(
-            self.grid, [(nid, self._message(kind, nid, rnd, js)) for nid, js in by_node.items()], self.timeout,
+            self.grid, [(key, self._message(kind, key[0], rnd, js)) for key, js in batches.items()], self.timeout,
             self.stop)
         replies: dict[int, Any] = {}
         lost: dict[int, str] = {}
         user_errors: dict[int, UserInputError] = {}
-        for nid, js in by_node.items():
-            if nid in node_lost:
-                lost.update({cid: f"{node_name(self.node_of, cid)}: {node_lost[nid]}" for cid, _ in js})
+        for key, js in batches.items():
+            if key in node_lost:
+                lost.update({cid: f"{node_name(self.node_of, cid)}: {node_lost[key]}" for cid, _ in js})
                 continue
-            content = node_replies[nid].content
+            content = node_replies[key].content
             rec = content.config_records.get(CONTROL)
             if rec is not None and "user_error" in rec:
                 cid = int(rec["user_error_client"])
@@ -445,7 +471,7 @@ class FlowerClients:
         return replies, lost
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
-        """Send every ``(client_id, broadcast)`` job to its node (one message per node); returns
+        """Send every ``(client_id, broadcast)`` job to its node (one message per node, see :meth:`_batches`); returns
         the uploads in job order, the clients lost with the reason, and the wall seconds the
         round's client steps took.
 
