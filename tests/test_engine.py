@@ -19,8 +19,9 @@ from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.algorithms.rafl import RaFL
-from rafl.federation.engine import Engine, EngineConfig, sample_clients, seed_of, sporadic_update
+from rafl.federation.engine import Engine, EngineConfig, sample_clients, sporadic_update
 from rafl.federation.pipeline import build_federation, check_disjoint
+from rafl.federation.runners import seed_of
 from rafl.supernet import SearchSpace, build_supernet
 
 TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")

@@ -12,8 +12,9 @@ from rafl.data import ClientSplit, Partition, load_dataset
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ClientContext, ClientInfo, ServerContext, get_algorithm
 from rafl.federation.compare import build_group_federation
-from rafl.federation.engine import Engine, EngineConfig, Federation
+from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.payload import Payload
+from rafl.federation.runners import Federation
 
 
 MODELS = ["cnn4-small", "cnn3-small"]
@@ -383,7 +384,7 @@ def test_untrained_client_keeps_one_initial_model_whatever_the_round(digits, edg
     """A client not trained yet (not sampled, or failed) is built from a per-(run, client) seed:
     evaluated in round 2 and round 5 it is the same model (it used to be re-drawn every round),
     and it is the model round 1 would have built."""
-    from rafl.federation.engine import client_context, load_or_init
+    from rafl.federation.runners import client_context, load_or_init
     from rafl.federation.store import ClientStore
 
     algo = get_algorithm("fedproto")()

@@ -18,8 +18,9 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.pipeline import build_federation, build_group_federation
+from rafl.federation.runners import PooledLoader
 from rafl.federation.store import load_state
-from rafl.federation.workers import PooledLoader, resolve_workers
+from rafl.federation.workers import resolve_workers
 from rafl.supernet import SearchSpace, build_supernet
 
 TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")
@@ -192,7 +193,7 @@ def test_untrained_clients_share_one_evaluation_per_model(digits, tmp_path):
     assert row["eval.trained_clients"] == 2 and row["eval.untrained_clients"] == 6
     # the pooled figure: the initial model of each model's first untrained client, on every
     # untrained client's test split; the same counts as evaluating them one by one with it
-    from rafl.federation.engine import client_context, evaluate_client
+    from rafl.federation.runners import client_context, evaluate_client
 
     correct = total = 0.0
     for c in untrained:
