@@ -26,6 +26,7 @@ from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.payload import Payload
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import load_state
+from rafl.reports.run import RunReport
 
 
 class _Split(nn.Module):
@@ -232,7 +233,8 @@ def _run(tiny, tmp_path, algo, **cfg):
 
     space, supernet, ds, part = tiny
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)
-    summary = Engine(fed, EngineConfig(rounds=1, **cfg), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=1, **cfg), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return summary, rows, load_state(tmp_path / "checkpoint.safetensors")
 

@@ -33,8 +33,12 @@ server steps and knows no algorithm by name. One round ``t``:
    cost: every client's copy of a broadcast counts). A runner that sends messages (Flower) also
    reports the bytes its messages carried (``wire_bytes_down``/``_up``/``_eval_down``,
    ``cum_wire_mb``: a broadcast the clients of one node share travels once to that node).
-8. ``metrics.jsonl``/``metrics.csv`` rewritten, then ``checkpoint.safetensors`` (server state, broadcast,
-   available set, committed client-state versions, counters, metrics so far) written atomically.
+8. The round's record (a ``dict``, one line of ``metrics.jsonl``) is appended to the history and
+   handed to every :class:`RunObserver` (:class:`rafl.reports.run.RunReport` writes the metrics
+   files), then ``checkpoint.safetensors`` (server state, broadcast, available set, committed
+   client-state versions, counters, metrics so far) is written atomically. After the last round
+   the observers get the history and the summary (:func:`make_summary`). The engine itself writes
+   only ``clients/`` and the checkpoint.
 
 ``resume`` continues from the last complete round; because every random draw is seeded by
 ``(seed, round[, client])`` and client states are versioned (:mod:`rafl.federation.store`), a
@@ -46,15 +50,13 @@ the tests check); on CUDA, cuDNN's default convolution algorithms are not determ
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -69,8 +71,7 @@ from rafl.federation.runners import Federation, seed_of
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
-from rafl.io import atomic_write_json, atomic_write_text, remove_orphaned_tmp
-from rafl.reports.tables import accuracy_name, fmt_bytes
+from rafl.io import remove_orphaned_tmp
 
 CHECKPOINT = "checkpoint.safetensors"
 #: Added to a NaN/Inf upload's error: an honest client's non-finite upload is training that
@@ -181,6 +182,21 @@ class RoundTimes:
         return max(0.0, self.total - self.client_update - self.aggregate - self.evaluate)
 
 
+class RunObserver(Protocol):
+    """Who records a run: the engine hands it every round's record and the summary
+    (:class:`rafl.reports.run.RunReport` writes the run dir's metrics files, summary and plots).
+    Called in the engine's thread; an exception propagates into the run."""
+
+    def round_done(self, history: list[dict[str, Any]]) -> None:
+        """After every completed round, before its checkpoint: the records of all rounds so far
+        (resumed ones included; the last is this round's, its ``time_s`` / ``time_engine_s``
+        without the observers' and the checkpoint's time)."""
+
+    def run_done(self, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+        """After the last round (also when a resumed run had none left): every round's record,
+        with complete timing, and :func:`make_summary`'s summary."""
+
+
 class Engine:
     """Runs a :class:`Federation` for ``config.rounds`` rounds into ``run_dir``.
 
@@ -188,13 +204,14 @@ class Engine:
         fed: the federation.
         config: :class:`EngineConfig`.
         run_dir: an existing directory (the CLI creates it only after validation); the engine
-            writes ``clients/``, ``checkpoint.safetensors``, ``metrics.jsonl``, ``metrics.csv``,
-            ``summary.json``, ``accuracy_vs_round.png``, ``accuracy_vs_mb.png`` there.
+            writes ``clients/`` and ``checkpoint.safetensors`` there.
         progress: show a tqdm bar over rounds.
         clients: the client runner, built from the engine's store (``clients(fed, store, seed)``);
-            default :class:`~rafl.federation.runners.InProcessClients`, or :class:`rafl.federation.workers.WorkerClients`
-            with ``config.workers`` > 1. :mod:`rafl.federation.flower` passes one that runs
+            default :class:`~rafl.federation.runners.InProcessClients`, or
+            :class:`rafl.federation.workers.WorkerClients` with ``config.workers`` > 1. :mod:`rafl.federation.flower` passes one that runs
             the client steps as Flower ClientApps on SuperNodes.
+        observers: :class:`RunObserver` s told every round's record and the summary, in order
+            (e.g. ``[rafl.reports.run.RunReport(run_dir)]``: ``metrics.jsonl``, ``summary.json``, ...).
 
     Raises:
         UserInputError: bad engine values, a population the algorithm rejects, or (on resume) a
@@ -202,8 +219,10 @@ class Engine:
     """
 
     def __init__(self, fed: Federation, config: EngineConfig, run_dir: str | Path, progress: bool = True,
-                 clients: Callable[[Federation, ClientStore, int], Any] | None = None):
+                 clients: Callable[[Federation, ClientStore, int], Any] | None = None,
+                 observers: Sequence[RunObserver] = ()):
         self.fed = fed
+        self.observers = tuple(observers)
         self.cfg = config
         self.run_dir = Path(run_dir)
         self.progress = progress
@@ -305,7 +324,8 @@ class Engine:
 
     # ------------------------------------------------------------------ main loop
     def run(self, resume: bool = False) -> dict[str, Any]:
-        """Run (or continue) the federation; returns the summary (also in ``summary.json``)."""
+        """Run (or continue) the federation; returns the summary (:func:`make_summary`, also
+        handed to the observers)."""
         try:
             return self._run(resume)
         finally:
@@ -430,21 +450,22 @@ class Engine:
                         "time_engine_s": times.engine})
             history.append(row)
             tw = time.perf_counter()
-            write_metrics(self.run_dir, history)
+            for observer in self.observers:  # e.g. metrics.jsonl: on disk before the round's checkpoint
+                observer.round_done(history)
             self._checkpoint(rnd, server_state, broadcast, available, history, counters)
             times.total += time.perf_counter() - tw
             row["time_s"], row["time_engine_s"] = times.total, times.engine
             self.times.append(times)
             report("round_end", round=rnd)
             if "model.acc_mean_over_clients" in row:
-                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}", comm=fmt_bytes(row["cum_mb"] * 1e6))
+                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}",
+                                comm=tqdm.format_sizeof(row["cum_mb"] * 1e6, "B", 1000))
         bar.close()
         if last_eval is None:  # resumed after the final round: re-evaluate from the checkpoint
             last_eval = self._evaluate(cfg.rounds, broadcast)
         summary = make_summary(algo.name, history, counters, last_eval[1], cfg)
-        write_metrics(self.run_dir, history)
-        atomic_write_json(self.run_dir / "summary.json", summary)
-        plot_metrics(self.run_dir, history)
+        for observer in self.observers:
+            observer.run_done(history, summary)
         return summary
 
 
@@ -497,19 +518,6 @@ def summarize_untrained(per_client: dict[int, dict[str, float]],
         if total > 0:
             out[f"{m}.acc_all_sample_weighted"] = correct / total
     return out
-
-
-def write_metrics(run_dir: Path, history: list[dict]) -> None:
-    """``metrics.jsonl`` (one JSON object per round) and ``metrics.csv`` (union of columns), atomically."""
-    atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
-    cols: list[str] = []
-    for r in history:
-        cols += [k for k in r if k not in cols]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, restval="")
-    w.writeheader()
-    w.writerows(history)
-    atomic_write_text(run_dir / "metrics.csv", buf.getvalue())
 
 
 def make_summary(algorithm: str, history: list[dict], counters: dict, per_client: dict[int, dict[str, float]],
@@ -567,49 +575,5 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def plot_metrics(run_dir: Path, history: list[dict]) -> None:
-    """``accuracy_vs_round.png`` and ``accuracy_vs_mb.png`` (every evaluated model, mean over
-    clients with a +-std band), written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    evals = [r for r in history if any(k.endswith(".acc_mean_over_clients") for k in r)]
-    if not evals:
-        return
-    models = sorted({k.split(".acc_mean_over_clients")[0] for r in evals for k in r
-                     if k.endswith(".acc_mean_over_clients")})
-    for xkey, fname, xlabel in (("round", "accuracy_vs_round.png", "round"),
-                                ("cum_mb", "accuracy_vs_mb.png", "cumulative communication (MB, up + down)")):
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for m in models:
-            pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
-                   if f"{m}.acc_mean_over_clients" in r]
-            x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
-            name = accuracy_name(m)  # the tables' name ("deployed model", "knowledge network", ...)
-            ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
-            ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
-        ax.set_xlabel(xlabel)
-        if xkey == "round":  # rounds are whole numbers: no 1.5 (or 0.96 for one round) ticks on short runs
-            from matplotlib.ticker import MaxNLocator
-
-            rounds = sorted({int(r["round"]) for r in evals})
-            if len(rounds) <= 12:
-                ax.set_xticks(rounds)
-            else:
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        plt.close(fig)
-        from rafl.io import atomic_write_bytes
-
-        atomic_write_bytes(run_dir / fname, buf.getvalue())
-
-
 __all__ = ["Engine", "EngineConfig", "eval_coverage", "participation", "RoundTimes", "summarize_eval", "summarize_untrained",
-           "write_metrics", "make_summary", "plot_metrics", "sample_clients", "sporadic_update"]
+           "make_summary", "RunObserver", "sample_clients", "sporadic_update"]
