@@ -25,9 +25,10 @@ server steps and knows no algorithm by name. One round ``t``:
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
    (``prepare_evaluation`` + ``evaluate``); reported per model ``m``: ``m.acc_mean_over_clients``,
    ``m.acc_sample_weighted`` (sum correct / sum samples), ``m.acc_std_over_clients``.
-7. Communication: bytes of every download (``client_broadcast(...).nbytes()``) and every upload
-   (``nbytes()`` of what the client returned; the sender id travels in the envelope) per round and
-   cumulative. ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the
+7. Communication: bytes of every download (``client_broadcast(...)``, counted:
+   :meth:`~rafl.federation.payload.Payload.count`, and the counted, frozen payload is what the
+   client receives) and every upload (counted as the client returned it; the sender id travels
+   beside it, in the runner's ``(client_id, upload)`` pairs) per round and cumulative. ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the
    cumulative MB (up + down) at the first evaluated round whose ``model.acc_mean_over_clients``
    reaches ``target_accuracy``. These are per-client payload bytes (the papers' communication
    cost: every client's copy of a broadcast counts). A runner that sends messages (Flower) also
@@ -65,7 +66,7 @@ from tqdm.auto import tqdm
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.aggregation import AggregationRule
 from rafl.federation.algorithms.base import ServerContext
-from rafl.federation.payload import Payload
+from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.progress import report
 from rafl.federation.runners import Federation, seed_of
 from rafl.federation.screening import UploadPolicy, screen_uploads
@@ -266,8 +267,8 @@ class Engine:
         save_state(self.run_dir / CHECKPOINT, {
             "round": rnd,
             "server_state": server_state,
-            "broadcast_tensors": broadcast.tensors,
-            "broadcast_meta": json.dumps(broadcast.meta),
+            "broadcast_tensors": dict(broadcast.tensors),
+            "broadcast_meta": json.dumps(dict(broadcast.meta)),
             "available": list(available),
             "committed": {str(k): v for k, v in committed.items()},
             "history": json.dumps(history),
@@ -368,25 +369,27 @@ class Engine:
             failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
             bytes_up = bytes_down = 0
             uploads: list[Payload] = []
-            shared_nbytes: int | None = None  # the common broadcast is serialized once per round
-            jobs: list[tuple[int, Payload]] = []
+            # id(download) -> (download, its counted copy): a payload sent to several clients (the
+            # common broadcast) is counted once and stays one object (a runner sends it once per node)
+            counted: dict[int, tuple[Payload, CountedPayload]] = {}
+            jobs: list[tuple[int, CountedPayload]] = []
             limits: dict[int, int] = {}  # the largest upload the server accepts, per client
             for cid in sampled:
                 down = algo.client_broadcast(broadcast, fed.clients[cid])
-                if down is broadcast:
-                    shared_nbytes = broadcast.nbytes() if shared_nbytes is None else shared_nbytes
-                    down_bytes = shared_nbytes
-                else:
-                    down_bytes = down.nbytes()
+                if id(down) not in counted:
+                    counted[id(down)] = (down, down.count())
+                sent = counted[id(down)][1]
+                down_bytes = sent.nbytes()
                 bytes_down += down_bytes
                 if cid not in failed:
-                    jobs.append((cid, down))
+                    jobs.append((cid, sent))
                     limits[cid] = self.policy.byte_limit(algo.upload_spec(server_state, fed.clients[cid]), down_bytes)
             if hasattr(self.clients, "upload_limits"):  # a runner that receives wire bytes checks them unparsed
                 self.clients.upload_limits = limits
             report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
             results, lost, times.client_update = self.clients.train(rnd, jobs)
             report("trained", done=len(results))
+            del counted
             failed = failed + sorted(lost)
             # the sender names the client's model: a NaN upload usually means that model diverged
             screened = screen_uploads(
