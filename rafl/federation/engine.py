@@ -25,12 +25,13 @@ server steps and knows no algorithm by name. One round ``t``:
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
    (``prepare_evaluation`` + ``evaluate``); reported per model ``m``: ``m.acc_mean_over_clients``,
    ``m.acc_sample_weighted`` (sum correct / sum samples), ``m.acc_std_over_clients``.
-7. Communication: bytes of every download (``client_broadcast(...)``, counted:
-   :meth:`~rafl.federation.payload.Payload.count`, and the counted, frozen payload is what the
-   client receives) and every upload (counted as the client returned it; the sender id travels
-   beside it, in the runner's ``(client_id, upload)`` pairs) per round and cumulative. ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the
-   cumulative MB (up + down) at the first evaluated round whose ``model.acc_mean_over_clients``
-   reaches ``target_accuracy``. These are per-client payload bytes (the papers' communication
+7. Communication: bytes of every download (``client_broadcast(...)``, counted by
+   :meth:`~rafl.federation.payload.Payload.count`; the counted, frozen payload is what the client
+   receives) and every upload (counted as the client returned it; the sender id travels beside
+   it, in the runner's ``(client_id, upload)`` pairs) per round and cumulative.
+   ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the cumulative MB
+   (up + down) at the first evaluated round whose ``model.acc_mean_over_clients`` reaches
+   ``target_accuracy``. These are per-client payload bytes (the papers' communication
    cost: every client's copy of a broadcast counts). A runner that sends messages (Flower) also
    reports the bytes its messages carried (``wire_bytes_down``/``_up``/``_eval_down``,
    ``cum_wire_mb``: a broadcast the clients of one node share travels once to that node).
