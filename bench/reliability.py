@@ -66,7 +66,7 @@ def honest_round(method: str, supernet: Path):
     from rafl.config import load_run_config
     from rafl.federation import pipeline
     from rafl.federation.aggregation import AggregationRule
-    from rafl.federation.engine import client_context, seed_of
+    from rafl.federation.runners import client_context, seed_of
     from rafl.federation.screening import UploadPolicy
 
     sets = [f"supernet.path={supernet}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=1",
@@ -140,7 +140,7 @@ def attacks(up, limit: int) -> dict:
 
 
 def aggregate(algo, accepted, state, server):
-    from rafl.federation.engine import seed_of
+    from rafl.federation.runners import seed_of
 
     torch.manual_seed(seed_of(0, 1, 7))
     import numpy as np

@@ -19,8 +19,10 @@ from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.algorithms.rafl import RaFL
-from rafl.federation.engine import Engine, EngineConfig, sample_clients, seed_of, sporadic_update
+from rafl.federation.engine import Engine, EngineConfig, sample_clients, sporadic_update
 from rafl.federation.pipeline import build_federation, check_disjoint
+from rafl.federation.runners import seed_of
+from rafl.reports.run import RunReport
 from rafl.supernet import SearchSpace, build_supernet
 
 TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")
@@ -59,7 +61,8 @@ def test_rafl_round_metrics_comm_and_files(tiny, tmp_path):
     archs = [space.smallest(), space.middle(), space.smallest()]
     fed, table = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16)
     assert [r["arch"] for r in table] == [a.to_string() for a in archs] and table[1]["macs_m"] > table[0]["macs_m"]
-    summary = Engine(fed, EngineConfig(rounds=2, seed=1, target_accuracy=0.0), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=2, seed=1, target_accuracy=0.0), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
     hist = _read_history(tmp_path)
     assert [r["round"] for r in hist] == [1, 2]
     # the knowledge network: the smallest subnet narrowed to RaFL's default knowledge_width
@@ -112,13 +115,13 @@ def test_resume_after_crash_gives_the_same_metrics(tiny, tmp_path):
     # interrupts a run whose clients are in worker processes)
     cfg = EngineConfig(rounds=3, clients_per_round=2, dropout=0.2, eval_every=2, seed=5, workers=1)
     fed, _ = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16, count_macs=False)
-    ref = Engine(fed, cfg, tmp_path / "a", progress=False).run()
+    ref = Engine(fed, cfg, tmp_path / "a", progress=False, observers=[RunReport(tmp_path / "a")]).run()
     fed_c, _ = build_federation(ds, part, supernet, archs, _CrashingRaFL(), batch_size=16, count_macs=False)
     with pytest.raises(KeyboardInterrupt):
-        Engine(fed_c, cfg, tmp_path / "b", progress=False).run()
+        Engine(fed_c, cfg, tmp_path / "b", progress=False, observers=[RunReport(tmp_path / "b")]).run()
     assert [r["round"] for r in _read_history(tmp_path / "b")] == [1, 2]
     fed_r, _ = build_federation(ds, part, supernet, archs, RaFL(), batch_size=16, count_macs=False)
-    resumed = Engine(fed_r, cfg, tmp_path / "b", progress=False).run(resume=True)
+    resumed = Engine(fed_r, cfg, tmp_path / "b", progress=False, observers=[RunReport(tmp_path / "b")]).run(resume=True)
     assert _no_times(_read_history(tmp_path / "b")) == _no_times(_read_history(tmp_path / "a"))
     assert resumed["final"] == ref["final"] and resumed["cum_bytes_up"] == ref["cum_bytes_up"]
     assert resumed["failures"] == ref["failures"]
@@ -142,7 +145,7 @@ def test_only_sampled_clients_are_materialized(tmp_path):
                               batch_size=8, count_macs=False)
     cfg = EngineConfig(rounds=2, clients_per_round=3, sporadic_rate=0.5, available=10, dropout=0.0,
                        eval_clients="sampled", seed=0, workers=1)  # in-process: Counting counts here
-    engine = Engine(fed, cfg, tmp_path, progress=False)
+    engine = Engine(fed, cfg, tmp_path, progress=False, observers=[RunReport(tmp_path)])
     engine.run()
     on_disk = sorted(int(p.name.split(".")[0]) for p in (tmp_path / "clients").iterdir())
     hist = _read_history(tmp_path)
@@ -154,7 +157,8 @@ def test_dropout_counts_failures_and_round_completes(tiny, tmp_path):
     space, supernet, ds, part = tiny
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, get_algorithm("fedavg")(),
                               batch_size=16, count_macs=False)
-    s = Engine(fed, EngineConfig(rounds=3, dropout=0.5, eval_every=3, seed=2), tmp_path, progress=False).run()
+    s = Engine(fed, EngineConfig(rounds=3, dropout=0.5, eval_every=3, seed=2), tmp_path, progress=False,
+               observers=[RunReport(tmp_path)]).run()
     hist = _read_history(tmp_path)
     assert s["failures"] == sum(r["failed"] for r in hist) > 0
     for r in hist:  # failed clients download but never upload
@@ -171,7 +175,7 @@ def test_fedavg_family_rejects_heterogeneous_models(tiny, tmp_path):
                              get_algorithm(name)(), count_macs=False)
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, get_algorithm("fednova")(),
                               batch_size=16, count_macs=False)
-    s = Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+    s = Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False, observers=[RunReport(tmp_path)]).run()
     assert 0.0 <= s["final"]["model.acc_mean_over_clients"] <= 1.0
 
 
@@ -186,7 +190,7 @@ def test_invalid_upload_is_rejected_naming_client(tiny, tmp_path):
             return state, up
 
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, NaNRaFL(), batch_size=16, count_macs=False)
-    s = Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False).run()
+    s = Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False, observers=[RunReport(tmp_path)]).run()
     row = _read_history(tmp_path)[0]
     assert row["rejected"] == 3 and row["round_failed"] is True and s["rejected_uploads"] == 3
     assert s["failed_rounds"] == 1
@@ -213,7 +217,7 @@ def test_server_distillation_runs_a_round(name, tiny, tmp_path):
     archs = [space.smallest(), space.middle(), space.smallest()]
     hp = {"distill": True, "distill_epochs": 1} if name == "rafl" else {"distill_epochs": 1}
     fed, _ = build_federation(ds, part, supernet, archs, get_algorithm(name)(**hp), batch_size=16)
-    Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+    Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False, observers=[RunReport(tmp_path)]).run()
     last = _read_history(tmp_path)[-1]
     assert last["participated"] == 3 and np.isfinite(last["model.acc_mean_over_clients"])
 

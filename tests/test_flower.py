@@ -515,7 +515,7 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     order, and the run computes the in-process numbers. A client step failing on its node with an
     unexpected error (not a UserInputError) loses that client for the round, not its node-mates."""
     from rafl.config import load_run_config
-    from rafl.federation import engine, pipeline
+    from rafl.federation import pipeline, runners
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
     prep = pipeline.prepare(load_run_config(None, sets), progress=False)
@@ -539,7 +539,7 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     assert got["cum_wire_mb"] == pytest.approx(sum(r["wire_bytes_down"] + r["wire_bytes_up"] for r in rows) / 1e6)
     assert got["cum_wire_bytes_eval_down"] == sum(r["wire_bytes_eval_down"] for r in rows)
 
-    real = engine.train_client
+    real = runners.train_client
 
     def flaky(fed, store, ctx, down):
         if ctx.info.client_id == 2 and ctx.round == 2:
@@ -601,12 +601,12 @@ def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_
     0.4 s) a third would end past 0.9 s, so client 4 is not started and is lost alone, named with
     the reason; clients 0 and 2 count (a node used to lose its whole batch to the timeout)."""
     from rafl.config import load_run_config
-    from rafl.federation import engine, pipeline
+    from rafl.federation import pipeline, runners
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=1)]
     prep = pipeline.prepare(load_run_config(None, sets), progress=False)
     now = [0.0]
-    real = engine.train_client
+    real = runners.train_client
 
     def timed(fed, store, ctx, down):
         now[0] += 0.4

@@ -12,8 +12,10 @@ from rafl.data import ClientSplit, Partition, load_dataset
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ClientContext, ClientInfo, ServerContext, get_algorithm
 from rafl.federation.compare import build_group_federation
-from rafl.federation.engine import Engine, EngineConfig, Federation
+from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.payload import Payload
+from rafl.federation.runners import Federation
+from rafl.reports.run import RunReport
 
 
 MODELS = ["cnn4-small", "cnn3-small"]
@@ -49,7 +51,8 @@ def edge_partition(digits):
 def _run(name, digits, part, tmp_path, rounds=2, **hp):
     algo = get_algorithm(name)(**{**FAST.get(name, {}), **hp})
     fed, _ = build_group_federation(digits, part, MODELS, algo, feature_dim=D, batch_size=8, seed=0)
-    summary = Engine(fed, EngineConfig(rounds=rounds, seed=0), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=rounds, seed=0), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
     history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return summary, history
 
@@ -247,7 +250,8 @@ def test_headers_of_different_shapes_are_a_clear_error_before_round_1(name, digi
     fed, _ = build_group_federation(digits, edge_partition, ["cnn4-small", "odd_models:factory"], algo,
                                     feature_dim=D, batch_size=8)
     with pytest.raises(UserInputError, match="^clients.models: .*header"):
-        Engine(fed, EngineConfig(rounds=1), tmp_path / "run", progress=False).run()
+        Engine(fed, EngineConfig(rounds=1), tmp_path / "run", progress=False,
+               observers=[RunReport(tmp_path / "run")]).run()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -351,7 +355,8 @@ def test_nas_subnets_federate_with_fedgh_and_fedtgp(tmp_path):
                                                                       shuffle=split == "train", seed=seed % 2**63),
                          client_model=lambda cid, arch=None: subnet(arch or archs[cid]),
                          server=server, n_classes=10)
-        summary = Engine(fed, EngineConfig(rounds=2), tmp_path / name, progress=False).run()
+        summary = Engine(fed, EngineConfig(rounds=2), tmp_path / name, progress=False,
+                         observers=[RunReport(tmp_path / name)]).run()
         hist = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert np.isfinite(hist[-1]["model.acc_mean_over_clients"]) and hist[-1]["bytes_up"] > 0
         assert summary["algorithm"] == name and summary["rounds"] == 2
@@ -383,7 +388,7 @@ def test_untrained_client_keeps_one_initial_model_whatever_the_round(digits, edg
     """A client not trained yet (not sampled, or failed) is built from a per-(run, client) seed:
     evaluated in round 2 and round 5 it is the same model (it used to be re-drawn every round),
     and it is the model round 1 would have built."""
-    from rafl.federation.engine import client_context, load_or_init
+    from rafl.federation.runners import client_context, load_or_init
     from rafl.federation.store import ClientStore
 
     algo = get_algorithm("fedproto")()
@@ -409,7 +414,7 @@ def test_a_client_with_one_training_sample_stays_finite(name, digits, tmp_path):
     part = Partition(clients=[_split(one), _split(rest)], public=np.zeros(0, np.int64), meta={})
     algo = get_algorithm(name)(**FAST.get(name, {}))
     fed, _ = build_group_federation(digits, part, ["shufflenet_v2-0.5"], algo, feature_dim=D, batch_size=8, seed=0)
-    Engine(fed, EngineConfig(rounds=4, seed=0), tmp_path, progress=False).run()
+    Engine(fed, EngineConfig(rounds=4, seed=0), tmp_path, progress=False, observers=[RunReport(tmp_path)]).run()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["participated"] == 2 for r in rows)
 
@@ -594,7 +599,8 @@ def test_a_malformed_class_upload_is_rejected_naming_client_and_tensor(digits, e
 
     algo = _LabelTamperingFedGH()
     fed, _ = build_group_federation(digits, edge_partition, MODELS, algo, feature_dim=D, batch_size=8, seed=0)
-    summary = Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=1, seed=0), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["rejected"] == 1 and summary["rejected_uploads"] == 1 and "round_failed" not in row
     assert re.match(r"payload from client 0 \(model cnn4-small\): lar.labels: has class id\(s\) \[99\]; allowed: "

@@ -26,6 +26,7 @@ from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.payload import Payload
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import load_state
+from rafl.reports.run import RunReport
 
 
 class _Split(nn.Module):
@@ -232,7 +233,8 @@ def _run(tiny, tmp_path, algo, **cfg):
 
     space, supernet, ds, part = tiny
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)
-    summary = Engine(fed, EngineConfig(rounds=1, **cfg), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=1, **cfg), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return summary, rows, load_state(tmp_path / "checkpoint.safetensors")
 
@@ -252,7 +254,7 @@ def test_engine_a_huge_claim_changes_nothing_and_a_bad_upload_leaves_the_others(
 
 
 def test_engine_below_min_valid_uploads_the_round_fails_and_keeps_the_server_state(tiny, tmp_path):
-    from rafl.federation.engine import seed_of
+    from rafl.federation.runners import seed_of
 
     _Claims.claim = None
     summary, rows, ck = _run(tiny, tmp_path, _Claims(), min_valid_uploads=3)

@@ -23,6 +23,7 @@ from rafl.federation.store import load_state
 from rafl.federation.weight_sharing import (extract, fold_kernel_transforms, masked_average, nas_index_map,
                                             prefix_index_map)
 from rafl.models import make_member, resolve_models
+from rafl.reports.run import RunReport
 from rafl.search.profile import load_profile
 from rafl.supernet import SearchSpace, build_supernet, extract_subnet
 
@@ -44,7 +45,8 @@ def tiny():
 
 
 def _engine(fed, tmp_path, rounds=2):
-    summary = Engine(fed, EngineConfig(rounds=rounds, seed=1, target_accuracy=None), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=rounds, seed=1, target_accuracy=None), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
     history = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return summary, history, load_state(tmp_path / CHECKPOINT)
 

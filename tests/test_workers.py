@@ -18,8 +18,10 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.pipeline import build_federation, build_group_federation
+from rafl.federation.runners import PooledLoader
 from rafl.federation.store import load_state
-from rafl.federation.workers import PooledLoader, resolve_workers
+from rafl.federation.workers import resolve_workers
+from rafl.reports.run import RunReport
 from rafl.supernet import SearchSpace, build_supernet
 
 TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")
@@ -61,7 +63,8 @@ def test_one_and_two_workers_give_the_same_metrics_and_states(digits, tmp_path):
     cfg = dict(rounds=3, clients_per_round=3, dropout=0.25, seed=2)
     runs = {}
     for w in (1, 2):
-        summary = Engine(_group(digits), EngineConfig(**cfg, workers=w), tmp_path / f"w{w}", progress=False).run()
+        summary = Engine(_group(digits), EngineConfig(**cfg, workers=w), tmp_path / f"w{w}", progress=False,
+                         observers=[RunReport(tmp_path / f"w{w}")]).run()
         runs[w] = (summary, _history(tmp_path / f"w{w}"), _states(tmp_path / f"w{w}"))
     (s1, h1, st1), (s2, h2, st2) = runs[1], runs[2]
     assert h1 == h2 and s1["final"] == s2["final"] and s1["clients"] == s2["clients"]
@@ -81,7 +84,8 @@ def test_one_and_two_workers_agree_on_supernet_subnets(tmp_path):
     for w in (1, 2):
         fed, _ = build_federation(ds, part, supernet, archs, get_algorithm("rafl")(local_epochs=1), batch_size=16,
                                   count_macs=False)
-        Engine(fed, EngineConfig(rounds=2, seed=1, workers=w), tmp_path / f"w{w}", progress=False).run()
+        Engine(fed, EngineConfig(rounds=2, seed=1, workers=w), tmp_path / f"w{w}", progress=False,
+               observers=[RunReport(tmp_path / f"w{w}")]).run()
         hist.append(_history(tmp_path / f"w{w}"))
         states.append(_states(tmp_path / f"w{w}"))
     assert hist[0] == hist[1]
@@ -106,7 +110,8 @@ def test_a_worker_that_dies_fails_its_client_and_the_run_goes_on(digits, tmp_pat
     ds, part = digits
     fed, _ = build_group_federation(ds, part, MEMBERS, _DyingInWorker(local_epochs=1, lr=0.01), feature_dim=16,
                                     batch_size=8)
-    summary = Engine(fed, EngineConfig(rounds=3, seed=0, workers=2), tmp_path, progress=False).run()
+    summary = Engine(fed, EngineConfig(rounds=3, seed=0, workers=2), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
     hist = _history(tmp_path)
     assert [r["failed"] for r in hist] == [0, 1, 0] and summary["failures"] == 1
     assert "3" in hist[1]["lost"] and "worker process died" in hist[1]["lost"]["3"]
@@ -138,14 +143,15 @@ def default_sigint():
 def test_ctrl_c_stops_the_workers_and_resume_gives_the_same_metrics(digits, tmp_path, default_sigint):
     ds, part = digits
     cfg = EngineConfig(rounds=4, clients_per_round=6, dropout=0.1, seed=2, workers=2)
-    ref = Engine(_group(digits), cfg, tmp_path / "a", progress=False).run()
+    ref = Engine(_group(digits), cfg, tmp_path / "a", progress=False, observers=[RunReport(tmp_path / "a")]).run()
     fed, _ = build_group_federation(ds, part, MEMBERS, _InterruptedFromWorker(local_epochs=1, lr=0.01),
                                     feature_dim=16, batch_size=8)
     with pytest.raises(KeyboardInterrupt):
-        Engine(fed, cfg, tmp_path / "b", progress=False).run()
+        Engine(fed, cfg, tmp_path / "b", progress=False, observers=[RunReport(tmp_path / "b")]).run()
     assert not multiprocessing.active_children()
     assert [r["round"] for r in _history(tmp_path / "b")] == [1, 2]
-    resumed = Engine(_group(digits), cfg, tmp_path / "b", progress=False).run(resume=True)
+    resumed = Engine(_group(digits), cfg, tmp_path / "b", progress=False,
+                     observers=[RunReport(tmp_path / "b")]).run(resume=True)
     assert _history(tmp_path / "b") == _history(tmp_path / "a") and resumed["final"] == ref["final"]
     assert not [p.name for p in (tmp_path / "b" / "clients").iterdir() if p.name.endswith(".tmp")]
     _same_states(_states(tmp_path / "a"), _states(tmp_path / "b"))
@@ -163,7 +169,8 @@ def test_a_method_error_in_a_worker_stops_the_run_naming_the_client(digits, tmp_
     fed, _ = build_group_federation(ds, part, MEMBERS, _DivergingClient(local_epochs=1, lr=0.01), feature_dim=16,
                                     batch_size=8)
     with pytest.raises(UserInputError, match=r"client 2 \(model cnn4-small\).*algorithm.lr.*diverged"):
-        Engine(fed, EngineConfig(rounds=2, seed=0, workers=2), tmp_path, progress=False).run()
+        Engine(fed, EngineConfig(rounds=2, seed=0, workers=2), tmp_path, progress=False,
+               observers=[RunReport(tmp_path)]).run()
     assert not multiprocessing.active_children()
 
 
@@ -180,7 +187,8 @@ def test_untrained_clients_share_one_evaluation_per_model(digits, tmp_path):
     _CountingEvaluations.calls = []
     algo = _CountingEvaluations(local_epochs=1, lr=0.01)
     fed, _ = build_group_federation(ds, part, MEMBERS, algo, feature_dim=16, batch_size=8)
-    engine = Engine(fed, EngineConfig(rounds=1, clients_per_round=2, seed=3, workers=1), tmp_path, progress=False)
+    engine = Engine(fed, EngineConfig(rounds=1, clients_per_round=2, seed=3, workers=1), tmp_path, progress=False,
+                    observers=[RunReport(tmp_path)])
     summary = engine.run()
     row = _history(tmp_path)[0]
     trained = sorted(engine.store.committed)
@@ -192,7 +200,7 @@ def test_untrained_clients_share_one_evaluation_per_model(digits, tmp_path):
     assert row["eval.trained_clients"] == 2 and row["eval.untrained_clients"] == 6
     # the pooled figure: the initial model of each model's first untrained client, on every
     # untrained client's test split; the same counts as evaluating them one by one with it
-    from rafl.federation.engine import client_context, evaluate_client
+    from rafl.federation.runners import client_context, evaluate_client
 
     correct = total = 0.0
     for c in untrained:
@@ -217,7 +225,7 @@ def _broadcast(run_dir):
 def test_fedgh_evaluates_untrained_clients_one_by_one(digits, tmp_path):
     # FedGH's evaluation applies each client's own label prior: no shared evaluation
     Engine(_group(digits, "fedgh"), EngineConfig(rounds=1, clients_per_round=2, seed=0, workers=1), tmp_path,
-           progress=False).run()
+           progress=False, observers=[RunReport(tmp_path)]).run()
     row = _history(tmp_path)[0]
     assert "eval.untrained_clients" not in row and "model.acc_mean_over_clients" in row
 

@@ -39,6 +39,7 @@ from rafl.federation.pipeline import (build_group_federation, check_public_pool,
                                       load_data_and_partition)
 from rafl.io import atomic_write_json, atomic_write_text, claim_file
 from rafl.reports.progress import round_progress
+from rafl.reports.run import RunReport
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
 
@@ -428,7 +429,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
             atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
             atomic_write_json(run_dir / STARTED_WITH, started)
-        engine = Engine(fed, ecfg, run_dir, progress=progress)
+        engine = Engine(fed, ecfg, run_dir, progress=progress, observers=[RunReport(run_dir)])
         t0 = time.perf_counter()
         try:
             with round_progress(progress):  # clients done / sampled and the local epoch, inside each round

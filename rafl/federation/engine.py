@@ -16,23 +16,31 @@ server steps and knows no algorithm by name. One round ``t``:
    rejected upload is logged and counted and its client's new state discarded; below
    ``min_valid_uploads`` valid uploads the round is reported failed and changes no state. An
    accepted upload's ``n_samples`` is the client's registered count, never its own claim.
-   A *client runner* does the client part: :class:`InProcessClients` here, one client after the
-   other, :class:`rafl.federation.workers.WorkerClients` in ``engine.workers`` forked processes, or :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
+   A *client runner* (:mod:`rafl.federation.runners`) does the client part:
+   :class:`~rafl.federation.runners.InProcessClients`, one client after the other,
+   :class:`rafl.federation.workers.WorkerClients` in ``engine.workers`` forked processes, or
+   :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
    (a node that fails or times out loses its clients for the round: counted as failed).
 5. ``server_aggregate`` produces the next broadcast.
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
    (``prepare_evaluation`` + ``evaluate``); reported per model ``m``: ``m.acc_mean_over_clients``,
    ``m.acc_sample_weighted`` (sum correct / sum samples), ``m.acc_std_over_clients``.
-7. Communication: bytes of every download (``client_broadcast(...).nbytes()``) and every upload
-   (``nbytes()`` of what the client returned; the sender id travels in the envelope) per round and
-   cumulative. ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the
-   cumulative MB (up + down) at the first evaluated round whose ``model.acc_mean_over_clients``
-   reaches ``target_accuracy``. These are per-client payload bytes (the papers' communication
+7. Communication: bytes of every download (``client_broadcast(...)``, counted by
+   :meth:`~rafl.federation.payload.Payload.count`; the counted, frozen payload is what the client
+   receives) and every upload (counted as the client returned it; the sender id travels beside
+   it, in the runner's ``(client_id, upload)`` pairs) per round and cumulative.
+   ``co_mb_to_target`` (FedGH's communication overhead, Yi et al. Sec. 5.3): the cumulative MB
+   (up + down) at the first evaluated round whose ``model.acc_mean_over_clients`` reaches
+   ``target_accuracy``. These are per-client payload bytes (the papers' communication
    cost: every client's copy of a broadcast counts). A runner that sends messages (Flower) also
    reports the bytes its messages carried (``wire_bytes_down``/``_up``/``_eval_down``,
    ``cum_wire_mb``: a broadcast the clients of one node share travels once to that node).
-8. ``metrics.jsonl``/``metrics.csv`` rewritten, then ``checkpoint.safetensors`` (server state, broadcast,
-   available set, committed client-state versions, counters, metrics so far) written atomically.
+8. The round's record (a ``dict``, one line of ``metrics.jsonl``) is appended to the history and
+   handed to every :class:`RunObserver` (:class:`rafl.reports.run.RunReport` writes the metrics
+   files), then ``checkpoint.safetensors`` (server state, broadcast, available set, committed
+   client-state versions, counters, metrics so far) is written atomically. After the last round
+   the observers get the history and the summary (:func:`make_summary`). The engine itself writes
+   only ``clients/`` and the checkpoint.
 
 ``resume`` continues from the last complete round; because every random draw is seeded by
 ``(seed, round[, client])`` and client states are versioned (:mod:`rafl.federation.store`), a
@@ -44,16 +52,13 @@ the tests check); on CUDA, cuDNN's default convolution algorithms are not determ
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import io
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -61,19 +66,14 @@ from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.aggregation import AggregationRule
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
-from rafl.federation.payload import Payload
+from rafl.federation.algorithms.base import ServerContext
+from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.progress import report
+from rafl.federation.runners import Federation, seed_of
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import ClientStore, load_state, save_state
-from rafl.io import atomic_write_json, atomic_write_text, remove_orphaned_tmp
-from rafl.reports.tables import accuracy_name, fmt_bytes
-
-#: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
-#: loaders shuffle with ``seed``, val/test loaders do not; "val" may return None.
-LoaderFactory = Callable[[int, str, int], Loader | None]
-#: ``client_model(client_id, arch=None) -> nn.Module`` (see ``ClientContext.make_model``).
-ClientModelFactory = Callable[..., torch.nn.Module]
+from rafl.federation.workers import runner
+from rafl.io import remove_orphaned_tmp
 
 CHECKPOINT = "checkpoint.safetensors"
 #: Added to a NaN/Inf upload's error: an honest client's non-finite upload is training that
@@ -97,7 +97,7 @@ class EngineConfig:
         eval_every: evaluate every k rounds (the last round always).
         eval_clients: "all" (every client, default) or "sampled" (those materialized so far).
             With "all", clients that have not trained yet share one evaluation per architecture
-            (:func:`rafl.federation.workers.summarize_untrained`) unless the method opts out.
+            (:func:`summarize_untrained`) unless the method opts out.
         target_accuracy: accuracy in [0, 1] for ``co_mb_to_target``, or None.
         seed: the run seed.
         workers: processes running the client steps (:mod:`rafl.federation.workers`; default 1 =
@@ -151,11 +151,6 @@ def participation(config: EngineConfig, n_clients: int) -> tuple[int, int]:
                              "available clients" if available < n_clients else "clients (clients.n)")
 
 
-def seed_of(*parts: int) -> int:
-    """A 63-bit seed derived from integers (numpy SeedSequence), stable across runs/platforms."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
-
-
 def sporadic_update(available: list[int], population: int, rate: float, rng: np.random.Generator) -> list[int]:
     """Replace ``round(rate * len(available))`` available clients by clients not available now.
 
@@ -189,151 +184,19 @@ class RoundTimes:
         return max(0.0, self.total - self.client_update - self.aggregate - self.evaluate)
 
 
-@dataclass
-class Federation:
-    """Everything the engine needs for one run (built by :mod:`rafl.federation.pipeline` or tests).
+class RunObserver(Protocol):
+    """Who records a run: the engine hands it every round's record and the summary
+    (:class:`rafl.reports.run.RunReport` writes the run dir's metrics files, summary and plots).
+    Called in the engine's thread; an exception propagates into the run."""
 
-    Attributes:
-        algorithm: the method instance.
-        clients: the population's :class:`ClientInfo` (ids 0..n-1, in order).
-        loaders: :data:`LoaderFactory`.
-        client_model: :data:`ClientModelFactory`.
-        server: the :class:`ServerContext` (its ``round``/``rng`` are set by the engine).
-        n_classes: number of classes.
-        hparams: the algorithm's hyperparameters (copied into every context).
-        device: torch device of local computation.
-    """
+    def round_done(self, history: list[dict[str, Any]]) -> None:
+        """After every completed round, before its checkpoint: the records of all rounds so far
+        (resumed ones included; the last is this round's, its ``time_s`` / ``time_engine_s``
+        without the observers' and the checkpoint's time)."""
 
-    algorithm: Algorithm
-    clients: list[ClientInfo]
-    loaders: LoaderFactory
-    client_model: ClientModelFactory
-    server: ServerContext
-    n_classes: int
-    hparams: dict[str, Any] = field(default_factory=dict)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-
-def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
-    """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
-    loaders and ``rng`` seeded by ``seed_of(seed, cid, rnd)``. Every runner (in this process, or a
-    Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
-    cseed = seed_of(seed, cid, rnd)
-    info = fed.clients[cid]
-    return ClientContext(
-        info=info,
-        make_model=lambda arch=None, _cid=cid: fed.client_model(_cid, arch),
-        train_loader=fed.loaders(cid, "train", cseed),
-        val_loader=fed.loaders(cid, "val", cseed),
-        test_loader=fed.loaders(cid, "test", cseed),
-        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=seed_of(seed, cid, 1),
-        rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
-
-
-@contextlib.contextmanager
-def naming_client(ctx: ClientContext) -> Iterator[None]:
-    """Re-raise a :class:`UserInputError` without a source (a method's own check: diverged
-    training, a stored state that does not fit the model) with the client and its model as the
-    source, so the one error line says where it happened."""
-    try:
-        yield
-    except UserInputError as err:
-        if err.source is not None:
-            raise
-        raise UserInputError(err.message, source=f"client {ctx.client_id} (model {ctx.info.model_key})",
-                             field=err.field) from None
-
-
-def load_or_init(fed: Federation, store: ClientStore, ctx: ClientContext) -> Any:
-    """The client's committed state from ``store``, or ``init_client`` (torch seeded by the
-    context's ``init_seed``: the same initial model in every round) for a client that has none yet."""
-    if store.has(ctx.client_id):
-        return store.load(ctx.client_id)
-    torch.manual_seed(ctx.init_seed)
-    return fed.algorithm.init_client(ctx)
-
-
-def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: Payload) -> tuple[Payload, float]:
-    """One client step: load (or init) the state, ``client_update`` with torch seeded by the
-    context's seed, save the new state as a pending version of round ``ctx.round``.
-
-    Returns:
-        ``(upload, seconds)``: seconds of client computation (init and update; loading a stored
-        state is not counted).
-
-    Raises:
-        UserInputError: from ``client_update`` (e.g. diverged local training), naming the client.
-    """
-    cid = ctx.client_id
-    fresh = not store.has(cid)
-    tc = time.perf_counter()
-    state = load_or_init(fed, store, ctx)
-    if not fresh:
-        tc = time.perf_counter()  # loading a stored state is engine time
-    torch.manual_seed(ctx.seed)
-    report("client", client=cid)
-    with naming_client(ctx):  # e.g. diverged local training: say which client and model
-        state, upload = fed.algorithm.client_update(state, down, ctx)
-    seconds = time.perf_counter() - tc
-    report("client_done", client=cid)
-    store.save(cid, ctx.round, state)
-    return upload, seconds
-
-
-def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
-    """Evaluate the client's committed state (``prepare_evaluation`` with its view of
-    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``.
-
-    Raises:
-        UserInputError: from the method (e.g. a stored state that does not fit the model), naming
-            the client.
-    """
-    algo = fed.algorithm
-    with naming_client(ctx):
-        state = load_or_init(fed, store, ctx)
-        state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
-        return algo.evaluate(state, ctx)
-
-
-class InProcessClients:
-    """Runs the client steps in this process, one client after the other (the default runner).
-
-    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``), written in the
-    background while the next client computes (on disk before the round's commit)."""
-
-    def __init__(self, fed: Federation, store: ClientStore, seed: int):
-        self.fed, self.store, self.seed = fed, store, seed
-        store.background = True
-
-    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
-        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
-
-        Returns:
-            ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order, the clients that
-            failed with their reason (never any here: an error in this process stops the run),
-            and the seconds of client computation."""
-        uploads, seconds = [], 0.0
-        for cid, down in jobs:
-            upload, sec = train_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), down)
-            uploads.append((cid, upload))
-            seconds += sec
-        return uploads, {}, seconds
-
-    def where(self, cid: int) -> str:
-        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
-        return ""
-
-    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
-        """The evaluation contract's counts of every client in ``ids`` (committed states), and the
-        clients that could not be evaluated with the reason (never any here)."""
-        return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast)
-                for cid in ids}, {}
-
-    def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[list, dict[int, str]]:
-        """The shared evaluation of clients without a state (:func:`rafl.federation.workers.evaluate_untrained`)."""
-        from rafl.federation.workers import evaluate_untrained
-
-        return evaluate_untrained(self.fed, self.store, self.seed, rnd, ids, broadcast), {}
+    def run_done(self, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+        """After the last round (also when a resumed run had none left): every round's record,
+        with complete timing, and :func:`make_summary`'s summary."""
 
 
 class Engine:
@@ -343,13 +206,14 @@ class Engine:
         fed: the federation.
         config: :class:`EngineConfig`.
         run_dir: an existing directory (the CLI creates it only after validation); the engine
-            writes ``clients/``, ``checkpoint.safetensors``, ``metrics.jsonl``, ``metrics.csv``,
-            ``summary.json``, ``accuracy_vs_round.png``, ``accuracy_vs_mb.png`` there.
+            writes ``clients/`` and ``checkpoint.safetensors`` there.
         progress: show a tqdm bar over rounds.
         clients: the client runner, built from the engine's store (``clients(fed, store, seed)``);
-            default :class:`InProcessClients`, or :class:`rafl.federation.workers.WorkerClients`
-            with ``config.workers`` > 1. :mod:`rafl.federation.flower` passes one that runs
+            default :class:`~rafl.federation.runners.InProcessClients`, or
+            :class:`rafl.federation.workers.WorkerClients` with ``config.workers`` > 1. :mod:`rafl.federation.flower` passes one that runs
             the client steps as Flower ClientApps on SuperNodes.
+        observers: :class:`RunObserver` s told every round's record and the summary, in order
+            (e.g. ``[rafl.reports.run.RunReport(run_dir)]``: ``metrics.jsonl``, ``summary.json``, ...).
 
     Raises:
         UserInputError: bad engine values, a population the algorithm rejects, or (on resume) a
@@ -357,8 +221,10 @@ class Engine:
     """
 
     def __init__(self, fed: Federation, config: EngineConfig, run_dir: str | Path, progress: bool = True,
-                 clients: Callable[[Federation, ClientStore, int], Any] | None = None):
+                 clients: Callable[[Federation, ClientStore, int], Any] | None = None,
+                 observers: Sequence[RunObserver] = ()):
         self.fed = fed
+        self.observers = tuple(observers)
         self.cfg = config
         self.run_dir = Path(run_dir)
         self.progress = progress
@@ -381,8 +247,6 @@ class Engine:
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
         if clients is None:
-            from rafl.federation.workers import runner
-
             clients = runner(config.workers, self.n_sampled, fed.device)
         self.clients = clients(fed, self.store, config.seed)
         self.times: list[RoundTimes] = []
@@ -404,8 +268,8 @@ class Engine:
         save_state(self.run_dir / CHECKPOINT, {
             "round": rnd,
             "server_state": server_state,
-            "broadcast_tensors": broadcast.tensors,
-            "broadcast_meta": json.dumps(broadcast.meta),
+            "broadcast_tensors": dict(broadcast.tensors),
+            "broadcast_meta": json.dumps(dict(broadcast.meta)),
             "available": list(available),
             "committed": {str(k): v for k, v in committed.items()},
             "history": json.dumps(history),
@@ -438,8 +302,6 @@ class Engine:
         per_client, lost = self.clients.evaluate(rnd, ids, broadcast)
         summary: dict[str, Any] = summarize_eval(per_client)
         if shared:
-            from rafl.federation.workers import summarize_untrained
-
             groups, lost_untrained = self.clients.evaluate_untrained(rnd, untrained, broadcast)
             summary.update(summarize_untrained(per_client, groups))
             lost.update(lost_untrained)
@@ -464,7 +326,8 @@ class Engine:
 
     # ------------------------------------------------------------------ main loop
     def run(self, resume: bool = False) -> dict[str, Any]:
-        """Run (or continue) the federation; returns the summary (also in ``summary.json``)."""
+        """Run (or continue) the federation; returns the summary (:func:`make_summary`, also
+        handed to the observers)."""
         try:
             return self._run(resume)
         finally:
@@ -507,25 +370,27 @@ class Engine:
             failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
             bytes_up = bytes_down = 0
             uploads: list[Payload] = []
-            shared_nbytes: int | None = None  # the common broadcast is serialized once per round
-            jobs: list[tuple[int, Payload]] = []
+            # id(download) -> (download, its counted copy): a payload sent to several clients (the
+            # common broadcast) is counted once and stays one object (a runner sends it once per node)
+            counted: dict[int, tuple[Payload, CountedPayload]] = {}
+            jobs: list[tuple[int, CountedPayload]] = []
             limits: dict[int, int] = {}  # the largest upload the server accepts, per client
             for cid in sampled:
                 down = algo.client_broadcast(broadcast, fed.clients[cid])
-                if down is broadcast:
-                    shared_nbytes = broadcast.nbytes() if shared_nbytes is None else shared_nbytes
-                    down_bytes = shared_nbytes
-                else:
-                    down_bytes = down.nbytes()
+                if id(down) not in counted:
+                    counted[id(down)] = (down, down.count())
+                sent = counted[id(down)][1]
+                down_bytes = sent.nbytes()
                 bytes_down += down_bytes
                 if cid not in failed:
-                    jobs.append((cid, down))
+                    jobs.append((cid, sent))
                     limits[cid] = self.policy.byte_limit(algo.upload_spec(server_state, fed.clients[cid]), down_bytes)
             if hasattr(self.clients, "upload_limits"):  # a runner that receives wire bytes checks them unparsed
                 self.clients.upload_limits = limits
             report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
             results, lost, times.client_update = self.clients.train(rnd, jobs)
             report("trained", done=len(results))
+            del counted
             failed = failed + sorted(lost)
             # the sender names the client's model: a NaN upload usually means that model diverged
             screened = screen_uploads(
@@ -589,21 +454,22 @@ class Engine:
                         "time_engine_s": times.engine})
             history.append(row)
             tw = time.perf_counter()
-            write_metrics(self.run_dir, history)
+            for observer in self.observers:  # e.g. metrics.jsonl: on disk before the round's checkpoint
+                observer.round_done(history)
             self._checkpoint(rnd, server_state, broadcast, available, history, counters)
             times.total += time.perf_counter() - tw
             row["time_s"], row["time_engine_s"] = times.total, times.engine
             self.times.append(times)
             report("round_end", round=rnd)
             if "model.acc_mean_over_clients" in row:
-                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}", comm=fmt_bytes(row["cum_mb"] * 1e6))
+                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}",
+                                comm=tqdm.format_sizeof(row["cum_mb"] * 1e6, "B", 1000))
         bar.close()
         if last_eval is None:  # resumed after the final round: re-evaluate from the checkpoint
             last_eval = self._evaluate(cfg.rounds, broadcast)
         summary = make_summary(algo.name, history, counters, last_eval[1], cfg)
-        write_metrics(self.run_dir, history)
-        atomic_write_json(self.run_dir / "summary.json", summary)
-        plot_metrics(self.run_dir, history)
+        for observer in self.observers:
+            observer.run_done(history, summary)
         return summary
 
 
@@ -635,17 +501,27 @@ def summarize_eval(per_client: dict[int, dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def write_metrics(run_dir: Path, history: list[dict]) -> None:
-    """``metrics.jsonl`` (one JSON object per round) and ``metrics.csv`` (union of columns), atomically."""
-    atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
-    cols: list[str] = []
-    for r in history:
-        cols += [k for k in r if k not in cols]
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, restval="")
-    w.writeheader()
-    w.writerows(history)
-    atomic_write_text(run_dir / "metrics.csv", buf.getvalue())
+def summarize_untrained(per_client: dict[int, dict[str, float]],
+                        groups: list[tuple[list[int], dict[str, float]]]) -> dict[str, float]:
+    """A round's figures of the shared evaluation, per model ``m`` of the evaluation contract:
+    ``m.acc_untrained_sample_weighted`` (sum correct / sum total over the groups of clients that
+    have not trained) and ``m.acc_all_sample_weighted`` (with the clients evaluated one by one,
+    ``per_client``, added: every client's test samples); ``eval.trained_clients`` and
+    ``eval.untrained_clients`` count the clients behind each."""
+    out: dict[str, float] = {"eval.trained_clients": len(per_client),
+                             "eval.untrained_clients": sum(len(g) for g, _ in groups)}
+    counts = [c for _, c in groups]
+    models = sorted({k[:-len(".correct")] for c in counts for k in c if k.endswith(".correct")})
+    for m in models:
+        correct = sum(c.get(f"{m}.correct", 0.0) for c in counts)
+        total = sum(c.get(f"{m}.total", 0.0) for c in counts)
+        if total > 0:
+            out[f"{m}.acc_untrained_sample_weighted"] = correct / total
+        correct += sum(r.get(f"{m}.correct", 0.0) for r in per_client.values())
+        total += sum(r.get(f"{m}.total", 0.0) for r in per_client.values())
+        if total > 0:
+            out[f"{m}.acc_all_sample_weighted"] = correct / total
+    return out
 
 
 def make_summary(algorithm: str, history: list[dict], counters: dict, per_client: dict[int, dict[str, float]],
@@ -703,50 +579,5 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def plot_metrics(run_dir: Path, history: list[dict]) -> None:
-    """``accuracy_vs_round.png`` and ``accuracy_vs_mb.png`` (every evaluated model, mean over
-    clients with a +-std band), written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    evals = [r for r in history if any(k.endswith(".acc_mean_over_clients") for k in r)]
-    if not evals:
-        return
-    models = sorted({k.split(".acc_mean_over_clients")[0] for r in evals for k in r
-                     if k.endswith(".acc_mean_over_clients")})
-    for xkey, fname, xlabel in (("round", "accuracy_vs_round.png", "round"),
-                                ("cum_mb", "accuracy_vs_mb.png", "cumulative communication (MB, up + down)")):
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for m in models:
-            pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
-                   if f"{m}.acc_mean_over_clients" in r]
-            x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
-            name = accuracy_name(m)  # the tables' name ("deployed model", "knowledge network", ...)
-            ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
-            ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
-        ax.set_xlabel(xlabel)
-        if xkey == "round":  # rounds are whole numbers: no 1.5 (or 0.96 for one round) ticks on short runs
-            from matplotlib.ticker import MaxNLocator
-
-            rounds = sorted({int(r["round"]) for r in evals})
-            if len(rounds) <= 12:
-                ax.set_xticks(rounds)
-            else:
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-        plt.close(fig)
-        from rafl.io import atomic_write_bytes
-
-        atomic_write_bytes(run_dir / fname, buf.getvalue())
-
-
-__all__ = ["Engine", "EngineConfig", "eval_coverage", "Federation", "participation", "RoundTimes", "InProcessClients", "client_context",
-           "load_or_init", "naming_client", "train_client", "evaluate_client", "LoaderFactory", "summarize_eval",
-           "write_metrics", "make_summary", "plot_metrics", "seed_of", "sample_clients", "sporadic_update"]
+__all__ = ["Engine", "EngineConfig", "eval_coverage", "participation", "RoundTimes", "summarize_eval", "summarize_untrained",
+           "make_summary", "RunObserver", "sample_clients", "sporadic_update"]

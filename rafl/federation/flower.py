@@ -8,8 +8,8 @@ sends one ``train`` :class:`flwr.app.Message` to every SuperNode hosting sampled
 the steps of all of them, and waits for the replies; evaluation sends ``evaluate`` messages the
 same way. One message per node, not per client: a deployed SuperNode starts a ClientApp process
 per message, which imports torch and rebuilds the federation. The ClientApp
-(:data:`client_app`) runs :func:`~rafl.federation.engine.train_client` /
-:func:`~rafl.federation.engine.evaluate_client`, the very functions the in-process runner calls,
+(:data:`client_app`) runs :func:`~rafl.federation.runners.train_client` /
+:func:`~rafl.federation.runners.evaluate_client`, the very functions the in-process runner calls,
 with the same seeds, so both backends compute the same numbers.
 
 Why not a ``flwr.serverapp.strategy.Strategy`` and its ``start()`` loop: that loop always begins at

@@ -3,7 +3,7 @@
 A SuperNode hands every ``train`` / ``evaluate`` message of a rafl run to :func:`_make_client_app`'s
 ClientApp (exposed as :data:`rafl.federation.flower.client_app`). It rebuilds the run's
 federation from the run config the message carries (cached per process), runs
-:func:`~rafl.federation.engine.train_client` / :func:`~rafl.federation.engine.evaluate_client`
+:func:`~rafl.federation.runners.train_client` / :func:`~rafl.federation.runners.evaluate_client`
 for each client of the message in order, with the seeds the in-process engine uses, and keeps the
 clients' states in versioned files on the node's disk (:class:`ClientStore`). The message format
 is described in :mod:`rafl.federation.flower`, whose server side sends them.
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rafl.errors import UserInputError
-from rafl.federation.engine import Federation, client_context, evaluate_client, train_client
+from rafl.federation.runners import Federation, client_context, evaluate_client, train_client
 from rafl.federation.store import ClientStore
 from rafl.io import load_yaml
 

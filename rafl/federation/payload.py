@@ -4,6 +4,13 @@ A payload is everything one client uploads in one round, or everything the serve
 one client. Its serialized size (:meth:`Payload.nbytes`) *is* the communication cost: the engine
 counts every upload and every broadcast through it, and nothing else estimates bytes.
 
+Counting (:meth:`Payload.count`) returns a :class:`CountedPayload`: the same tensors and metadata,
+frozen (no attribute, tensor name or metadata entry can be set, added or removed), with its byte
+count fixed. What the engine sends and what it counted are one object: a client step reads the
+counted download (and cannot change what its neighbours, sharing one broadcast, receive), and the
+server's own fields of an accepted upload (``client_id``, the registered ``n_samples``) go on a new
+payload (:meth:`Payload.with_meta`), never on the counted one.
+
 Wire format: one safetensors blob (`safetensors <https://github.com/huggingface/safetensors>`_):
 an 8-byte header length, a JSON header (tensor names, dtypes, shapes, offsets, and a
 ``__metadata__`` entry holding this payload's metadata as one JSON string) and the raw tensor
@@ -19,8 +26,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Union
+from dataclasses import FrozenInstanceError, dataclass, field
+from types import MappingProxyType
+from typing import Any, Union
 
 import torch
 from safetensors.torch import load as _st_load
@@ -53,7 +61,9 @@ class Payload:
             detached and moved to CPU on construction. Names are free-form, e.g. ``"knowledge.
             blocks.0.conv.weight"``, ``"proto.3"``.
         meta: flat ``name -> int | float | str | bool | list[int|float]``, e.g. ``{"n_samples":
-            123, "class_ids": [0, 3, 7]}``. The engine adds ``"client_id"`` to uploads.
+            123, "class_ids": [0, 3, 7]}``. The server's view of an accepted upload (what
+            ``server_aggregate`` receives, :func:`rafl.federation.screening.screen_uploads`) adds
+            ``"client_id"`` and sets ``"n_samples"`` to the registered count.
 
     Raises:
         UserInputError: a metadata value of a type not listed above.
@@ -83,13 +93,26 @@ class Payload:
         """True when nothing would be sent (no tensors, no metadata)."""
         return not self.tensors and not self.meta
 
+    def with_meta(self, **meta: MetaValue) -> Payload:
+        """A new (uncounted) payload: the same tensors (shared, not copied) and this metadata
+        updated by ``meta``.
+
+        Raises:
+            UserInputError: a metadata value of a type :class:`Payload` does not allow.
+        """
+        return Payload(dict(self.tensors), {**self.meta, **meta})
+
+    def count(self) -> CountedPayload:
+        """Count the bytes (:meth:`nbytes`, one serialization) and freeze: the counted payload."""
+        return CountedPayload(self, self.nbytes())
+
     # ------------------------------------------------------------------ wire format
     def to_bytes(self) -> bytes:
         """Serialize to one safetensors blob (metadata as JSON in the header); b"" when empty."""
         if self.is_empty():
             return b""
         tensors = {k: v.contiguous() for k, v in self.tensors.items()}
-        return _st_save(tensors, metadata={_META_KEY: json.dumps(self.meta, sort_keys=True)})
+        return _st_save(tensors, metadata={_META_KEY: json.dumps(dict(self.meta), sort_keys=True)})
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str | None = None) -> Payload:
@@ -162,4 +185,47 @@ class Payload:
         return {k: tuple(v.shape) for k, v in self.tensors.items()}
 
 
-__all__ = ["Payload", "MetaValue"]
+class CountedPayload(Payload):
+    """A :class:`Payload` whose bytes were counted (:meth:`Payload.count`): immutable.
+
+    ``tensors`` and ``meta`` are read-only mappings (list metadata values become tuples; the wire
+    format writes them as the same JSON lists), attributes cannot be set, and :meth:`nbytes`
+    returns the count made when it was counted. The tensors themselves are the original ones (no
+    copy); a reader must not change them in place (``load_state_dict`` copies, as every method does).
+
+    Raises:
+        dataclasses.FrozenInstanceError: on setting or deleting an attribute.
+        TypeError: on setting or deleting a tensor or metadata entry.
+    """
+
+    def __init__(self, payload: Payload, nbytes: int):
+        object.__setattr__(self, "tensors", MappingProxyType(dict(payload.tensors)))
+        object.__setattr__(self, "meta", MappingProxyType(
+            {k: (tuple(v) if isinstance(v, list) else v) for k, v in payload.meta.items()}))
+        object.__setattr__(self, "_nbytes", int(nbytes))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"a counted payload is immutable (cannot set {name!r})")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"a counted payload is immutable (cannot delete {name!r})")
+
+    def __reduce__(self):
+        return (_counted, (dict(self.tensors), {k: (list(v) if isinstance(v, tuple) else v)
+                                                for k, v in self.meta.items()}, self._nbytes))
+
+    def nbytes(self) -> int:
+        """The serialized size counted when this payload was counted (no serialization)."""
+        return self._nbytes
+
+    def count(self) -> CountedPayload:
+        """This payload (already counted)."""
+        return self
+
+
+def _counted(tensors: dict, meta: dict, nbytes: int) -> CountedPayload:
+    """Unpickle a :class:`CountedPayload`."""
+    return CountedPayload(Payload(tensors, meta), nbytes)
+
+
+__all__ = ["Payload", "CountedPayload", "MetaValue"]

@@ -34,6 +34,7 @@ from rafl.federation.checks import (DEPLOYMENT, check_clients_avoid_pool, check_
                                     completed_rounds)
 from rafl.federation.engine import Engine, EngineConfig, Federation, participation
 from rafl.io import atomic_write_json, atomic_write_yaml
+from rafl.reports.run import RunReport
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
 #: The public pool the quickstart supernet trained on (``carve_public_pool(labels, 0.3, seed=0)``).
@@ -752,7 +753,8 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
         atomic_write_yaml(run_dir / "config.yaml", prep.cfg.resolved())
         atomic_write_json(run_dir / "clients.json", {"clients": prep.clients_table, **prep.extra,
                                                      **({DEPLOYMENT: deployment} if deployment else {})})
-    engine = Engine(prep.federation, prep.engine_config, run_dir, progress=progress, clients=clients)
+    engine = Engine(prep.federation, prep.engine_config, run_dir, progress=progress, clients=clients,
+                    observers=[RunReport(run_dir)])
     t0 = time.perf_counter()
     from rafl.reports.progress import round_progress
 

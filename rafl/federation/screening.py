@@ -19,9 +19,12 @@ client's new state is discarded (as for a client that failed). A round with fewe
 than ``min_valid`` (of the clients that uploaded) is reported failed (``round_failed``) and changes
 no server or client state.
 
-Server-side truth: an accepted upload's ``meta["n_samples"]`` is set to the client's registered
-training-sample count (its partition split, :attr:`ClientInfo.n_samples`); the client's own claim
-never weighs an average (a claim of 10**12 samples weighs as much as the honest count).
+Server-side truth: an accepted upload is counted (:meth:`Payload.count`: its bytes, then frozen)
+and the server aggregates its own view of it, a new payload with the same tensors whose
+``meta["n_samples"]`` is the client's registered training-sample count (its partition split,
+:attr:`ClientInfo.n_samples`) and whose ``meta["client_id"]`` names the sender; the client's own
+claim never weighs an average (a claim of 10**12 samples weighs as much as the honest count), and
+the counted upload is never changed.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def raw_nbytes(upload: Payload) -> int:
     names and the metadata's text (strings by length, numbers and list items at 24 bytes)."""
     size = sum(t.numel() * t.element_size() + len(k) for k, t in upload.tensors.items())
     for k, v in upload.meta.items():
-        size += len(k) + (len(v) if isinstance(v, str) else 24 * len(v) if isinstance(v, list) else 24)
+        size += len(k) + (len(v) if isinstance(v, str) else 24 * len(v) if isinstance(v, (list, tuple)) else 24)
     return size
 
 
@@ -114,7 +117,7 @@ def check_values(upload: Payload, max_abs: float) -> None:
             if lo < 0 or hi > INT_MAX:
                 raise UserInputError(f"has integer values in {lo}..{hi}; allowed: 0..{INT_MAX}", field=name)
     for key, v in upload.meta.items():
-        items = v if isinstance(v, list) else [v]
+        items = v if isinstance(v, (list, tuple)) else [v]
         for x in items:
             if isinstance(x, float) and not math.isfinite(x):
                 raise UserInputError("is NaN or Inf", field=f"meta.{key}")
@@ -127,7 +130,8 @@ class Screened:
     """The outcome of one round's screening.
 
     Attributes:
-        accepted: the valid uploads (``meta["client_id"]`` and the registered ``n_samples`` set).
+        accepted: the server's view of the valid uploads, in job order (:meth:`Payload.with_meta`:
+            ``meta["client_id"]`` and the registered ``n_samples`` set), what ``server_aggregate`` takes.
         accepted_ids: their client ids, in job order.
         rejected: ``client_id -> reason`` (one line each).
         bytes_up: serialized bytes of the accepted uploads (:meth:`Payload.nbytes`).
@@ -190,13 +194,12 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
                                                field=err.field).__str__()
             out.bytes_rejected += size
             continue
-        out.bytes_up += upload.nbytes()  # what was sent, before the server's own fields are set
-        claim = upload.meta.get("n_samples")
-        if "n_samples" in upload.meta and (type(claim) is not int or claim != info.n_samples):
+        sent = upload.count()  # what was sent; frozen from here on
+        out.bytes_up += sent.nbytes()
+        claim = sent.meta.get("n_samples")
+        if "n_samples" in sent.meta and (type(claim) is not int or claim != info.n_samples):
             out.claims_overridden.append(cid)
-        upload.meta["n_samples"] = int(info.n_samples)
-        upload.meta["client_id"] = cid
-        out.accepted.append(upload)
+        out.accepted.append(sent.with_meta(n_samples=int(info.n_samples), client_id=cid))
         out.accepted_ids.append(cid)
     return out
 

@@ -246,8 +246,10 @@ class Algorithm(ABC):
     def server_aggregate(self, uploads: list[Payload], server_state: State,
                          server: ServerContext) -> tuple[State, Payload]:
         """Aggregate the round's uploads into a new server state and the next broadcast. Each upload
-        carries ``meta["client_id"]`` (set by the engine) and whatever metadata the method's own
-        :meth:`client_update` put there (e.g. ``n_samples`` for the FedAvg-style weights)."""
+        is the server's view of what a client sent (:func:`rafl.federation.screening.screen_uploads`):
+        the tensors and metadata the method's own :meth:`client_update` put there, with
+        ``meta["client_id"]`` naming the sender and ``meta["n_samples"]`` its registered
+        training-sample count (the FedAvg-style weights)."""
 
     @abstractmethod
     def evaluate(self, state: State, client: ClientContext) -> dict[str, float]:

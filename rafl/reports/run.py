@@ -1,0 +1,96 @@
+"""The files of a federated run dir that record its rounds: what :class:`RunReport` writes.
+
+The engine (:class:`rafl.federation.engine.Engine`) produces data only: one record per completed
+round (``history``) and the run summary, handed to the observers its caller attached
+(:class:`rafl.federation.engine.RunObserver`). :class:`RunReport` is the observer that writes them
+into the run dir:
+
+* after every round, before the round's checkpoint: ``metrics.jsonl`` (one JSON object per
+  round, what ``--resume`` and ``rafl compare`` read back) and ``metrics.csv`` (union of the
+  columns), each rewritten atomically, so a crash loses no completed round;
+* after the last round: both again (with the last round's complete timing), ``summary.json``,
+  ``accuracy_vs_round.png`` and ``accuracy_vs_mb.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rafl.io import atomic_write_json, atomic_write_text
+from rafl.reports.plots import new_figure, save_figure
+from rafl.reports.tables import accuracy_name
+
+__all__ = ["RunReport", "write_metrics", "plot_metrics"]
+
+
+class RunReport:
+    """The run dir's record of a federated run (a :class:`rafl.federation.engine.RunObserver`).
+
+    Args:
+        run_dir: the run dir (exists).
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+
+    def round_done(self, history: list[dict[str, Any]]) -> None:
+        """``metrics.jsonl`` and ``metrics.csv`` with every round so far (:func:`write_metrics`)."""
+        write_metrics(self.run_dir, history)
+
+    def run_done(self, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+        """The metrics files again, ``summary.json`` and the two accuracy plots (:func:`plot_metrics`)."""
+        write_metrics(self.run_dir, history)
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        plot_metrics(self.run_dir, history)
+
+
+def write_metrics(run_dir: Path, history: list[dict]) -> None:
+    """``metrics.jsonl`` (one JSON object per round) and ``metrics.csv`` (union of columns), atomically."""
+    atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in history))
+    cols: list[str] = []
+    for r in history:
+        cols += [k for k in r if k not in cols]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, restval="")
+    w.writeheader()
+    w.writerows(history)
+    atomic_write_text(run_dir / "metrics.csv", buf.getvalue())
+
+
+def plot_metrics(run_dir: Path, history: list[dict]) -> None:
+    """``accuracy_vs_round.png`` and ``accuracy_vs_mb.png`` (every evaluated model, mean over
+    clients with a +-std band), written atomically; nothing when no round was evaluated."""
+    from matplotlib.ticker import MaxNLocator  # matplotlib: heavy, loaded only when a run plots
+
+    evals = [r for r in history if any(k.endswith(".acc_mean_over_clients") for k in r)]
+    if not evals:
+        return
+    models = sorted({k.split(".acc_mean_over_clients")[0] for r in evals for k in r
+                     if k.endswith(".acc_mean_over_clients")})
+    for xkey, fname, xlabel in (("round", "accuracy_vs_round.png", "round"),
+                                ("cum_mb", "accuracy_vs_mb.png", "cumulative communication (MB, up + down)")):
+        fig, (ax,) = new_figure(1, width=5.5, height=3.6)
+        for m in models:
+            pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
+                   if f"{m}.acc_mean_over_clients" in r]
+            x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
+            name = accuracy_name(m)  # the tables' name ("deployed model", "knowledge network", ...)
+            ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
+            ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
+        ax.set_xlabel(xlabel)
+        if xkey == "round":  # rounds are whole numbers: no 1.5 (or 0.96 for one round) ticks on short runs
+            rounds = sorted({int(r["round"]) for r in evals})
+            if len(rounds) <= 12:
+                ax.set_xticks(rounds)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save_figure(fig, run_dir / fname, dpi=110)
