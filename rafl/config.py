@@ -29,38 +29,15 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rafl.errors import DuplicateKeyError, UserInputError, shown, yaml_error_detail
 from rafl.io import load_yaml, read_text_file
+from rafl.schema import NoBoolNumbers
 
 #: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
 #: as ``seed * 100003 + round`` from it, which must stay below torch's 2**63)
 SEED_MAX = 2**32 - 1
-
-
-def _accepts_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
-        return True
-    return any(_accepts_bool(a) for a in get_args(annotation))
-
-
-class NoBoolNumbers(BaseModel):
-    """A pydantic model whose number fields refuse booleans and NaN/Inf (run configs, device profiles)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """pydantic's lax mode reads ``True`` as 1 for int/float fields, and YAML turns ``yes``/``on``
-        into ``True``: ``clients.n=yes`` would silently run one client. Booleans only where allowed."""
-        items = value if isinstance(value, list | tuple) else [value]
-        if any(isinstance(v, bool) for v in items) and info.field_name is not None:
-            field = cls.model_fields.get(info.field_name)
-            if field is not None and not _accepts_bool(field.annotation):
-                raise ValueError("a boolean is not allowed here" + (" (in the list)" if items is value else ""))
-        return value
 
 
 class _Strict(NoBoolNumbers):
