@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from rafl.data import sources
-from rafl.data.sources import FEMNIST_CLASSES, first_per_class
+from rafl.data.sources import first_per_class
 from rafl.errors import UserInputError, allowed
 
 DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "femnist")

@@ -41,7 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError
-from rafl.io import read_json_file
+from rafl.io import atomic_write_bytes, read_json_file
 
 CACHE_VERSION = 1
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")
@@ -302,8 +302,6 @@ def _read_cache(path: Path, source: Path) -> RawImages:
 
 
 def _write_cache(path: Path, raw: RawImages) -> None:
-    from rafl.io import atomic_write_bytes
-
     buf = io.BytesIO()
     arrays = {"images": raw.images, "labels": raw.labels, "origin": raw.origin.astype("<U5"),
               "classes": np.array(raw.classes, dtype=str)}

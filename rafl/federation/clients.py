@@ -1,0 +1,272 @@
+"""A federation's clients and how one client step runs: the :class:`Federation` the engine
+runs, the per-client context, the training and evaluation of one client against its stored
+state, the in-process client runner, and the shared evaluation of clients that never trained.
+
+Every client runner -- :class:`InProcessClients` here, :class:`rafl.federation.workers.WorkerClients`
+in forked processes, the Flower ClientApp of :mod:`rafl.federation.flower_node` -- calls
+:func:`train_client` / :func:`evaluate_client` on a :func:`client_context`, so every backend draws
+the same numbers. :func:`evaluate_untrained` evaluates the clients that never trained
+(``engine.eval_clients: all``) with one evaluation per architecture: the initial model of the
+architecture's first such client, on the test splits of all of them at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rafl.errors import UserInputError
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
+from rafl.federation.payload import Payload
+from rafl.federation.progress import report
+from rafl.federation.store import ClientStore
+
+#: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
+#: loaders shuffle with ``seed``, val/test loaders do not; "val" may return None.
+LoaderFactory = Callable[[int, str, int], Loader | None]
+#: ``client_model(client_id, arch=None) -> nn.Module`` (see ``ClientContext.make_model``).
+ClientModelFactory = Callable[..., torch.nn.Module]
+
+#: Test samples per batch of the shared evaluation of never-trained clients.
+POOLED_BATCH = 256
+
+
+def seed_of(*parts: int) -> int:
+    """A 63-bit seed derived from integers (numpy SeedSequence), stable across runs/platforms."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+@dataclass
+class Federation:
+    """Everything the engine needs for one run (built by :mod:`rafl.federation.pipeline` or tests).
+
+    Attributes:
+        algorithm: the method instance.
+        clients: the population's :class:`ClientInfo` (ids 0..n-1, in order).
+        loaders: :data:`LoaderFactory`.
+        client_model: :data:`ClientModelFactory`.
+        server: the :class:`ServerContext` (its ``round``/``rng`` are set by the engine).
+        n_classes: number of classes.
+        hparams: the algorithm's hyperparameters (copied into every context).
+        device: torch device of local computation.
+    """
+
+    algorithm: Algorithm
+    clients: list[ClientInfo]
+    loaders: LoaderFactory
+    client_model: ClientModelFactory
+    server: ServerContext
+    n_classes: int
+    hparams: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
+    """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
+    loaders and ``rng`` seeded by ``seed_of(seed, cid, rnd)``. Every runner (in this process, or a
+    Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
+    cseed = seed_of(seed, cid, rnd)
+    info = fed.clients[cid]
+    return ClientContext(
+        info=info,
+        make_model=lambda arch=None, _cid=cid: fed.client_model(_cid, arch),
+        train_loader=fed.loaders(cid, "train", cseed),
+        val_loader=fed.loaders(cid, "val", cseed),
+        test_loader=fed.loaders(cid, "test", cseed),
+        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=seed_of(seed, cid, 1),
+        rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
+
+
+@contextlib.contextmanager
+def naming_client(ctx: ClientContext) -> Iterator[None]:
+    """Re-raise a :class:`UserInputError` without a source (a method's own check: diverged
+    training, a stored state that does not fit the model) with the client and its model as the
+    source, so the one error line says where it happened."""
+    try:
+        yield
+    except UserInputError as err:
+        if err.source is not None:
+            raise
+        raise UserInputError(err.message, source=f"client {ctx.client_id} (model {ctx.info.model_key})",
+                             field=err.field) from None
+
+
+def load_or_init(fed: Federation, store: ClientStore, ctx: ClientContext) -> Any:
+    """The client's committed state from ``store``, or ``init_client`` (torch seeded by the
+    context's ``init_seed``: the same initial model in every round) for a client that has none yet."""
+    if store.has(ctx.client_id):
+        return store.load(ctx.client_id)
+    torch.manual_seed(ctx.init_seed)
+    return fed.algorithm.init_client(ctx)
+
+
+def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: Payload) -> tuple[Payload, float]:
+    """One client step: load (or init) the state, ``client_update`` with torch seeded by the
+    context's seed, save the new state as a pending version of round ``ctx.round``.
+
+    Returns:
+        ``(upload, seconds)``: seconds of client computation (init and update; loading a stored
+        state is not counted).
+
+    Raises:
+        UserInputError: from ``client_update`` (e.g. diverged local training), naming the client.
+    """
+    cid = ctx.client_id
+    fresh = not store.has(cid)
+    tc = time.perf_counter()
+    state = load_or_init(fed, store, ctx)
+    if not fresh:
+        tc = time.perf_counter()  # loading a stored state is engine time
+    torch.manual_seed(ctx.seed)
+    report("client", client=cid)
+    with naming_client(ctx):  # e.g. diverged local training: say which client and model
+        state, upload = fed.algorithm.client_update(state, down, ctx)
+    seconds = time.perf_counter() - tc
+    report("client_done", client=cid)
+    store.save(cid, ctx.round, state)
+    return upload, seconds
+
+
+def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
+    """Evaluate the client's committed state (``prepare_evaluation`` with its view of
+    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``.
+
+    Raises:
+        UserInputError: from the method (e.g. a stored state that does not fit the model), naming
+            the client.
+    """
+    algo = fed.algorithm
+    with naming_client(ctx):
+        state = load_or_init(fed, store, ctx)
+        state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
+        return algo.evaluate(state, ctx)
+
+
+class InProcessClients:
+    """Runs the client steps in this process, one client after the other (the default runner).
+
+    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``), written in the
+    background while the next client computes (on disk before the round's commit)."""
+
+    def __init__(self, fed: Federation, store: ClientStore, seed: int):
+        self.fed, self.store, self.seed = fed, store, seed
+        store.background = True
+
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
+
+        Returns:
+            ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order, the clients that
+            failed with their reason (never any here: an error in this process stops the run),
+            and the seconds of client computation."""
+        uploads, seconds = [], 0.0
+        for cid, down in jobs:
+            upload, sec = train_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), down)
+            uploads.append((cid, upload))
+            seconds += sec
+        return uploads, {}, seconds
+
+    def where(self, cid: int) -> str:
+        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
+        return ""
+
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
+        """The evaluation contract's counts of every client in ``ids`` (committed states), and the
+        clients that could not be evaluated with the reason (never any here)."""
+        return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast)
+                for cid in ids}, {}
+
+    def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[list, dict[int, str]]:
+        """The shared evaluation of clients without a state (:func:`evaluate_untrained`)."""
+        return evaluate_untrained(self.fed, self.store, self.seed, rnd, ids, broadcast), {}
+
+
+# ---------------------------------------------------------------------- shared evaluation
+class PooledLoader:
+    """The test splits of several clients as one loader: their batches, in client order, joined
+    into batches of up to ``batch_size`` samples (``images (B, C, H, W)``, ``labels (B,)``)."""
+
+    def __init__(self, loaders: list[Any], batch_size: int = POOLED_BATCH):
+        self.loaders = loaders
+        self.batch_size = batch_size
+
+    @property
+    def dataset(self) -> range:
+        """A sized stand-in: ``len(loader.dataset)`` is the number of pooled samples."""
+        return range(sum(len(ld.dataset) for ld in self.loaders))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        images: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
+        held = 0
+        for loader in self.loaders:
+            for x, y in loader:
+                images.append(x)
+                labels.append(y)
+                held += len(y)
+                if held >= self.batch_size:
+                    yield torch.cat(images), torch.cat(labels)
+                    images, labels, held = [], [], 0
+        if held:
+            yield torch.cat(images), torch.cat(labels)
+
+
+def initial_groups(fed, ids: list[int]) -> list[list[int]]:
+    """``ids`` (clients without a state) grouped by model (``ClientInfo.model_key``), each group
+    sorted, groups ordered by their first client."""
+    groups: dict[str, list[int]] = {}
+    for cid in sorted(ids):
+        groups.setdefault(fed.clients[cid].model_key, []).append(cid)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def evaluate_group(fed, store: ClientStore, seed: int, rnd: int, group: list[int], broadcast: Payload) -> dict[str, float]:
+    """One evaluation of the initial model of ``group[0]`` (``init_client``, seeded by its
+    ``init_seed``; then ``prepare_evaluation`` with its view of ``broadcast``) on the pooled test
+    splits of every client in ``group`` (clients with one model and no state): the evaluation
+    contract's summed ``m.correct``/``m.total``."""
+    ctx = client_context(fed, seed, group[0], rnd)
+    loaders = [ctx.test_loader] + [fed.loaders(cid, "test", seed) for cid in group[1:]]
+    return evaluate_client(fed, store, dataclasses.replace(ctx, test_loader=PooledLoader(loaders)), broadcast)
+
+
+def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[int], broadcast: Payload
+                     ) -> list[tuple[list[int], dict[str, float]]]:
+    """The shared evaluation of clients that never trained, in this process: ``[(group, counts)]``
+    (:func:`initial_groups`, :func:`evaluate_group`)."""
+    return [(g, evaluate_group(fed, store, seed, rnd, g, broadcast)) for g in initial_groups(fed, ids)]
+
+
+def summarize_untrained(per_client: dict[int, dict[str, float]],
+                        groups: list[tuple[list[int], dict[str, float]]]) -> dict[str, float]:
+    """A round's figures of the shared evaluation, per model ``m`` of the evaluation contract:
+    ``m.acc_untrained_sample_weighted`` (sum correct / sum total over the groups of clients that
+    have not trained) and ``m.acc_all_sample_weighted`` (with the clients evaluated one by one,
+    ``per_client``, added: every client's test samples); ``eval.trained_clients`` and
+    ``eval.untrained_clients`` count the clients behind each."""
+    out: dict[str, float] = {"eval.trained_clients": len(per_client),
+                             "eval.untrained_clients": sum(len(g) for g, _ in groups)}
+    counts = [c for _, c in groups]
+    models = sorted({k[:-len(".correct")] for c in counts for k in c if k.endswith(".correct")})
+    for m in models:
+        correct = sum(c.get(f"{m}.correct", 0.0) for c in counts)
+        total = sum(c.get(f"{m}.total", 0.0) for c in counts)
+        if total > 0:
+            out[f"{m}.acc_untrained_sample_weighted"] = correct / total
+        correct += sum(r.get(f"{m}.correct", 0.0) for r in per_client.values())
+        total += sum(r.get(f"{m}.total", 0.0) for r in per_client.values())
+        if total > 0:
+            out[f"{m}.acc_all_sample_weighted"] = correct / total
+    return out
+
+
+__all__ = ["ClientModelFactory", "Federation", "InProcessClients", "LoaderFactory", "POOLED_BATCH", "PooledLoader",
+           "client_context", "evaluate_client", "evaluate_group", "evaluate_untrained", "initial_groups",
+           "load_or_init", "naming_client", "seed_of", "summarize_untrained", "train_client"]
