@@ -62,8 +62,9 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.hparams import Bool, Hyperparameters, LocalTraining, choice
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, recalibrate_bn, train_ce
 from rafl.federation.weight_sharing import (IndexMap, extract, fold_kernel_transforms, is_kernel_matrix, masked_average,
@@ -74,6 +75,7 @@ from rafl.supernet.model import Subnet, build_supernet
 
 BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 WEIGHTINGS = ("samples", "count")
+Weighting = choice(*WEIGHTINGS)
 
 
 def is_bn_stat(key: str) -> bool:
@@ -107,21 +109,23 @@ def index_map(layout_json: str, info: ClientInfo, round_: int, rolling: bool) ->
     return out
 
 
+class HeteroFLHparams(LocalTraining):
+    """HeteroFL's hyperparameters (Diao et al., ICLR 2021): how the slices are averaged (Eq. 3), its
+    static BatchNorm (Sec. 3.2) and scaler module."""
+
+    weighting: Weighting = "samples"
+    static_bn: Bool = False
+    scaler: Bool = True
+
+
 @register
 class HeteroFL(Algorithm):
     """HeteroFL (Diao et al., ICLR 2021) over NAS subnets or width-sliced models (module docstring)."""
 
     name: ClassVar[str] = "heterofl"
-    defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "weighting": "samples", "static_bn": False, "scaler": True}
+    hparams_model: ClassVar[type[Hyperparameters]] = HeteroFLHparams
     #: FedRolex's rolling window instead of HeteroFL's fixed prefix
     rolling: ClassVar[bool] = False
-
-    @classmethod
-    def check_hparams(cls, hparams):
-        hp = super().check_hparams(hparams)
-        if hp["weighting"] not in WEIGHTINGS:
-            raise UserInputError(f"is {hp['weighting']!r}; allowed: {', '.join(WEIGHTINGS)}", field="algorithm.weighting")
-        return hp
 
     # ------------------------------------------------------------------ layout
     def layout(self, server: ServerContext) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
