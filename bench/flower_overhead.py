@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import flower, pipeline
 
     work = Path(tempfile.mkdtemp(prefix="rafl-flower-bench-"))
