@@ -19,8 +19,7 @@ from rafl.federation.algorithms import get_algorithm
 from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.pipeline import build_federation, build_group_federation
 from rafl.federation.store import load_state
-from rafl.federation.clients import PooledLoader
-from rafl.federation.workers import resolve_workers
+from rafl.federation.workers import PooledLoader, resolve_workers
 from rafl.supernet import SearchSpace, build_supernet
 
 TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")

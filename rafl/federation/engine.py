@@ -44,13 +44,14 @@ the tests check); on CUDA, cuDNN's default convolution algorithms are not determ
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +62,19 @@ from tqdm.auto import tqdm
 from rafl.config import EngineConfig
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.aggregation import AggregationRule
-from rafl.federation.algorithms.base import ServerContext
-from rafl.federation.clients import (Federation, InProcessClients, LoaderFactory, client_context, evaluate_client,
-                                     load_or_init, naming_client, seed_of, summarize_untrained, train_client)
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.payload import Payload
 from rafl.federation.progress import report
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import ClientStore, load_state, save_state
-from rafl.federation.workers import runner
-from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text, remove_orphaned_tmp
+from rafl.io import atomic_write_json, atomic_write_text, remove_orphaned_tmp
 from rafl.reports.tables import accuracy_name, fmt_bytes
+
+#: ``loaders(client_id, split, seed) -> Loader`` with split in {"train", "val", "test"}; train
+#: loaders shuffle with ``seed``, val/test loaders do not; "val" may return None.
+LoaderFactory = Callable[[int, str, int], Loader | None]
+#: ``client_model(client_id, arch=None) -> nn.Module`` (see ``ClientContext.make_model``).
+ClientModelFactory = Callable[..., torch.nn.Module]
 
 CHECKPOINT = "checkpoint.safetensors"
 #: Added to a NaN/Inf upload's error: an honest client's non-finite upload is training that
@@ -104,6 +108,11 @@ def participation(config: EngineConfig, n_clients: int) -> tuple[int, int]:
                              "available clients" if available < n_clients else "clients (clients.n)")
 
 
+def seed_of(*parts: int) -> int:
+    """A 63-bit seed derived from integers (numpy SeedSequence), stable across runs/platforms."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
 def sporadic_update(available: list[int], population: int, rate: float, rng: np.random.Generator) -> list[int]:
     """Replace ``round(rate * len(available))`` available clients by clients not available now.
 
@@ -135,6 +144,153 @@ class RoundTimes:
     @property
     def engine(self) -> float:
         return max(0.0, self.total - self.client_update - self.aggregate - self.evaluate)
+
+
+@dataclass
+class Federation:
+    """Everything the engine needs for one run (built by :mod:`rafl.federation.pipeline` or tests).
+
+    Attributes:
+        algorithm: the method instance.
+        clients: the population's :class:`ClientInfo` (ids 0..n-1, in order).
+        loaders: :data:`LoaderFactory`.
+        client_model: :data:`ClientModelFactory`.
+        server: the :class:`ServerContext` (its ``round``/``rng`` are set by the engine).
+        n_classes: number of classes.
+        hparams: the algorithm's hyperparameters (copied into every context).
+        device: torch device of local computation.
+    """
+
+    algorithm: Algorithm
+    clients: list[ClientInfo]
+    loaders: LoaderFactory
+    client_model: ClientModelFactory
+    server: ServerContext
+    n_classes: int
+    hparams: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
+    """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
+    loaders and ``rng`` seeded by ``seed_of(seed, cid, rnd)``. Every runner (in this process, or a
+    Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
+    cseed = seed_of(seed, cid, rnd)
+    info = fed.clients[cid]
+    return ClientContext(
+        info=info,
+        make_model=lambda arch=None, _cid=cid: fed.client_model(_cid, arch),
+        train_loader=fed.loaders(cid, "train", cseed),
+        val_loader=fed.loaders(cid, "val", cseed),
+        test_loader=fed.loaders(cid, "test", cseed),
+        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=seed_of(seed, cid, 1),
+        rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
+
+
+@contextlib.contextmanager
+def naming_client(ctx: ClientContext) -> Iterator[None]:
+    """Re-raise a :class:`UserInputError` without a source (a method's own check: diverged
+    training, a stored state that does not fit the model) with the client and its model as the
+    source, so the one error line says where it happened."""
+    try:
+        yield
+    except UserInputError as err:
+        if err.source is not None:
+            raise
+        raise UserInputError(err.message, source=f"client {ctx.client_id} (model {ctx.info.model_key})",
+                             field=err.field) from None
+
+
+def load_or_init(fed: Federation, store: ClientStore, ctx: ClientContext) -> Any:
+    """The client's committed state from ``store``, or ``init_client`` (torch seeded by the
+    context's ``init_seed``: the same initial model in every round) for a client that has none yet."""
+    if store.has(ctx.client_id):
+        return store.load(ctx.client_id)
+    torch.manual_seed(ctx.init_seed)
+    return fed.algorithm.init_client(ctx)
+
+
+def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: Payload) -> tuple[Payload, float]:
+    """One client step: load (or init) the state, ``client_update`` with torch seeded by the
+    context's seed, save the new state as a pending version of round ``ctx.round``.
+
+    Returns:
+        ``(upload, seconds)``: seconds of client computation (init and update; loading a stored
+        state is not counted).
+
+    Raises:
+        UserInputError: from ``client_update`` (e.g. diverged local training), naming the client.
+    """
+    cid = ctx.client_id
+    fresh = not store.has(cid)
+    tc = time.perf_counter()
+    state = load_or_init(fed, store, ctx)
+    if not fresh:
+        tc = time.perf_counter()  # loading a stored state is engine time
+    torch.manual_seed(ctx.seed)
+    report("client", client=cid)
+    with naming_client(ctx):  # e.g. diverged local training: say which client and model
+        state, upload = fed.algorithm.client_update(state, down, ctx)
+    seconds = time.perf_counter() - tc
+    report("client_done", client=cid)
+    store.save(cid, ctx.round, state)
+    return upload, seconds
+
+
+def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
+    """Evaluate the client's committed state (``prepare_evaluation`` with its view of
+    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``.
+
+    Raises:
+        UserInputError: from the method (e.g. a stored state that does not fit the model), naming
+            the client.
+    """
+    algo = fed.algorithm
+    with naming_client(ctx):
+        state = load_or_init(fed, store, ctx)
+        state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
+        return algo.evaluate(state, ctx)
+
+
+class InProcessClients:
+    """Runs the client steps in this process, one client after the other (the default runner).
+
+    Client states live in the engine's :class:`ClientStore` (``run_dir/clients``), written in the
+    background while the next client computes (on disk before the round's commit)."""
+
+    def __init__(self, fed: Federation, store: ClientStore, seed: int):
+        self.fed, self.store, self.seed = fed, store, seed
+        store.background = True
+
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
+
+        Returns:
+            ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order, the clients that
+            failed with their reason (never any here: an error in this process stops the run),
+            and the seconds of client computation."""
+        uploads, seconds = [], 0.0
+        for cid, down in jobs:
+            upload, sec = train_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), down)
+            uploads.append((cid, upload))
+            seconds += sec
+        return uploads, {}, seconds
+
+    def where(self, cid: int) -> str:
+        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
+        return ""
+
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
+        """The evaluation contract's counts of every client in ``ids`` (committed states), and the
+        clients that could not be evaluated with the reason (never any here)."""
+        return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast)
+                for cid in ids}, {}
+
+    def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[list, dict[int, str]]:
+        """The shared evaluation of clients without a state (:func:`rafl.federation.workers.evaluate_untrained`)."""
+        from rafl.federation.workers import evaluate_untrained
+
+        return evaluate_untrained(self.fed, self.store, self.seed, rnd, ids, broadcast), {}
 
 
 class Engine:
@@ -174,6 +330,8 @@ class Engine:
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
         if clients is None:
+            from rafl.federation.workers import runner
+
             clients = runner(config.workers, self.n_sampled, fed.device)
         self.clients = clients(fed, self.store, config.seed)
         self.times: list[RoundTimes] = []
@@ -229,6 +387,8 @@ class Engine:
         per_client, lost = self.clients.evaluate(rnd, ids, broadcast)
         summary: dict[str, Any] = summarize_eval(per_client)
         if shared:
+            from rafl.federation.workers import summarize_untrained
+
             groups, lost_untrained = self.clients.evaluate_untrained(rnd, untrained, broadcast)
             summary.update(summarize_untrained(per_client, groups))
             lost.update(lost_untrained)
@@ -531,6 +691,7 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
+        from rafl.io import atomic_write_bytes
 
         atomic_write_bytes(run_dir / fname, buf.getvalue())
 

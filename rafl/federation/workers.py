@@ -1,14 +1,15 @@
-"""Client steps in parallel worker processes (``engine.workers``).
+"""Client steps in parallel worker processes (``engine.workers``), and the shared evaluation of
+clients that never trained.
 
 :class:`WorkerClients` is a client runner (the interface of
-:class:`~rafl.federation.clients.InProcessClients`): the round's client steps and evaluations run
+:class:`~rafl.federation.engine.InProcessClients`): the round's client steps and evaluations run
 in ``workers`` processes forked from this one, one torch thread each. Forking shares the
 federation -- the in-memory dataset, the model templates, the algorithm -- copy-on-write: nothing
 is pickled or copied per worker, whatever the dataset's layout. A job crosses a pipe as a few
 integers plus the serialized download (:meth:`Payload.to_bytes`, sent once per worker and call);
 the worker loads the client's committed state from the run's :class:`ClientStore`, runs the very
-function the in-process runner runs (:func:`~rafl.federation.clients.train_client` /
-:func:`~rafl.federation.clients.evaluate_client`), writes the new state version there and sends
+function the in-process runner runs (:func:`~rafl.federation.engine.train_client` /
+:func:`~rafl.federation.engine.evaluate_client`), writes the new state version there and sends
 back the upload's bytes. Every draw is seeded by ``(seed, client, round)`` and every worker runs
 one torch thread, so a run's metrics and states are the same bit for bit for every number of
 workers (with ``train.threads: 1``, the default, in the one-worker case, which runs in-process).
@@ -21,13 +22,15 @@ run as it does in-process. Ctrl-C: workers ignore SIGINT; the run's process term
 interrupt propagates as before, so ``--resume`` repeats the round from the committed states.
 Workers exit by themselves when the run's process disappears (their pipe closes).
 
-The shared evaluation of the clients that never trained (:func:`rafl.federation.clients.evaluate_untrained`)
-runs one job per model group here.
+:func:`evaluate_untrained` evaluates the clients that never trained (``engine.eval_clients:
+all``) with one evaluation per architecture: the initial model of the architecture's first such
+client, on the test splits of all of them at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -45,10 +48,11 @@ import torch
 
 from rafl.errors import UserInputError
 from rafl.federation import progress
-from rafl.federation.clients import (InProcessClients, client_context, evaluate_client, evaluate_group, initial_groups,
-                                     train_client)
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore
+
+#: Test samples per batch of the shared evaluation of never-trained clients.
+POOLED_BATCH = 256
 
 
 def fork_available() -> bool:
@@ -89,12 +93,95 @@ def resolve_workers(workers: int | None, n_sampled: int, device: torch.device) -
 
 def runner(workers: int | None, n_sampled: int, device: torch.device):
     """The engine's default client runner factory ``(fed, store, seed) -> runner``:
-    :class:`~rafl.federation.clients.InProcessClients` for one worker (:func:`resolve_workers`),
+    :class:`~rafl.federation.engine.InProcessClients` for one worker (:func:`resolve_workers`),
     else :class:`WorkerClients`."""
     n = resolve_workers(workers, n_sampled, device)
     if n == 1:
+        from rafl.federation.engine import InProcessClients
+
         return InProcessClients
     return lambda fed, store, seed: WorkerClients(fed, store, seed, n)
+
+
+# ---------------------------------------------------------------------- shared evaluation
+class PooledLoader:
+    """The test splits of several clients as one loader: their batches, in client order, joined
+    into batches of up to ``batch_size`` samples (``images (B, C, H, W)``, ``labels (B,)``)."""
+
+    def __init__(self, loaders: list[Any], batch_size: int = POOLED_BATCH):
+        self.loaders = loaders
+        self.batch_size = batch_size
+
+    @property
+    def dataset(self) -> range:
+        """A sized stand-in: ``len(loader.dataset)`` is the number of pooled samples."""
+        return range(sum(len(ld.dataset) for ld in self.loaders))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        images: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
+        held = 0
+        for loader in self.loaders:
+            for x, y in loader:
+                images.append(x)
+                labels.append(y)
+                held += len(y)
+                if held >= self.batch_size:
+                    yield torch.cat(images), torch.cat(labels)
+                    images, labels, held = [], [], 0
+        if held:
+            yield torch.cat(images), torch.cat(labels)
+
+
+def initial_groups(fed, ids: list[int]) -> list[list[int]]:
+    """``ids`` (clients without a state) grouped by model (``ClientInfo.model_key``), each group
+    sorted, groups ordered by their first client."""
+    groups: dict[str, list[int]] = {}
+    for cid in sorted(ids):
+        groups.setdefault(fed.clients[cid].model_key, []).append(cid)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def evaluate_group(fed, store: ClientStore, seed: int, rnd: int, group: list[int], broadcast: Payload) -> dict[str, float]:
+    """One evaluation of the initial model of ``group[0]`` (``init_client``, seeded by its
+    ``init_seed``; then ``prepare_evaluation`` with its view of ``broadcast``) on the pooled test
+    splits of every client in ``group`` (clients with one model and no state): the evaluation
+    contract's summed ``m.correct``/``m.total``."""
+    from rafl.federation.engine import client_context, evaluate_client
+
+    ctx = client_context(fed, seed, group[0], rnd)
+    loaders = [ctx.test_loader] + [fed.loaders(cid, "test", seed) for cid in group[1:]]
+    return evaluate_client(fed, store, dataclasses.replace(ctx, test_loader=PooledLoader(loaders)), broadcast)
+
+
+def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[int], broadcast: Payload
+                     ) -> list[tuple[list[int], dict[str, float]]]:
+    """The shared evaluation of clients that never trained, in this process: ``[(group, counts)]``
+    (:func:`initial_groups`, :func:`evaluate_group`)."""
+    return [(g, evaluate_group(fed, store, seed, rnd, g, broadcast)) for g in initial_groups(fed, ids)]
+
+
+def summarize_untrained(per_client: dict[int, dict[str, float]],
+                        groups: list[tuple[list[int], dict[str, float]]]) -> dict[str, float]:
+    """A round's figures of the shared evaluation, per model ``m`` of the evaluation contract:
+    ``m.acc_untrained_sample_weighted`` (sum correct / sum total over the groups of clients that
+    have not trained) and ``m.acc_all_sample_weighted`` (with the clients evaluated one by one,
+    ``per_client``, added: every client's test samples); ``eval.trained_clients`` and
+    ``eval.untrained_clients`` count the clients behind each."""
+    out: dict[str, float] = {"eval.trained_clients": len(per_client),
+                             "eval.untrained_clients": sum(len(g) for g, _ in groups)}
+    counts = [c for _, c in groups]
+    models = sorted({k[:-len(".correct")] for c in counts for k in c if k.endswith(".correct")})
+    for m in models:
+        correct = sum(c.get(f"{m}.correct", 0.0) for c in counts)
+        total = sum(c.get(f"{m}.total", 0.0) for c in counts)
+        if total > 0:
+            out[f"{m}.acc_untrained_sample_weighted"] = correct / total
+        correct += sum(r.get(f"{m}.correct", 0.0) for r in per_client.values())
+        total += sum(r.get(f"{m}.total", 0.0) for r in per_client.values())
+        if total > 0:
+            out[f"{m}.acc_all_sample_weighted"] = correct / total
+    return out
 
 
 # ---------------------------------------------------------------------- worker process
@@ -113,6 +200,8 @@ def _portable_error(err: BaseException) -> tuple:
 
 def _worker_main(conn, others: list, fed, store_dir: str, seed: int) -> None:
     """A worker's loop: jobs from ``conn`` until ``None`` or the pipe closes."""
+    from rafl.federation.engine import client_context, evaluate_client, train_client
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the run's process, which stops us
 
     def _terminate(signum, frame):  # SystemExit unwinds: an atomic write in progress deletes its temp file
@@ -357,7 +446,7 @@ class WorkerClients:
 
     def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload
                          ) -> tuple[list[tuple[list[int], dict[str, float]]], dict[int, str]]:
-        """:func:`rafl.federation.clients.evaluate_untrained` with one job per model group; the clients of a group whose
+        """:func:`evaluate_untrained` with one job per model group; the clients of a group whose
         worker died are returned with the reason."""
         groups = initial_groups(self.fed, ids)
         results, failed = self._run("initial", rnd, [(g, broadcast) for g in groups])
@@ -365,4 +454,5 @@ class WorkerClients:
         return [(groups[i], results[i]) for i in sorted(results)], lost
 
 
-__all__ = ["WorkerClients", "runner", "resolve_workers", "cpu_cores", "fork_available"]
+__all__ = ["WorkerClients", "PooledLoader", "runner", "summarize_untrained", "evaluate_untrained", "evaluate_group", "initial_groups", "resolve_workers",
+           "cpu_cores", "fork_available", "POOLED_BATCH"]
