@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from rafl.config import load_run_config
+from rafl.federation.run_config import load_run_config
 from rafl.federation import pipeline
 from rafl.io import atomic_write_json, atomic_write_text
 

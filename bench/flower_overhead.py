@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import flower, pipeline
 
     base_overrides = [*(TINY if args.case == "tiny" else []), f"engine.rounds={args.rounds}"]

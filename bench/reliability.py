@@ -63,7 +63,7 @@ def tiny_supernet(folder: Path) -> Path:
 
 def honest_round(method: str, supernet: Path):
     """``(fed, server_state, server ctx, [(cid, upload)], policy)`` of round 1."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
     from rafl.federation.aggregation import AggregationRule
     from rafl.federation.runners import client_context, seed_of

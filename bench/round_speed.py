@@ -59,7 +59,7 @@ def overrides(args, clients: int, limit: int | None, workers: int, rounds: int, 
 def run_rafl(args) -> dict:
     import torch
 
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def run_bare(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.data import make_loader
     from rafl.federation import pipeline
     from rafl.federation.training import no_singleton_batches
@@ -156,7 +156,7 @@ def run_big(args) -> dict:
     with the untrained clients one by one (``--shared 0``) or together (``--shared 1``)."""
     import torch
 
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     torch.set_num_threads(1)

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rafl.config import load_run_config
+from rafl.federation.run_config import load_run_config
 from rafl.federation.pipeline import client_loaders, prepare, run
 from rafl.federation.training import evaluate_accuracy
 from rafl.io import atomic_write_json, atomic_write_text

@@ -3,8 +3,9 @@
 A run config is YAML (``--config run.yaml``) merged over these defaults, then ``--set key=value``
 dotted overrides (values parsed as YAML: ``--set engine.rounds=5``, ``--set
 clients.profiles=[pi4,phone]``). Validation is pydantic v2 with ``extra="forbid"`` everywhere
-except ``algorithm`` (whose keys are checked against the chosen algorithm's hyperparameters), so
-a misspelt key is an error, never silently ignored. The resolved config (all defaults filled in)
+except ``algorithm`` (whose keys the algorithm registry checks against the chosen method's
+hyperparameter model: :func:`rafl.federation.run_config.load_run_config`), so a misspelt key is an
+error, never silently ignored. This module is pure pydantic: it knows no algorithm. The resolved config (all defaults filled in)
 is saved in the run dir as ``config.yaml`` and reproduces the run.
 
 Example (every key optional)::
@@ -24,43 +25,24 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rafl.errors import DuplicateKeyError, UserInputError, shown, yaml_error_detail
+from rafl.data.partition import validate_split
+from rafl.errors import DuplicateKeyError, UserInputError, shown, warn, yaml_error_detail
 from rafl.io import load_yaml, read_text_file
+from rafl.schema import NoBoolNumbers
+from rafl.search.profile import names_a_file, profiles_dir
+from rafl.supernet.pretrained import is_pretrained_name
 
 #: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
 #: as ``seed * 100003 + round`` from it, which must stay below torch's 2**63)
 SEED_MAX = 2**32 - 1
-
-
-def _accepts_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
-        return True
-    return any(_accepts_bool(a) for a in get_args(annotation))
-
-
-class NoBoolNumbers(BaseModel):
-    """A pydantic model whose number fields refuse booleans and NaN/Inf (run configs, device profiles)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """pydantic's lax mode reads ``True`` as 1 for int/float fields, and YAML turns ``yes``/``on``
-        into ``True``: ``clients.n=yes`` would silently run one client. Booleans only where allowed."""
-        items = value if isinstance(value, list | tuple) else [value]
-        if any(isinstance(v, bool) for v in items) and info.field_name is not None:
-            field = cls.model_fields.get(info.field_name)
-            if field is not None and not _accepts_bool(field.annotation):
-                raise ValueError("a boolean is not allowed here" + (" (in the list)" if items is value else ""))
-        return value
 
 
 class _Strict(NoBoolNumbers):
@@ -92,10 +74,8 @@ class PartitionConfig(_Strict):
     @field_validator("split")
     @classmethod
     def _split(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
-        from rafl.data.partition import _validate_split  # the partitioner's own rule, named here
-
         try:
-            return _validate_split(v)
+            return validate_split(v)  # the partitioner's own rule
         except UserInputError:
             raise ValueError("not a valid split") from None
 
@@ -173,7 +153,7 @@ class AlgorithmConfig(BaseModel):
 
 
 class EngineSection(_Strict):
-    """Rounds, participation and faults (:class:`rafl.federation.engine.EngineConfig`)."""
+    """Rounds, participation and faults (run by :class:`rafl.federation.engine.Engine` as :class:`EngineConfig`)."""
 
     rounds: int = Field(10, ge=1, description="an integer >= 1")
     clients_per_round: float | int = Field(1.0, gt=0, description="a fraction in (0, 1] or a count >= 1")
@@ -216,6 +196,18 @@ class EngineSection(_Strict):
                 raise ValueError("neither a fraction nor a whole count")
             return int(v)
         return v
+
+
+class EngineConfig(EngineSection):
+    """What :class:`rafl.federation.engine.Engine` runs on: the run config's ``engine`` section
+    (same fields, defaults and checks) and the run seed."""
+
+    seed: int = Field(0, ge=0, le=SEED_MAX, description=f"an integer in 0..{SEED_MAX} (the run seed)")
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> EngineConfig:
+        """``cfg``'s engine section and seed (both validated with ``cfg``: not checked again)."""
+        return cls.model_construct(**dict(cfg.engine), seed=cfg.seed)
 
 
 class TrainSection(_Strict):
@@ -408,32 +400,31 @@ def section_keys_that_apply(method_key: str, section: dict[str, Any], set_keys: 
             if not (f"algorithm.{k}" in given and f"algorithm.{method_key}.{k}" not in given)}
 
 
-def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: str | None) -> dict[str, str]:
+def merge_method_sections(data: dict[str, Any], set_keys: list[str], source: str | None,
+                          methods: Mapping[str, str]) -> dict[str, str]:
     """``rafl compare``'s per-method sections in a run config (``algorithm: {lr: 0.05, fedtgp:
     {tau: 5}}``), so one file serves ``rafl compare`` and ``rafl federate``: the selected method's
     section applies over the shared keys (as in compare), except over a shared key given with
     ``--set`` (the command line wins over the file); other methods' sections are ignored, but
-    a ``--set`` into one is a slip. Edits ``data`` in place; returns ``{"algorithm.tau":
+    a ``--set`` into one is a slip. ``methods`` maps every registered method name (lower case) to
+    the name it is registered under. Edits ``data`` in place; returns ``{"algorithm.tau":
     "algorithm.fedtgp.tau"}`` for the keys it moved, so errors name them as written.
 
     Raises:
         UserInputError: the selected method's section is not a mapping, or ``--set`` writes into
             the section of a method that ``algorithm.name`` does not select.
     """
-    from rafl.federation.algorithms import ALGORITHMS, get_algorithm
-
     algo = data.get("algorithm")
     if not isinstance(algo, dict):
         return {}
-    sections = [k for k in algo if isinstance(k, str) and k != "name" and k.lower() in ALGORITHMS]
-    try:
-        selected = get_algorithm(str(algo.get("name", AlgorithmConfig.model_fields["name"].default))).name
-    except UserInputError:
+    sections = [k for k in algo if isinstance(k, str) and k != "name" and k.lower() in methods]
+    selected = methods.get(str(algo.get("name", AlgorithmConfig.model_fields["name"].default)).strip().lower())
+    if selected is None:
         return {}  # the unknown name gets its own error
     moved: dict[str, str] = {}
     for k in sections:
         section = algo.pop(k)
-        if get_algorithm(k).name != selected:
+        if methods[k.strip().lower()] != selected:
             slip = next((s for s in set_keys if s == f"algorithm.{k}" or s.startswith(f"algorithm.{k}.")), None)
             if slip is not None:
                 raise UserInputError(f"sets a hyperparameter of {k}, which algorithm.name does not select "
@@ -448,22 +439,6 @@ def _merge_method_sections(data: dict[str, Any], set_keys: list[str], source: st
             algo[key] = value
             moved[f"algorithm.{key}"] = f"algorithm.{k}.{key}"
     return moved
-
-
-def without_unused_pool(cfg: RunConfig, methods: Iterable[tuple[Any, dict[str, Any]]],
-                        models: str | None = None) -> RunConfig:
-    """``cfg`` with ``partition.public_fraction`` 0 when nothing would use the server's public pool:
-    a model group (``models``, default ``cfg.clients.models``: no supernet to train, search or
-    BN-recalibrate on it), no method that distils on it (``methods``: ``(class,
-    hyperparameters)``), and no ``public_fraction`` given. The 30% the default carves would
-    otherwise be taken from the clients for nothing."""
-    from rafl.federation.algorithms._common import needs_public_pool
-
-    models = cfg.clients.models if models is None else models
-    if (models.strip().lower() == "nas" or "public_fraction" in cfg.partition.model_fields_set
-            or any(needs_public_pool(cls, hp) for cls, hp in methods)):
-        return cfg
-    return cfg.model_copy(update={"partition": cfg.partition.model_copy(update={"public_fraction": 0.0})})
 
 
 #: the run-config fields that hold a path (``partition.scheme`` as ``file:PATH``; ``clients.profiles``
@@ -483,8 +458,6 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if dotted == "clients.profiles":  # profile files among shipped names (as load_profile tells them)
-            from rafl.search.profile import names_a_file, profiles_dir
-
             base = Path.cwd() if dotted in given else file_base
 
             def entry(v: str) -> str:
@@ -502,8 +475,6 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
         if not isinstance(value, str) or not value:
             continue
         if dotted == "supernet.path":
-            from rafl.supernet.pretrained import is_pretrained_name
-
             if is_pretrained_name(value):  # a shipped supernet's name, not a path
                 continue
         prefix = "file:" if dotted == "partition.scheme" else ""
@@ -518,17 +489,47 @@ def absolute_paths(cfg: RunConfig, file_base: Path, set_keys: Iterable[str] = ()
     return cfg.model_copy(update=update) if update else cfg
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                    base: str | Path | None = None) -> RunConfig:
-    """Defaults <- YAML file ``path`` <- ``--set`` overrides, validated; the algorithm name and
-    its hyperparameters are checked against the registry. Relative paths are made absolute
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a run config's values came from, so an error names what the user wrote.
+
+    Attributes:
+        path: the YAML file, or None (defaults and ``--set`` only).
+        set_keys: the dotted keys given with ``--set``, in order.
+        moved: ``{"algorithm.tau": "algorithm.fedtgp.tau"}``: the keys taken from the selected
+            method's own section (:func:`merge_method_sections`).
+    """
+
+    path: str | None = None
+    set_keys: tuple[str, ...] = ()
+    moved: Mapping[str, str] = field(default_factory=dict)
+
+    def error(self, err: UserInputError) -> UserInputError:
+        """``err`` (from a check of the loaded config) naming its field as written -- a key from
+        the method's own section as ``algorithm.<method>.<key>`` -- and ``--set`` or the file as
+        its source."""
+        name = err.field or "algorithm"
+        name = self.moved.get(name, name)
+        return UserInputError(err.message, source=blame(name, self.set_keys, self.path), field=name)
+
+
+def read_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                    base: str | Path | None = None, methods: Mapping[str, str] | None = None
+                    ) -> tuple[RunConfig, ConfigSource]:
+    """Defaults <- YAML file ``path`` <- ``--set`` overrides, validated by :class:`RunConfig`; the
+    ``algorithm`` section holds the method's name and hyperparameters as given (checking them is
+    the registry's part: :func:`rafl.federation.run_config.load_run_config`). ``methods``: the
+    registered method names (lower case -> registered name) whose sections
+    :func:`merge_method_sections` merges. Relative paths are made absolute
     (:func:`absolute_paths`): from the file against ``base`` (default: the file's folder), from
     ``--set`` against the current folder.
 
+    Returns:
+        ``(config, source)``: ``source`` says where each value came from (:class:`ConfigSource`).
+
     Raises:
-        UserInputError: unreadable/malformed YAML, an unknown key (anywhere, including algorithm
-            hyperparameters), a value out of range, or an unknown algorithm -- naming the file and
-            the dotted field and listing the allowed values.
+        UserInputError: unreadable/malformed YAML, an unknown key outside ``algorithm``, a value
+            out of range -- naming the file and the dotted field and listing the allowed values.
     """
     data = read_config_file(path)
     reject_compare_record(data, path)
@@ -537,28 +538,14 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     for key, value in parsed:
         _set_dotted(data, key, value, "--set")
     set_keys = [key for key, _ in parsed]
-    moved = _merge_method_sections(data, set_keys, source)
+    moved = merge_method_sections(data, set_keys, source, methods or {})
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         e = _error(err, source)
         raise UserInputError(e.message, source=blame(e.field, set_keys, source), field=e.field) from None
-    from rafl.federation.algorithms import get_algorithm
-
-    try:
-        cls = get_algorithm(cfg.algorithm.name)
-        hp = cls.check_hparams(cfg.algorithm.hparams())
-    except UserInputError as err:
-        field = err.field or "algorithm"
-        field = moved.get(field, field)  # a key from the method's own section: named as written
-        raise UserInputError(err.message, source=blame(field, set_keys, source), field=field) from None
-    from rafl.federation.algorithms._common import with_group_lr
-
-    hp = with_group_lr(hp, cfg.algorithm.hparams(), cfg.clients.models)  # a model group's own default lr
-    cfg.algorithm = AlgorithmConfig(name=cls.name, **hp)
-    cfg = without_unused_pool(cfg, [(cls, hp)])
     file_base = Path(base) if base is not None else (Path(path).parent if path is not None else Path.cwd())
-    return absolute_paths(cfg, file_base, set_keys)
+    return absolute_paths(cfg, file_base, set_keys), ConfigSource(source, tuple(set_keys), moved)
 
 
 #: ``rafl.data.make_partition``'s field / ``rafl data`` option names -> the run config's keys
@@ -583,8 +570,6 @@ def warn_about_test_data(cfg: RunConfig, partition: Any) -> None:
     """Warn (stderr, once per message) when clients of ``partition`` hold no test data, so the
     accuracy is over fewer clients than the user thinks, or not measured at all: a split without a
     test share, or clients so small that their share of the test split rounds down to 0."""
-    from rafl.errors import warn
-
     share = cfg.partition.split[2]
     if share == 0:
         warn(f"partition.split is {list(cfg.partition.split)}: the test share is 0, so no client accuracy is "
@@ -602,8 +587,9 @@ def warn_about_test_data(cfg: RunConfig, partition: Any) -> None:
              f"accuracy is the mean over the other {len(sizes) - empty}")
 
 
-__all__ = ["warn_about_test_data", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig", "SupernetConfig", "SearchSection",
-           "AlgorithmConfig", "EngineSection", "TrainSection", "load_run_config", "parse_overrides"]
+__all__ = ["warn_about_test_data", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig",
+           "SupernetConfig", "SearchSection", "AlgorithmConfig", "ConfigSource", "EngineConfig", "EngineSection",
+           "TrainSection", "merge_method_sections", "read_run_config", "parse_overrides"]
 
 
 def config_keys() -> dict[str, str]:

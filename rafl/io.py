@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from rafl.errors import DuplicateKeyError, UserInputError
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -33,8 +35,6 @@ def check_output_dir(path: str | Path, field: str = "--out") -> None:
         UserInputError: ``path`` or an ancestor is a file, or the ancestor is not writable
             (read-only or virtual file system, permissions), naming ``field``.
     """
-    from rafl.errors import UserInputError
-
     p = Path(path).absolute()
     anc = p
     while not anc.exists() and anc != anc.parent:
@@ -70,8 +70,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: the base constructor reports it
                     continue
                 if repeated:
-                    from rafl.errors import DuplicateKeyError
-
                     raise DuplicateKeyError(key, line, seen[key], source=self.rafl_source)
                 seen[key] = line
         return super().construct_mapping(node, deep=deep)
@@ -94,8 +92,6 @@ MAX_INT_DIGITS = 64
 
 
 def _limit_error(message: str, source: str | Path | None, field: str | None = None):
-    from rafl.errors import UserInputError
-
     return UserInputError(message, source=source, field=field)
 
 
@@ -309,8 +305,6 @@ def claim_file(path: str | Path, field: str = "--out") -> None:
     Raises:
         UserInputError: ``path`` exists (another run is writing into that folder), naming ``field``.
     """
-    from rafl.errors import UserInputError
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -331,8 +325,6 @@ def lock_dir(path: str | Path, field: str = "--out") -> int:
     Raises:
         UserInputError: another live process holds the lock, naming ``field``."""
     import fcntl
-
-    from rafl.errors import UserInputError
 
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from conftest import REPO
 from rafl.cli import cli
-from rafl.config import load_run_config
+from rafl.federation.run_config import load_run_config
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rafl.config import load_run_config, parse_overrides
+from rafl.config import parse_overrides
+from rafl.federation.run_config import load_run_config
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
@@ -377,7 +378,7 @@ def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path
     """NAS subnets fine-tune at LOCAL_DEFAULTS' lr; a model group (trained from scratch, cnn3-small
     without BatchNorm) at GROUP_LR, which it did not diverge at; an lr the user gives always wins
     (rafl federate and rafl compare alike)."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation.algorithms._common import GROUP_LR, LOCAL_DEFAULTS
     from rafl.federation.compare import load_compare_config
 
@@ -399,7 +400,7 @@ def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path
 def test_a_model_group_carves_no_public_pool_that_nothing_uses():
     """The default public_fraction (0.3) feeds the supernet's training, search and BN recalibration:
     a model group with methods that do not distil on the pool keeps all data for its clients."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation.compare import load_compare_config
 
     group = ["clients.models=htfe-tiny"]

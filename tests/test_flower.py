@@ -74,7 +74,7 @@ def deployed(supernet_dir, tmp_path_factory):
     states on their own disk."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     out = tmp_path_factory.mktemp("deployed")
@@ -246,7 +246,7 @@ def test_flower_run_config_rounds_accepts_whole_numbers_and_out_must_be_a_folder
 
 
 def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, deployed):
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
 
     with pytest.raises(UserInputError, match="run_config.rounds: is 1 but the run has completed 2 rounds; allowed: an "
                                              "integer >= 2"):
@@ -371,7 +371,7 @@ ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", 
 def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, supernet_dir, task_identity, method):
     """Each registered method, its broadcasts, uploads and client states carried by Flower
     messages to ClientApps on two nodes (three clients), ends with the in-process numbers."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
     from rafl.federation.algorithms.base import ALGORITHMS
 
@@ -424,7 +424,7 @@ def _tiny_sets(supernet_dir, method="fedgh", rounds=3):
 def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, supernet_dir, task_identity):
     """Ctrl-C while round 2 is being evaluated: the nodes keep the round-1 states the checkpoint
     names (evaluation deletes nothing), and the resumed run ends with the uninterrupted numbers."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
@@ -440,7 +440,7 @@ def test_a_run_stopped_before_its_first_complete_round_leaves_no_client_states_o
         tmp_path, supernet_dir, task_identity):
     """Ctrl-C while round 1 is evaluated: the nodes had written round-1 states, but without a
     checkpoint no resume can use them, so the server tells the nodes to delete the run's folder."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
@@ -458,7 +458,7 @@ def test_a_run_stopped_before_its_first_complete_round_leaves_no_client_states_o
 def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_dir, task_identity):
     """Node 2 (client 1) stops replying in round 2: client 1 counts as failed in training and is
     left out of the evaluation (named with the reason); the run still ends after 3 rounds."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
@@ -475,7 +475,7 @@ def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet
     in-process (naming the client, its model and the node), no round committed. In-process with
     one worker: the clients one after another in job order, as a node runs its batch (every client
     diverges; with parallel workers the first to fail is named)."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     prep = pipeline.prepare(load_run_config(None, [*_tiny_sets(supernet_dir), "algorithm.lr=1e12",
@@ -514,7 +514,7 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     (a deployed SuperNode starts a process per message), each carrying the node's clients in job
     order, and the run computes the in-process numbers. A client step failing on its node with an
     unexpected error (not a UserInputError) loses that client for the round, not its node-mates."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline, runners
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
@@ -558,7 +558,7 @@ def test_a_node_whose_uploads_would_pass_the_reply_bound_gets_several_train_mess
     """With the reply bound below two clients' upload limits, each train message carries one
     client (node 1: three messages, node 2: two), evaluation stays one message per node, and the
     run computes the in-process numbers."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
@@ -600,7 +600,7 @@ def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_
     step, not by the machine's load) against a 1 s round timeout: after two steps (0.8 s, mean
     0.4 s) a third would end past 0.9 s, so client 4 is not started and is lost alone, named with
     the reason; clients 0 and 2 count (a node used to lose its whole batch to the timeout)."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline, runners
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=1)]
@@ -646,7 +646,7 @@ def test_a_restarted_supernode_takes_its_clients_back(tmp_path, supernet_dir, ta
     """Node 2 leaves after round 1 and rejoins as node 3 with the same partition-id: from round 2
     on its clients are sent to node 3 (they used to stay lost for the rest of the run), and with
     the client states kept on its disk the run computes the in-process numbers."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
@@ -656,7 +656,7 @@ def test_a_restarted_supernode_takes_its_clients_back(tmp_path, supernet_dir, ta
 
 
 def test_every_client_lost_stops_the_run(tmp_path, supernet_dir, task_identity):
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
@@ -778,7 +778,7 @@ def test_a_forged_discard_or_run_key_cannot_make_a_node_delete_or_write_a_foreig
 def test_a_run_the_nodes_refuse_stops_with_the_nodes_reason(tmp_path, supernet_dir, task_identity, monkeypatch):
     """rafl's own ServerApp, with a run config naming a supernet outside the nodes' data-roots: the
     run stops at round 1 with one line naming the node, the field and the node-config key."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
@@ -1001,7 +1001,7 @@ def test_hostile_uploads_on_flower_are_rejected_counted_and_the_rounds_complete(
     """On Flower as in-process: an oversized blob is refused before it is parsed, a NaN upload is
     rejected, a 10**12-sample claim weighs the registered count; each rejection names the client
     and its node, and every round completes with the others."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     sets = [f"supernet.path={supernet_dir}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=2",

@@ -57,7 +57,7 @@ def test_an_option_that_is_a_config_key_suggests_set(args, expected):
 
 
 def test_show_config_prints_the_resolved_config_as_a_loadable_file(tmp_path):
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
 
     res = CliRunner().invoke(cli, ["federate", "--show-config", "--set", "engine.rounds=3",
                                    "--set", "algorithm.name=fedtgp", "--set", "clients.models=htfe-tiny"])
@@ -140,7 +140,7 @@ def test_a_truncated_subnet_file_says_truncated_and_how_to_redo_it(tmp_path, tin
 
 
 def test_a_shipped_profile_file_name_works_from_any_folder(tmp_path, monkeypatch):
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.search.profile import load_profile
 
     monkeypatch.chdir(tmp_path)

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from rafl.cli import cli
-from rafl.config import load_run_config
+from rafl.federation.run_config import load_run_config
 from rafl.data import load_dataset
 from rafl.errors import UserInputError
 from rafl.supernet import load_supernet

@@ -397,7 +397,7 @@ def test_a_relative_partition_file_is_recorded_absolute_and_a_changed_one_stops_
     (b / "run.yaml").write_text("partition: {scheme: 'file:split.json'}\nsupernet: {path: ../sn}\n"
                                 "clients: {profiles: [pi4, profiles/board.yaml]}\n")
     monkeypatch.chdir(tmp_path)
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
 
     cfg = load_run_config(b / "run.yaml", ["data.root=data"])
     assert cfg.partition.scheme == f"file:{b / 'split.json'}" and cfg.supernet.path == str(tmp_path / "sn")

@@ -299,7 +299,7 @@ def test_a_resolution_whose_largest_subnet_cannot_train_in_memory_is_refused_bef
     """``--resolutions 1024`` filled this machine's 23 GiB within 25 s: the cost model's training
     memory of the largest subnet (a lower bound) over the device's memory is one error naming
     ``resolutions``, the memory and what fits; nothing is written. A run that fits is untouched."""
-    import rafl.supernet.train as train_mod
+    import rafl.search.cost as train_mod
 
     monkeypatch.setattr(train_mod, "device_memory_bytes", lambda device: 4 * 2**30)  # a 4 GiB device
     out = tmp_path / "run"

@@ -157,7 +157,8 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
     searched subnet per profile, RaFL. Prints a per-client table and the run dir, which holds
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
-    from rafl.config import RunConfig, load_run_config, parse_overrides
+    from rafl.config import RunConfig, parse_overrides
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
     from rafl.federation.checks import check_checkpoint_readable, check_resumable_here
     from rafl.io import check_output_dir, lock_dir

@@ -20,7 +20,7 @@ def flower_app(folder: Path, config: Path | None, runs: Path) -> None:
     metrics) on the SuperLink's machine and its ClientApp runs each client's step on the SuperNode
     that hosts it (node config partition-id=I num-partitions=P hosts clients I, I+P, ...).
     """
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation.flower import write_app
 
     # the run config is read on the SuperLink only when `flwr run` starts it, and `flwr run`

@@ -84,6 +84,7 @@ def _train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, 
     import yaml
 
     from rafl.io import load_yaml
+    from rafl.search.cost import check_training_memory
     from rafl.supernet.train import CONFIG_NAME, TrainConfig, holds_supernet_run, train_supernet
 
     # paths are recorded absolute (config.json), so --resume works from any folder: --data-root
@@ -158,7 +159,8 @@ def _train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, 
     fresh = resume is None and (not out.exists() or not any(out.iterdir()))
     existed = out.exists()
     try:
-        _, metrics = train_supernet(config, out, resume=resume is not None, progress=not no_progress)
+        _, metrics = train_supernet(config, out, resume=resume is not None, progress=not no_progress,
+                                    check_memory=check_training_memory)
     except UserInputError as err:
         if fresh and rank == 0 and (err.field or "").startswith("lr_"):  # diverged: its checkpoints cannot be resumed
             import shutil                                     # with another lr, so leave nothing behind

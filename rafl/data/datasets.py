@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rafl.data import sources
+from rafl.data.sources import first_per_class
 from rafl.errors import UserInputError, allowed
 
 DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "femnist")
@@ -46,8 +48,6 @@ CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-FEMNIST_CLASSES = [str(d) for d in range(10)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [
-    chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
 class Images:
@@ -180,18 +180,6 @@ def _channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...
     return mean, std
 
 
-def _limit(labels: np.ndarray, origin: np.ndarray, limit_per_class: int | None) -> np.ndarray:
-    """Indices keeping the first ``limit_per_class`` samples of every (origin, class)."""
-    if limit_per_class is None:
-        return np.arange(len(labels))
-    keep = np.zeros(len(labels), dtype=bool)
-    for o in np.unique(origin):
-        for c in np.unique(labels):
-            idx = np.flatnonzero((origin == o) & (labels == c))[:limit_per_class]
-            keep[idx] = True
-    return np.flatnonzero(keep)
-
-
 def from_uint8(name: str, images_nhwc: np.ndarray, labels: np.ndarray, origin: np.ndarray, classes: list[str],
                resolution: int, mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
                writers: np.ndarray | None = None) -> Dataset:
@@ -254,7 +242,7 @@ def load_digits(resolution: int = 32, limit_per_class: int | None = None) -> Dat
     bunch = _sk_digits()
     labels = bunch.target.astype(np.int64)
     origin = np.full(len(labels), "train")
-    keep = _limit(labels, origin, limit_per_class)
+    keep = first_per_class(labels, origin, limit_per_class)
     x = torch.from_numpy(bunch.images[keep].astype(np.float32) / 16.0).unsqueeze(1)  # (N, 1, 8, 8) in [0, 1]
     x = _resize(x, resolution)
     mean, std = _channel_stats(x)
@@ -294,8 +282,6 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
     resolution = int(resolution)
     if name == "digits":
         return load_digits(resolution, limit_per_class)
-    from rafl.data import sources
-
     if root is None:
         root = sources.default_data_root()
         if not root.exists():

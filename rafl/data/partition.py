@@ -323,7 +323,7 @@ def carve_public_pool(labels: np.ndarray, fraction: float, seed: int = 0,
 # per-client train/val/test split
 
 
-def _validate_split(split: Sequence[float]) -> tuple[float, float, float]:
+def validate_split(split: Sequence[float]) -> tuple[float, float, float]:
     try:
         vals = tuple(float(s) for s in split)
     except (TypeError, ValueError):
@@ -374,7 +374,7 @@ def split_client(indices: np.ndarray, labels: np.ndarray, split: Sequence[float]
     Raises:
         UserInputError: malformed ``split``.
     """
-    fr_train, fr_val, fr_test = _validate_split(split)
+    fr_train, fr_val, fr_test = validate_split(split)
     rng = rng if rng is not None else np.random.default_rng(0)
     indices = np.sort(np.asarray(indices, dtype=np.int64))
     n = len(indices)
@@ -559,7 +559,7 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
     seed = _check_int(seed, "seed", 0)
     min_samples = _check_int(min_samples, "min_samples", 1)
     public_seed = _check_int(public_seed, "public_seed", 0)
-    split = _validate_split(split)
+    split = validate_split(split)
     if n_clients is not None or scheme != "natural":
         n_clients = _check_int(n_clients, "n_clients", 1)
     n_classes = int(labels.max()) + 1 if n_total else 0

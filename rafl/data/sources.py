@@ -41,7 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError
-from rafl.io import read_json_file
+from rafl.io import atomic_write_bytes, read_json_file
 
 CACHE_VERSION = 1
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")
@@ -63,6 +63,24 @@ EXPECTED = {
     "femnist": ("LEAF json shards (users, num_samples, user_data) in train/ and test/ (or data/train, "
                 "data/test), or *.json directly in the folder or in all_data/"),
 }
+
+
+#: FEMNIST's 62 classes: digits, upper-case, lower-case letters (LEAF's label order)
+FEMNIST_CLASSES = [str(d) for d in range(10)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [
+    chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+
+def first_per_class(labels: np.ndarray, origin: np.ndarray, limit_per_class: int | None) -> np.ndarray:
+    """Indices (ascending, int64) keeping the first ``limit_per_class`` samples of every (origin, class)
+    of ``labels`` (N,) and ``origin`` (N,); all ``N`` when ``limit_per_class`` is None."""
+    if limit_per_class is None:
+        return np.arange(len(labels))
+    keep = np.zeros(len(labels), dtype=bool)
+    for o in np.unique(origin):
+        for c in np.unique(labels):
+            idx = np.flatnonzero((origin == o) & (labels == c))[:limit_per_class]
+            keep[idx] = True
+    return np.flatnonzero(keep)
 
 
 @dataclass
@@ -284,8 +302,6 @@ def _read_cache(path: Path, source: Path) -> RawImages:
 
 
 def _write_cache(path: Path, raw: RawImages) -> None:
-    from rafl.io import atomic_write_bytes
-
     buf = io.BytesIO()
     arrays = {"images": raw.images, "labels": raw.labels, "origin": raw.origin.astype("<U5"),
               "classes": np.array(raw.classes, dtype=str)}
@@ -309,7 +325,6 @@ def load_cifar(name: str, root: str | Path, limit_per_class: int | None = None, 
         UserInputError: missing root or files (names the files expected), unreadable archive,
             pickle or image, a corrupted cache file.
     """
-    from rafl.data.datasets import _limit
 
     root = Path(root).expanduser()
     kind, src, stats = _locate_cifar(name, root)
@@ -328,7 +343,7 @@ def load_cifar(name: str, root: str | Path, limit_per_class: int | None = None, 
     else:
         raw = _decode_images(_select_first(_folder_items(src), limit_per_class), str(src), progress)
     if kind == "pickles" and limit_per_class is not None:
-        keep = _limit(raw.labels, raw.origin, limit_per_class)
+        keep = first_per_class(raw.labels, raw.origin, limit_per_class)
         raw = RawImages(raw.images[keep], raw.labels[keep], raw.origin[keep], raw.classes)
     expected_classes = 10 if name == "cifar10" else 100
     if len(raw.classes) != expected_classes:
@@ -371,7 +386,6 @@ def load_femnist(root: str | Path, limit_per_class: int | None = None, progress:
         UserInputError: missing root, no shards, a shard that is not LEAF json (names file and key),
             a corrupted cache file.
     """
-    from rafl.data.datasets import FEMNIST_CLASSES, _limit
 
     root = Path(root).expanduser()
     if not root.is_dir():
@@ -418,7 +432,7 @@ def load_femnist(root: str | Path, limit_per_class: int | None = None, progress:
     images, labels, origin_arr = np.concatenate(xs), np.concatenate(ys), np.concatenate(origin)
     writers = np.concatenate(ws).astype(str)
     order = np.argsort(origin_arr != "train", kind="stable")  # train samples first
-    keep = order[_limit(labels[order], origin_arr[order], limit_per_class)]
+    keep = order[first_per_class(labels[order], origin_arr[order], limit_per_class)]
     raw = RawImages(images[keep], labels[keep], origin_arr[keep], list(FEMNIST_CLASSES), writers[keep])
     _write_cache(cache, raw)
     return raw

@@ -15,7 +15,10 @@ from typing import Any
 import numpy as np
 
 from rafl.config import RunConfig
+from rafl.data import carve_public_pool
 from rafl.errors import UserInputError
+from rafl.federation.algorithms._common import needs_public_pool
+from rafl.io import safetensors_damage
 
 
 # ---------------------------------------------------------------------- leakage
@@ -43,8 +46,6 @@ def check_disjoint(partition) -> None:
 def check_public_pool(algorithm, hparams: dict[str, Any], partition) -> None:
     """Raise UserInputError when ``algorithm`` (or its ``distill`` option) needs the server's
     public pool and ``partition`` carved none."""
-    from rafl.federation.algorithms._common import needs_public_pool
-
     if needs_public_pool(algorithm, hparams) and len(partition.public) == 0:
         raise UserInputError(f"{algorithm.name} needs the server's public pool; set partition.public_fraction > 0",
                              field="partition.public_fraction")
@@ -84,8 +85,6 @@ def check_clients_avoid_pool(partition, labels: np.ndarray, pool: tuple[float, i
         UserInputError: naming the file, how many client samples overlap and how to make a split
             that avoids the pool.
     """
-    from rafl.data import carve_public_pool
-
     trained = carve_public_pool(labels, pool[0], pool[1], origin)
     held = np.concatenate([np.asarray(getattr(c, s), dtype=np.int64) for c in partition.clients
                            for s in ("train", "val", "test")] or [np.zeros(0, np.int64)])
@@ -129,8 +128,6 @@ def check_checkpoint_readable(run_dir: str | Path, field: str = "--resume") -> N
             round's checkpoint and deletes the client states of earlier rounds once it is
             written, so no earlier round can be resumed instead.
     """
-    from rafl.io import safetensors_damage
-
     run_dir = Path(run_dir)
     path = run_dir / "checkpoint.safetensors"
     try:

@@ -157,7 +157,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
     cfg = _validate(tmp, rest, source, Path(path).parent if path is not None else Path.cwd())
     if models is None:
         models = cfg.clients.models if "models" in cfg.clients.model_fields_set else DEFAULT_MODELS
-    from rafl.config import without_unused_pool
+    from rafl.federation.run_config import without_unused_pool
     from rafl.federation.algorithms._common import with_group_lr
 
     hps = {name: with_group_lr(hp, given[name], models) for name, hp in hps.items()}
@@ -165,12 +165,12 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
 
 
 def _validate(text: str, overrides: list[str], source: str, base: Path) -> RunConfig:
-    """Validate a config text through :func:`rafl.config.load_run_config` (its errors name
+    """Validate a config text through :func:`rafl.federation.run_config.load_run_config` (its errors name
     ``source``; relative paths in it are taken against ``base``, those of ``--set`` against the
     current folder)."""
     import tempfile
 
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
 
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "run.yaml"

@@ -56,7 +56,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,6 +64,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rafl.config import EngineConfig
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.aggregation import AggregationRule
 from rafl.federation.algorithms.base import ServerContext
@@ -81,50 +82,6 @@ CHECKPOINT = "checkpoint.safetensors"
 #: then overflow), which the loss check cannot see.
 DIVERGED_UPLOAD = (" (the client's local training diverged); allowed: a smaller algorithm.lr, or a model whose "
                    "features stay finite")
-
-
-@dataclass
-class EngineConfig:
-    """How rounds run (the run config's ``engine`` section).
-
-    Attributes:
-        rounds: number of communication rounds (>= 1).
-        clients_per_round: float in (0, 1] = fraction of the available clients, int >= 1 = count.
-        sporadic_rate: share of the available clients replaced each round, in [0, 1).
-        available: clients available at once (fraction of the population in (0, 1] or a count);
-            with ``sporadic_rate > 0`` the rest of the population is the pool of newcomers.
-        dropout: probability that a sampled client fails in a round, in [0, 1).
-        eval_every: evaluate every k rounds (the last round always).
-        eval_clients: "all" (every client, default) or "sampled" (those materialized so far).
-            With "all", clients that have not trained yet share one evaluation per architecture
-            (:func:`summarize_untrained`) unless the method opts out.
-        target_accuracy: accuracy in [0, 1] for ``co_mb_to_target``, or None.
-        seed: the run seed.
-        workers: processes running the client steps (:mod:`rafl.federation.workers`; default 1 =
-            in-process), or None:
-            the CPU cores, capped by the clients sampled per round (1 on CUDA).
-        aggregation, trim_fraction, clip_norm: the weight-averaging methods' rule
-            (:class:`rafl.federation.aggregation.AggregationRule`).
-        max_upload_mb, max_abs_value, min_valid_uploads: what the server accepts
-            (:class:`rafl.federation.screening.UploadPolicy`).
-    """
-
-    rounds: int = 10
-    clients_per_round: float | int = 1.0
-    sporadic_rate: float = 0.0
-    available: float | int = 1.0
-    dropout: float = 0.0
-    eval_every: int = 1
-    eval_clients: str = "all"
-    target_accuracy: float | None = None
-    seed: int = 0
-    workers: int | None = 1
-    aggregation: str = "mean"
-    trim_fraction: float = 0.1
-    clip_norm: float | None = None
-    max_upload_mb: float | None = None
-    max_abs_value: float = 1e6
-    min_valid_uploads: int = 1
 
 
 def _count(spec: float | int, n: int, name: str, of: str) -> int:
@@ -204,7 +161,7 @@ class Engine:
 
     Args:
         fed: the federation.
-        config: :class:`EngineConfig`.
+        config: :class:`rafl.config.EngineConfig` (the run config's engine section and seed).
         run_dir: an existing directory (the CLI creates it only after validation); the engine
             writes ``clients/`` and ``checkpoint.safetensors`` there.
         progress: show a tqdm bar over rounds.
@@ -233,14 +190,6 @@ class Engine:
             raise UserInputError("needs at least one client", field="clients")
         if [c.client_id for c in fed.clients] != list(range(n)):
             raise UserInputError("client ids must be 0..n-1 in order", field="clients")
-        if not 0 <= config.sporadic_rate < 1:
-            raise UserInputError(f"is {config.sporadic_rate}; allowed: [0, 1)", field="engine.sporadic_rate")
-        if not 0 <= config.dropout < 1:
-            raise UserInputError(f"is {config.dropout}; allowed: [0, 1)", field="engine.dropout")
-        if config.rounds < 1 or config.eval_every < 1:
-            raise UserInputError("rounds and eval_every must be >= 1", field="engine")
-        if config.eval_clients not in ("all", "sampled"):
-            raise UserInputError(f"is {shown(config.eval_clients)}; allowed: all, sampled", field="engine.eval_clients")
         self.n_available, self.n_sampled = participation(config, n)
         self.rule = AggregationRule(config.aggregation, config.trim_fraction, config.clip_norm)
         self.policy = UploadPolicy(config.max_upload_mb, config.max_abs_value, config.min_valid_uploads)
@@ -274,7 +223,7 @@ class Engine:
             "committed": {str(k): v for k, v in committed.items()},
             "history": json.dumps(history),
             "counters": json.dumps(counters),
-            "config": json.dumps(asdict(self.cfg)),
+            "config": json.dumps(self.cfg.model_dump(mode="json")),
             "n_clients": len(self.fed.clients),
             "algorithm": self.fed.algorithm.name,
         })

@@ -715,7 +715,7 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
     Raises:
         UserInputError: a relative path, a missing file, a run dir that exists (not resuming), a
             ``rounds`` below the completed rounds, or an invalid run config."""
-    from rafl.config import load_run_config
+    from rafl.federation.run_config import load_run_config
     from rafl.federation import pipeline
 
     from rafl.federation.checks import deployment_of

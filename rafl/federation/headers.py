@@ -1,10 +1,10 @@
 """The split of a client model into a feature extractor and a header (classifier).
 
-Every HtFL method here relies on the model interface of :class:`rafl.supernet.Subnet` and
-:mod:`rafl.models`: ``features(x) -> (B, D)`` (the representation, same width D for every client)
-and ``head: (B, D) -> (B, K)`` (FedGH's "header", LG-FedAvg's global layers). These helpers check
-that interface and move header weights in and out of models with clear errors instead of shape
-crashes mid-round.
+Every HtFL method here relies on the split-model interface of :mod:`rafl.models.split`:
+``features(x) -> (B, D)`` (the representation, same width D for every client) and ``head: (B, D)
+-> (B, K)`` (FedGH's "header", LG-FedAvg's global layers). These helpers check that interface
+(:func:`~rafl.models.split.check_split_model`) and move header weights in and out of models with
+clear errors instead of shape crashes mid-round.
 """
 
 from __future__ import annotations
@@ -15,14 +15,7 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError
-
-
-def check_split_model(model: nn.Module, who: str = "client model") -> None:
-    """Raise UserInputError unless ``model`` has a callable ``features`` and an ``nn.Module`` ``head``."""
-    if not callable(getattr(model, "features", None)) or not isinstance(getattr(model, "head", None), nn.Module):
-        raise UserInputError(f"{type(model).__name__} lacks features(x) -> (B, D) and/or a head module; "
-                             "allowed: a model with both (rafl Subnet, rafl.models, or a plug-in factory's model)",
-                             field=who)
+from rafl.models.split import check_split_model
 
 
 def head_state(model: nn.Module) -> dict[str, torch.Tensor]:

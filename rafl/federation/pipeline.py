@@ -496,18 +496,13 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
 
 
 def engine_config(cfg: RunConfig) -> EngineConfig:
-    """The :class:`EngineConfig` of a run config's ``engine`` section and seed."""
+    """The :class:`EngineConfig` of a run config's ``engine`` section and seed (the workers checked
+    against the device)."""
     from rafl.federation.workers import resolve_workers
 
     e = cfg.engine
     resolve_workers(e.workers, 1, torch.device(cfg.train.device))  # workers > 1 on CUDA: an error before writing
-    return EngineConfig(rounds=e.rounds, clients_per_round=e.clients_per_round, sporadic_rate=e.sporadic_rate,
-                        available=e.available, dropout=e.dropout, eval_every=e.eval_every,
-                        eval_clients=e.eval_clients, target_accuracy=e.target_accuracy, seed=cfg.seed,
-                        workers=e.workers,
-                        aggregation=e.aggregation, trim_fraction=e.trim_fraction, clip_norm=e.clip_norm,
-                        max_upload_mb=e.max_upload_mb, max_abs_value=e.max_abs_value,
-                        min_valid_uploads=e.min_valid_uploads)
+    return EngineConfig.of(cfg)
 
 
 # ---------------------------------------------------------------------- prepare / run

@@ -28,6 +28,10 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError
+from rafl.federation.training import evaluate_accuracy
+from rafl.models.split import features_then_head
+from rafl.models.zoo import HeteroModel
+from rafl.supernet.model import Subnet
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -293,11 +297,7 @@ def forward_is_head_of_features(model: nn.Module) -> bool:
     """Whether ``model(x)`` is by definition ``model.head(model.features(x))``: rafl's supernet
     subnets, the model-group members and plug-ins without a ``forward`` of their own. Then one
     ``features`` pass gives both the head's and the prototypes' predictions, bit for bit."""
-    from rafl.models.plugin import _features_then_head
-    from rafl.models.zoo import HeteroModel
-    from rafl.supernet.model import Subnet
-
-    known = (Subnet.forward, HeteroModel.forward, _features_then_head)
+    known = (Subnet.forward, HeteroModel.forward, features_then_head)
     bound = model.__dict__.get("forward")  # a plug-in's forward bound to the instance
     forward = getattr(bound, "__func__", None) if bound is not None else type(model).forward
     return forward in known
@@ -310,8 +310,6 @@ def evaluate_head_and_prototypes(model: nn.Module, loader: Iterable[Batch], prot
     mode: :func:`~rafl.federation.training.evaluate_accuracy` and :func:`evaluate_prototype_accuracy`
     in one pass over ``loader`` (one ``features`` pass per batch feeds both) when
     :func:`forward_is_head_of_features`, else the two passes. No prototypes: ``(0, 0)`` for them."""
-    from rafl.federation.training import evaluate_accuracy
-
     if not forward_is_head_of_features(model):
         return (evaluate_accuracy(model, loader, device=device),
                 evaluate_prototype_accuracy(model, loader, protos, device=device))

@@ -23,7 +23,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from rafl.errors import UserInputError
-from rafl.io import atomic_write_bytes
+from rafl.io import atomic_write_bytes, safetensors_damage
 
 _NAME = re.compile(r"^(\d+)\.r(\d+)\.st$")
 #: The temporary file of a state write (:func:`rafl.io.atomic_write_bytes`) that a killed process left.
@@ -120,8 +120,6 @@ def load_state(path: Path) -> Any:
     try:
         return state_from_bytes(data)
     except Exception as err:  # truncated/corrupt file
-        from rafl.io import safetensors_damage
-
         what = safetensors_damage(data) or f"not a rafl state file ({err.__class__.__name__})"
         raise UserInputError(f"cannot load state: {what}", source=path) from None
 

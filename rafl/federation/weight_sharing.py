@@ -36,6 +36,8 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError
+from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.supernet.model import build_supernet, extract_subnet
 
 #: client state-dict key -> (global key, flat positions (numel,) int64 in the global tensor)
 IndexMap = dict[str, tuple[str, torch.Tensor]]
@@ -217,9 +219,6 @@ def _probe(space_key: str):
     numbering of all of them."""
     import json
 
-    from rafl.supernet.arch import SearchSpace
-    from rafl.supernet.model import build_supernet
-
     space = SearchSpace.from_dict(json.loads(space_key))
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -243,9 +242,6 @@ def _probe(space_key: str):
 def _nas_map(space_key: str, arch_string: str, shifts: tuple[int, ...]) -> tuple[tuple[str, str, tuple[int, ...], bytes], ...]:
     import copy
     import json
-
-    from rafl.supernet.arch import ArchConfig, SearchSpace
-    from rafl.supernet.model import extract_subnet
 
     space = SearchSpace.from_dict(json.loads(space_key))
     probe, gkeys, offsets = _probe(space_key)

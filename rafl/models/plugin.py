@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError
+from rafl.models.split import check_split_model, features_then_head
 
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -95,8 +96,6 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
         UserInputError: the factory fails, returns something that is not an ``nn.Module`` with
             ``features``/``head``, or ``features`` does not give ``(2, D)`` / ``head`` not ``(2, K)``.
     """
-    from rafl.federation.headers import check_split_model
-
     factory = load_factory(spec)
     try:
         params = inspect.signature(factory).parameters
@@ -116,7 +115,7 @@ def build_plugin_model(spec: str, n_classes: int, feature_dim: int, in_channels:
         raise UserInputError(f"{spec}: {err.message}", field="clients.models") from None
     if type(model).forward is nn.Module.forward:
         # bound to this instance; deepcopy rebinds it to the copy (copy's MethodType handler)
-        model.forward = types.MethodType(_features_then_head, model)
+        model.forward = types.MethodType(features_then_head, model)
     # eval mode (evaluation, LARs, prototypes) and train mode (local training: a model may return
     # auxiliary outputs or other shapes there, as torchvision's GoogLeNet does); train mode on a
     # copy with the random state restored, so its BN statistics and dropout leave no trace
@@ -146,10 +145,6 @@ def _check_mode(spec: str, model: nn.Module, mode: str, n_classes: int, feature_
                "(the logits, i.e. head(features(x)); auxiliary outputs must be off)")
     finally:
         model.train(was)
-
-
-def _features_then_head(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.head(self.features(x))
 
 
 __all__ = ["is_plugin_spec", "load_factory", "build_plugin_model"]

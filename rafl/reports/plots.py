@@ -6,6 +6,8 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
+from rafl.io import atomic_write_bytes
+
 __all__ = ["new_figure", "save_figure", "bar_panels"]
 
 
@@ -27,8 +29,6 @@ def new_figure(n_panels: int = 1, width: float = 6.0, height: float = 3.2):
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     """Render ``fig`` to PNG and write it atomically to ``path``; closes the figure."""
     import matplotlib.pyplot as plt
-
-    from rafl.io import atomic_write_bytes
 
     buf = io.BytesIO()
     fig.tight_layout()

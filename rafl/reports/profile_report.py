@@ -29,10 +29,12 @@ import torch
 from torch import nn
 
 from rafl.io import atomic_write_json, atomic_write_text
-
+from rafl.reports.plots import new_figure, save_figure
 from rafl.reports.tables import fmt, markdown_table
 from rafl.search.cost import CostModel, check_budgets, energy_per_epoch_j
+from rafl.search.latency import measure_latency_ms
 from rafl.search.profile import DeviceProfile, load_profile
+from rafl.supernet import extract_subnet, subnet_from_arch
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
 __all__ = ["write_profile_report", "count_fvcore", "count_thop", "measure_host_latency", "stage_of", "fmt_cost"]
@@ -89,8 +91,6 @@ def measure_host_latency(model: nn.Module, x: torch.Tensor, *, warmup: int = 5, 
     Returns:
         ``{"median_ms", "p90_ms", "min_ms", "repeats", "warmup", "batch_size", "threads"}``.
     """
-    from rafl.search.latency import measure_latency_ms
-
     times = sorted(measure_latency_ms(model, x, warmup=warmup, repeats=repeats))
     p90 = times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)]
     return {"median_ms": statistics.median(times), "p90_ms": p90, "min_ms": times[0], "repeats": repeats,
@@ -114,7 +114,6 @@ def stage_of(name: str, space: SearchSpace, arch: ArchConfig) -> str:
 def _build_model(arch: ArchConfig, space: SearchSpace, model: nn.Module | None, supernet: nn.Module | None) -> nn.Module:
     if model is not None:
         return model.eval()
-    from rafl.supernet import extract_subnet, subnet_from_arch
 
     if supernet is not None:
         return extract_subnet(supernet, arch).eval()
@@ -291,8 +290,6 @@ def cost_figure(path: Path, stages: list[str], panels: list[tuple[str, list[floa
     memory), then every budget of the profile as the share of its limit that the subnet uses (one
     horizontal bar per budget, the limit a line at 100%, red when exceeded; a log axis once a value
     is 10x its limit or more, so a far-over budget does not flatten the others)."""
-    from rafl.reports.plots import new_figure, save_figure
-
     n = len(panels) + (1 if checks else 0)
     fig, axes = new_figure(n, width=max(7.0, 0.8 * len(stages)), height=2.6)
     for ax, (label, values), color in zip(axes, panels, ("C0", "C1", "C2")):

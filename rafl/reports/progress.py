@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from rafl.federation.progress import listening
+
 
 class RoundProgress:
     """Listener ``(event, info)`` that shows clients done / sampled and the current client's local
@@ -120,8 +122,6 @@ def round_progress(enabled: bool = True, **kwargs: Any):
     """Context manager: a :class:`RoundProgress` listening for the block when ``enabled`` (the
     commands' ``--progress``), its bar removed at the end however the block ends."""
     import contextlib
-
-    from rafl.federation.progress import listening
 
     @contextlib.contextmanager
     def _cm():

@@ -28,21 +28,28 @@ Metrics (batch 1, float32 unless said otherwise):
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from rafl.errors import UserInputError
+from rafl.io import atomic_write_text
+from rafl.search.latency import latency_lut_correction, load_latency_lut, roofline_latency_ms, unit_energy_mj
+from rafl.search.memory import fx_peak_memory, measure_saved_activations
 from rafl.search.profile import DeviceProfile, load_profile
-from rafl.search.units import (UnitSpec, arch_units, build_unit_module, fixed_units, slot_units,
-                               unit_input_shape)
+from rafl.search.units import UnitSpec, arch_units, build_unit_module, fixed_units, slot_units, unit_input_shape
 from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.supernet.train import TrainConfig
 
-__all__ = ["Cost", "CostModel", "BudgetCheck", "check_budgets", "unit_tables", "METRICS"]
+__all__ = ["Cost", "CostModel", "BudgetCheck", "check_budgets", "check_training_memory", "device_memory_bytes",
+           "unit_tables", "METRICS"]
 
 METRICS = ("macs_m", "params_m", "peak_memory_mb", "train_memory_mb", "latency_ms", "energy_mj")
 MIB = 2**20
@@ -145,18 +152,12 @@ _LOCK = threading.Lock()
 
 
 def _disk_cache_path() -> Path:
-    import os
-
-    import torch
-
     root = Path(os.environ.get("RAFL_CACHE_DIR") or Path.home() / ".cache" / "rafl")
     return root / "cost-model" / f"unit-memory-v2-torch{torch.__version__.split('+')[0]}.json"
 
 
 def _load_disk_cache() -> None:
     """Merge the on-disk unit-memory cache (``$RAFL_CACHE_DIR/cost-model``) into the process cache."""
-    import json
-
     path = _disk_cache_path()
     if path in _LOADED_FROM:
         return
@@ -170,10 +171,6 @@ def _load_disk_cache() -> None:
 
 
 def _save_disk_cache() -> None:
-    import json
-
-    from rafl.io import atomic_write_text
-
     try:
         atomic_write_text(_disk_cache_path(), json.dumps({json.dumps(list(k)): list(v) for k, v in _MEM_CACHE.items()}))
     except OSError:
@@ -193,10 +190,6 @@ def unit_memory(spec: UnitSpec) -> tuple[int, int, int, int]:
     hit = _MEM_CACHE.get(key)
     if hit is not None:
         return hit
-    import torch
-
-    from rafl.search.memory import fx_peak_memory, measure_saved_activations
-
     with torch.device("meta"):  # shapes only: nothing is allocated, initialised or computed
         module = build_unit_module(spec)
         x2, x4 = torch.zeros(unit_input_shape(spec, 2)), torch.zeros(unit_input_shape(spec, 4))
@@ -281,8 +274,6 @@ class CostModel:
         self._lut: dict[str, float] | None = None
         self._lut_scale, self._lut_offset_ms = 1.0, 0.0
         if self.profile is not None and self.profile.latency_lut is not None:
-            from rafl.search.latency import latency_lut_correction, load_latency_lut
-
             self._lut = load_latency_lut(self.profile.latency_lut_path(), self.profile)
             self._lut_scale, self._lut_offset_ms = latency_lut_correction(self.profile.latency_lut_path())
         self._r_index = {r: i for i, r in enumerate(space.resolutions)}
@@ -341,16 +332,12 @@ class CostModel:
                     "with `rafl profile --build-lut` for this space", source=self.profile.latency_lut_path(),
                     field="latency_lut")
             return self._lut_scale * self._lut[spec.key]
-        from rafl.search.latency import roofline_latency_ms
-
         return roofline_latency_ms(spec, self.profile)
 
     def _latency_energy(self, spec: UnitSpec) -> tuple[float, float]:
         lat = self.unit_latency_ms(spec)
         if self.profile is None:
             return lat, float("nan")
-        from rafl.search.latency import unit_energy_mj
-
         return lat, unit_energy_mj(spec, self.profile, lat)
 
     def units(self, arch: ArchConfig) -> list[dict]:
@@ -477,3 +464,53 @@ def _lookup(choices: Sequence[int]) -> np.ndarray:
     for i, c in enumerate(choices):
         table[c] = i
     return table
+
+
+# --------------------------------------------------------------------------- supernet training
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes: the GPU's, or this machine's physical RAM for the CPU
+    (None where the platform does not say)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_training_memory(config: TrainConfig, n_classes: int, device: torch.device) -> None:
+    """Refuse a run whose largest subnet cannot train on ``device`` at the largest of
+    ``config.resolutions`` with ``config.batch_size``: rafl's cost model
+    (:class:`~rafl.search.cost.CostModel`, ``train_memory_mb``: weights, gradients, SGD momentum
+    and the activations kept for the backward pass) gives a lower bound of what one training step
+    holds (measured here: 1.7 GiB predicted, 4.0 GiB peak RSS at 128 px), so a run refused here
+    would have run out of memory (``--resolutions 1024`` filled 23 GiB of RAM within 25 s).
+
+    Raises:
+        UserInputError: naming ``resolutions``, the memory needed and the device's, and the
+            largest resolution that fits at this batch size.
+    """
+    total = device_memory_bytes(device)
+    if total is None:
+        return
+    space = config.space(n_classes)
+
+    def need_mib(r: int) -> float:
+        model = CostModel(SearchSpace(**{**space.to_dict(), "resolutions": (r,)}), None, batch_size=config.batch_size)
+        big = space.largest()
+        return float(model.cost(ArchConfig(ks=big.ks, e=big.e, d=big.d, r=r)).train_memory_mb)
+
+    r_max = max(config.resolutions)
+    need = need_mib(r_max)
+    if need * 2**20 <= total:
+        return
+    lo, hi = 4, r_max  # the largest multiple of 4 that fits (memory grows with r^2)
+    while hi - lo > 4:
+        mid = (lo + hi) // 2 // 4 * 4
+        lo, hi = (mid, hi) if need_mib(mid) * 2**20 <= total else (lo, mid)
+    gib = 2**30
+    raise UserInputError(f"training the largest subnet at {r_max} px with batch_size {config.batch_size} needs at "
+                         f"least {need * 2**20 / gib:.1f} GiB ({device.type} memory is {total / gib:.1f} GiB); allowed: "
+                         f"resolutions well below {lo} px (where this lower bound alone fills the memory) at this "
+                         "batch size, or a smaller batch_size",
+                         field="resolutions")

@@ -17,9 +17,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError
+from rafl.io import atomic_write_json
 from rafl.search.genome import Population
 from rafl.search.predictor import AccuracyPredictor, PredictorFit, train_predictor
+from rafl.supernet import extract_subnet, recalibrate_bn
 from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.supernet.model import prepare_input
 
 
 def check_eval_data(val_data: tuple[Tensor, Tensor], calib_data: Tensor, n_classes: int) -> None:
@@ -144,8 +147,6 @@ class MeasuredAccuracy:
             return  # no cache yet, or a damaged one: measure again
 
     def _save_cache(self) -> None:
-        from rafl.io import atomic_write_json
-
         if self.cache_path is None:
             return
         try:
@@ -160,8 +161,6 @@ class MeasuredAccuracy:
     def _inputs(self, r: int) -> tuple[Tensor, list[Tensor]]:
         """Validation images and calibration batches resized to ``r`` once, channels-last."""
         if r not in self._resized:
-            from rafl.supernet.model import prepare_input
-
             cl = torch.channels_last
             val = prepare_input(self.images, r).contiguous(memory_format=cl)
             cal = prepare_input(self.calib_images[: self.calib_batches * self.batch_size], r)
@@ -171,8 +170,6 @@ class MeasuredAccuracy:
         return self._resized[r]
 
     def _measure_one(self, arch: ArchConfig) -> float:
-        from rafl.supernet import extract_subnet, recalibrate_bn
-
         was_training = self.supernet.training
         self.supernet.eval()
         try:

@@ -41,8 +41,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError
+from rafl.search.cost import CostModel, energy_per_epoch_j
+from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy, measurement_cache_dir
 from rafl.search.genome import Population
+from rafl.search.profile import load_profile, profiles_dir
 from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.threads import torch_threads
 
 CostFn = Callable[[Population], dict[str, np.ndarray]]
 ScoreFn = Callable[[Population], np.ndarray]
@@ -643,8 +647,6 @@ def cost_fn_for(cost_model) -> CostFn:
             out = cost_model.batch(pop.archs())
         out = {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
         if per_epoch:
-            from rafl.search.cost import energy_per_epoch_j
-
             out["energy_per_epoch_j"] = energy_per_epoch_j(out["energy_mj"], profile)
         return out
 
@@ -692,8 +694,6 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
             profile whose budgets no subnet of the space meets (naming each violated budget and
             the smallest value reachable).
     """
-    from rafl.search.predictor import torch_threads
-
     import torch
 
     config = config or SearchConfig()
@@ -707,10 +707,6 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
 
 def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConfig, cost_models
                     ) -> dict[str, SearchResult]:
-    from rafl.search.cost import CostModel
-    from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy
-    from rafl.search.profile import load_profile
-
     profs = [load_profile(p) for p in profiles]
     if not profs:
         raise UserInputError("give at least one device profile", field="device_profile")
@@ -718,7 +714,6 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     if len(set(names)) != len(names):
         raise UserInputError(f"duplicate profile names {names}", field="device_profile")
     space: SearchSpace = supernet.space
-    from rafl.search.estimators import measurement_cache_dir
 
     measured = MeasuredAccuracy(supernet, val_data, calib_data, batch_size=config.batch_size,
                                 calib_batches=config.calib_batches,
@@ -734,8 +729,6 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
         try:
             check_satisfiable(space, cost_fns[p.name], profile_limits(p), p.name, seed=config.seed)
         except UserInputError as err:  # the user's profile file: name it (a copy of pi4.yaml keeps the name pi4)
-            from rafl.search.profile import profiles_dir
-
             keys = getattr(err, "budget_keys", None) or []
             fields = [p.budget_field(k) for k in keys]
             if keys and all(fields):  # every budget to relax was set by a run config (clients.budgets), not the file

@@ -28,9 +28,10 @@ from pathlib import Path
 import yaml
 
 from rafl.errors import UserInputError, brief, shown, yaml_error_detail
-from rafl.io import load_yaml, read_text_file
+from rafl.io import atomic_write_yaml, load_yaml, read_text_file
 from rafl.search.profile import DeviceProfile
-from rafl.search.units import UnitSpec, build_unit_module, unit_input_shape
+from rafl.search.units import UnitSpec, arch_units, build_unit_module, unit_input_shape
+from rafl.supernet import build_supernet, extract_subnet
 
 __all__ = ["roofline_latency_ms", "unit_energy_mj", "load_latency_lut", "build_latency_lut",
            "measure_latency_ms", "LUT_FORMAT", "CLOCKS", "STATISTICS", "latency_lut_correction",
@@ -228,8 +229,6 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
     import torch
     from tqdm import tqdm
 
-    from rafl.io import atomic_write_yaml
-
     if clock not in CLOCKS:
         raise UserInputError(f"is {clock!r}, allowed: {', '.join(CLOCKS)}", field="clock")
     if statistic not in STATISTICS:
@@ -252,9 +251,6 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
         entries = {key: round(v, 6) for key, v in zip(unique, lat)}
         if space is not None and calibrate > 0:
             import numpy as np
-
-            from rafl.search.units import arch_units
-            from rafl.supernet import build_supernet, extract_subnet
 
             rng = np.random.default_rng(seed)
             archs = [space.sample(rng) for _ in range(calibrate)]

@@ -10,10 +10,8 @@ generation in one batched call.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,23 +22,7 @@ from torch import nn
 
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run the block with ``torch.set_num_threads(n)`` (``None``: unchanged), then restore.
-
-    The search's tensors are small (an MLP on ~100 encodings, subnets at 24-32 px): one thread is
-    fastest, and on a shared machine extra OpenMP threads make them many times slower.
-    """
-    old = torch.get_num_threads()
-    if n is not None and n != old:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != old:
-            torch.set_num_threads(old)
+from rafl.threads import torch_threads
 
 
 @dataclass(frozen=True)

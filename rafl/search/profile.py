@@ -36,9 +36,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rafl.config import NoBoolNumbers
 from rafl.errors import UserInputError, shown, yaml_error_detail
 from rafl.io import load_yaml, read_text_file
+from rafl.schema import NoBoolNumbers
 
 __all__ = ["Budgets", "DeviceProfile", "load_profile", "list_profiles", "profiles_dir"]
 

@@ -29,8 +29,8 @@ the supernet, data and config of the latest run.
 from __future__ import annotations
 
 import io
-import warnings
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from rafl.data import load_dataset
 from rafl.errors import UserInputError
-from rafl.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text
-from rafl.search.evolution import BINDING_USE, SearchConfig, SearchResult, search_subnets
+from rafl.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text, safetensors_damage
+from rafl.reports.profile_report import write_profile_report
+from rafl.search.cost import CostModel
+from rafl.search.evolution import BINDING_USE, SearchConfig, SearchResult, binding_text, search_subnets
+from rafl.search.pareto import save_fronts, save_picks_plot
+from rafl.search.predictor import tau_meaning
+from rafl.search.profile import load_profile
+from rafl.supernet import extract_subnet, load_supernet, quickstart_supernet, recalibrate_bn, subnet_from_arch
 from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.supernet.checkpoint import load_meta
+from rafl.supernet.model import prepare_input
+from rafl.supernet.pretrained import resolve_supernet
+from rafl.supernet.server_data import calibration_sample, server_split
+from rafl.threads import torch_threads
 
 SUBNET_WEIGHTS = "subnet.safetensors"
 
@@ -66,9 +78,6 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
         UserInputError: an empty validation split, or a dataset whose classes do not match the
             supernet's ``n_classes``.
     """
-    from rafl.data import load_dataset
-    from rafl.supernet.server_data import server_split
-
     cfg = dict(meta_config or {})
     data_cfg = cfg.get("data", cfg) if isinstance(cfg.get("data"), dict) else cfg
     name = data_cfg.get("dataset", "digits")
@@ -92,7 +101,6 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
     info = {"dataset": name, "public_fraction": public_fraction, "public_seed": public_seed,
             "val_fraction": val_fraction, "n_val": int(len(split.pool_val)),
             "n_calib": int(len(split.pool_train))}
-    from rafl.supernet.server_data import calibration_sample
 
     # all of pool-train in a fixed random order: the measurement and the written subnet recalibrate BN
     # on its first batches, which must mix the classes (a class-by-class source's first images are one class)
@@ -119,8 +127,6 @@ def load_searched_subnet(path: str | Path):
     """
     from safetensors import SafetensorError, safe_open
 
-    from rafl.supernet import subnet_from_arch
-
     path = Path(path)
     path = path / SUBNET_WEIGHTS if path.is_dir() else path
     if not path.is_file():
@@ -132,8 +138,6 @@ def load_searched_subnet(path: str | Path):
         space = SearchSpace.from_dict(json.loads(meta["search_space"]), source=path)
         arch = ArchConfig.from_dict(json.loads(meta["arch"]), source=path).validate(space, source=path)
     except (KeyError, json.JSONDecodeError, SafetensorError, OSError) as err:
-        from rafl.io import safetensors_damage
-
         try:
             damage = safetensors_damage(path.read_bytes())
         except OSError:
@@ -170,8 +174,6 @@ def export_onnx(subnet, path: str | Path, sample: torch.Tensor | None = None, in
             1e-3 relative to the largest logit.
     """
     import onnx
-
-    from rafl.supernet.model import prepare_input
 
     r = subnet.arch.r
     subnet = subnet.eval()
@@ -222,23 +224,18 @@ def write_cost_report(directory: Path, arch: ArchConfig, space: SearchSpace, pro
     """Write the cost model's profiling report for ``arch`` on ``profile``; return the file names.
 
     Always writes ``cost.json`` (the :class:`Cost`, the budgets and their violations); then the
-    cost model's own report (``rafl.search.report.write_report``: ``cost_report.md/.json/.png``
-    with the per-layer table, fvcore/thop counts and a measured host latency of ``subnet``).
+    cost model's own report (:func:`rafl.reports.profile_report.write_profile_report`:
+    ``cost_report.md/.json/.png`` with the per-layer table, fvcore/thop counts and a measured host
+    latency of ``subnet``, timed 10 times).
     """
-    from rafl.search.cost import CostModel
-
     model = cost_model if cost_model is not None else CostModel(space, profile)
     doc = {"arch": arch.to_string(), "profile": profile.name, "cost": _cost_dict(cost),
            "budgets": dict(profile.effective_budgets()), "violations": model.violations(cost, profile),
            "macs_unit": "millions of multiply-accumulates (1 MAC = 2 FLOPs)"}
     atomic_write_json(directory / "cost.json", doc)
     written = ["cost.json"]
-    try:
-        from rafl.search.report import write_report
-    except ImportError:  # the report writer is optional
-        return written
     before = {p.name for p in directory.iterdir()}
-    write_report(arch, profile, directory, space=space, model=subnet)
+    write_profile_report(arch, profile, directory, space=space, model=subnet, repeats=10)
     return written + sorted({p.name for p in directory.iterdir()} - before)
 
 
@@ -246,13 +243,9 @@ def write_cost_report(directory: Path, arch: ArchConfig, space: SearchSpace, pro
 def load_search_supernet(supernet_dir: str | Path | None, progress: bool = True):
     """``(supernet, meta)``: from ``supernet_dir`` (a folder or a shipped name), or the cached
     quickstart supernet on digits."""
-    from rafl.supernet import load_supernet, quickstart_supernet
-    from rafl.supernet.checkpoint import load_meta
-
     if supernet_dir is None:
         supernet, path = quickstart_supernet(progress=progress)
         return supernet, load_meta(path) | {"path": str(path)}
-    from rafl.supernet.pretrained import resolve_supernet
 
     supernet_dir = resolve_supernet(supernet_dir)  # a shipped name (cifar10) -> its checked folder
     supernet = load_supernet(supernet_dir)
@@ -277,8 +270,6 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
             does not match the space, an empty validation split, unreachable budgets. Raised
             before anything is written.
     """
-    from rafl.search.profile import load_profile
-
     config = config or SearchConfig()
     if not profiles:
         raise UserInputError("give at least one --device-profile", field="device_profile")
@@ -288,7 +279,6 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     meta = meta or {}
     space: SearchSpace = supernet.space
     val, calib, data_info = server_eval_data(meta.get("config"), space, progress=config.progress)
-    from rafl.search.cost import CostModel
 
     models = {p.name: CostModel(space, p) for p in profs}
     results = search_subnets(supernet, profs, val, calib, config, cost_models=models)
@@ -296,14 +286,12 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     out = Path(out)
     run = {"supernet": meta.get("path"), "data": data_info, "config": config.model_dump()}
     names = [p.name for p in profs]
-    from rafl.search.predictor import torch_threads
 
     for prof in profs:
         res = results[prof.name]
         with atomic_dir(out / prof.name, overwrite=True) as tmp, torch_threads(config.threads):
             _write_profile(tmp, res, prof, supernet, calib, config, meta, data_info, models[prof.name], names)
         write_search_index(out, run, names)  # after every folder: the index always matches the folders
-    from rafl.search.pareto import save_picks_plot
 
     save_picks_plot(out / "pareto.png", {
         name: {"latency_ms": r.cost.latency_ms, "accuracy": r.accuracy, "predicted_accuracy": r.predicted_accuracy,
@@ -359,7 +347,6 @@ def write_subnet_yaml(path: str | Path, arch: ArchConfig, space: SearchSpace, su
 def _fit_note(fit: dict[str, Any] | None) -> str | None:
     if not fit:
         return None
-    from rafl.search.predictor import tau_meaning
 
     return (f"Kendall tau of {fit['folds']}-fold out-of-fold predictions over {fit['n_holdout']} measured subnets: "
             f"{tau_meaning(fit['kendall_tau'])}; RMSE in accuracy (fraction)")
@@ -368,8 +355,6 @@ def _fit_note(fit: dict[str, Any] | None) -> str | None:
 def same_subnet_note(results: dict[str, SearchResult]) -> list[str]:
     """One line per group of profiles that got the same subnet, saying why (no budget of theirs
     binds, so each got the best subnet the space offers them), e.g. for the digits quickstart."""
-    from rafl.search.evolution import binding_text
-
     groups: dict[str, list[str]] = {}
     for name, res in results.items():
         groups.setdefault(res.arch.to_string(), []).append(name)
@@ -388,9 +373,6 @@ def same_subnet_note(results: dict[str, SearchResult]) -> list[str]:
 
 def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tensor, config: SearchConfig,
                    meta: dict[str, Any], data_info: dict[str, Any], cost_model, searched_with: list[str]) -> None:
-    from rafl.search.pareto import save_fronts
-    from rafl.supernet import extract_subnet, recalibrate_bn
-
     space = supernet.space
     write_subnet_yaml(d / "subnet.yaml", res.arch, space, meta.get("path"))
     supernet.eval()

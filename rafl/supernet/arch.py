@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 from rafl.errors import UserInputError, allowed, brief, shown, yaml_error_detail
-from rafl.io import load_yaml, read_text_file
+from rafl.io import atomic_write_text, load_yaml, read_text_file
 
 # The macro-architecture of OFA's MobileNet-V3 (ofa/imagenet_classification/elastic_nn/networks/
 # ofa_mbv3.py): widths before the width multiplier, per elastic stage.
@@ -367,8 +367,6 @@ class ArchConfig:
 
     def save(self, path: str | Path) -> None:
         """Write as YAML (``.yaml``/``.yml``) or JSON (anything else), atomically."""
-        from rafl.io import atomic_write_text
-
         path = Path(path)
         if path.suffix in (".yaml", ".yml"):
             text = yaml.safe_dump({"arch": self.to_dict(), "string": self.to_string()}, sort_keys=False)

@@ -23,6 +23,7 @@ from safetensors.torch import save as st_save
 
 from rafl.errors import UserInputError, brief
 from rafl.io import atomic_write_bytes, atomic_write_json
+from rafl.io import read_json_file as bounded
 from rafl.supernet.arch import SearchSpace
 from rafl.supernet.model import Supernet, build_supernet
 from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
@@ -232,8 +233,6 @@ def read_json_file(path: Path) -> Any:
     Raises:
         UserInputError: missing file, or not valid JSON (naming the file).
     """
-    from rafl.io import read_json_file as bounded
-
     return bounded(path)
 
 

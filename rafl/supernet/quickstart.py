@@ -9,10 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from rafl.data import carve_public_pool, load_dataset
+from rafl.errors import UserInputError
 from rafl.io import atomic_dir
 from rafl.supernet.checkpoint import META_NAME, load_supernet
 from rafl.supernet.model import Supernet
 from rafl.supernet.train import TrainConfig, train_supernet
+from rafl.threads import torch_threads
 
 
 def cache_root() -> Path:
@@ -36,8 +39,6 @@ QUICKSTART_THREADS = 1
 def quickstart_dir(config: TrainConfig | None = None) -> Path:
     """Cache folder ``<cache_root>/quickstart-supernet-<hash>``; the hash covers the config, the
     pool and :data:`QUICKSTART_THREADS` (a cache trained before the count was fixed is retrained)."""
-    from rafl.data import carve_public_pool, load_dataset
-
     config = config or quickstart_config()
     labels = load_dataset(config.dataset, config.data_root, resolution=8).labels.numpy()
     pool = carve_public_pool(labels, config.public_fraction, config.public_seed)
@@ -91,8 +92,6 @@ def quickstart_folder(field: str | None = None) -> Path:
         UserInputError: it has not been trained yet on this machine (naming ``field``, the folder
             it will have, and the commands that train it).
     """
-    from rafl.errors import UserInputError
-
     folder = quickstart_dir()
     if not (folder / META_NAME).is_file():
         raise UserInputError(f"the quickstart supernet is not trained yet (it will be cached in {folder}); "
@@ -113,8 +112,6 @@ def supernet_path(text: str | Path, field: str | None = None) -> Path:
 def _train_into(config: TrainConfig, folder: Path, progress: bool) -> None:
     print(f"rafl: training the quickstart supernet once on the digits public pool (a few minutes on "
           f"2 CPU cores); caching it in {folder}", file=sys.stderr, flush=True)
-    from rafl.search.predictor import torch_threads
-
     with atomic_dir(folder, overwrite=True) as tmp, torch_threads(QUICKSTART_THREADS):
         _, metrics = train_supernet(config, tmp, progress=progress)
     print("rafl: quickstart supernet test accuracy (held-out digits): "

@@ -29,6 +29,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,18 +40,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from rafl.data import load_dataset
 from rafl.errors import UserInputError, load_error_detail
 from rafl.io import atomic_write_bytes, atomic_write_json, claim_file
 from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN, ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
-from rafl.supernet.distributed import (
-    DistContext,
-    all_reduce_gradients,
-    all_reduce_sum,
-    init_distributed,
-    shard,
-    synced_batch_norm,
-)
+from rafl.supernet.distributed import (DistContext, all_reduce_gradients, all_reduce_sum, init_distributed, shard,
+                                       synced_batch_norm)
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
 from rafl.supernet.server_data import calibration_sample, random_crop_flip, server_split
 
@@ -351,59 +347,10 @@ def _check_out(out: Path, resume: bool) -> bool:
     return False
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of ``device`` in bytes: the GPU's, or this machine's physical RAM for the CPU
-    (None where the platform does not say)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def check_training_memory(config: TrainConfig, n_classes: int, device: torch.device) -> None:
-    """Refuse a run whose largest subnet cannot train on ``device`` at the largest of
-    ``config.resolutions`` with ``config.batch_size``: rafl's cost model
-    (:class:`~rafl.search.cost.CostModel`, ``train_memory_mb``: weights, gradients, SGD momentum
-    and the activations kept for the backward pass) gives a lower bound of what one training step
-    holds (measured here: 1.7 GiB predicted, 4.0 GiB peak RSS at 128 px), so a run refused here
-    would have run out of memory (``--resolutions 1024`` filled 23 GiB of RAM within 25 s).
-
-    Raises:
-        UserInputError: naming ``resolutions``, the memory needed and the device's, and the
-            largest resolution that fits at this batch size.
-    """
-    from rafl.search.cost import CostModel
-
-    total = device_memory_bytes(device)
-    if total is None:
-        return
-    space = config.space(n_classes)
-
-    def need_mib(r: int) -> float:
-        model = CostModel(SearchSpace(**{**space.to_dict(), "resolutions": (r,)}), None, batch_size=config.batch_size)
-        big = space.largest()
-        return float(model.cost(ArchConfig(ks=big.ks, e=big.e, d=big.d, r=r)).train_memory_mb)
-
-    r_max = max(config.resolutions)
-    need = need_mib(r_max)
-    if need * 2**20 <= total:
-        return
-    lo, hi = 4, r_max  # the largest multiple of 4 that fits (memory grows with r^2)
-    while hi - lo > 4:
-        mid = (lo + hi) // 2 // 4 * 4
-        lo, hi = (mid, hi) if need_mib(mid) * 2**20 <= total else (lo, mid)
-    gib = 2**30
-    raise UserInputError(f"training the largest subnet at {r_max} px with batch_size {config.batch_size} needs at "
-                         f"least {need * 2**20 / gib:.1f} GiB ({device.type} memory is {total / gib:.1f} GiB); allowed: "
-                         f"resolutions well below {lo} px (where this lower bound alone fills the memory) at this "
-                         "batch size, or a smaller batch_size",
-                         field="resolutions")
-
-
 def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
-                   stop_after_epochs: int | None = None) -> tuple[Supernet, dict[str, Any]]:
+                   stop_after_epochs: int | None = None,
+                   check_memory: Callable[[TrainConfig, int, torch.device], None] | None = None,
+                   ) -> tuple[Supernet, dict[str, Any]]:
     """Train a supernet by progressive shrinking on the server's public pool; write it to ``out``.
 
     Writes (atomically) ``out/config.json`` (resolved config), ``out/resume.pt`` (after every
@@ -417,6 +364,10 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
         progress: show a tqdm bar (phase, epoch, loss, accuracy, ETA).
         stop_after_epochs: stop (checkpointed, unfinished) after this many epochs in total; used to
             test resuming. ``None`` = run to the end.
+        check_memory: ``check_memory(config, n_classes, device)`` runs once the dataset is loaded,
+            before anything is written; it raises UserInputError for a run that cannot fit the
+            device (``rafl supernet train`` passes :func:`rafl.search.cost.check_training_memory`).
+            None: no check.
 
     Returns:
         ``(supernet, metrics)``; metrics has ``phases`` (list of per-phase dicts with per-epoch
@@ -431,8 +382,6 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
             ``resume`` without a checkpoint, or a NaN/Inf loss (training diverged: the error names
             the phase's learning rate ``lr_<phase>``).
     """
-    from rafl.data import load_dataset
-
     out = Path(out)
     requested = resume
     if config.device == "cuda" and not torch.cuda.is_available():
@@ -447,7 +396,8 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     split = server_split(ds, config.public_fraction, config.public_seed, config.val_fraction,
                          config.test_samples)
     space = config.space(ds.num_classes)
-    check_training_memory(config, ds.num_classes, device)
+    if check_memory is not None:  # e.g. the cost model's lower bound (rafl.search.cost.check_training_memory)
+        check_memory(config, ds.num_classes, device)
     images, labels = ds.images, ds.labels
     train_x, train_y = images.take(split.pool_train), labels[split.pool_train]  # uint8 kept; batches normalized
     n_train = len(train_y)

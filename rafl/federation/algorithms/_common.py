@@ -10,16 +10,11 @@ from torch import nn
 
 from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import ClientContext
+from rafl.federation.algorithms.hparams import LocalTraining
 from rafl.federation.training import make_optimizer
 
-#: Local-training hyperparameters every method accepts (defaults of the run config).
-LOCAL_DEFAULTS: dict[str, Any] = {
-    "local_epochs": 2,
-    "lr": 0.05,
-    "momentum": 0.9,
-    "weight_decay": 5e-4,
-    "optimizer": "sgd",
-}
+#: Local-training hyperparameters every method accepts, with their defaults (:class:`LocalTraining`).
+LOCAL_DEFAULTS: dict[str, Any] = LocalTraining.defaults()
 
 #: The local learning rate of a model group (``clients.models`` other than ``nas``: the htfe
 #: groups, zoo names, plug-ins) when none is given. LOCAL_DEFAULTS' 0.05 suits NAS subnets, which

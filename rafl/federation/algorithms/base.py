@@ -25,7 +25,6 @@ the client deploys (for RaFL the specialized subnet), other names are extra (RaF
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,8 +34,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from rafl.errors import UserInputError, allowed, shown
+from rafl.errors import UserInputError, allowed
 from rafl.federation.aggregation import AggregationRule
+from rafl.federation.algorithms.hparams import Hyperparameters
 from rafl.federation.payload import Payload
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -174,7 +174,9 @@ class Algorithm(ABC):
 
     Class attributes:
         name: registry name (lower case, e.g. ``"rafl"``, ``"fedavg"``).
-        defaults: default hyperparameters; keys not listed here are rejected.
+        hparams_model: the method's :class:`~rafl.federation.algorithms.hparams.Hyperparameters`
+            model (types, ranges, defaults); keys it does not declare are rejected.
+        defaults: ``name -> default`` of ``hparams_model`` (derived, read-only).
         requires_homogeneous: True for methods that average whole models (FedAvg/FedProx/FedNova);
             :meth:`check_population` then rejects clients with different ``model_key``.
         uses_public_pool: True when :meth:`server_aggregate` needs ``ServerContext.public_images``.
@@ -185,23 +187,29 @@ class Algorithm(ABC):
     """
 
     name: ClassVar[str] = ""
+    hparams_model: ClassVar[type[Hyperparameters]] = Hyperparameters
     defaults: ClassVar[dict[str, Any]] = {}
     requires_homogeneous: ClassVar[bool] = False
     uses_public_pool: ClassVar[bool] = False
     shared_initial_evaluation: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.defaults = cls.hparams_model.defaults()
 
     def __init__(self, **hparams: Any) -> None:
         self.hparams = self.check_hparams(hparams)
 
     @classmethod
     def check_hparams(cls, hparams: dict[str, Any]) -> dict[str, Any]:
-        """Defaults merged with ``hparams``. Raises UserInputError on an unknown key."""
-        unknown = sorted(set(hparams) - set(cls.defaults))
-        if unknown:
-            raise UserInputError(f"unknown hyperparameter(s) {unknown} for {cls.name!r}; "
-                                 f"allowed: {sorted(cls.defaults)}", field=f"algorithm.{unknown[0]}")
-        merged = {**cls.defaults, **hparams}
-        return {k: _checked_hparam(k, v, cls.defaults[k]) for k, v in merged.items()}
+        """The defaults merged with ``hparams``, checked by :attr:`hparams_model`
+        (:meth:`~rafl.federation.algorithms.hparams.Hyperparameters.check`).
+
+        Raises:
+            UserInputError: an unknown key, or a value of the wrong type or out of range, naming
+                ``algorithm.<key>``.
+        """
+        return cls.hparams_model.check(hparams, cls.name)
 
     def check_population(self, clients: list[ClientInfo]) -> None:
         """Reject populations this method cannot handle (called once before round 1).
@@ -304,8 +312,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
     Raises:
         UserInputError: unknown name, listing the registered ones.
     """
-    from rafl.federation import algorithms as _pkg  # noqa: F401  (imports every method module)
-
     key = name.strip().lower()
     if key not in ALGORITHMS:
         raise UserInputError(f"unknown algorithm {name!r}; {allowed(sorted(ALGORITHMS))}",
@@ -315,72 +321,3 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = ["Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State", "Loader",
            "ModelFactory", "ALGORITHMS", "register", "get_algorithm"]
-
-
-#: the largest ``*_dim`` hyperparameter (a layer width; as ``clients.feature_dim``'s bound)
-MAX_DIM = 4096
-
-#: the local optimizers of ``algorithm.optimizer`` (:func:`rafl.federation.training.make_optimizer`)
-OPTIMIZERS = ("sgd", "adam")
-
-
-def _checked_hparam(name: str, value: Any, default: Any) -> Any:
-    """``value`` coerced to the type of ``default`` and checked against the range its name implies.
-
-    YAML 1.1 reads ``1e-3`` as a string, so numeric strings are parsed. Ranges by name: learning
-    rates (``*lr``), temperatures and ``tau`` > 0; ``*epochs`` and ``*batch_size`` >= 1;
-    ``momentum`` in [0, 1); ``*_width``, ``energy_start``/``energy_end`` in (0, 1];
-    ``energy_rounds`` >= 1; ``weight_decay``, ``mu``, ``alpha``, ``beta``, ``gamma``, ``lambda*``,
-    ``*_weight``, ``*_norm`` >= 0; ``*_dim`` (0 = a default width) in 0..:data:`MAX_DIM`; every float finite; ``optimizer`` one of :data:`OPTIMIZERS`.
-
-    Raises:
-        UserInputError: naming ``algorithm.<name>``, the value and what is allowed.
-    """
-    field_name = f"algorithm.{name}"
-    if name == "optimizer" and value not in OPTIMIZERS:  # the local optimizer (training.make_optimizer)
-        raise UserInputError(f"is {shown(value)}; allowed: {', '.join(OPTIMIZERS)}", field=field_name)
-    if default is None or isinstance(default, str | list | dict | tuple):
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise UserInputError(f"is {shown(value)}; allowed: true or false", field=field_name)
-        return value
-    kind = "an integer" if isinstance(default, int) else "a number"
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        number = float(value) if isinstance(value, str) else value
-        if not isinstance(number, int | float):
-            raise ValueError
-        if isinstance(default, int):
-            if float(number) != int(number):
-                raise ValueError
-            number = int(number)
-        else:
-            number = float(number)
-    except (TypeError, ValueError, OverflowError):
-        raise UserInputError(f"is {shown(value)}; allowed: {kind}", field=field_name) from None
-    if isinstance(number, float) and not math.isfinite(number):
-        raise UserInputError(f"is {shown(value)}; allowed: a finite number", field=field_name)
-    low, strict = None, False
-    if name.endswith("lr") or name in ("temperature", "tau") or name.endswith("_temperature"):
-        low, strict = 0, True
-    elif name.endswith("epochs") or name.endswith("batch_size"):
-        low = 1
-    elif (name in ("weight_decay", "mu", "alpha", "beta", "gamma", "momentum") or name.startswith("lambda")
-          or name.endswith("_weight") or name.endswith("_norm") or name.endswith("_dim")):
-        low = 0
-    if low is not None and (number <= low if strict else number < low):
-        raise UserInputError(f"is {shown(value)}; allowed: {kind} {'>' if strict else '>='} {low}", field=field_name)
-    if name.endswith("_dim") and number > MAX_DIM:  # a width: D x H weights (FedTGP's server network)
-        raise UserInputError(f"is {shown(value)}; allowed: an integer in 0..{MAX_DIM} (0 = a default width)",
-                             field=field_name)
-    if name == "momentum" and number >= 1:
-        raise UserInputError(f"is {shown(value)}; allowed: a number in [0, 1)", field=field_name)
-    if name in ("energy_start", "energy_end") and not 0 < number <= 1:  # FedKD's SVD energy share
-        raise UserInputError(f"is {shown(value)}; allowed: a fraction in (0, 1]", field=field_name)
-    if name == "energy_rounds" and number < 1:
-        raise UserInputError(f"is {shown(value)}; allowed: an integer >= 1", field=field_name)
-    if name.endswith("_width") and not 0 < number <= 1:
-        raise UserInputError(f"is {shown(value)}; allowed: a fraction in (0, 1]", field=field_name)
-    return number

@@ -20,36 +20,26 @@ by the client's own share, ``1/M`` of the average).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from rafl.federation.algorithms._common import (
-    LOCAL_DEFAULTS,
-    build,
-    cpu_state,
-    divergence_keys,
-    eval_counts,
-    optimizer_for,
-)
-from rafl.federation.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ServerContext,
-    register,
-)
+from rafl.federation.algorithms._common import build, cpu_state, divergence_keys, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded
 from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.losses import logit_regularizer, train_regularized
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (
-    check_class_upload,
-    from_payload,
-    local_class_averages,
-    to_payload_tensors,
-    weighted_class_average,
-)
+from rafl.federation.prototypes import (check_class_upload, from_payload, local_class_averages, to_payload_tensors,
+                                        weighted_class_average)
 from rafl.federation.training import evaluate_accuracy
 
 LOGIT = "logit."
 GLOBAL = "global."
+
+
+class FDHparams(LocalTraining):
+    """FD's hyperparameters (Jeong et al., 2018)."""
+
+    gamma: Float = bounded(1.0, ge=0)  # weight of the distillation term
 
 
 @register
@@ -57,7 +47,7 @@ class FD(Algorithm):
     """FD / FedDistill. Client state ``{"model": state_dict}``; server ``{"values", "labels"}``."""
 
     name: ClassVar[str] = "fd"
-    defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "gamma": 1.0}
+    hparams_model: ClassVar[type[Hyperparameters]] = FDHparams
 
     # the same start as FedProto: no global per-class vectors yet, each client's own model
     init_server = FedProto.init_server

@@ -21,23 +21,23 @@ Client state is ``{}`` (the model is the global one); evaluation uses the latest
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from rafl.federation.aggregation import payload_weights, server_average
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
-
 
 @register
 class FedAvg(Algorithm):
     """FedAvg (McMahan et al. 2017, Alg. 1). Server state ``{"global": state_dict}``."""
 
     name: ClassVar[str] = "fedavg"
-    defaults: ClassVar[dict[str, Any]] = dict(LOCAL_DEFAULTS)
+    hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
     requires_homogeneous: ClassVar[bool] = True
 
     def init_server(self, server: ServerContext):
@@ -77,12 +77,18 @@ class FedAvg(Algorithm):
         return eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
 
 
+class FedProxHparams(LocalTraining):
+    """FedProx's hyperparameters (Li et al., MLSys 2020, Eq. 2)."""
+
+    mu: Float = bounded(0.01, ge=0)  # weight of the proximal term (mu / 2) ||w - w_t||^2
+
+
 @register
 class FedProx(FedAvg):
     """FedProx (Li et al. 2020, Eq. 2): FedAvg with the proximal term ``mu/2 ||w - w^t||^2``."""
 
     name: ClassVar[str] = "fedprox"
-    defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "mu": 0.01}
+    hparams_model: ClassVar[type[Hyperparameters]] = FedProxHparams
 
     def _local_train(self, model, broadcast: Payload, client: ClientContext):
         reference = {k: v.detach().clone() for k, v in model.named_parameters()}

@@ -13,14 +13,15 @@ stable hash of the architecture). Evaluation uses the client's group model.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded
 from rafl.federation.payload import Payload
 from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits, train_ce
 
@@ -30,13 +31,21 @@ def group_of(model_key: str) -> str:
     return hashlib.sha1(model_key.encode()).hexdigest()[:10]
 
 
+class FedDFHparams(LocalTraining):
+    """FedDF's hyperparameters (Lin et al., NeurIPS 2020): local training, then server distillation."""
+
+    distill_epochs: Int = bounded(1, ge=1)
+    distill_lr: Float = bounded(0.001, gt=0)
+    distill_temperature: Float = bounded(1.0, gt=0)
+    distill_batch_size: Int = bounded(64, ge=1)
+
+
 @register
 class FedDF(Algorithm):
     """FedDF (Lin et al. 2020). Server state ``{"groups": {group: state_dict}}``."""
 
     name: ClassVar[str] = "feddf"
-    defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "distill_epochs": 1, "distill_lr": 0.001,
-                                          "distill_temperature": 1.0, "distill_batch_size": 64}
+    hparams_model: ClassVar[type[Hyperparameters]] = FedDFHparams
     uses_public_pool: ClassVar[bool] = True
 
     def init_server(self, server: ServerContext):

@@ -50,15 +50,16 @@ the only overhead over the formula; ``bench/htfl_bench.py`` prints both.
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import UserInputError, shown
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded, choice
 from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
@@ -68,10 +69,13 @@ from rafl.federation.training import check_finite_loss, check_finite_params, eva
 HEAD = "head."
 LAR = "lar."
 SERVER_MODES = ("per-lar", "per-client")
+ServerMode = choice(*SERVER_MODES)
 #: a global header with a weight above this came from a diverged server step (a trained linear header's are O(1))
 HEADER_BLOWUP = 1e3
 LABEL_PRIORS = ("none", "local")
+LabelPrior = choice(*LABEL_PRIORS)
 DEPLOY_HEADERS = ("global", "local")
+DeployHeader = choice(*DEPLOY_HEADERS)
 
 
 def log_label_prior(counts: torch.Tensor) -> torch.Tensor:
@@ -153,6 +157,18 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
     return total / steps if steps else 0.0
 
 
+class FedGHHparams(LocalTraining):
+    """FedGH's hyperparameters (Yi et al., ACM MM 2023): the server's training of the global header
+    on the uploaded local averaged representations (Algorithm 1) and its deployment."""
+
+    server_lr: Float = bounded(0.01, gt=0)             # eta_theta
+    server_epochs: Int = bounded(1, ge=1)              # passes over the round's LARs (Algorithm 1; HtFLlib: 100)
+    server_mode: ServerMode = "per-lar"                # per-lar (paper) | per-client (a client's LARs: one batch)
+    server_max_grad_norm: Float = bounded(10.0, ge=0)  # clip each server step's gradient norm; 0 = off (the paper)
+    label_prior: LabelPrior = "none"                   # none (paper) | local: add the client's log label prior
+    deploy_header: DeployHeader = "global"             # global (paper) | local: the header as fine-tuned locally
+
+
 @register
 class FedGH(Algorithm):
     """FedGH (Yi et al., MM 2023). Client state ``{"model": state_dict}``; server state
@@ -161,26 +177,14 @@ class FedGH(Algorithm):
     name: ClassVar[str] = "fedgh"
     # evaluate() applies each client's own label prior (its training split's label counts)
     shared_initial_evaluation: ClassVar[bool] = False
-    defaults: ClassVar[dict[str, Any]] = {
-        **LOCAL_DEFAULTS,
-        "server_lr": 0.01,         # eta_theta
-        "server_epochs": 1,        # passes over the round's LARs (Algorithm 1; HtFLlib: 100)
-        "server_mode": "per-lar",  # per-lar (paper) | per-client (each client's LARs as one mini-batch)
-        "server_max_grad_norm": 10.0,  # clip each server step's gradient norm; 0 = off (the paper)
-        "label_prior": "none",     # none (paper) | local: add the client's log label prior at inference
-        "deploy_header": "global",  # global (paper) | local: the header as fine-tuned in local training
-    }
+    hparams_model: ClassVar[type[Hyperparameters]] = FedGHHparams
 
     @classmethod
     def check_hparams(cls, hparams):
-        """Defaults merged with ``hparams``; also rejects an unknown ``server_mode``, ``label_prior``
-        or ``deploy_header``, and ``label_prior: local`` with ``deploy_header: local`` (the prior
-        adjusts the global header; a locally fine-tuned header has already learned it)."""
+        """:class:`FedGHHparams` checked; also rejects ``label_prior: local`` with ``deploy_header:
+        local`` (the prior adjusts the global header; a locally fine-tuned header has already
+        learned it)."""
         hp = super().check_hparams(hparams)
-        for key, allowed in (("server_mode", SERVER_MODES), ("label_prior", LABEL_PRIORS),
-                             ("deploy_header", DEPLOY_HEADERS)):
-            if hp[key] not in allowed:
-                raise UserInputError(f"is {shown(hp[key])}; allowed: {', '.join(allowed)}", field=f"algorithm.{key}")
         if hp["label_prior"] == "local" and hp["deploy_header"] == "local":
             raise UserInputError("is local, which adjusts the global header; with deploy_header: local the "
                                  "deployed header was fine-tuned on the client's labels and has learned their "

@@ -26,24 +26,15 @@ both models fit their data, and with it the distillation gradients.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
-from rafl.federation.algorithms._common import (
-    LOCAL_DEFAULTS,
-    build,
-    cpu_state,
-    optimizer_for,
-)
-from rafl.federation.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ServerContext,
-    register,
-)
+from rafl.federation.algorithms._common import build, cpu_state, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
 from rafl.federation.algorithms.fml import FML, shared_model
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
@@ -98,21 +89,26 @@ def decompress_update(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.
     return out
 
 
+class FedKDHparams(LocalTraining):
+    """FedKD's hyperparameters (Wu et al., Nat. Commun. 2022): adaptive mutual distillation and the
+    SVD energy threshold T of the mentee's update (Eq. 9), raised from ``energy_start`` to
+    ``energy_end`` over ``energy_rounds`` rounds."""
+
+    temperature: Float = bounded(1.0, gt=0)
+    hidden_weight: Float = bounded(1.0, ge=0)   # weight of the hidden (representation) loss
+    max_grad_norm: Float = bounded(10.0, ge=0)  # clip each model's gradient (HtFLlib); 0 = off (the paper)
+    energy_start: Float = fraction(0.95)        # SVD energy threshold T at round 1
+    energy_end: Float = fraction(0.98)          # ... reached after energy_rounds rounds
+    energy_rounds: Int = bounded(10, ge=1)
+    knowledge_arch: Text = "smallest"           # the mentee
+
+
 @register
 class FedKD(Algorithm):
     """FedKD (Wu et al., 2022). Client state ``{"local": state_dict}``; server ``{"global": state_dict}``."""
 
     name: ClassVar[str] = "fedkd"
-    defaults: ClassVar[dict[str, Any]] = {
-        **LOCAL_DEFAULTS,
-        "temperature": 1.0,
-        "hidden_weight": 1.0,          # weight of the hidden (representation) loss
-        "max_grad_norm": 10.0,         # clip each model's gradient (HtFLlib); 0 = off (the paper)
-        "energy_start": 0.95,          # SVD energy threshold T at round 1
-        "energy_end": 0.98,            # ... reached after energy_rounds rounds
-        "energy_rounds": 10,
-        "knowledge_arch": "smallest",  # the mentee
-    }
+    hparams_model: ClassVar[type[Hyperparameters]] = FedKDHparams
 
     def _energy(self, rnd: int) -> float:
         hp = self.hparams

@@ -17,14 +17,15 @@ Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from rafl.errors import UserInputError, shown
-from rafl.federation.algorithms._common import (LOCAL_DEFAULTS, build, cpu_state, divergence_keys, eval_counts,
+from rafl.errors import UserInputError
+from rafl.federation.algorithms._common import (build, cpu_state, divergence_keys, eval_counts,
                                                optimizer_for)
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded, choice
 from rafl.federation.headers import feature_dim
 from rafl.federation.losses import prototype_regularizer, train_regularized
 from rafl.federation.payload import Payload
@@ -35,25 +36,24 @@ PROTO = "proto."
 GLOBAL = "global."
 
 
+#: the prototype distance of the client loss
+Distance = choice("mse", "squared", "euclidean")
+
+
+class FedProtoHparams(LocalTraining):
+    """FedProto's hyperparameters (Tan et al., AAAI 2022, Eq. 8)."""
+
+    lambda_: Float = bounded(1.0, ge=0, alias="lambda")  # weight of the prototype term (official code: 1)
+    distance: Distance = "mse"  # mse (official code) | squared | euclidean
+
+
 @register
 class FedProto(Algorithm):
     """FedProto (Tan et al., AAAI 2022). Client state ``{"model": state_dict}``; server state
     ``{"values": (G, D), "labels": (G,)}`` (the global prototypes so far)."""
 
     name: ClassVar[str] = "fedproto"
-    defaults: ClassVar[dict[str, Any]] = {
-        **LOCAL_DEFAULTS,
-        "lambda": 1.0,       # weight of the prototype term (official code: 1)
-        "distance": "mse",   # mse (official code) | squared | euclidean
-    }
-
-    @classmethod
-    def check_hparams(cls, hparams):
-        """Defaults merged with ``hparams``; also rejects an unknown ``distance``."""
-        hp = super().check_hparams(hparams)
-        if hp["distance"] not in ("mse", "squared", "euclidean"):
-            raise UserInputError(f"is {shown(hp['distance'])}; allowed: mse, squared, euclidean", field="algorithm.distance")
-        return hp
+    hparams_model: ClassVar[type[Hyperparameters]] = FedProtoHparams
 
     def init_server(self, server: ServerContext):
         # (0, D): the prototype width D every upload must have, from round 1 on (D of client 0's model)

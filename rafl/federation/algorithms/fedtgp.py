@@ -28,15 +28,16 @@ Reported per client: ``model`` (the client's head) and ``proto`` (nearest global
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rafl.errors import UserInputError, shown, warn
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, divergence_keys, optimizer_for
+from rafl.errors import warn
+from rafl.federation.algorithms._common import build, cpu_state, divergence_keys, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded, choice, width
 from rafl.federation.algorithms.fedproto import FedProto
 from rafl.federation.headers import check_split_model, feature_dim
 from rafl.federation.losses import prototype_regularizer, train_regularized
@@ -91,6 +92,24 @@ def margin_contrastive_loss(client_protos: torch.Tensor, labels: torch.Tensor, g
     return F.cross_entropy(-dist, labels)
 
 
+#: the prototype distance of the client loss
+Distance = choice("euclidean", "mse")
+
+
+class FedTGPHparams(LocalTraining):
+    """FedTGP's hyperparameters (Zhang et al., AAAI 2024): the client's prototype distance (Eq. 4)
+    and the server's trainable prototypes with their adaptive margin (Eqs. 5-7)."""
+
+    lambda_: Float = bounded(0.1, ge=0, alias="lambda")  # weight of the Euclidean prototype distance (the paper)
+    distance: Distance = "euclidean"   # euclidean (paper) | mse (squared-distance variant)
+    lambda_mse: Float = bounded(1.0, ge=0)               # weight of the mse variant (HtFLlib's lamda for MSELoss)
+    tau: Float = bounded(100.0, gt=0)                    # margin threshold
+    server_epochs: Int = bounded(100, ge=1)              # S
+    server_lr: Float = bounded(0.01, gt=0)
+    server_batch_size: Int = bounded(32, ge=1)
+    server_hidden_dim: Int = width(0)                    # H of the prototype network; 0 = D
+
+
 @register
 class FedTGP(Algorithm):
     """FedTGP (Zhang et al., AAAI 2024). Client state ``{"model": state_dict}``; server state
@@ -98,27 +117,14 @@ class FedTGP(Algorithm):
     float}`` (the margin and the mean contrastive loss of the last server epoch of the round)."""
 
     name: ClassVar[str] = "fedtgp"
-    defaults: ClassVar[dict[str, Any]] = {
-        **LOCAL_DEFAULTS,
-        "lambda": 0.1,            # weight of the Euclidean prototype distance (the paper)
-        "distance": "euclidean",  # euclidean (paper) | mse (squared-distance variant, weight lambda_mse)
-        "lambda_mse": 1.0,        # weight of the mse variant (HtFLlib's lamda for MSELoss)
-        "tau": 100.0,             # margin threshold
-        "server_epochs": 100,     # S
-        "server_lr": 0.01,
-        "server_batch_size": 32,
-        "server_hidden_dim": 0,   # H of the prototype network; 0 = D
-    }
+    hparams_model: ClassVar[type[Hyperparameters]] = FedTGPHparams
 
     @classmethod
     def check_hparams(cls, hparams):
-        """Defaults merged with ``hparams``; also rejects an unknown ``distance``, and warns when a
-        weight is set to a non-default value that the chosen distance does not use (``lambda_mse``
-        with ``euclidean``, ``lambda`` with ``mse``; ``hparams`` may be a resolved config holding
-        every default, which is no reason to warn)."""
+        """:class:`FedTGPHparams` checked; warns when a weight is set to a non-default value that the
+        chosen distance does not use (``lambda_mse`` with ``euclidean``, ``lambda`` with ``mse``;
+        ``hparams`` may be a resolved config holding every default, which is no reason to warn)."""
         hp = super().check_hparams(hparams)
-        if hp["distance"] not in ("euclidean", "mse"):
-            raise UserInputError(f"is {shown(hp['distance'])}; allowed: euclidean, mse", field="algorithm.distance")
         unused = "lambda_mse" if hp["distance"] == "euclidean" else "lambda"
         if unused in hparams and hparams[unused] != cls.defaults[unused]:
             # named without a section: algorithm.X in rafl federate, algorithm.fedtgp.X in rafl compare

@@ -15,12 +15,12 @@ Tensor names: ``global.<state_dict key>``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from rafl.errors import UserInputError, shown
 from rafl.federation.aggregation import server_average
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, Text, bounded
 from rafl.federation.algorithms.rafl import resolve_knowledge_arch
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
@@ -36,30 +36,25 @@ def shared_model(make_model, space, spec: str):
     return make_model(arch if arch is not None else "knowledge")
 
 
+class FMLHparams(LocalTraining):
+    """FML's hyperparameters (Shen et al., 2020). ``alpha`` and ``beta`` are fractions in [0, 1]:
+    Eqs. 1-2 weight the cross-entropy by them and the KL term by ``1 - alpha`` / ``1 - beta``, so a
+    value outside would push a model away from its labels or from its partner."""
+
+    alpha: Float = bounded(0.5, ge=0, le=1, description="a fraction in [0, 1] (the CE weight; the KL term gets "
+                                                        "1 - alpha)")  # CE weight of the private model
+    beta: Float = bounded(0.5, ge=0, le=1, description="a fraction in [0, 1] (the CE weight; the KL term gets "
+                                                       "1 - beta)")  # CE weight of the meme model
+    temperature: Float = bounded(1.0, gt=0)
+    knowledge_arch: Text = "smallest"  # the meme model (NAS: smallest | middle | largest | arch string)
+
+
 @register
 class FML(Algorithm):
     """FML (Shen et al., 2020). Client state ``{"local": state_dict}``; server ``{"global": state_dict}``."""
 
     name: ClassVar[str] = "fml"
-    defaults: ClassVar[dict[str, Any]] = {
-        **LOCAL_DEFAULTS,
-        "alpha": 0.5,                 # CE weight of the private model
-        "beta": 0.5,                  # CE weight of the meme model
-        "temperature": 1.0,
-        "knowledge_arch": "smallest",  # the meme model (NAS: smallest | middle | largest | arch string)
-    }
-
-    @classmethod
-    def check_hparams(cls, hparams):
-        """Defaults merged with ``hparams``; ``alpha`` and ``beta`` are fractions in [0, 1]: Eqs. 1-2
-        weight the cross-entropy by them and the KL term by ``1 - alpha`` / ``1 - beta``, so a value
-        outside would push a model away from its labels or from its partner."""
-        hp = super().check_hparams(hparams)
-        for key in ("alpha", "beta"):
-            if not 0.0 <= float(hp[key]) <= 1.0:
-                raise UserInputError(f"is {shown(hparams.get(key, hp[key]))}; allowed: a fraction in [0, 1] (the CE weight; "
-                                     f"the KL term gets 1 - {key})", field=f"algorithm.{key}")
-        return hp
+    hparams_model: ClassVar[type[Hyperparameters]] = FMLHparams
 
     def init_server(self, server: ServerContext):
         glob = cpu_state(shared_model(server.make_model, server.space, self.hparams["knowledge_arch"]))

@@ -62,35 +62,20 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.algorithms._common import (
-    LOCAL_DEFAULTS,
-    cpu_state,
-    eval_counts,
-    optimizer_for,
-)
-from rafl.federation.algorithms.base import (
-    Algorithm,
-    ClientContext,
-    ClientInfo,
-    ServerContext,
-    register,
-)
+from rafl.federation.algorithms._common import cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.hparams import Bool, Hyperparameters, LocalTraining, choice
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, recalibrate_bn, train_ce
-from rafl.federation.weight_sharing import (
-    IndexMap,
-    extract,
-    fold_kernel_transforms,
-    is_kernel_matrix,
-    masked_average,
-    middle_channels,
-    nas_index_map,
-    prefix_index_map,
-    smallest_kernels,
-)
+from rafl.federation.weight_sharing import (IndexMap, extract, fold_kernel_transforms, is_kernel_matrix, masked_average,
+                                            middle_channels, nas_index_map, prefix_index_map, smallest_kernels)
+from rafl.models.sliced import set_scalers
+from rafl.supernet.arch import SearchSpace
+from rafl.supernet.model import Subnet, build_supernet
 
 BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 WEIGHTINGS = ("samples", "count")
+Weighting = choice(*WEIGHTINGS)
 
 
 def is_bn_stat(key: str) -> bool:
@@ -115,8 +100,6 @@ def index_map(layout_json: str, info: ClientInfo, round_: int, rolling: bool) ->
 
     layout = json.loads(layout_json)
     if layout["kind"] == "nas":
-        from rafl.supernet.arch import SearchSpace
-
         space = SearchSpace.from_dict(layout["space"])
         shifts = [(int(round_) - 1) % m for m in layout["middle"]] if rolling else None
         return nas_index_map(space, info.arch, shifts)
@@ -126,21 +109,23 @@ def index_map(layout_json: str, info: ClientInfo, round_: int, rolling: bool) ->
     return out
 
 
+class HeteroFLHparams(LocalTraining):
+    """HeteroFL's hyperparameters (Diao et al., ICLR 2021): how the slices are averaged (Eq. 3), its
+    static BatchNorm (Sec. 3.2) and scaler module."""
+
+    weighting: Weighting = "samples"
+    static_bn: Bool = False
+    scaler: Bool = True
+
+
 @register
 class HeteroFL(Algorithm):
     """HeteroFL (Diao et al., ICLR 2021) over NAS subnets or width-sliced models (module docstring)."""
 
     name: ClassVar[str] = "heterofl"
-    defaults: ClassVar[dict[str, Any]] = {**LOCAL_DEFAULTS, "weighting": "samples", "static_bn": False, "scaler": True}
+    hparams_model: ClassVar[type[Hyperparameters]] = HeteroFLHparams
     #: FedRolex's rolling window instead of HeteroFL's fixed prefix
     rolling: ClassVar[bool] = False
-
-    @classmethod
-    def check_hparams(cls, hparams):
-        hp = super().check_hparams(hparams)
-        if hp["weighting"] not in WEIGHTINGS:
-            raise UserInputError(f"is {hp['weighting']!r}; allowed: {', '.join(WEIGHTINGS)}", field="algorithm.weighting")
-        return hp
 
     # ------------------------------------------------------------------ layout
     def layout(self, server: ServerContext) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -167,8 +152,6 @@ class HeteroFL(Algorithm):
         return layout, models[widest]
 
     def _nas_layout(self, server: ServerContext, nas: list[ClientInfo]):
-        from rafl.supernet.model import Subnet
-
         supernet, space = server.supernet, server.space
         others = [c.client_id for c in server.clients if c.arch is None]
         if supernet is None or space is None or others:
@@ -251,7 +234,6 @@ class HeteroFL(Algorithm):
         if bad:
             raise UserInputError(f"the downloaded slice does not fit the client's model ({bad[:3]}); allowed: the "
                                  "model the run was started with")
-        from rafl.models.sliced import set_scalers
 
         set_scalers(model, bool(self.hparams["scaler"]))
         return model.to(client.device).train()
@@ -282,7 +264,6 @@ class HeteroFL(Algorithm):
         layout = json.loads(server_state["layout"])
         if layout["kind"] != "nas":
             return None
-        from rafl.supernet.model import build_supernet
 
         net = build_supernet(server.space)
         net.load_state_dict(server_state["global"])

@@ -12,11 +12,12 @@ Upload/broadcast tensors: ``head.<key>``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rafl.federation.aggregation import server_average
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Hyperparameters, LocalTraining
 from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
@@ -25,12 +26,15 @@ from rafl.federation.training import evaluate_accuracy, train_ce
 HEAD = "head."
 
 
+
+
+
 @register
 class LGFedAvg(Algorithm):
     """LG-FedAvg with a global header. Client state ``{"model": state_dict}``; server ``{"head": ...}``."""
 
     name: ClassVar[str] = "lg-fedavg"
-    defaults: ClassVar[dict[str, Any]] = dict(LOCAL_DEFAULTS)
+    hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
 
     def init_server(self, server: ServerContext):
         head = head_state(common_header(server.make_model, server.clients, self.name))

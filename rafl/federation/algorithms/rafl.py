@@ -31,14 +31,16 @@ Payload tensor names: ``"knowledge.<state_dict key>"``; upload meta ``n_samples`
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.hparams import (Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded,
+                                                fraction)
 from rafl.federation.payload import Payload
 from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits, train_dml
 from rafl.supernet.arch import ArchConfig, SearchSpace
@@ -72,23 +74,27 @@ def resolve_knowledge_arch(spec: str, space: SearchSpace | None) -> ArchConfig |
                              field="algorithm.knowledge_arch") from None
 
 
+class RaFLHparams(LocalTraining):
+    """RaFL's hyperparameters (Yu et al., 2022): the knowledge network, DML (Eqs. 4-6) and the
+    optional server ensemble distillation (Eqs. 8-9)."""
+
+    knowledge_arch: Text = "smallest"
+    knowledge_width: Float = fraction(0.375)  # share of hidden/head channels kept (narrow_width)
+    temperature: Float = bounded(1.0, gt=0)   # DML softmax temperature (Eqs. 4, 6)
+    alpha: Float = bounded(1.0, ge=0)         # weight of the KL terms
+    distill: Bool = False                     # server ensemble distillation on the public pool (Eqs. 8-9)
+    distill_epochs: Int = bounded(1, ge=1)
+    distill_lr: Float = bounded(0.01, gt=0)
+    distill_temperature: Float = bounded(1.0, gt=0)
+    distill_batch_size: Int = bounded(64, ge=1)
+
+
 @register
 class RaFL(Algorithm):
     """RaFL (Yu et al.): deep mutual learning with a shared, averaged knowledge network."""
 
     name: ClassVar[str] = "rafl"
-    defaults: ClassVar[dict[str, Any]] = {
-        **LOCAL_DEFAULTS,
-        "knowledge_arch": "smallest",
-        "knowledge_width": 0.375,  # share of hidden/head channels kept (narrow_width)
-        "temperature": 1.0,   # DML softmax temperature (Eqs. 4, 6)
-        "alpha": 1.0,         # weight of the KL terms
-        "distill": False,     # server ensemble distillation on the public pool (Eqs. 8-9)
-        "distill_epochs": 1,
-        "distill_lr": 0.01,
-        "distill_temperature": 1.0,
-        "distill_batch_size": 64,
-    }
+    hparams_model: ClassVar[type[Hyperparameters]] = RaFLHparams
     uses_public_pool: ClassVar[bool] = False
 
     def _knowledge(self, make_model, space):

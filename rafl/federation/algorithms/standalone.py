@@ -7,12 +7,16 @@ payloads (0 bytes).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, build, cpu_state, eval_counts, optimizer_for
+from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.hparams import Hyperparameters, LocalTraining
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
+
+
+
 
 
 @register
@@ -20,7 +24,7 @@ class Standalone(Algorithm):
     """Local training only. Client state: ``{"model": state_dict}``."""
 
     name: ClassVar[str] = "standalone"
-    defaults: ClassVar[dict[str, Any]] = dict(LOCAL_DEFAULTS)
+    hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
 
     def init_server(self, server: ServerContext):
         return {}, Payload()

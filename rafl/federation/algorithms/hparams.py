@@ -1,0 +1,194 @@
+"""Hyperparameter models: every FL method declares its hyperparameters as a pydantic model --
+types, ranges and defaults in one place -- and :meth:`Hyperparameters.check` turns a run config's
+``algorithm`` section into the method's resolved hyperparameters.
+
+A number field reads what YAML gives: ``1e-3`` (a string to YAML 1.1) is parsed; an integer field
+takes ``2.0`` as 2 but refuses 2.5; a boolean is never a number and every float is finite. Range
+errors name the bound (``a number > 0``) or, above the upper bound, the field's ``description``
+(its whole range, e.g. ``a number in [0, 1)``)::
+
+    class FedProxHparams(LocalTraining):
+        mu: float = bounded(0.01, ge=0)   # the proximal weight
+
+Errors are :class:`~rafl.errors.UserInputError` s naming ``algorithm.<key>`` and the value as
+given, e.g. ``algorithm.lr: is 'abc'; allowed: a number``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+from rafl.errors import UserInputError, shown
+
+#: the largest ``*_dim`` hyperparameter (a layer width; as ``clients.feature_dim``'s bound)
+MAX_DIM = 4096
+
+#: the local optimizers of ``algorithm.optimizer`` (:func:`rafl.federation.training.make_optimizer`)
+OPTIMIZERS = ("sgd", "adam")
+
+#: a field's ``json_schema_extra`` flag: a violated lower bound names the whole range too
+_WHOLE_RANGE = "rafl_whole_range"
+
+
+def _refuse(value: Any, allowed: str) -> PydanticCustomError:
+    return PydanticCustomError("rafl_hparam", "{message}", {"message": f"is {shown(value)}; allowed: {allowed}"})
+
+
+def _as_float(value: Any) -> float:
+    """A number as YAML hands it over (numeric strings parsed), finite; never a boolean."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value) if isinstance(value, str) else value
+        if not isinstance(number, int | float):
+            raise ValueError
+        number = float(number)
+    except (TypeError, ValueError, OverflowError):
+        raise _refuse(value, "a number") from None
+    if not math.isfinite(number):
+        raise _refuse(value, "a finite number")
+    return number
+
+
+def _as_int(value: Any) -> int:
+    """A whole number as YAML hands it over (``2.0`` and ``"2"`` are 2); never a boolean."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value) if isinstance(value, str) else value
+        if not isinstance(number, int | float) or float(number) != int(number):
+            raise ValueError
+        return int(number)
+    except (TypeError, ValueError, OverflowError):
+        raise _refuse(value, "an integer") from None
+
+
+def _as_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _refuse(value, "true or false")
+    return value
+
+
+def _as_text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _refuse(value, "text")
+    return value
+
+
+def choice(*values: str) -> Any:
+    """A text field allowing one of ``values`` (the error lists them in this order)."""
+
+    def check(value: Any) -> str:
+        if value not in values:
+            raise _refuse(value, ", ".join(values))
+        return value
+
+    return Annotated[str, BeforeValidator(check)]
+
+
+#: number field types: YAML's numbers, checked (use with :func:`bounded` for ranges)
+Float = Annotated[float, BeforeValidator(_as_float)]
+Int = Annotated[int, BeforeValidator(_as_int)]
+Bool = Annotated[bool, BeforeValidator(_as_bool)]
+Text = Annotated[str, BeforeValidator(_as_text)]
+Optimizer = choice(*OPTIMIZERS)
+
+
+def bounded(default: Any, *, description: str | None = None, whole_range: bool = False, **bounds: Any) -> Any:
+    """A field with ``default`` and pydantic bounds (``gt``/``ge``/``lt``/``le``). ``description``:
+    the allowed range as an error above the upper bound states it; ``whole_range``: below the lower
+    bound too (else that error names the lower bound alone)."""
+    return Field(default, description=description, json_schema_extra={_WHOLE_RANGE: True} if whole_range else None,
+                 **bounds)
+
+
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+           "less_than_equal": ("le", "<=")}
+
+
+class Hyperparameters(BaseModel):
+    """The base of every method's hyperparameter model (see the module docstring). Keys are the
+    fields' aliases where given (``lambda``, a Python keyword, is the field ``lambda_``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The hyperparameter names, in declaration order."""
+        return [f.alias or name for name, f in cls.model_fields.items()]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """``name -> default``, in declaration order."""
+        return {f.alias or name: f.default for name, f in cls.model_fields.items()}
+
+    @classmethod
+    def check(cls, given: Mapping[str, Any], method: str = "") -> dict[str, Any]:
+        """The defaults merged with ``given``, checked: ``name -> value`` in declaration order.
+
+        Raises:
+            UserInputError: an unknown key (all of them listed, with the allowed ones), a value of
+                the wrong type or out of range, naming ``algorithm.<key>``.
+        """
+        keys = cls.keys()
+        unknown = sorted(set(given) - set(keys))
+        if unknown:
+            raise UserInputError(f"unknown hyperparameter(s) {unknown} for {method!r}; allowed: {sorted(keys)}",
+                                 field=f"algorithm.{unknown[0]}")
+        try:
+            model = cls.model_validate(dict(given))
+        except ValidationError as err:
+            raise cls._user_error(err, given) from None
+        return model.model_dump(by_alias=True)
+
+    @classmethod
+    def _user_error(cls, err: ValidationError, given: Mapping[str, Any]) -> UserInputError:
+        first = err.errors(include_url=False)[0]
+        key = str(first["loc"][0]) if first.get("loc") else ""
+        info = next((f for name, f in cls.model_fields.items() if key in (name, f.alias)), None)
+        key = (info.alias or key) if info is not None else key
+        value = given.get(key, first.get("input"))
+        kind = first["type"]
+        if kind in _BOUNDS and info is not None:
+            bound, op = _BOUNDS[kind]
+            upper = bound in ("lt", "le")
+            whole = bool((info.json_schema_extra or {}).get(_WHOLE_RANGE))  # type: ignore[union-attr]
+            if info.description and (upper or whole):
+                allowed = info.description
+            else:
+                number = "an integer" if info.annotation is int else "a number"
+                limit = first["ctx"][bound]
+                allowed = f"{number} {op} {int(limit) if float(limit).is_integer() else limit}"
+            return UserInputError(f"is {shown(value)}; allowed: {allowed}", field=f"algorithm.{key}")
+        if kind == "rafl_hparam":
+            return UserInputError(first["msg"], field=f"algorithm.{key}" if key else "algorithm")
+        return UserInputError(f"is {shown(value)}; {first['msg']}", field=f"algorithm.{key}" if key else "algorithm")
+
+
+class LocalTraining(Hyperparameters):
+    """Local-training hyperparameters every method accepts."""
+
+    local_epochs: Int = bounded(2, ge=1)
+    lr: Float = bounded(0.05, gt=0)
+    momentum: Float = bounded(0.9, ge=0, lt=1, description="a number in [0, 1)")
+    weight_decay: Float = bounded(5e-4, ge=0)
+    optimizer: Optimizer = "sgd"
+
+
+def fraction(default: float) -> Any:
+    """A share in (0, 1] (e.g. FedKD's SVD energy, RaFL's kept width)."""
+    return bounded(default, gt=0, le=1, description="a fraction in (0, 1]", whole_range=True)
+
+
+def width(default: int) -> Any:
+    """A layer width in 0..:data:`MAX_DIM`; 0 = a default width."""
+    return bounded(default, ge=0, le=MAX_DIM, description=f"an integer in 0..{MAX_DIM} (0 = a default width)")
+
+
+__all__ = ["Bool", "Float", "Hyperparameters", "Int", "LocalTraining", "MAX_DIM", "OPTIMIZERS", "Optimizer", "Text",
+           "bounded", "choice", "fraction", "width"]
