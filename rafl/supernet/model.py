@@ -386,51 +386,78 @@ def subnet_from_arch(space: SearchSpace, arch: ArchConfig) -> Subnet:
     return extract_subnet(build_supernet(space), arch)
 
 
-class _ArchForward(nn.Module):
-    """``x -> supernet(x, arch)`` as a module, for BN recalibration of one subnet in the supernet."""
-
-    def __init__(self, supernet: Supernet, arch: ArchConfig):
-        super().__init__()
-        self.supernet = supernet
-        self.arch = arch
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.supernet(x, self.arch)
-
-
-def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int = 20,
-                   arch: ArchConfig | None = None) -> nn.Module:
+def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int | None = 20,
+                   arch: ArchConfig | None = None, *, device: torch.device | str | None = None,
+                   fork_rng: bool = True) -> int:
     """BN recalibration: reset every BatchNorm's running statistics, then re-estimate them.
 
     The statistics are the exact averages over the first ``n_batches`` batches of ``loader``
     (cumulative moving average, ``momentum=None``), computed in train mode without gradients; the
-    model's train/eval mode and BN momenta are restored afterwards, and the global RNG state is
-    left untouched (forked around the pass). This is OFA's
-    ``set_running_statistics`` (Cai et al. 2020, Sec. 3.2), here via ``torch.optim.swa_utils.update_bn``.
+    model's train/eval mode and BN momenta are restored afterwards. This is OFA's
+    ``set_running_statistics`` (Cai et al., "Once-for-All", ICLR 2020, Sec. 3.2), the same pass as
+    ``torch.optim.swa_utils.update_bn``.
 
     Args:
-        model: a :class:`Subnet` (or any module); a :class:`Supernet` recalibrates the slices that
-            subnet ``arch`` (None: largest) uses.
+        model: a :class:`Subnet` (or any module: run as ``model(x)``, or as
+            ``model.head(model.features(x))`` when it has no ``forward``); a :class:`Supernet`
+            recalibrates the slices that subnet ``arch`` (None: largest) uses.
         loader: yields ``(images, labels)`` pairs or image tensors ``(B, 3, H, W)``.
-        n_batches: number of batches to use (>= 1).
+        n_batches: number of batches to use (>= 1); None: all of ``loader``.
+        device: where to compute (None: the model's parameters' device).
+        fork_rng: leave the global RNG state untouched (forked around the forward passes, whose
+            dropout draws from it; ``loader`` is read before the fork, so a shuffling loader's
+            draws stay in the caller's stream). False: the passes draw from the caller's stream.
 
     Returns:
-        ``model`` (modified in place).
+        the number of batches used: 0 when the model has no BatchNorm with running statistics
+        (``loader`` is then not read) or ``loader`` is empty (the statistics are then unchanged).
 
     Raises:
-        UserInputError: ``n_batches < 1`` or an empty loader.
+        UserInputError: ``n_batches < 1``.
     """
-    if n_batches < 1:
+    if n_batches is not None and n_batches < 1:
         raise UserInputError(f"must be >= 1, got {n_batches}", field="n_batches")
-    batches = list(itertools.islice(iter(loader), n_batches))
-    if not batches:
-        raise UserInputError("the calibration loader yielded no batch", field="loader")
-    device = next(model.parameters()).device
-    target: nn.Module = _ArchForward(model, arch) if isinstance(model, Supernet) else model
-    # fork the RNG: the train-mode pass (dropout) must not shift the caller's random stream
-    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.optim.swa_utils.update_bn(batches, target, device=device)
-    return model
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not bns:
+        return 0
+    batches: Iterable = iter(loader) if n_batches is None else itertools.islice(iter(loader), n_batches)
+    device = torch.device(next(model.parameters()).device if device is None else device)
+    if not fork_rng:
+        return _bn_statistics_pass(model, bns, batches, arch, device)
+    batches = list(batches)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _bn_statistics_pass(model, bns, batches, arch, device)
+
+
+@torch.no_grad()
+def _bn_statistics_pass(model: nn.Module, bns: list[nn.Module], batches: Iterable, arch: ArchConfig | None,
+                        device: torch.device) -> int:
+    """The forward passes of :func:`recalibrate_bn`; the statistics are reset at the first batch."""
+    if isinstance(model, Supernet):
+        def forward(x: Tensor) -> Tensor:
+            return model(x, arch)
+    elif type(model).forward is not nn.Module.forward:
+        forward = model
+    else:
+        def forward(x: Tensor) -> Tensor:
+            return model.head(model.features(x))
+    was = model.training
+    momenta = [m.momentum for m in bns]
+    n = 0
+    model.train()
+    try:
+        for batch in batches:
+            if n == 0:
+                for m in bns:
+                    m.reset_running_stats()
+                    m.momentum = None  # cumulative average over the pass
+            forward((batch[0] if isinstance(batch, list | tuple) else batch).to(device))
+            n += 1
+    finally:
+        for m, momentum in zip(bns, momenta):
+            m.momentum = momentum
+        model.train(was)
+    return n
 
 
 __all__ = ["Supernet", "Subnet", "build_supernet", "extract_subnet", "narrow_width", "subnet_from_arch",
