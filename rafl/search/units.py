@@ -221,7 +221,8 @@ def fixed_units(space: SearchSpace, r: int) -> tuple[list[tuple[str, UnitSpec]],
         ("first_conv", UnitSpec(kind="conv", cin=stem.cin, cout=stem.cout, kernel=stem.kernel, stride=stem.stride,
                                 hin=r, act=stem.act, use_bn=stem.use_bn)),
         ("blocks.0", UnitSpec(kind="mbconv", cin=fb.cin, cout=fb.cout, kernel=fb.kernel, stride=fb.stride, hin=h0,
-                              mid=fb.cin, expand=False, se=fb.se, act=fb.act, residual=fb.residual)),
+                              mid=round(fb.cin * fb.expand_ratio), expand=fb.expand_ratio != 1, se=fb.se, act=fb.act,
+                              residual=fb.residual)),
     ]
     h = h0
     for block in layout.blocks:

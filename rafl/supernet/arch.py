@@ -484,13 +484,16 @@ class ConvSpec:
 class StageSpec:
     """A stage of inverted-residual (MBConv) blocks: base width, activation and squeeze-and-excitation.
 
-    Kernel sizes, expand ratios and depth of an elastic stage come from the :class:`SearchSpace`,
-    and the stride of its first block from ``SearchSpace.stage_strides``.
+    ``kernel`` / ``expand_ratio``: fixed choices, or None for elastic ones. The kernel sizes,
+    expand ratios and depth of an elastic stage come from the :class:`SearchSpace`, and the stride
+    of its first block from ``SearchSpace.stage_strides``.
     """
 
     width: int
     act: str
     se: bool = False
+    kernel: int | None = None
+    expand_ratio: int | None = None
 
 
 @dataclass(frozen=True)
@@ -499,7 +502,7 @@ class MacroArch:
 
     Attributes:
         stem: the first conv (its stride is ``SearchSpace.stem_stride``).
-        first_block: one MBConv block with kernel 3, expand ratio 1 and stride 1 (not elastic).
+        first_block: one MBConv block with stride 1 and a fixed kernel and expand ratio.
         stages: the elastic stages, in order.
         final_expand: 1x1 conv after the last stage.
         feature_mix: 1x1 conv after global average pooling (its output is the representation).
@@ -522,7 +525,7 @@ class MacroArch:
 #: ``se_stages``, ``dropout_rate=0.1``, ``bn_param=(0.1, 1e-5)``).
 OFA_MOBILENET_V3 = MacroArch(
     stem=ConvSpec(16, kernel=3, act="h_swish"),
-    first_block=StageSpec(16, act="relu", se=False),
+    first_block=StageSpec(16, act="relu", se=False, kernel=3, expand_ratio=1),
     stages=(StageSpec(24, "relu"), StageSpec(40, "relu", se=True), StageSpec(80, "h_swish"),
             StageSpec(112, "h_swish", se=True), StageSpec(160, "h_swish", se=True)),
     final_expand=ConvSpec(960, act="h_swish"),
@@ -549,8 +552,8 @@ class ConvLayout:
 class BlockLayout:
     """A decoded MBConv block slot: ``cin -> cout`` channels, stride of its depthwise conv.
 
-    ``kernel`` and ``expand_ratio`` are fixed (the first block: 3 and 1) or None (an elastic slot:
-    chosen per subnet by :class:`ArchConfig`).
+    ``kernel`` and ``expand_ratio`` are fixed (the first block's) or None (an elastic slot: chosen
+    per subnet by :class:`ArchConfig`).
     """
 
     cin: int
@@ -613,7 +616,8 @@ def network_layout(space: SearchSpace, macro: MacroArch = OFA_MOBILENET_V3) -> N
     stem = ConvLayout(3, width(macro.stem.width), macro.stem.kernel, space.stem_stride, macro.stem.act,
                       macro.stem.use_bn)
     fb = macro.first_block
-    first = BlockLayout(stem.cout, width(fb.width), stride=1, act=fb.act, se=fb.se, kernel=3, expand_ratio=1)
+    first = BlockLayout(stem.cout, width(fb.width), stride=1, act=fb.act, se=fb.se, kernel=fb.kernel,
+                        expand_ratio=fb.expand_ratio)
     blocks = []
     cin = first.cout
     for s in range(space.n_stages):
