@@ -14,7 +14,8 @@ from rafl.errors import UserInputError
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
 from rafl.federation.payload import Payload
-from rafl.federation.training import dml_losses, kl_soft, train_dml
+from rafl.federation.losses import train_mutual as train_dml
+from rafl.federation.training import dml_losses, kl_soft
 
 
 # ---------------------------------------------------------------------- payload
@@ -261,7 +262,8 @@ def test_rafl_knowledge_width_is_range_checked():
 
 
 def test_bn_recalibration_matches_the_data_statistics_of_the_final_weights():
-    from rafl.federation.training import recalibrate_bn, train_ce
+    from rafl.federation.training import recalibrate_local_bn as recalibrate_bn
+    from rafl.federation.training import train_ce
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
@@ -309,7 +311,7 @@ def test_dml_recalibrates_the_private_model_only(trainer):
     """RaFL's knowledge network / FML's meme model are averaged with their BN statistics on the
     server: only the specialized (private) model is recalibrated after local training."""
     from rafl.federation.losses import train_mutual
-    from rafl.federation.training import train_dml
+    from rafl.federation.losses import train_mutual as train_dml
 
     torch.manual_seed(0)
     a, b = _FeatHead(), _FeatHead()

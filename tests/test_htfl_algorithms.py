@@ -342,7 +342,9 @@ def test_nas_subnets_federate_with_fedgh_and_fedtgp(tmp_path):
     def subnet(arch):  # extracted + BN-recalibrated once per arch, as the federate pipeline does
         key = arch.to_string()
         if key not in templates:
-            templates[key] = recalibrate_bn(extract_subnet(sup, arch), [calib], n_batches=1).eval()
+            templates[key] = extract_subnet(sup, arch)
+            recalibrate_bn(templates[key], [calib], n_batches=1)
+            templates[key].eval()
         return copy.deepcopy(templates[key]).train()
 
     infos = [ClientInfo(i, "custom", archs[i], archs[i].to_string(), len(splits[i].train)) for i in range(2)]
@@ -422,7 +424,8 @@ def test_a_client_with_one_training_sample_stays_finite(name, digits, tmp_path):
 def test_train_mode_freezes_batchnorm_only_for_a_single_sample():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from rafl.federation.training import recalibrate_bn, train_mode
+    from rafl.federation.training import recalibrate_local_bn as recalibrate_bn
+    from rafl.federation.training import train_mode
 
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2), torch.nn.Dropout())
     for n, bn_training in ((1, False), (2, True)):

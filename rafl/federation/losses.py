@@ -10,10 +10,10 @@ One loop, :func:`train_regularized`, serves every method whose client loss is
 * FD / FedDistill (Jeong et al., 2018): ``extra = gamma * MSE(logits, bar z_y)`` with the global
   per-class mean logits -- :func:`logit_regularizer`.
 
-:func:`train_mutual` is the two-model loop of FML (Shen et al., 2020, Eqs. 1-2) and FedKD (Wu et
-al., Nature Communications 2022, Eqs. 1-4): a private model and a shared model learn from each
-other with per-model CE/KL weights, optional adaptive (loss-normalised) distillation and a hidden
-representation loss.
+:func:`train_mutual` is the two-model loop of RaFL (Yu et al., Eqs. 3-6: deep mutual learning with
+KL weight alpha), FML (Shen et al., 2020, Eqs. 1-2) and FedKD (Wu et al., Nature Communications
+2022, Eqs. 1-4): a private model and a shared model learn from each other with per-model CE/KL
+weights, optional adaptive (loss-normalised) distillation and a hidden representation loss.
 
 Conventions are those of :mod:`rafl.federation.training` (loaders yield ``(images (B, C, H, W),
 labels (B,))``; losses are batch means; no ``drop_last``: a client smaller than one batch still
@@ -31,8 +31,8 @@ from torch import nn
 
 from rafl.federation.progress import report
 from rafl.federation.prototypes import safe_distance, stack_targets, target_bank
-from rafl.federation.training import (TrainStats, check_finite_loss, kl_soft, no_singleton_batches, recalibrate_bn,
-                                      train_ce, train_mode)
+from rafl.federation.training import (TrainStats, check_finite_loss, kl_soft, no_singleton_batches,
+                                      recalibrate_local_bn, train_ce, train_mode)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
@@ -154,11 +154,15 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     / MSE with the other model's output as a constant target, ``s = 1`` or, with ``adaptive``,
     ``s = 1 / (CE_a + CE_b)`` (a constant: FedKD's adaptive mutual distillation, Wu et al. Eqs.
     1-4, which trusts the distillation more when both models predict well). FML (Shen et al. 2020,
-    Eqs. 1-2): ``ce_a = alpha, kl_a = 1 - alpha, ce_b = beta, kl_b = 1 - beta``.
+    Eqs. 1-2): ``ce_a = alpha, kl_a = 1 - alpha, ce_b = beta, kl_b = 1 - beta``. RaFL's deep mutual
+    learning (Yu et al., Eqs. 3-6; :func:`~rafl.federation.training.dml_losses`): ``ce_a = ce_b = 1``,
+    ``kl_a = kl_b = alpha``. Only ``model_a`` ends with BN recalibration (:func:`recalibrate_local_bn`):
+    ``model_b`` is averaged on the server with its running statistics.
 
     Args:
-        model_a / model_b: models with ``features`` and ``head`` (the same representation width
-            when ``hidden_weight > 0``).
+        model_a / model_b: ``(B, C, H, W) -> (B, K)`` models, run as ``head(features(x))`` when
+            both have ``features`` and ``head`` (the same representation width when
+            ``hidden_weight > 0``), else as ``model(x)``.
         loader: yields ``(images, labels)``.
         opt_a / opt_b: optimizers of the two models.
         epochs, temperature: as named.
@@ -170,8 +174,12 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
         ``(stats_a, stats_b)``.
 
     Raises:
-        ValueError: ``hidden_weight > 0`` and the two representations differ in width.
+        ValueError: ``hidden_weight > 0`` and the two representations differ in width, or a model
+            has no ``features`` / ``head``.
     """
+    split = all(hasattr(m, "features") and hasattr(m, "head") for m in (model_a, model_b))
+    if hidden_weight > 0 and not split:
+        raise ValueError("hidden loss needs models with features and head")
     train_mode(model_a, loader)
     train_mode(model_b, loader)
     st_a, st_b = TrainStats(), TrainStats()
@@ -180,8 +188,11 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
         report("epoch", epoch=epoch + 1, epochs=int(epochs))
         for images, labels in no_singleton_batches(loader):
             images, labels = images.to(device), labels.to(device)
-            h_a, h_b = model_a.features(images), model_b.features(images)
-            z_a, z_b = model_a.head(h_a), model_b.head(h_b)
+            if split:
+                h_a, h_b = model_a.features(images), model_b.features(images)
+                z_a, z_b = model_a.head(h_a), model_b.head(h_b)
+            else:
+                z_a, z_b = model_a(images), model_b(images)
             ce_la, ce_lb = F.cross_entropy(z_a, labels), F.cross_entropy(z_b, labels)
             s = 1.0 / float((ce_la + ce_lb).detach().clamp_min(1e-8)) if adaptive else 1.0
             loss_a = ce_a * ce_la + kl_a * s * kl_soft(z_a, z_b, temperature)
@@ -211,7 +222,7 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     st_a.loss = sum_a / st_a.steps if st_a.steps else 0.0
     st_b.loss = sum_b / st_b.steps if st_b.steps else 0.0
     if st_a.steps:  # BN recalibration of the private model only (model_b is averaged on the server)
-        recalibrate_bn(model_a, loader, device=device)
+        recalibrate_local_bn(model_a, loader, device=device)
     return st_a, st_b
 
 

@@ -1,7 +1,10 @@
 """Shared local-training building blocks, written once and used by every FL method.
 
 * :func:`train_ce` -- cross-entropy epochs (optionally FedProx's proximal term);
-* :func:`dml_losses` / :func:`train_dml` -- deep mutual learning of two models (RaFL Eqs. 3-6);
+* :func:`dml_losses` -- the deep mutual learning losses of RaFL (Eqs. 3-6; the training loop is
+  :func:`rafl.federation.losses.train_mutual`);
+* :func:`recalibrate_local_bn` -- BN statistics re-estimated on a client's data after local training;
+* :func:`train_sgd` -- plain SGD epochs on server-held data (FedGH's header, FedTGP's prototypes);
 * :func:`distill_kl` -- KL distillation of a student into given soft targets (RaFL Eq. 9, FedDF);
 * :func:`predict_logits` -- logits of a model on a tensor of images, batched;
 * :func:`evaluate_accuracy` -- ``(correct, total)`` on a loader;
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,7 @@ from torch import nn
 
 from rafl.errors import UserInputError
 from rafl.federation.progress import report
+from rafl.supernet.model import recalibrate_bn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -119,6 +124,40 @@ def check_finite_params(model: nn.Module, *, what: str, field: str) -> None:
     """
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise UserInputError(f"{what} diverged (NaN/Inf weights); allowed: a smaller learning rate", field=field)
+
+
+def train_sgd(model: nn.Module, batches: Callable[[], Iterable[Any]], loss_of: Callable[[Any], torch.Tensor], *,
+              epochs: int, lr: float, max_grad_norm: float = 0.0, what: str, field: str) -> list[list[float]]:
+    """Plain SGD (``torch.optim.SGD``: no momentum, no weight decay) on ``model`` for ``epochs``
+    passes: per batch of ``batches()`` (called once per epoch) the loss ``loss_of(batch)``,
+    backward, the gradient clipped to L2 norm ``max_grad_norm`` (0 = no clipping;
+    ``torch.nn.utils.clip_grad_norm_``), a step. The server-side training of FedGH's global header
+    (Yi et al. 2023, Algorithm 1) and of FedTGP's prototype network (Zhang et al. 2024, Eq. 5);
+    the module's mode is the caller's.
+
+    Returns:
+        per epoch, the loss of every step (floats, in order).
+
+    Raises:
+        UserInputError: a NaN/Inf loss, or NaN/Inf weights after training, as ``what`` diverging
+            (naming ``field``, the learning rate to lower).
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=float(lr))
+    history: list[list[float]] = []
+    for _ in range(int(epochs)):
+        losses: list[float] = []
+        for batch in batches():
+            loss = loss_of(batch)
+            check_finite_loss(loss, what=what, field=field)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), float(max_grad_norm))
+            opt.step()
+            losses.append(float(loss.detach()))
+        history.append(losses)
+    check_finite_params(model, what=what, field=field)
+    return history
 
 
 @dataclass
@@ -219,7 +258,7 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
         prox_reference: required when ``prox_mu > 0``.
         max_steps: stop after this many optimizer steps (None = no limit).
         extra: a regularizer on (features, logits, labels), or None.
-        bn_recalibration: end with :func:`recalibrate_bn` on ``loader`` (after at least one step).
+        bn_recalibration: end with :func:`recalibrate_local_bn` on ``loader`` (after at least one step).
         diverged: ``(field, also)`` of :func:`check_finite_loss` when the loss turns NaN/Inf.
 
     Returns:
@@ -258,17 +297,16 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
             loss_sum += float(loss.detach())
     stats.loss = loss_sum / stats.steps if stats.steps else 0.0
     if bn_recalibration and stats.steps:
-        recalibrate_bn(model, loader, device=device)
+        recalibrate_local_bn(model, loader, device=device)
     return stats
 
 
-@torch.no_grad()
-def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.device | str = "cpu") -> int:
-    """BN recalibration: re-estimate every BatchNorm layer's running statistics for the model's
-    current weights with one no-grad pass over ``loader`` in train mode, averaging over all batches
-    (``momentum=None``) -- what OFA's ``set_running_statistics`` does for extracted subnets (Cai et
-    al., "Once-for-All", ICLR 2020, Sec. 3.2), here on the client's own training data at the end of
-    local training.
+def recalibrate_local_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.device | str = "cpu") -> int:
+    """BN recalibration at the end of local training (:func:`rafl.supernet.model.recalibrate_bn`,
+    OFA's ``set_running_statistics``, Cai et al. ICLR 2020, Sec. 3.2): the running statistics of
+    every BatchNorm layer re-estimated for the model's current weights by one no-grad pass over the
+    whole of the client's ``loader`` in train mode (batches through :func:`no_singleton_batches`:
+    BatchNorm needs >= 2 values per channel), in the caller's random stream.
 
     Why: the running statistics are an exponential average over the last few batches of training,
     taken while the weights moved. On small clients they can be far from the data's statistics
@@ -286,88 +324,16 @@ def recalibrate_bn(model: nn.Module, loader: Iterable[Batch], *, device: torch.d
 
     Args:
         model: any module; models without BatchNorm are left untouched.
-        loader: yields ``(images (B, C, H, W), labels)``; batches go through
-            :func:`no_singleton_batches` (BatchNorm needs >= 2 values per channel).
+        loader: yields ``(images (B, C, H, W), labels)``.
         device: where to compute.
 
     Returns:
         the number of batches used (0: no BatchNorm, no data or a single sample -- the statistics
         are then unchanged).
     """
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    if not bns or loader_size(loader) == 1:  # one sample: no statistics to estimate (see train_mode)
+    if loader_size(loader) == 1:  # one sample: no statistics to estimate (see train_mode)
         return 0
-    was = model.training
-    momenta = [m.momentum for m in bns]
-    has_forward = type(model).forward is not nn.Module.forward
-    n = 0
-    model.train()
-    try:
-        for images, _ in no_singleton_batches(loader):
-            if n == 0:
-                for m in bns:
-                    m.reset_running_stats()
-                    m.momentum = None  # cumulative average over the pass
-            x = images.to(device)
-            model(x) if has_forward else model.head(model.features(x))
-            n += 1
-    finally:
-        for m, mom in zip(bns, momenta):
-            m.momentum = mom
-        model.train(was)
-    return n
-
-
-def train_dml(model_l: nn.Module, model_k: nn.Module, loader: Iterable[Batch],
-              opt_l: torch.optim.Optimizer, opt_k: torch.optim.Optimizer, *, epochs: int = 1,
-              temperature: float = 1.0, alpha: float = 1.0,
-              device: torch.device | str = "cpu") -> tuple[TrainStats, TrainStats]:
-    """Deep mutual learning of the local model and the knowledge network (RaFL Eqs. 3-6).
-
-    Per batch: both models predict, :func:`dml_losses` gives ``(L(theta_l), L(theta_k))`` (each
-    with the other's prediction as a constant target), and both optimizers step.
-
-    Args:
-        model_l: the specialized local model theta_l, (B, C, H, W) -> (B, K).
-        model_k: the knowledge network theta_k, (B, C, H, W) -> (B, K).
-        loader: yields (images, labels).
-        opt_l / opt_k: optimizers over each model's parameters.
-        epochs: passes over the loader.
-        temperature / alpha: see :func:`dml_losses`.
-        device: where to compute.
-
-    Returns:
-        ``(stats_l, stats_k)``.
-    """
-    train_mode(model_l, loader)
-    train_mode(model_k, loader)
-    st_l, st_k = TrainStats(), TrainStats()
-    sum_l = sum_k = 0.0
-    for epoch in range(int(epochs)):
-        report("epoch", epoch=epoch + 1, epochs=int(epochs))
-        for images, labels in no_singleton_batches(loader):
-            images, labels = images.to(device), labels.to(device)
-            logits_l = model_l(images)
-            logits_k = model_k(images)
-            loss_l, loss_k = dml_losses(logits_l, logits_k, labels, temperature, alpha)
-            check_finite_loss(loss_l + loss_k)
-            opt_l.zero_grad(set_to_none=True)
-            opt_k.zero_grad(set_to_none=True)
-            (loss_l + loss_k).backward()  # the losses touch disjoint parameters (targets detached)
-            opt_l.step()
-            opt_k.step()
-            n = int(labels.numel())
-            for st, logits in ((st_l, logits_l), (st_k, logits_k)):
-                st.steps += 1
-                st.samples += n
-                st.correct += int((logits.detach().argmax(1) == labels).sum())
-            sum_l += float(loss_l.detach())
-            sum_k += float(loss_k.detach())
-    st_l.loss = sum_l / st_l.steps if st_l.steps else 0.0
-    st_k.loss = sum_k / st_k.steps if st_k.steps else 0.0
-    if st_l.steps:  # BN recalibration of the specialized model only (see recalibrate_bn)
-        recalibrate_bn(model_l, loader, device=device)
-    return st_l, st_k
+    return recalibrate_bn(model, no_singleton_batches(loader), n_batches=None, device=device, fork_rng=False)
 
 
 @torch.no_grad()
@@ -533,5 +499,6 @@ def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, moment
     raise ValueError(f"unknown optimizer {name!r}; allowed: sgd, adam")
 
 
-__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "train_mode", "loader_size", "evaluate_header_rules", "check_finite_loss", "check_finite_params", "train_dml", "recalibrate_bn", "predict_logits", "distill_kl",
-           "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]
+__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "train_mode", "loader_size", "evaluate_header_rules",
+           "check_finite_loss", "check_finite_params", "train_sgd", "recalibrate_local_bn", "predict_logits",
+           "distill_kl", "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]

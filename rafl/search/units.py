@@ -7,13 +7,13 @@ global-average-pool + feature-mix convolution, and the classifier. Every unit's 
 on its :class:`UnitSpec` (channels, kernel, stride, input size, ...), so the cost model prices a
 subnet by summing per-unit table entries.
 
-The macro-architecture follows ``ofa.imagenet_classification.elastic_nn.networks.OFAMobileNetV3``
-(widths ``make_divisible(base * width_mult, 8)``; block mid channels
-``make_divisible(round(in_ch * e), 8)``; SE mid channels ``make_divisible(mid // 4, 8)``; final
-expand 960 x wm, feature mix 1280 x wm) with the strides of the :class:`SearchSpace`
-(``stem_stride``, ``stage_strides``). MACs count the multiply-adds of convolutions and linear
-layers only (bias additions, BN, activations, pooling and the SE gating multiply are not counted;
-this is what fvcore counts for ``aten::_convolution`` / ``aten::linear``).
+The units are read off the same macro-architecture data the supernet is built from,
+:func:`rafl.supernet.arch.network_layout` (channels per layer, strides, activations, SE), with
+block mid channels ``make_divisible(round(in_ch * e), 8)``
+(:meth:`~rafl.supernet.arch.BlockLayout.mid_channels`) and SE mid channels
+``make_divisible(mid // 4, 8)`` as in ofa's layers. MACs count the multiply-adds of convolutions
+and linear layers only (bias additions, BN, activations, pooling and the SE gating multiply are not
+counted; this is what fvcore counts for ``aten::_convolution`` / ``aten::linear``).
 """
 
 from __future__ import annotations
@@ -24,15 +24,10 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from rafl.supernet.arch import (OFA_STAGE_ACTS, OFA_STAGE_SE, OFA_STAGE_WIDTHS, ArchConfig,
-                                SearchSpace, make_divisible)
+from rafl.supernet.arch import ArchConfig, SearchSpace, make_divisible, network_layout
 
-__all__ = ["UnitSpec", "space_widths", "arch_units", "slot_units", "fixed_units", "block_unit", "out_size",
+__all__ = ["UnitSpec", "arch_units", "slot_units", "fixed_units", "block_unit", "out_size",
            "build_unit_module", "unit_input_shape", "GapConv"]
-
-STEM_WIDTH = 16          # OFA base_stage_width[0] (and the first block's width, [1])
-FINAL_EXPAND_WIDTH = 960  # OFA base_stage_width[-2]
-FEATURE_MIX_WIDTH = 1280  # OFA base_stage_width[-1]
 
 
 def out_size(h: int, stride: int) -> int:
@@ -190,52 +185,25 @@ class UnitSpec:
         return {"name": "LinearLayer", "in_features": self.cin, "out_features": self.cout, "bias": True}
 
 
-@lru_cache(maxsize=64)
-def space_widths(space: SearchSpace) -> tuple[int, int, tuple[int, ...], int, int]:
-    """``(stem, first_block, stage_widths, final_expand, feature_mix)`` channel widths of ``space``."""
-    wm = space.width_mult
-    stem = make_divisible(STEM_WIDTH * wm, 8)
-    first = make_divisible(STEM_WIDTH * wm, 8)
-    base = list(OFA_STAGE_WIDTHS)
-    if space.n_stages > len(base):  # extra stages keep the last width
-        base += [base[-1]] * (space.n_stages - len(base))
-    stages = tuple(make_divisible(w * wm, 8) for w in base[: space.n_stages])
-    return stem, first, stages, make_divisible(FINAL_EXPAND_WIDTH * wm, 8), make_divisible(FEATURE_MIX_WIDTH * wm, 8)
+@lru_cache(maxsize=256)
+def _block_sides(space: SearchSpace, r: int) -> tuple[int, ...]:
+    """Per block slot, its input side in pixels at resolution ``r``.
 
-
-def _stage_act(s: int) -> str:
-    return OFA_STAGE_ACTS[min(s, len(OFA_STAGE_ACTS) - 1)]
-
-
-def _stage_se(s: int) -> bool:
-    return OFA_STAGE_SE[min(s, len(OFA_STAGE_SE) - 1)]
-
-
-def _block_inputs(space: SearchSpace, r: int) -> list[tuple[int, int, int, int]]:
-    """Per block slot: ``(cin, cout, stride, hin)`` at resolution ``r``.
-
-    Block j of stage s has the stage's stride only when j == 0; its input side depends only on
-    the stage (inactive later blocks of a stage do not change sizes)."""
-    stem, first, stages, _, _ = space_widths(space)
+    Only a stage's first slot has a stride other than 1, so a slot's input side depends only on
+    its stage (inactive later blocks of a stage do not change sizes)."""
     h = out_size(r, space.stem_stride)  # stem; the first block has stride 1
-    cin = first
-    out = []
-    for s in range(space.n_stages):
-        for j in range(space.max_depth):
-            stride = space.stage_strides[s] if j == 0 else 1
-            out.append((cin if j == 0 else stages[s], stages[s], stride, h if j == 0 else out_size(h, space.stage_strides[s])))
-        h = out_size(h, space.stage_strides[s])
-        cin = stages[s]
-    return out
+    sides = []
+    for block in network_layout(space).blocks:
+        sides.append(h)
+        h = out_size(h, block.stride)
+    return tuple(sides)
 
 
 def block_unit(space: SearchSpace, r: int, slot: int, ks: int, e: int) -> UnitSpec:
     """The MBConv unit of block slot ``slot`` with kernel ``ks`` and expand ratio ``e`` at resolution ``r``."""
-    cin, cout, stride, hin = _block_inputs(space, r)[slot]
-    s = slot // space.max_depth
-    return UnitSpec(kind="mbconv", cin=cin, cout=cout, kernel=ks, stride=stride, hin=hin,
-                    mid=make_divisible(round(cin * e), 8), expand=True, se=_stage_se(s),
-                    act=_stage_act(s), residual=(stride == 1 and cin == cout))
+    b = network_layout(space).blocks[slot]
+    return UnitSpec(kind="mbconv", cin=b.cin, cout=b.cout, kernel=ks, stride=b.stride, hin=_block_sides(space, r)[slot],
+                    mid=b.mid_channels(e), expand=True, se=b.se, act=b.act, residual=b.residual)
 
 
 def fixed_units(space: SearchSpace, r: int) -> tuple[list[tuple[str, UnitSpec]], list[tuple[str, UnitSpec]]]:
@@ -246,23 +214,25 @@ def fixed_units(space: SearchSpace, r: int) -> tuple[list[tuple[str, UnitSpec]],
     tail: ``final_expand_layer`` (1x1, BN, h_swish), ``feature_mix_layer`` (global average pool,
     1x1 conv without BN/bias, h_swish) and ``head`` (the classifier: linear with bias).
     """
-    stem, first, stages, final_w, mix_w = space_widths(space)
-    h0 = out_size(r, space.stem_stride)
+    layout = network_layout(space)
+    stem, fb, fe, fm = layout.stem, layout.first_block, layout.final_expand, layout.feature_mix
+    h0 = out_size(r, stem.stride)
     head = [
-        ("first_conv", UnitSpec(kind="conv", cin=3, cout=stem, kernel=3, stride=space.stem_stride, hin=r,
-                                act="h_swish", use_bn=True)),
-        ("blocks.0", UnitSpec(kind="mbconv", cin=stem, cout=first, kernel=3, stride=1, hin=h0, mid=stem,
-                              expand=False, se=False, act="relu", residual=(stem == first))),
+        ("first_conv", UnitSpec(kind="conv", cin=stem.cin, cout=stem.cout, kernel=stem.kernel, stride=stem.stride,
+                                hin=r, act=stem.act, use_bn=stem.use_bn)),
+        ("blocks.0", UnitSpec(kind="mbconv", cin=fb.cin, cout=fb.cout, kernel=fb.kernel, stride=fb.stride, hin=h0,
+                              mid=round(fb.cin * fb.expand_ratio), expand=fb.expand_ratio != 1, se=fb.se, act=fb.act,
+                              residual=fb.residual)),
     ]
     h = h0
-    for s in range(space.n_stages):
-        h = out_size(h, space.stage_strides[s])
+    for block in layout.blocks:
+        h = out_size(h, block.stride)
     tail = [
-        ("final_expand_layer", UnitSpec(kind="conv", cin=stages[-1], cout=final_w, kernel=1, stride=1, hin=h,
-                                        act="h_swish", use_bn=True)),
-        ("feature_mix_layer", UnitSpec(kind="gap_conv", cin=final_w, cout=mix_w, hin=h, act="h_swish",
-                                       use_bn=False)),
-        ("head", UnitSpec(kind="linear", cin=mix_w, cout=space.n_classes)),
+        ("final_expand_layer", UnitSpec(kind="conv", cin=fe.cin, cout=fe.cout, kernel=fe.kernel, stride=fe.stride,
+                                        hin=h, act=fe.act, use_bn=fe.use_bn)),
+        ("feature_mix_layer", UnitSpec(kind="gap_conv", cin=fm.cin, cout=fm.cout, hin=h, act=fm.act,
+                                       use_bn=fm.use_bn)),
+        ("head", UnitSpec(kind="linear", cin=fm.cout, cout=layout.n_classes)),
     ]
     return head, tail
 

@@ -21,6 +21,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,6 @@ import yaml
 
 from rafl.errors import UserInputError, allowed, brief, shown, yaml_error_detail
 from rafl.io import atomic_write_text, load_yaml, read_text_file
-
-# The macro-architecture of OFA's MobileNet-V3 (ofa/imagenet_classification/elastic_nn/networks/
-# ofa_mbv3.py): widths before the width multiplier, per elastic stage.
-OFA_STAGE_WIDTHS: tuple[int, ...] = (24, 40, 80, 112, 160)
-OFA_STAGE_ACTS: tuple[str, ...] = ("relu", "relu", "h_swish", "h_swish", "h_swish")
-OFA_STAGE_SE: tuple[bool, ...] = (False, True, False, True, True)
 
 #: Bounds of the width multiplier, shared by every place that takes one (``SearchSpace``,
 #: ``rafl supernet train``'s TrainConfig, ``rafl profile --width-mult``). Below 0.1 the widths stop
@@ -453,5 +448,183 @@ def log10_num_subnets(space: SearchSpace) -> float:
     return math.log10(space.num_subnets())
 
 
-__all__ = ["ArchConfig", "SearchSpace", "make_divisible", "OFA_STAGE_WIDTHS", "OFA_STAGE_ACTS",
-           "OFA_STAGE_SE"]
+__all__ = ["ArchConfig", "SearchSpace", "make_divisible", "ConvSpec", "StageSpec", "MacroArch",
+           "OFA_MOBILENET_V3", "ConvLayout", "BlockLayout", "NetworkLayout", "network_layout"]
+
+
+# ---------------------------------------------------------------------------- macro-architecture
+# The fixed part of the network as data, in the manner of timm's ``_efficientnet_builder``
+# (``decode_arch_def`` turns a list of stage specs into block arguments, a builder turns those into
+# modules): :data:`OFA_MOBILENET_V3` holds the base widths, activations and SE flags;
+# :func:`network_layout` decodes them for one :class:`SearchSpace` (width multiplier, strides,
+# depth) into concrete channel counts per layer. ``rafl.supernet.model.Supernet`` builds its modules
+# from that layout and ``rafl.search.units`` prices the same layout.
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """A fixed conv layer (OFA ``ConvLayer``: conv, optional BN, activation; no bias).
+
+    Attributes:
+        width: output channels before the width multiplier.
+        kernel: kernel size (square).
+        act: activation (``relu`` / ``h_swish``).
+        use_bn: BatchNorm after the conv.
+    """
+
+    width: int
+    kernel: int = 1
+    act: str = "h_swish"
+    use_bn: bool = True
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage of inverted-residual (MBConv) blocks: base width, activation and squeeze-and-excitation.
+
+    ``kernel`` / ``expand_ratio``: fixed choices, or None for elastic ones. The kernel sizes,
+    expand ratios and depth of an elastic stage come from the :class:`SearchSpace`, and the stride
+    of its first block from ``SearchSpace.stage_strides``.
+    """
+
+    width: int
+    act: str
+    se: bool = False
+    kernel: int | None = None
+    expand_ratio: int | None = None
+
+
+@dataclass(frozen=True)
+class MacroArch:
+    """The fixed macro-architecture of the supernet.
+
+    Attributes:
+        stem: the first conv (its stride is ``SearchSpace.stem_stride``).
+        first_block: one MBConv block with stride 1 and a fixed kernel and expand ratio.
+        stages: the elastic stages, in order.
+        final_expand: 1x1 conv after the last stage.
+        feature_mix: 1x1 conv after global average pooling (its output is the representation).
+        dropout: dropout rate of the classifier (before its linear layer).
+        bn_momentum, bn_eps: BatchNorm parameters of every layer.
+    """
+
+    stem: ConvSpec
+    first_block: StageSpec
+    stages: tuple[StageSpec, ...]
+    final_expand: ConvSpec
+    feature_mix: ConvSpec
+    dropout: float
+    bn_momentum: float
+    bn_eps: float
+
+
+#: OFA's MobileNet-V3 (Cai et al. 2020; ``ofa/imagenet_classification/elastic_nn/networks/
+#: ofa_mbv3.py``: ``base_stage_width = [16, 16, 24, 40, 80, 112, 160, 960, 1280]``, ``act_stages``,
+#: ``se_stages``, ``dropout_rate=0.1``, ``bn_param=(0.1, 1e-5)``).
+OFA_MOBILENET_V3 = MacroArch(
+    stem=ConvSpec(16, kernel=3, act="h_swish"),
+    first_block=StageSpec(16, act="relu", se=False, kernel=3, expand_ratio=1),
+    stages=(StageSpec(24, "relu"), StageSpec(40, "relu", se=True), StageSpec(80, "h_swish"),
+            StageSpec(112, "h_swish", se=True), StageSpec(160, "h_swish", se=True)),
+    final_expand=ConvSpec(960, act="h_swish"),
+    feature_mix=ConvSpec(1280, act="h_swish", use_bn=False),
+    dropout=0.1,
+    bn_momentum=0.1,
+    bn_eps=1e-5,
+)
+
+
+@dataclass(frozen=True)
+class ConvLayout:
+    """A decoded fixed conv layer: ``cin -> cout`` channels, ``kernel`` x ``kernel``, ``stride``."""
+
+    cin: int
+    cout: int
+    kernel: int
+    stride: int
+    act: str
+    use_bn: bool
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """A decoded MBConv block slot: ``cin -> cout`` channels, stride of its depthwise conv.
+
+    ``kernel`` and ``expand_ratio`` are fixed (the first block's) or None (an elastic slot: chosen
+    per subnet by :class:`ArchConfig`).
+    """
+
+    cin: int
+    cout: int
+    stride: int
+    act: str
+    se: bool
+    kernel: int | None = None
+    expand_ratio: int | None = None
+
+    @property
+    def residual(self) -> bool:
+        """Identity shortcut: stride 1 and as many output as input channels."""
+        return self.stride == 1 and self.cin == self.cout
+
+    def mid_channels(self, expand_ratio: int) -> int:
+        """Expanded (hidden) channels of an elastic slot at ``expand_ratio``: ofa's
+        ``DynamicMBConvLayer`` rule ``make_divisible(round(cin * expand_ratio), 8)``."""
+        return make_divisible(round(self.cin * expand_ratio), 8)
+
+
+@dataclass(frozen=True)
+class NetworkLayout:
+    """The macro-architecture decoded for one search space (see :func:`network_layout`).
+
+    Attributes:
+        stem, first_block: the fixed layers before the elastic stages.
+        blocks: one :class:`BlockLayout` per block slot, ``n_stages * max_depth`` of them (stage-major;
+            slot ``j`` of a stage has the stage's stride when ``j == 0``, else 1).
+        final_expand, feature_mix: the fixed layers after the stages (``feature_mix.cout`` is D).
+        n_classes: classifier outputs.
+        dropout: classifier dropout rate.
+    """
+
+    stem: ConvLayout
+    first_block: BlockLayout
+    blocks: tuple[BlockLayout, ...]
+    final_expand: ConvLayout
+    feature_mix: ConvLayout
+    n_classes: int
+    dropout: float
+
+    @property
+    def feature_dim(self) -> int:
+        """``D``, the width of every subnet's representation (the feature-mix output)."""
+        return self.feature_mix.cout
+
+
+@lru_cache(maxsize=64)
+def network_layout(space: SearchSpace, macro: MacroArch = OFA_MOBILENET_V3) -> NetworkLayout:
+    """Decode ``macro`` for ``space``: channels ``make_divisible(width * space.width_mult, 8)``, the
+    stem stride ``space.stem_stride``, per stage ``space.max_depth`` block slots with the stage's
+    stride ``space.stage_strides[s]`` on the first. A space with more stages than ``macro`` repeats
+    its last stage spec; one with fewer uses the first ``n_stages``.
+    """
+
+    def width(base: int) -> int:
+        return make_divisible(base * space.width_mult, 8)
+
+    stem = ConvLayout(3, width(macro.stem.width), macro.stem.kernel, space.stem_stride, macro.stem.act,
+                      macro.stem.use_bn)
+    fb = macro.first_block
+    first = BlockLayout(stem.cout, width(fb.width), stride=1, act=fb.act, se=fb.se, kernel=fb.kernel,
+                        expand_ratio=fb.expand_ratio)
+    blocks = []
+    cin = first.cout
+    for s in range(space.n_stages):
+        stage = macro.stages[min(s, len(macro.stages) - 1)]
+        cout = width(stage.width)
+        for j in range(space.max_depth):
+            blocks.append(BlockLayout(cin, cout, space.stage_strides[s] if j == 0 else 1, stage.act, stage.se))
+            cin = cout
+    fe, fm = macro.final_expand, macro.feature_mix
+    final_expand = ConvLayout(cin, width(fe.width), fe.kernel, 1, fe.act, fe.use_bn)
+    feature_mix = ConvLayout(final_expand.cout, width(fm.width), fm.kernel, 1, fm.act, fm.use_bn)
+    return NetworkLayout(stem, first, tuple(blocks), final_expand, feature_mix, space.n_classes, macro.dropout)

@@ -13,8 +13,12 @@ for 224 px). Here the stem stride is ``SearchSpace.stem_stride`` (default 1) and
 are ``SearchSpace.stage_strides`` (default OFA's (2, 2, 2, 1, 2)), so a 32 px input goes
 32 (stem) -> 32 (first block, stride 1) -> 16 -> 8 -> 4 -> 4 -> 2 px (total stride 16).
 
-Widths (before the width multiplier ``w``, rounded with ``make_divisible(., 8)`` as in OFA):
-stem 16, first block 16, stages (24, 40, 80, 112, 160), final expand 960, feature mix 1280.
+The macro-architecture is data: :data:`rafl.supernet.arch.OFA_MOBILENET_V3` (widths before the
+width multiplier ``w``: stem 16, first block 16, stages (24, 40, 80, 112, 160), final expand 960,
+feature mix 1280; activations and SE per stage), decoded for a search space by
+:func:`rafl.supernet.arch.network_layout` (``make_divisible(width * w, 8)`` as in OFA). The
+supernet's modules are built from that layout, and the cost model (:mod:`rafl.search.units`)
+prices the same layout.
 
 Representation and classifier
 -----------------------------
@@ -46,27 +50,12 @@ from ofa.utils.layers import ConvLayer, IdentityLayer, LinearLayer, MBConvLayer,
 from torch import Tensor, nn
 
 from rafl.errors import UserInputError
-from rafl.supernet.arch import (
-    OFA_STAGE_ACTS,
-    OFA_STAGE_SE,
-    OFA_STAGE_WIDTHS,
-    ArchConfig,
-    SearchSpace,
-    make_divisible,
-)
-
-# OFA's widths outside the elastic stages (ofa_mbv3.py: base_stage_width[0, 1, -2, -1]).
-STEM_WIDTH = 16
-FIRST_BLOCK_WIDTH = 16
-FINAL_EXPAND_WIDTH = 960
-FEATURE_MIX_WIDTH = 1280
-DROPOUT_RATE = 0.1
-BN_MOMENTUM, BN_EPS = 0.1, 1e-5
+from rafl.supernet.arch import OFA_MOBILENET_V3, ArchConfig, SearchSpace, network_layout
 
 
 def feature_dim_of(space: SearchSpace) -> int:
     """``D``, the width of the representation of every subnet of ``space``."""
-    return make_divisible(FEATURE_MIX_WIDTH * space.width_mult, 8)
+    return network_layout(space).feature_dim
 
 
 def resize_input(x: Tensor, r: int) -> Tensor:
@@ -107,53 +96,44 @@ class Supernet(OFAMobileNetV3):
     """
 
     def __init__(self, space: SearchSpace):  # noqa: D107 - documented on the class
-        if space.n_stages != len(OFA_STAGE_WIDTHS):
+        macro = OFA_MOBILENET_V3
+        if space.n_stages != len(macro.stages):
             raise UserInputError(
-                f"is {space.n_stages}; the OFA MobileNet-V3 supernet has {len(OFA_STAGE_WIDTHS)} "
+                f"is {space.n_stages}; the OFA MobileNet-V3 supernet has {len(macro.stages)} "
                 "elastic stages", field="search_space.n_stages")
-        w = space.width_mult
-        self.width_mult = w
+        layout = network_layout(space, macro)
+        self.width_mult = space.width_mult
         self.ks_list = list(space.ks_choices)
         self.expand_ratio_list = list(space.e_choices)
         self.depth_list = list(space.d_choices)
 
-        stem_width = make_divisible(STEM_WIDTH * w, 8)
-        first_width = make_divisible(FIRST_BLOCK_WIDTH * w, 8)
-        first_conv = ConvLayer(3, stem_width, kernel_size=3, stride=space.stem_stride, act_func="h_swish")
+        stem, fb = layout.stem, layout.first_block
+        first_conv = ConvLayer(stem.cin, stem.cout, kernel_size=stem.kernel, stride=stem.stride, use_bn=stem.use_bn,
+                               act_func=stem.act)
         first_block = ResidualBlock(
-            MBConvLayer(stem_width, first_width, kernel_size=3, stride=1, expand_ratio=1,
-                        act_func="relu", use_se=False),
-            IdentityLayer(first_width, first_width) if stem_width == first_width else None,
+            MBConvLayer(fb.cin, fb.cout, kernel_size=fb.kernel, stride=fb.stride, expand_ratio=fb.expand_ratio,
+                        act_func=fb.act, use_se=fb.se),
+            IdentityLayer(fb.cin, fb.cin) if fb.residual else None,
         )
         blocks: list[nn.Module] = [first_block]
-        self.block_group_info = []
-        in_width = first_width
-        index = 1
-        for base, act, se, stride in zip(OFA_STAGE_WIDTHS, OFA_STAGE_ACTS, OFA_STAGE_SE,
-                                         space.stage_strides):
-            out_width = make_divisible(base * w, 8)
-            self.block_group_info.append(list(range(index, index + space.max_depth)))
-            index += space.max_depth
-            for j in range(space.max_depth):
-                s = stride if j == 0 else 1
-                layer = DynamicMBConvLayer([in_width], [out_width], kernel_size_list=self.ks_list,
-                                           expand_ratio_list=self.expand_ratio_list, stride=s,
-                                           act_func=act, use_se=se)
-                shortcut = IdentityLayer(in_width, in_width) if s == 1 and in_width == out_width else None
-                blocks.append(ResidualBlock(layer, shortcut))
-                in_width = out_width
-        final_expand_width = make_divisible(FINAL_EXPAND_WIDTH * w, 8)
-        feature_dim = feature_dim_of(space)
-        final_expand_layer = ConvLayer(in_width, final_expand_width, kernel_size=1, act_func="h_swish")
-        feature_mix_layer = ConvLayer(final_expand_width, feature_dim, kernel_size=1, bias=False,
-                                      use_bn=False, act_func="h_swish")
-        classifier = LinearLayer(feature_dim, space.n_classes, dropout_rate=DROPOUT_RATE)
+        for b in layout.blocks:
+            layer = DynamicMBConvLayer([b.cin], [b.cout], kernel_size_list=self.ks_list,
+                                       expand_ratio_list=self.expand_ratio_list, stride=b.stride,
+                                       act_func=b.act, use_se=b.se)
+            blocks.append(ResidualBlock(layer, IdentityLayer(b.cin, b.cin) if b.residual else None))
+        d = space.max_depth
+        self.block_group_info = [list(range(1 + s * d, 1 + (s + 1) * d)) for s in range(space.n_stages)]
+        fe, fm = layout.final_expand, layout.feature_mix
+        final_expand_layer = ConvLayer(fe.cin, fe.cout, kernel_size=fe.kernel, use_bn=fe.use_bn, act_func=fe.act)
+        feature_mix_layer = ConvLayer(fm.cin, fm.cout, kernel_size=fm.kernel, bias=False, use_bn=fm.use_bn,
+                                      act_func=fm.act)
+        classifier = LinearLayer(layout.feature_dim, layout.n_classes, dropout_rate=layout.dropout)
         # Skip OFAMobileNetV3.__init__ (ImageNet strides hard-coded); build the same module tree.
         MobileNetV3.__init__(self, first_conv, blocks, final_expand_layer, feature_mix_layer, classifier)
-        self.set_bn_param(momentum=BN_MOMENTUM, eps=BN_EPS)
+        self.set_bn_param(momentum=macro.bn_momentum, eps=macro.bn_eps)
         self.runtime_depth = [len(idx) for idx in self.block_group_info]
         self.space = space
-        self.feature_dim = feature_dim
+        self.feature_dim = layout.feature_dim
 
     # ----------------------------------------------------------------- active-subnet state
     def _get_state(self) -> tuple[list[int], list[int], list[int]]:
@@ -392,7 +372,7 @@ def narrow_width(subnet: Subnet, width: float) -> Subnet:
         fe.out_channels = len(keep_fe)
         fm.conv = _slice_conv(fm.conv, out_idx=keep_fm, in_idx=keep_fe)
         fm.in_channels, fm.out_channels = len(keep_fe), len(keep_fm)
-        new_head = LinearLayer(len(keep_fm), head.linear.out_features, dropout_rate=DROPOUT_RATE)
+        new_head = LinearLayer(len(keep_fm), head.linear.out_features, dropout_rate=OFA_MOBILENET_V3.dropout)
         new_head.linear.weight.copy_(head.linear.weight[:, keep_fm])
         new_head.linear.bias.copy_(head.linear.bias)
         out.head = new_head.to(head.linear.weight.device)
@@ -406,51 +386,78 @@ def subnet_from_arch(space: SearchSpace, arch: ArchConfig) -> Subnet:
     return extract_subnet(build_supernet(space), arch)
 
 
-class _ArchForward(nn.Module):
-    """``x -> supernet(x, arch)`` as a module, for BN recalibration of one subnet in the supernet."""
-
-    def __init__(self, supernet: Supernet, arch: ArchConfig):
-        super().__init__()
-        self.supernet = supernet
-        self.arch = arch
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.supernet(x, self.arch)
-
-
-def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int = 20,
-                   arch: ArchConfig | None = None) -> nn.Module:
+def recalibrate_bn(model: nn.Module, loader: Iterable, n_batches: int | None = 20,
+                   arch: ArchConfig | None = None, *, device: torch.device | str | None = None,
+                   fork_rng: bool = True) -> int:
     """BN recalibration: reset every BatchNorm's running statistics, then re-estimate them.
 
     The statistics are the exact averages over the first ``n_batches`` batches of ``loader``
     (cumulative moving average, ``momentum=None``), computed in train mode without gradients; the
-    model's train/eval mode and BN momenta are restored afterwards, and the global RNG state is
-    left untouched (forked around the pass). This is OFA's
-    ``set_running_statistics`` (Cai et al. 2020, Sec. 3.2), here via ``torch.optim.swa_utils.update_bn``.
+    model's train/eval mode and BN momenta are restored afterwards. This is OFA's
+    ``set_running_statistics`` (Cai et al., "Once-for-All", ICLR 2020, Sec. 3.2), the same pass as
+    ``torch.optim.swa_utils.update_bn``.
 
     Args:
-        model: a :class:`Subnet` (or any module); a :class:`Supernet` recalibrates the slices that
-            subnet ``arch`` (None: largest) uses.
+        model: a :class:`Subnet` (or any module: run as ``model(x)``, or as
+            ``model.head(model.features(x))`` when it has no ``forward``); a :class:`Supernet`
+            recalibrates the slices that subnet ``arch`` (None: largest) uses.
         loader: yields ``(images, labels)`` pairs or image tensors ``(B, 3, H, W)``.
-        n_batches: number of batches to use (>= 1).
+        n_batches: number of batches to use (>= 1); None: all of ``loader``.
+        device: where to compute (None: the model's parameters' device).
+        fork_rng: leave the global RNG state untouched (forked around the forward passes, whose
+            dropout draws from it; ``loader`` is read before the fork, so a shuffling loader's
+            draws stay in the caller's stream). False: the passes draw from the caller's stream.
 
     Returns:
-        ``model`` (modified in place).
+        the number of batches used: 0 when the model has no BatchNorm with running statistics
+        (``loader`` is then not read) or ``loader`` is empty (the statistics are then unchanged).
 
     Raises:
-        UserInputError: ``n_batches < 1`` or an empty loader.
+        UserInputError: ``n_batches < 1``.
     """
-    if n_batches < 1:
+    if n_batches is not None and n_batches < 1:
         raise UserInputError(f"must be >= 1, got {n_batches}", field="n_batches")
-    batches = list(itertools.islice(iter(loader), n_batches))
-    if not batches:
-        raise UserInputError("the calibration loader yielded no batch", field="loader")
-    device = next(model.parameters()).device
-    target: nn.Module = _ArchForward(model, arch) if isinstance(model, Supernet) else model
-    # fork the RNG: the train-mode pass (dropout) must not shift the caller's random stream
-    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.optim.swa_utils.update_bn(batches, target, device=device)
-    return model
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not bns:
+        return 0
+    batches: Iterable = iter(loader) if n_batches is None else itertools.islice(iter(loader), n_batches)
+    device = torch.device(next(model.parameters()).device if device is None else device)
+    if not fork_rng:
+        return _bn_statistics_pass(model, bns, batches, arch, device)
+    batches = list(batches)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _bn_statistics_pass(model, bns, batches, arch, device)
+
+
+@torch.no_grad()
+def _bn_statistics_pass(model: nn.Module, bns: list[nn.Module], batches: Iterable, arch: ArchConfig | None,
+                        device: torch.device) -> int:
+    """The forward passes of :func:`recalibrate_bn`; the statistics are reset at the first batch."""
+    if isinstance(model, Supernet):
+        def forward(x: Tensor) -> Tensor:
+            return model(x, arch)
+    elif type(model).forward is not nn.Module.forward:
+        forward = model
+    else:
+        def forward(x: Tensor) -> Tensor:
+            return model.head(model.features(x))
+    was = model.training
+    momenta = [m.momentum for m in bns]
+    n = 0
+    model.train()
+    try:
+        for batch in batches:
+            if n == 0:
+                for m in bns:
+                    m.reset_running_stats()
+                    m.momentum = None  # cumulative average over the pass
+            forward((batch[0] if isinstance(batch, list | tuple) else batch).to(device))
+            n += 1
+    finally:
+        for m, momentum in zip(bns, momenta):
+            m.momentum = momentum
+        model.train(was)
+    return n
 
 
 __all__ = ["Supernet", "Subnet", "build_supernet", "extract_subnet", "narrow_width", "subnet_from_arch",

@@ -51,7 +51,7 @@ class FedAvg(Algorithm):
     def _local_train(self, model, broadcast: Payload, client: ClientContext):
         # the whole model, BN statistics included, is averaged on the server: no per-client BN
         # recalibration (averaging purely local statistics measured worse than averaging the
-        # running estimates; see recalibrate_bn)
+        # running estimates; see recalibrate_local_bn)
         return train_ce(model, client.train_loader, optimizer_for(model, self.hparams),
                         epochs=self.hparams["local_epochs"], device=client.device, bn_recalibration=False)
 

@@ -64,7 +64,7 @@ from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import check_class_upload, from_payload, local_class_averages, to_payload_tensors
-from rafl.federation.training import check_finite_loss, check_finite_params, evaluate_header_rules, train_ce
+from rafl.federation.training import evaluate_header_rules, train_ce, train_sgd
 
 HEAD = "head."
 LAR = "lar."
@@ -133,28 +133,21 @@ def train_global_header(header: torch.nn.Module, client_lars: list[dict[int, tor
     # eval mode: the header's dropout (if any) stays off on the few LARs, and BN (if any) keeps its
     # statistics; gradients flow as usual
     header.to(device).eval()
-    opt = torch.optim.SGD(header.parameters(), lr=float(lr))
-    total, steps = 0.0, 0
-    for _ in range(int(epochs)):
+
+    def batches():
         for lars in client_lars:
             if not lars:
                 continue
             classes = sorted(lars)
             x = torch.stack([lars[c] for c in classes]).to(device)
             y = torch.tensor(classes, dtype=torch.long, device=device)
-            batches = [(x[i:i + 1], y[i:i + 1]) for i in range(len(y))] if mode == "per-lar" else [(x, y)]
-            for xb, yb in batches:
-                loss = F.cross_entropy(header(xb), yb)
-                check_finite_loss(loss, what="server training of the global header", field="algorithm.server_lr")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(header.parameters(), float(max_grad_norm))
-                opt.step()
-                total += float(loss.detach())
-                steps += 1
-    check_finite_params(header, what="server training of the global header", field="algorithm.server_lr")
-    return total / steps if steps else 0.0
+            yield from ([(x[i:i + 1], y[i:i + 1]) for i in range(len(y))] if mode == "per-lar" else [(x, y)])
+
+    history = train_sgd(header, batches, lambda b: F.cross_entropy(header(b[0]), b[1]), epochs=epochs, lr=lr,
+                        max_grad_norm=max_grad_norm, what="server training of the global header",
+                        field="algorithm.server_lr")
+    losses = [v for epoch in history for v in epoch]
+    return sum(losses) / len(losses) if losses else 0.0
 
 
 class FedGHHparams(LocalTraining):

@@ -45,7 +45,7 @@ from rafl.federation.payload import Payload
 from rafl.federation.prototypes import (adaptive_margin, check_class_upload, from_payload,
                                         local_class_averages, pairwise_distances, to_payload_tensors,
                                         weighted_class_average)
-from rafl.federation.training import check_finite_loss, check_finite_params
+from rafl.federation.training import train_sgd
 
 PROTO = "proto."
 GLOBAL = "global."
@@ -173,22 +173,20 @@ class FedTGP(Algorithm):
             x = torch.stack([v for v, _ in pairs]).to(server.device)
             y = torch.tensor([c for _, c in pairs], dtype=torch.long, device=server.device)
             all_classes = torch.arange(server.n_classes, device=server.device)
-            opt = torch.optim.SGD(net.parameters(), lr=float(hp["server_lr"]))
             gen = torch.Generator().manual_seed(int(server.seed) * 100003 + int(server.round))
             bs = int(hp["server_batch_size"])
-            for _ in range(int(hp["server_epochs"])):
+
+            def batches():  # a fresh shuffle of the uploaded prototypes every epoch
                 order = torch.randperm(len(y), generator=gen)
-                total, steps = 0.0, 0
-                for i in range(0, len(y), bs):
-                    idx = order[i:i + bs].to(server.device)
-                    loss = margin_contrastive_loss(x[idx], y[idx], net(all_classes), margin)
-                    check_finite_loss(loss, what="server training of the global prototypes", field="algorithm.server_lr")
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    total, steps = total + float(loss.detach()), steps + 1
-                last_loss = total / max(1, steps)
-            check_finite_params(net, what="server training of the global prototypes", field="algorithm.server_lr")
+                return (order[i:i + bs].to(server.device) for i in range(0, len(y), bs))
+
+            def loss_of(idx):  # Eq. 5 on a mini-batch of uploaded prototypes
+                return margin_contrastive_loss(x[idx], y[idx], net(all_classes), margin)
+
+            history = train_sgd(net, batches, loss_of, epochs=hp["server_epochs"], lr=hp["server_lr"],
+                                what="server training of the global prototypes", field="algorithm.server_lr")
+            if history:
+                last_loss = sum(history[-1]) / max(1, len(history[-1]))
         new_state = {"net": cpu_state(net), "seen": seen, "margin": float(margin), "server_loss": float(last_loss)}
         return new_state, self._broadcast(net, seen, server.device)
 

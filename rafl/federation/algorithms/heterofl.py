@@ -38,7 +38,7 @@ every other weight (FedAvg's rule), so a federation whose clients all hold the w
 FedAvg, bit for bit. ``static_bn: true`` is the paper's static BN (sBN, Sec. 3.2): running
 statistics are never sent or averaged, training normalizes by batch statistics, and the model a
 client evaluates (its slice of the latest global model) gets statistics measured on the client's
-own training data (one pass, :func:`rafl.federation.training.recalibrate_bn`); the paper instead
+own training data (one pass, :func:`rafl.federation.training.recalibrate_local_bn`); the paper instead
 queries the clients once after training and accumulates global statistics. On digits (the
 quickstart pipeline, 6 clients, Dirichlet 0.5, 1 round of 1 epoch) sBN with per-client statistics
 measured 0.679 mean client accuracy against 0.892 with averaged statistics (one subnet for every
@@ -66,7 +66,7 @@ from rafl.federation.algorithms._common import cpu_state, eval_counts, optimizer
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Bool, Hyperparameters, LocalTraining, choice
 from rafl.federation.payload import Payload
-from rafl.federation.training import evaluate_accuracy, recalibrate_bn, train_ce
+from rafl.federation.training import evaluate_accuracy, recalibrate_local_bn, train_ce
 from rafl.federation.weight_sharing import (IndexMap, extract, fold_kernel_transforms, is_kernel_matrix, masked_average,
                                             middle_channels, nas_index_map, prefix_index_map, smallest_kernels)
 from rafl.models.sliced import set_scalers
@@ -255,7 +255,7 @@ class HeteroFL(Algorithm):
     def evaluate(self, state, client: ClientContext):
         model = self._model(client, state["model"])
         if self.hparams["static_bn"]:
-            recalibrate_bn(model, client.train_loader, device=client.device)
+            recalibrate_local_bn(model, client.train_loader, device=client.device)
         return eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
 
     # ------------------------------------------------------------------ the federated supernet

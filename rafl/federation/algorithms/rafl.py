@@ -11,7 +11,7 @@ subnet's parameters, so without it the knowledge network could not be much small
 specialized models (quickstart supernet: 280 k parameters for the smallest subnet, 70 k narrowed;
 ``knowledge_width: 1`` gives the plain smallest subnet). The default 0.375 was the best of 0.25 /
 0.375 / 0.5 in ``bench/federate_rafl.py``'s CIFAR-10 scenario (accuracy gain vs upload). Locally the two learn from
-each other by deep mutual learning (Eqs. 3-6, :func:`rafl.federation.training.train_dml`):
+each other by deep mutual learning (Eqs. 3-6, :func:`rafl.federation.losses.train_mutual`):
 
     L(theta_l) = CE(p_l, y) + KL(p_k || p_l)          (Eqs. 3-4)
     L(theta_k) = CE(p_k, y) + KL(p_l || p_k)          (Eqs. 5-6)
@@ -41,8 +41,9 @@ from rafl.federation.algorithms._common import build, cpu_state, eval_counts, op
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import (Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded,
                                                 fraction)
+from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
-from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits, train_dml
+from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.model import Subnet, narrow_width
 
@@ -124,9 +125,10 @@ class RaFL(Algorithm):
         hp = self.hparams
         local = build(client, state["local"])
         know = self._build_knowledge(client, broadcast.state_dict(PREFIX))
-        train_dml(local, know, client.train_loader, optimizer_for(local, hp), optimizer_for(know, hp),
-                  epochs=hp["local_epochs"], temperature=float(hp["temperature"]), alpha=float(hp["alpha"]),
-                  device=client.device)
+        alpha = float(hp["alpha"])
+        train_mutual(local, know, client.train_loader, optimizer_for(local, hp), optimizer_for(know, hp),
+                     epochs=hp["local_epochs"], ce_a=1.0, kl_a=alpha, ce_b=1.0, kl_b=alpha,
+                     temperature=float(hp["temperature"]), device=client.device)
         upload = Payload.from_state_dict(cpu_state(know), PREFIX, meta={"n_samples": client.n_samples})
         return {"local": cpu_state(local)}, upload
 
