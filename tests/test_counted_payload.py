@@ -83,11 +83,11 @@ def test_the_engine_writes_no_report_and_tells_its_observers_before_each_checkpo
                               batch_size=16, count_macs=False)
     seen = _Recorder(tmp_path / "bare")
     (tmp_path / "bare").mkdir()
-    Engine(fed, EngineConfig(rounds=2), tmp_path / "bare", progress=False, observers=[seen]).run()
+    Engine(fed, EngineConfig(rounds=2, workers=1), tmp_path / "bare", progress=False, observers=[seen]).run()
     assert seen.rounds == [(1, False), (2, True)] and seen.done == (2, 2)
     assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == [CHECKPOINT, "clients"]
     (tmp_path / "report").mkdir()
-    Engine(fed, EngineConfig(rounds=1), tmp_path / "report", progress=False,
+    Engine(fed, EngineConfig(rounds=1, workers=1), tmp_path / "report", progress=False,
            observers=[RunReport(tmp_path / "report")]).run()
     assert {"metrics.jsonl", "metrics.csv", "summary.json", "accuracy_vs_round.png", "accuracy_vs_mb.png"} <= {
         p.name for p in (tmp_path / "report").iterdir()}
