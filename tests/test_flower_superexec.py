@@ -94,7 +94,7 @@ def test_a_node_reports_a_run_config_once_before_building_it_and_warm_fills_the_
     built: list[str] = []
     monkeypatch.setattr(flower_node, "_PREPARED", {})
     monkeypatch.setattr(flower_node, "_build", lambda text, cfg: (
-        built.append(text), flower_node._PREPARED.setdefault(flower_node.hashlib.sha256(text.encode()).hexdigest(),
+        built.append(text), flower_node._PREPARED.setdefault(flower_node.config_key(text),
                                                              ("fed", cfg.seed)))[1])
     reported: list[str] = []
     monkeypatch.setattr(flower_node, "on_new_run", reported.append)

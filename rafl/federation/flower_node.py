@@ -234,10 +234,15 @@ def _parse_run_config(config_text: str) -> Any:
                              field="config") from None
 
 
+def config_key(config_text: str) -> str:
+    """The cache key of a run config text (its SHA-256, hex)."""
+    return hashlib.sha256(config_text.encode()).hexdigest()
+
+
 def _build(config_text: str, cfg: Any) -> tuple[Federation, int]:
     """The run's federation, from the cache or built (``pipeline.prepare``) and cached: one run at
     a time per process."""
-    key = hashlib.sha256(config_text.encode()).hexdigest()
+    key = config_key(config_text)
     if key not in _PREPARED:
         from rafl.federation import pipeline
 
@@ -255,7 +260,7 @@ def _node_federation(config_text: str, trust: NodeTrust) -> tuple[Federation, in
         UserInputError: an invalid run config."""
     cfg = _parse_run_config(config_text)
     trust.check_run_config(cfg)  # every message: the cache is no way around the node's rules
-    if on_new_run is not None and hashlib.sha256(config_text.encode()).hexdigest() not in _PREPARED:
+    if on_new_run is not None and config_key(config_text) not in _PREPARED:
         on_new_run(config_text)
     return _build(config_text, cfg)
 

@@ -30,7 +30,6 @@ each SuperNode, or by hand: ``rafl flower-superexec --runtime-api-address 127.0.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import select
 import signal
@@ -40,6 +39,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from rafl.federation import flower_node
 
 #: how often this process asks the SuperNode for a new task, in seconds (Flower's default is 1 s;
 #: on one machine a faster poll is cheap, and each message waits for at most one poll)
@@ -108,7 +109,7 @@ class ForkExecutor:
                 t0 = time.perf_counter()
                 try:
                     self.warm(text)
-                    print(f"rafl flower-superexec: built run config {hashlib.sha256(text.encode()).hexdigest()[:12]} "
+                    print(f"rafl flower-superexec: built run config {flower_node.config_key(text)[:12]} "
                           f"here in {time.perf_counter() - t0:.1f} s; later messages start with it",
                           file=sys.stderr, flush=True)
                 except Exception:  # noqa: BLE001 - a run that fails to build here stays cold
@@ -160,8 +161,6 @@ def _child(spec: Any, report_fd: int) -> None:
         from flwr.supercore.tls import validate_and_resolve_root_certificates
         from flwr.supernode.runtime.run_clientapp import run_clientapp
 
-        from rafl.federation import flower_node
-
         for sig in (signal.SIGINT, signal.SIGTERM):  # the parent's handlers stop the parent's loop
             signal.signal(sig, signal.SIG_DFL)
         flower_node.on_new_run = _reporter(report_fd)
@@ -210,7 +209,6 @@ def run(runtime_api_address: str, *, insecure: bool, root_certificates: str | No
     from flwr.supercore.auth import load_superexec_auth_secret
 
     from rafl.federation import flower  # noqa: F401 - the ClientApp and everything it imports, once
-    from rafl.federation import flower_node
 
     executor = ForkExecutor(warm=flower_node.warm)
     # flwr 1.42 builds its executor from a type name (subprocess, kubernetes) and takes no instance:
