@@ -251,3 +251,24 @@ def test_workers_setting():
             resolve_workers(bad, 4, cpu)
     with pytest.raises(UserInputError, match="engine.workers.*allowed: 1"):
         resolve_workers(2, 4, cuda)
+
+
+def test_sigterm_while_waiting_for_workers_is_raised_after_the_wait_not_lost():
+    """SIGTERM under a Python handler (rafl's CLI raises SystemExit(143)) that arrives while the run
+    waits for its workers is held and raised when the wait ends: a handler's exception raised inside
+    an at-fork callback or a finalizer would be lost, and the run would go on."""
+    from rafl.federation.workers import _interrupt_flag
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            with _interrupt_flag() as interrupted:
+                os.kill(os.getpid(), signal.SIGTERM)
+                assert list(interrupted) == [signal.SIGTERM]  # held, not raised
+        assert exc.value.code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is handler  # restored
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -173,25 +173,45 @@ class _Worker:
         self.job: tuple | None = None
 
 
+class _Interrupted(list):
+    """The signals that arrived while the run's process waited for its workers (see
+    :func:`_interrupt_flag`); :meth:`raise_` raises what each would have raised at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.previous: dict[int, Any] = {}
+
+    def raise_(self) -> None:
+        if signal.SIGTERM in self:  # the handler installed for SIGTERM (rafl's CLI: SystemExit(143))
+            self.previous[signal.SIGTERM](signal.SIGTERM, None)
+        raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def _interrupt_flag() -> Iterator[list[int]]:
-    """While the run's process waits for its workers, Ctrl-C (SIGINT) appends to the yielded list
-    instead of raising at once; the wait loop raises KeyboardInterrupt itself. The default handler's
-    KeyboardInterrupt can be lost when it fires inside a finalizer (``__del__``), which a process
-    juggling pipes and child processes runs often. Only in the main thread, over Python's default
-    handler (a handler someone else installed is left alone)."""
-    flag: list[int] = []
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+def _interrupt_flag() -> Iterator[_Interrupted]:
+    """While the run's process waits for its workers, Ctrl-C (SIGINT) and SIGTERM append to the
+    yielded list instead of raising at once; the wait loop raises (:meth:`_Interrupted.raise_`)
+    itself. An exception raised by a signal handler is lost when the handler fires inside a
+    finalizer (``__del__``) or one of Python's at-fork callbacks, which a process juggling pipes and
+    forking child processes runs often. Only in the main thread; SIGINT only over Python's default
+    handler, SIGTERM only over a Python handler someone installed (rafl's CLI installs one)."""
+    flag = _Interrupted()
+    if threading.current_thread() is not threading.main_thread():
         yield flag
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.append(signum))
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        flag.previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+    if callable(signal.getsignal(signal.SIGTERM)):
+        flag.previous[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
+    for signum in flag.previous:
+        signal.signal(signum, lambda signum, frame: flag.append(signum))
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if flag:  # pressed after the wait loop's last look: not lost
-        raise KeyboardInterrupt
+        for signum, previous in flag.previous.items():
+            signal.signal(signum, previous)
+    if flag:  # arrived after the wait loop's last look: not lost
+        flag.raise_()
 
 
 def _stop(workers: list[_Worker], kill: bool) -> None:
@@ -285,7 +305,7 @@ class WorkerClients:
         """Dispatch ``todo`` (job indices, last first) and collect until every job is done."""
         while todo or any(w.job is not None for w in self._workers):
             if interrupted:
-                raise KeyboardInterrupt
+                interrupted.raise_()
             for w in [w for w in self._workers if w.job is None and not w.proc.is_alive()]:
                 self._drop(w)
             while len(self._workers) < min(self.n, len(todo) + sum(w.job is not None for w in self._workers)):
@@ -326,7 +346,7 @@ class WorkerClients:
                     w.job = None
                     self._drop(w)
         if interrupted:
-            raise KeyboardInterrupt
+            interrupted.raise_()
 
     @staticmethod
     def _raise(err: tuple, trace: str) -> None:
