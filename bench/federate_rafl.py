@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from rafl.federation.run_config import load_run_config
-from rafl.federation import pipeline
+from rafl.stages import federate
 from rafl.io import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def _tail(hist: list[dict], key: str, tail: int) -> float | None:
 
 def run_algo(prep, name: str, workdir: Path, tail: int) -> dict:
     t0 = time.perf_counter()
-    summary = pipeline.run(prep, workdir / name, progress=False)
+    summary = federate.run(prep, workdir / name, progress=False)
     hist = [json.loads(ln) for ln in (workdir / name / "metrics.jsonl").read_text().splitlines()]
     tot = sum(r["time_s"] for r in hist)
     eng = sum(r["time_engine_s"] for r in hist)
@@ -89,8 +89,8 @@ def fedavg_bytes(overrides: list[str], archs: dict[str, int], workdir: Path) -> 
     for i, (arch, count) in enumerate(sorted(archs.items())):
         cfg = load_run_config(None, [*overrides, "algorithm.name=fedavg", f"clients.arch={arch}",
                                      "engine.rounds=1", "engine.clients_per_round=2", "engine.eval_clients=sampled"])
-        prep = pipeline.prepare(cfg, progress=False)
-        s = pipeline.run(prep, workdir / f"fedavg{i}", progress=False)
+        prep = federate.prepare(cfg, progress=False)
+        s = federate.run(prep, workdir / f"fedavg{i}", progress=False)
         per[arch] = s["mean_bytes_up_per_client_per_round"]
         total += per[arch] * count
         n += count
@@ -103,11 +103,11 @@ def scenario(label: str, overrides: list[str], workdir: Path, seeds: list[int], 
     out: dict = {"label": label, "overrides": overrides, "per_seed": []}
     for seed in seeds:
         sets = [*overrides, f"seed={seed}"]
-        prep = pipeline.prepare(load_run_config(None, sets), progress=seed == seeds[0])
+        prep = federate.prepare(load_run_config(None, sets), progress=seed == seeds[0])
         if seed == seeds[0]:
             out["clients"] = prep.clients_table
         rafl = run_algo(prep, "rafl", workdir / f"seed{seed}", tail)
-        prep_sa = pipeline.prepare(load_run_config(None, [*sets, "algorithm.name=standalone"]), progress=False)
+        prep_sa = federate.prepare(load_run_config(None, [*sets, "algorithm.name=standalone"]), progress=False)
         sa = run_algo(prep_sa, "standalone", workdir / f"seed{seed}", tail)
         for r in (rafl, sa):
             r.pop("summary")

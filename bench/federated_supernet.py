@@ -15,7 +15,6 @@ Run: ``python bench/federated_supernet.py --compare runs/headline [--tag cifar10
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from weight_sharing import _test_accuracy  # noqa: E402
 
 from rafl.config import AlgorithmConfig  # noqa: E402
-from rafl.federation.compare import load_compare_resume  # noqa: E402
-from rafl.federation.pipeline import prepare  # noqa: E402
+from rafl.stages.compare import load_compare_resume  # noqa: E402
+from rafl.stages.prepare import prepare  # noqa: E402
 from rafl.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 

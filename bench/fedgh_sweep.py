@@ -26,7 +26,7 @@ from pathlib import Path
 import htfl_bench as hb
 import torch
 
-from rafl.federation.compare import load_compare_config
+from rafl.stages.compare import load_compare_config
 
 RULES = (("global header", "model.acc_tail"), ("+ label prior", "prior.acc_tail"), ("local header", "local.acc_tail"))
 
@@ -95,7 +95,8 @@ def report(results: list[dict], args, argv: list[str]) -> str:
     lines = ["# FedGH server epochs (`python bench/fedgh_sweep.py " + " ".join(argv) + "`)", "",
              f"The settings of `bench/htfl_bench.py` ({args.rounds} rounds, htfe-tiny, D = {args.feature_dim}, "
              f"seeds {', '.join(map(str, args.seeds))}, accuracy = mean of the last {args.tail} rounds), FedGH at its "
-             f"defaults but `server_epochs` (`server_mode: {args.mode}`). Rules, all from the same runs: **global header** (the paper's deployed "
+             f"defaults but `server_epochs` (`server_mode: {args.mode}`). Rules, all from the same runs: "
+             "**global header** (the paper's deployed "
              "model), **+ label prior** (`label_prior: local`), **local header** (`deploy_header: local`); "
              "accuracy is the mean over clients, and *pooled* (where the runs recorded it) the accuracy on all "
              "clients' test samples together (HtFLlib's \"Averaged Test Accuracy\"). "

@@ -5,11 +5,11 @@ profiles pi4 / jetson-nano / phone, Dirichlet 0.5, the quickstart supernet, one 
 profile) with ``--algorithm`` for ``--rounds`` rounds -- is run three ways, side by side in this
 process's session:
 
-1. **in-process**: ``pipeline.prepare`` + ``pipeline.run`` (the engine's default runner);
+1. **in-process**: ``federate.prepare`` + ``federate.run`` (the engine's default runner);
 2. **Flower simulation**: the same with ``engine.backend: flower`` (Flower's Simulation Runtime,
    Ray, one virtual SuperNode per client);
 3. **Flower deployment**: ``rafl flower-app`` + ``flwr run`` against a SuperLink and ``--nodes``
-   SuperNodes on 127.0.0.1 (:class:`rafl.federation.flower.LocalFleet`); each round sends one
+   SuperNodes on 127.0.0.1 (:class:`rafl.stages.flower.fleet.LocalFleet`); each round sends one
    train and one evaluate message per node (carrying all its clients). Twice, back to back:
    ``fork`` (rafl's default: each SuperNode with ``--isolation process`` beside ``rafl
    flower-superexec``, which forks each message's ClientApp from one warm process holding torch and
@@ -85,7 +85,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import flower, pipeline
+    from rafl.stages import federate
+    from rafl.stages.flower import app as flower_app
+    from rafl.stages.flower import fleet as flower_fleet
 
     base_overrides = [*(TINY if args.case == "tiny" else []), f"engine.rounds={args.rounds}"]
     if args.algorithm:
@@ -98,7 +100,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rafl-flower-bench-"))
     os.environ["FLWR_HOME"] = str(work / "flwr-home-sim")
     cfg = load_run_config(None, base_overrides)
-    pipeline.prepare(cfg, progress=False)  # warm the supernet and search caches: every backend reads them
+    federate.prepare(cfg, progress=False)  # warm the supernet and search caches: every backend reads them
 
     results: dict[str, dict] = {}
 
@@ -115,12 +117,12 @@ def main() -> None:
 
     def in_process() -> Path:
         c = load_run_config(None, [*base_overrides, "name=inproc"])
-        pipeline.run(pipeline.prepare(c, progress=False), work / "runs" / "inproc", progress=False)
+        federate.run(federate.prepare(c, progress=False), work / "runs" / "inproc", progress=False)
         return work / "runs" / "inproc"
 
     def simulation() -> Path:
         c = load_run_config(None, [*base_overrides, "name=sim", "engine.backend=flower"])
-        pipeline.run(pipeline.prepare(c, progress=False), work / "runs" / "sim", progress=False)
+        federate.run(federate.prepare(c, progress=False), work / "runs" / "sim", progress=False)
         return work / "runs" / "sim"
 
     def deployment(isolation: str):
@@ -128,8 +130,8 @@ def main() -> None:
             name = f"deployed-{isolation}"
             cfg_file = work / f"{name}.yaml"
             cfg_file.write_text(yaml.safe_dump({**nested(base_overrides), "name": name}))
-            flower.write_app(work / f"app-{isolation}", config=cfg_file, out=work / "runs")
-            with flower.LocalFleet(args.nodes, work / f"fleet-{isolation}", isolation=isolation) as fleet:
+            flower_app.write_app(work / f"app-{isolation}", config=cfg_file, out=work / "runs")
+            with flower_fleet.LocalFleet(args.nodes, work / f"fleet-{isolation}", isolation=isolation) as fleet:
                 run = fleet.run(work / f"app-{isolation}", timeout=3600)
                 if not run.completed:
                     sys.exit(f"the deployment failed ({run.status}: {run.status_details}):\n{run.stdout}\n"

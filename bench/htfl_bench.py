@@ -47,9 +47,9 @@ from pathlib import Path
 
 import torch
 
-from rafl.federation.compare import load_compare_config, read_history, run_compare
+from rafl.stages.compare import load_compare_config, read_history, run_compare
 from rafl.federation.payload import Payload
-from rafl.federation.pipeline import load_data_and_partition
+from rafl.stages.prepare import load_data_and_partition
 from rafl.errors import UserInputError
 from rafl.federation.prototypes import to_payload_tensors
 from rafl.io import atomic_write_json, atomic_write_text

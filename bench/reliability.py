@@ -64,7 +64,7 @@ def tiny_supernet(folder: Path) -> Path:
 def honest_round(method: str, supernet: Path):
     """``(fed, server_state, server ctx, [(cid, upload)], policy)`` of round 1."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
     from rafl.federation.aggregation import AggregationRule
     from rafl.federation.runners import client_context, seed_of
     from rafl.federation.screening import UploadPolicy
@@ -72,7 +72,7 @@ def honest_round(method: str, supernet: Path):
     sets = [f"supernet.path={supernet}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=1",
             f"algorithm.name={method}", "algorithm.local_epochs=1",
             *(SAME_MODEL if method in ("fedavg", "fedprox", "fednova") else THREE_MODELS)]
-    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
+    prep = federate.prepare(load_run_config(None, sets), progress=False)
     fed, algo = prep.federation, prep.federation.algorithm
     torch.manual_seed(seed_of(0, 0, 7))
     server = fed.server

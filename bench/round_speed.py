@@ -19,7 +19,7 @@ Each variant runs in its own process (``--variant``), back to back, in the order
 again in the reverse order (``--repeats 2``); the parent samples the memory of the variant's
 process tree every 0.1 s: peak RSS (shared pages counted in every process) and peak PSS
 (proportional set size: pages shared by the forked workers counted once overall). Times exclude
-loading the data (the same for every variant); rafl's include everything ``pipeline.run`` does
+loading the data (the same for every variant); rafl's include everything ``federate.run`` does
 (state files, checkpoints, metrics files, the two plots at the end).
 
 Run: ``nice -n 10 python bench/round_speed.py [--limit-per-class 250] [--big-clients 3000]``;
@@ -60,14 +60,14 @@ def run_rafl(args) -> dict:
     import torch
 
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
     torch.set_num_threads(1)
     cfg = load_run_config(None, overrides(args, args.clients, args.limit_per_class, args.workers, args.rounds))
-    prep = pipeline.prepare(cfg, progress=False)
+    prep = federate.prepare(cfg, progress=False)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        summary = pipeline.run(prep, Path(d) / "run", progress=False)
+        summary = federate.run(prep, Path(d) / "run", progress=False)
         wall = time.perf_counter() - t0
         hist = [json.loads(line) for line in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines()]
     return {"wall_s": wall, "rounds_s": sum(r["time_s"] for r in hist),
@@ -82,13 +82,13 @@ def run_bare(args) -> dict:
 
     from rafl.federation.run_config import load_run_config
     from rafl.data import make_loader
-    from rafl.federation import pipeline
+    from rafl.stages import federate
     from rafl.federation.training import no_singleton_batches
     from rafl.models import make_member
 
     torch.set_num_threads(1)
     cfg = load_run_config(None, overrides(args, args.clients, args.limit_per_class, 1, args.rounds))
-    ds, part = pipeline.load_data_and_partition(cfg, progress=False)
+    ds, part = federate.load_data_and_partition(cfg, progress=False)
     hp = get_hparams(cfg)
     n_classes = ds.num_classes
     lam = float(hp["lambda"])
@@ -157,15 +157,15 @@ def run_big(args) -> dict:
     import torch
 
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
     torch.set_num_threads(1)
     cfg = load_run_config(None, overrides(args, args.big_clients, args.big_limit, args.workers, 1, args.big_per_round)
                           + ["partition.min_samples=4"])
-    prep = pipeline.prepare(cfg, progress=False)
+    prep = federate.prepare(cfg, progress=False)
     prep.federation.algorithm.shared_initial_evaluation = bool(args.shared)
     with tempfile.TemporaryDirectory() as d:
-        pipeline.run(prep, Path(d) / "run", progress=False)
+        federate.run(prep, Path(d) / "run", progress=False)
         row = json.loads((Path(d) / "run" / "metrics.jsonl").read_text().splitlines()[0])
     return {"evaluate_s": row["time_evaluate_s"], "client_update_s": row["time_client_update_s"],
             "round_s": row["time_s"], "row": {k: v for k, v in row.items() if ".acc_" in k or k.startswith("eval.")}}

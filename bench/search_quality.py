@@ -55,7 +55,7 @@ from rafl.search.evolution import (
 from rafl.search.genome import Population
 from rafl.search.predictor import tau_meaning
 from rafl.search.profile import DeviceProfile, load_profile
-from rafl.search.runner import load_search_supernet, server_eval_data
+from rafl.stages.search import load_search_supernet, server_eval_data
 from rafl.supernet.arch import ArchConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"

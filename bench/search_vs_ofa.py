@@ -37,7 +37,7 @@ from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy
 from rafl.search.evolution import (SearchConfig, check_satisfiable, cost_fn_for, evolve, profile_limits,
                                    search_subnets)
 from rafl.search.profile import list_profiles, load_profile
-from rafl.search.runner import load_search_supernet, server_eval_data
+from rafl.stages.search import load_search_supernet, server_eval_data
 from rafl.supernet import extract_subnet, recalibrate_bn
 from rafl.supernet.arch import ArchConfig
 

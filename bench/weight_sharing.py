@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from rafl.federation.run_config import load_run_config
-from rafl.federation.pipeline import client_loaders, prepare, run
+from rafl.federation.build import client_loaders
+from rafl.stages.federate import prepare, run
 from rafl.federation.training import evaluate_accuracy
 from rafl.io import atomic_write_json, atomic_write_text
 
@@ -118,7 +119,7 @@ def _test_accuracy(prep) -> dict[str, float]:
 
 
 def _data(prep):
-    from rafl.federation.pipeline import load_data_and_partition
+    from rafl.stages.prepare import load_data_and_partition
 
     ds, part = load_data_and_partition(prep.cfg, progress=False)
     return ds, part

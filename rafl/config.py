@@ -215,7 +215,8 @@ class TrainSection(_Strict):
 
     batch_size: int = Field(32, ge=2, description="an integer >= 2 (train-mode BatchNorm needs two samples per batch)")
     device: str = Field("cpu", description="cpu, cuda or cuda:N (a CUDA device this machine has)")
-    threads: int | None = Field(1, ge=1, description="torch CPU threads (default 1: the small subnets gain little from intra-op threads, and lose a lot on a shared CPU), or null (torch's default)")
+    threads: int | None = Field(1, ge=1, description="torch CPU threads (default 1: the small subnets gain little from intra-op "
+                                   "threads, and lose a lot on a shared CPU), or null (torch's default)")
 
     @field_validator("device")
     @classmethod

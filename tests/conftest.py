@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-import os
 
 #: the real CIFAR-10 JPEG tarball: ``$RAFL_TEST_CIFAR10``, else ``../shared/data`` beside the repo
 SHARED_CIFAR10 = Path(os.environ.get("RAFL_TEST_CIFAR10") or REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz")

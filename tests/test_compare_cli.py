@@ -64,7 +64,7 @@ def test_compare_smoke(tmp_path):
 def test_compare_row_pools_the_clients_test_samples():
     """``pooled acc`` = all clients' correct / all their test samples (HtFLlib's Averaged Test
     Accuracy), not the mean over clients: a client of 2 test images counts 2/102."""
-    from rafl.federation.compare import summarize_run
+    from rafl.stages.compare import summarize_run
     from rafl.federation.engine import summarize_eval
 
     per_client = {0: {"model.correct": 0.0, "model.total": 2.0}, 1: {"model.correct": 90.0, "model.total": 100.0}}
@@ -459,7 +459,7 @@ def test_the_nearest_prototype_legend_covers_no_bar(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rafl.federation.compare import plot_compare
+    from rafl.stages.compare import plot_compare
 
     close, figs = plt.close, []
     monkeypatch.setattr(plt, "close", figs.append)  # keep the figure to measure it
@@ -553,7 +553,7 @@ def test_set_into_a_config_key_that_is_not_a_section(tmp_path):
 def test_empty_method_section_in_a_config_takes_set_values_and_unused_weights_are_warned(tmp_path):
     """``fedtgp:`` with nothing under it (YAML null) is an empty section; a FedTGP weight that the
     chosen distance does not use is accepted with a warning."""
-    from rafl.federation.compare import load_compare_config
+    from rafl.stages.compare import load_compare_config
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("algorithm:\n  fedtgp:\n")
@@ -662,7 +662,7 @@ def test_a_second_run_into_the_same_out_stops_at_the_claim(tmp_path, monkeypatch
                                              r"appeared a moment ago\)"):
         claim_file(tmp_path / "a" / "config.yaml")
     # the race itself: the other run claims the folder after this one found it empty
-    import rafl.federation.compare as cmp
+    import rafl.stages.compare as cmp
 
     out = tmp_path / "cmp"
     real = cmp.participation
@@ -679,7 +679,7 @@ def test_a_second_run_into_the_same_out_stops_at_the_claim(tmp_path, monkeypatch
 
 def test_table_never_shows_zero_mb_for_a_method_that_communicated(tmp_path):
     """The MB columns keep 3 decimals, but a few hundred bytes (prototype uploads) read 0.000 MB."""
-    from rafl.federation.compare import write_table
+    from rafl.stages.compare import write_table
 
     rows = [{"algorithm": "fedproto", "mb_up": 0.00044, "mb_down": 0.000044, "mb_total": 0.000484},
             {"algorithm": "fedavg", "mb_up": 1.25, "mb_down": 1.25, "mb_total": 2.5},

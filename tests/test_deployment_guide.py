@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rafl.federation import flower_fleet
+from rafl.stages.flower import fleet as flower_fleet
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "deployment.md"
 DONE = "rafl-guide-done"

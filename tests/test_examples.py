@@ -42,7 +42,7 @@ def test_cifar10_nas_example_points_at_the_cifar10_preset_pool():
 def test_the_headline_example_is_a_comparison_on_the_shipped_cifar10_supernet():
     import yaml
 
-    from rafl.federation.compare import load_compare_config
+    from rafl.stages.compare import load_compare_config
 
     path = REPO / "examples" / "cifar10-devices.yaml"
     methods = ["standalone", "uniform", "heterofl", "fedrolex", "rafl", "fedgh", "fedtgp", "fedproto"]

@@ -382,7 +382,7 @@ def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path
     (rafl federate and rafl compare alike)."""
     from rafl.federation.run_config import load_run_config
     from rafl.federation.algorithms._common import GROUP_LR, LOCAL_DEFAULTS
-    from rafl.federation.compare import load_compare_config
+    from rafl.stages.compare import load_compare_config
 
     assert load_run_config(None, ["algorithm.name=fd"]).algorithm.hparams()["lr"] == LOCAL_DEFAULTS["lr"]
     group = ["algorithm.name=fd", "clients.models=htfe-tiny"]
@@ -403,7 +403,7 @@ def test_a_model_group_carves_no_public_pool_that_nothing_uses():
     """The default public_fraction (0.3) feeds the supernet's training, search and BN recalibration:
     a model group with methods that do not distil on the pool keeps all data for its clients."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation.compare import load_compare_config
+    from rafl.stages.compare import load_compare_config
 
     group = ["clients.models=htfe-tiny"]
     assert load_run_config(None, [*group, "algorithm.name=fedgh"]).partition.public_fraction == 0.0

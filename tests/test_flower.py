@@ -16,7 +16,10 @@ from click.testing import CliRunner
 
 from rafl.cli import cli
 from rafl.errors import UserInputError
-from rafl.federation import flower, flower_fleet, flower_node
+from rafl.federation import flower_runner, flower_wire
+from rafl.stages.flower import app as flower_app
+from rafl.stages.flower import fleet as flower_fleet
+from rafl.stages.flower import node as flower_node
 from rafl.federation.payload import Payload
 
 ARGS = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "engine.rounds=2",
@@ -69,23 +72,23 @@ def in_process(supernet_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployed(supernet_dir, tmp_path_factory):
-    """The run of :func:`in_process` as the Flower App makes it on a SuperLink: :func:`flower.run_on_grid`
+    """The run of :func:`in_process` as the Flower App makes it on a SuperLink: :func:`flower_app.run_on_grid`
     without a shared disk, on two nodes in this process (:class:`DirectGrid`) that keep the client
     states on their own disk."""
     from flwr.supercore.task_identity import TaskIdentity
 
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
     out = tmp_path_factory.mktemp("deployed")
-    prep = pipeline.prepare(load_run_config(None, [f"supernet.path={supernet_dir}", *ARGS[1::2]]), progress=False)
+    prep = federate.prepare(load_run_config(None, [f"supernet.path={supernet_dir}", *ARGS[1::2]]), progress=False)
     with pytest.MonkeyPatch.context() as mp:  # as the function-scoped fixtures _flower_home and task_identity do
         mp.setenv("RAFL_FLOWER_STATE_DIR", str(out / "node-states"))
         mp.setenv("RAFL_FLOWER_DATA_ROOTS", str(tmp_path_factory.getbasetemp()))
         mp.setattr(flower_node, "_clock", lambda: 0.0)  # as _frozen_node_clock
         for name in ("_run_id", "_node_id", "_task_id"):
             mp.setattr(TaskIdentity, name, int(name == "_run_id"))
-        flower.run_on_grid(DirectGrid(2), prep, out / "run", progress=False)
+        flower_app.run_on_grid(DirectGrid(2), prep, out / "run", progress=False)
     return out / "run"
 
 
@@ -93,22 +96,22 @@ def deployed(supernet_dir, tmp_path_factory):
 def test_payload_round_trips_through_flower_records():
     p = Payload({"w": torch.randn(3, 4), "ids": torch.arange(5), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 7)},
                 {"n_samples": 12, "lr": 0.1, "class_ids": [0, 3, 9], "none_yet": [], "name": "fedgh", "ok": True})
-    back = flower.records_to_payload(flwr_app.RecordDict(flower.payload_to_records(p)), "test")
+    back = flower_wire.records_to_payload(flwr_app.RecordDict(flower_wire.payload_to_records(p)), "test")
     assert back.meta == p.meta and back.to_bytes() == p.to_bytes()
     for k, v in p.tensors.items():
         assert back.tensors[k].dtype == v.dtype and torch.equal(back.tensors[k], v)
     with pytest.raises(UserInputError, match="carries no rafl payload"):
-        flower.records_to_payload(flwr_app.RecordDict({}), "node 7")
+        flower_wire.records_to_payload(flwr_app.RecordDict({}), "node 7")
     # one Flower array per payload (Flower moves each array as its own object), holding exactly
     # the counted bytes; an empty payload travels as an empty array
-    (record,) = flower.payload_to_records(p, ".4").values()
-    assert list(record) == [flower.BLOB] and record[flower.BLOB].numpy().nbytes == p.nbytes()
-    empty = flower.records_to_payload(flwr_app.RecordDict(flower.payload_to_records(Payload(), ".0")), "t", ".0")
+    (record,) = flower_wire.payload_to_records(p, ".4").values()
+    assert list(record) == [flower_wire.BLOB] and record[flower_wire.BLOB].numpy().nbytes == p.nbytes()
+    empty = flower_wire.records_to_payload(flwr_app.RecordDict(flower_wire.payload_to_records(Payload(), ".0")), "t", ".0")
     assert empty.is_empty()
-    cut = flwr_app.RecordDict({"payload": flwr_app.ArrayRecord({flower.BLOB: flwr_app.Array(
-        record[flower.BLOB].numpy()[:-9])})})
+    cut = flwr_app.RecordDict({"payload": flwr_app.ArrayRecord({flower_wire.BLOB: flwr_app.Array(
+        record[flower_wire.BLOB].numpy()[:-9])})})
     with pytest.raises(UserInputError, match="node 7: corrupt or truncated payload"):
-        flower.records_to_payload(cut, "node 7")
+        flower_wire.records_to_payload(cut, "node 7")
 
 
 # ---------------------------------------------------------------------- a fake grid
@@ -163,7 +166,7 @@ def test_exchange_counts_an_error_reply_and_a_silent_node_as_lost(task_identity)
     grid = FakeGrid(handler)
     msgs = [(cid, flwr_app.Message(flwr_app.RecordDict({}), dst_node_id=node, message_type="train"))
             for cid, node in ((0, 11), (1, 22), (2, 33))]
-    replies, lost = flower._exchange(grid, msgs, timeout=0.3)
+    replies, lost = flower_runner._exchange(grid, msgs, timeout=0.3)
     assert sorted(replies) == [0]
     assert lost == {1: "node error: CUDA out of memory", 2: "no reply within 0.3 s"}
 
@@ -171,25 +174,25 @@ def test_exchange_counts_an_error_reply_and_a_silent_node_as_lost(task_identity)
 def _query_handler(configs):
     def handler(m):
         pid, parts = configs[m.metadata.dst_node_id]
-        return flwr_app.RecordDict({flower.CONTROL: flwr_app.ConfigRecord({"partition-id": pid, "num-partitions": parts})})
+        return flwr_app.RecordDict({flower_wire.CONTROL: flwr_app.ConfigRecord({"partition-id": pid, "num-partitions": parts})})
     return handler
 
 
 def test_discover_nodes_hosts_clients_round_robin_by_partition_id(task_identity):
     grid = FakeGrid(_query_handler({11: (0, 2), 22: (1, 2)}))
-    node_of = flower.discover_nodes(grid, 5, timeout=2)
+    node_of = flower_runner.discover_nodes(grid, 5, timeout=2)
     assert node_of == {0: 11, 1: 22, 2: 11, 3: 22, 4: 11}
     # errors name a node by its partition-id too: an operator starts SuperNodes by partition-id
-    assert flower.node_name(node_of, 3) == "node 22 (partition-id=1)"
+    assert flower_runner.node_name(node_of, 3) == "node 22 (partition-id=1)"
 
 
 def test_discover_nodes_names_the_clients_no_node_hosts(task_identity):
     grid = FakeGrid(_query_handler({11: (0, 3), 22: (1, 3)}))
     with pytest.raises(UserInputError, match=r"no connected SuperNode hosts client\(s\) \[2, 5\] of the 6 clients"):
-        flower.discover_nodes(grid, 6, timeout=0.5)
+        flower_runner.discover_nodes(grid, 6, timeout=0.5)
     grid = FakeGrid(_query_handler({11: (0, 2), 22: (0, 2)}))
     with pytest.raises(UserInputError, match="nodes 11 and 22 both host client 0"):
-        flower.discover_nodes(grid, 2, timeout=0.5)
+        flower_runner.discover_nodes(grid, 2, timeout=0.5)
 
 
 def test_discover_nodes_names_a_node_whose_partition_id_is_out_of_range_at_once(task_identity, capsys):
@@ -201,25 +204,25 @@ def test_discover_nodes_names_a_node_whose_partition_id_is_out_of_range_at_once(
     # until the timeout would end in "no connected SuperNode hosts client(s)")
     with pytest.raises(UserInputError, match=r"^node_config.partition-id: node 22 has partition-id=3 with "
                                              r"num-partitions=2; allowed: 0..1; restart it with --node-config"):
-        flower.discover_nodes(FakeGrid(_query_handler({11: (0, 2), 22: (3, 2)})), 4, timeout=0)
+        flower_runner.discover_nodes(FakeGrid(_query_handler({11: (0, 2), 22: (3, 2)})), 4, timeout=0)
     with pytest.raises(UserInputError, match=r"node 11 has num-partitions=0; allowed: an integer >= 1"):
-        flower.discover_nodes(FakeGrid(_query_handler({11: (0, 0)}), nodes=[11]), 2, timeout=0)
+        flower_runner.discover_nodes(FakeGrid(_query_handler({11: (0, 0)}), nodes=[11]), 2, timeout=0)
     grid = DirectGrid(2)
     grid.contexts[2].node_config["partition-id"] = "one"
     with pytest.raises(UserInputError, match=r"^node_config: node 2: partition-id='one' is not an integer; restart it"):
-        flower.discover_nodes(grid, 2, timeout=0)
+        flower_runner.discover_nodes(grid, 2, timeout=0)
     # a valid partition-id beyond the run's clients hosts nothing: the run goes on, with a warning
     three = {11: (0, 3), 22: (1, 3), 33: (2, 3)}
-    node_of = flower.discover_nodes(FakeGrid(_query_handler(three), nodes=three), 2, timeout=60)
+    node_of = flower_runner.discover_nodes(FakeGrid(_query_handler(three), nodes=three), 2, timeout=60)
     assert node_of == {0: 11, 1: 22}
     assert "warning: node 33 (partition-id=2 num-partitions=3) hosts none of the run's 2 clients" in capsys.readouterr().err
 
 
 def test_flower_run_config_paths_must_be_absolute(tmp_path):
     with pytest.raises(UserInputError, match=r"run_config.config: is 'run.yaml'; allowed: an absolute path"):
-        flower._load_from_run_config({"config": "run.yaml", "out": str(tmp_path)})
+        flower_app._load_from_run_config({"config": "run.yaml", "out": str(tmp_path)})
     with pytest.raises(UserInputError, match="nothing to resume"):
-        flower._load_from_run_config({"resume": str(tmp_path)})
+        flower_app._load_from_run_config({"resume": str(tmp_path)})
 
 
 @pytest.mark.parametrize("key, value, msg", [
@@ -234,15 +237,15 @@ def test_flower_run_config_values_of_the_wrong_kind_are_named(tmp_path, key, val
     """`--run-config "rounds=-1"` used to be ignored (the YAML's rounds ran), 2.7 became 2, 'abc'
     raised a bare ValueError, and `resume=0` meant no resume: each is one error naming the key."""
     with pytest.raises(UserInputError) as err:
-        flower._load_from_run_config({"out": str(tmp_path), key: value})
+        flower_app._load_from_run_config({"out": str(tmp_path), key: value})
     assert str(err.value).startswith(msg), str(err.value)
 
 
 def test_flower_run_config_rounds_accepts_whole_numbers_and_out_must_be_a_folder(tmp_path):
-    assert [flower._run_config_rounds(v) for v in (0, 3, 3.0, "4")] == [0, 3, 3, 4]
+    assert [flower_app._run_config_rounds(v) for v in (0, 3, 3.0, "4")] == [0, 3, 3, 4]
     (tmp_path / "file").write_text("")
     with pytest.raises(UserInputError, match="run_config.out: is a file; allowed: a new or existing folder"):
-        flower._load_from_run_config({"out": str(tmp_path / "file")})
+        flower_app._load_from_run_config({"out": str(tmp_path / "file")})
 
 
 def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, deployed):
@@ -250,11 +253,11 @@ def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, deplo
 
     with pytest.raises(UserInputError, match="run_config.rounds: is 1 but the run has completed 2 rounds; allowed: an "
                                              "integer >= 2"):
-        flower._load_from_run_config({"resume": str(deployed), "rounds": 1})
+        flower_app._load_from_run_config({"resume": str(deployed), "rounds": 1})
     # loading a resume changes nothing in the run dir: its config.yaml is rewritten (engine.rounds)
     # only once the resumed run succeeded, as `rafl federate --resume` does
     before = (deployed / "config.yaml").read_text()
-    prep, run_dir, resume = flower._load_from_run_config({"resume": str(deployed), "rounds": 5})
+    prep, run_dir, resume = flower_app._load_from_run_config({"resume": str(deployed), "rounds": 5})
     assert resume and run_dir == deployed and prep.cfg.engine.rounds == 5
     assert (deployed / "config.yaml").read_text() == before
     yaml_file = tmp_path / "cfg" / "run.yaml"  # a YAML's relative paths: against its folder (rafl.config)
@@ -288,14 +291,14 @@ def test_a_superlink_run_records_its_backend_and_rafl_federate_resume_refuses_it
     assert {p: p.read_bytes() for p in deployed.rglob("*") if p.is_file()} == files
     with pytest.raises(UserInputError, match=r"run_config.resume: ran in-process or on the Simulation Runtime: .* "
                                              f"rafl federate --resume {in_process}$"):
-        flower._load_from_run_config({"resume": str(in_process)})
+        flower_app._load_from_run_config({"resume": str(in_process)})
 
 
 def test_flower_app_command_writes_the_app_once(tmp_path):
     res = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app"), "--runs", str(tmp_path / "runs")])
     assert res.exit_code == 0, res.output
     text = (tmp_path / "app" / "pyproject.toml").read_text()
-    assert 'serverapp = "rafl.federation.flower:server_app"' in text and str(tmp_path / "runs") in text
+    assert 'serverapp = "rafl.stages.flower.app:server_app"' in text and str(tmp_path / "runs") in text
     again = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app")])
     assert again.exit_code == 2 and "already holds a pyproject.toml" in again.output
 
@@ -358,7 +361,7 @@ class DirectGrid(FakeGrid):
 
     def answer(self, m):
         try:
-            return flower.client_app(m, self.contexts[m.metadata.dst_node_id])
+            return flower_app.client_app(m, self.contexts[m.metadata.dst_node_id])
         except Exception as err:  # noqa: BLE001 - a SuperNode turns it into an error reply
             return Exception(f"{type(err).__name__}: {err}")
 
@@ -372,7 +375,7 @@ def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, su
     """Each registered method, its broadcasts, uploads and client states carried by Flower
     messages to ClientApps on two nodes (three clients), ends with the in-process numbers."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
     from rafl.federation.algorithms.base import ALGORITHMS
 
     assert sorted(ALL_METHODS) == sorted(ALGORITHMS)  # a new method joins this test
@@ -382,9 +385,9 @@ def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, su
                     "phone: r16_k5e4.k3e4|k3e4.k5e6.k7e3|k7e3.k7e4.k5e4.k5e6|k5e6.k7e4.k7e4|k5e6.k5e6.k3e4.k3e4}"]
     sets = [f"supernet.path={supernet_dir}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=2",
             f"algorithm.name={method}", *(same_model if method in ("fedavg", "fedprox", "fednova") else three_models)]
-    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
-    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
-    got = flower.run_on_grid(DirectGrid(2), prep, tmp_path / "msg", progress=False)  # nodes prepare their own
+    prep = federate.prepare(load_run_config(None, sets), progress=False)
+    ref = federate.run(prep, tmp_path / "ref", progress=False)
+    got = flower_app.run_on_grid(DirectGrid(2), prep, tmp_path / "msg", progress=False)  # nodes prepare their own
     assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref")
     assert got["final"] == ref["final"] and got["cum_bytes_up"] == ref["cum_bytes_up"]
     assert sorted(f.name for f in (tmp_path / "node-states").rglob("*.st")) == [
@@ -393,7 +396,7 @@ def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, su
 
 class FaultyGrid(DirectGrid):
     """A :class:`DirectGrid` whose node ``dead`` stops replying from round ``dead_from`` on, and
-    which raises :class:`flower.Stopped` (Ctrl-C) after delivering the ``interrupt`` =
+    which raises :class:`flower_runner.Stopped` (Ctrl-C) after delivering the ``interrupt`` =
     ``(message type, round)`` messages."""
 
     def __init__(self, n_nodes, dead=None, dead_from=1, interrupt=None):
@@ -409,7 +412,7 @@ class FaultyGrid(DirectGrid):
         ids = super().push_messages(messages)
         if self.interrupt and any((m.metadata.message_type, int(m.metadata.group_id or 0)) == self.interrupt
                                   for m in messages):
-            raise flower.Stopped("Ctrl-C")
+            raise flower_runner.Stopped("Ctrl-C")
         return ids
 
 
@@ -425,14 +428,14 @@ def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, s
     """Ctrl-C while round 2 is being evaluated: the nodes keep the round-1 states the checkpoint
     names (evaluation deletes nothing), and the resumed run ends with the uninterrupted numbers."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
-    ref = flower.run_on_grid(DirectGrid(2), prep, tmp_path / "ref", progress=False)
-    with pytest.raises(flower.Stopped):
-        flower.run_on_grid(FaultyGrid(2, interrupt=("evaluate", 2)), prep, tmp_path / "cut", progress=False)
+    prep = federate.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
+    ref = flower_app.run_on_grid(DirectGrid(2), prep, tmp_path / "ref", progress=False)
+    with pytest.raises(flower_runner.Stopped):
+        flower_app.run_on_grid(FaultyGrid(2, interrupt=("evaluate", 2)), prep, tmp_path / "cut", progress=False)
     assert len(_rows(tmp_path / "cut")) == 1  # round 1 is the last complete round
-    got = flower.run_on_grid(DirectGrid(2), prep, tmp_path / "cut", resume=True, progress=False)
+    got = flower_app.run_on_grid(DirectGrid(2), prep, tmp_path / "cut", resume=True, progress=False)
     assert _rows(tmp_path / "cut") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
 
 
@@ -441,15 +444,15 @@ def test_a_run_stopped_before_its_first_complete_round_leaves_no_client_states_o
     """Ctrl-C while round 1 is evaluated: the nodes had written round-1 states, but without a
     checkpoint no resume can use them, so the server tells the nodes to delete the run's folder."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
+    prep = federate.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
     grid = FaultyGrid(2, interrupt=("evaluate", 1))
     written = []
     answer = grid.answer
     grid.answer = lambda m: (written.extend(p.name for p in (tmp_path / "node-states").glob("*/*")), answer(m))[1]
-    with pytest.raises(flower.Stopped):
-        flower.run_on_grid(grid, prep, tmp_path / "run", progress=False)
+    with pytest.raises(flower_runner.Stopped):
+        flower_app.run_on_grid(grid, prep, tmp_path / "run", progress=False)
     assert written, "round 1's training wrote no client state"
     assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
     assert list((tmp_path / "node-states").iterdir()) == []
@@ -459,10 +462,10 @@ def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_
     """Node 2 (client 1) stops replying in round 2: client 1 counts as failed in training and is
     left out of the evaluation (named with the reason); the run still ends after 3 rounds."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
-    summary = flower.run_on_grid(FaultyGrid(2, dead=2, dead_from=2), prep, tmp_path / "run", progress=False)
+    prep = federate.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
+    summary = flower_app.run_on_grid(FaultyGrid(2, dead=2, dead_from=2), prep, tmp_path / "run", progress=False)
     rows = _rows(tmp_path / "run")
     assert summary["rounds"] == 3 and [r["failed"] for r in rows] == [0, 1, 1]
     why = "node 2 (partition-id=1): no reply within 1 s"
@@ -476,14 +479,14 @@ def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet
     one worker: the clients one after another in job order, as a node runs its batch (every client
     diverges; with parallel workers the first to fail is named)."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
-    prep = pipeline.prepare(load_run_config(None, [*_tiny_sets(supernet_dir), "algorithm.lr=1e12",
+    prep = federate.prepare(load_run_config(None, [*_tiny_sets(supernet_dir), "algorithm.lr=1e12",
                                                    "engine.workers=1"]), progress=False)
     with pytest.raises(UserInputError) as in_process:
-        pipeline.run(prep, tmp_path / "a", progress=False)
+        federate.run(prep, tmp_path / "a", progress=False)
     with pytest.raises(UserInputError) as on_flower:
-        flower.run_on_grid(DirectGrid(2), prep, tmp_path / "b", progress=False)
+        flower_app.run_on_grid(DirectGrid(2), prep, tmp_path / "b", progress=False)
     assert "diverged" in on_flower.value.message and on_flower.value.message == in_process.value.message
     cid = int(in_process.value.source.split()[1])
     assert on_flower.value.source == f"{in_process.value.source} on node {cid % 2 + 1} (partition-id={cid % 2})"
@@ -499,12 +502,12 @@ class CountingGrid(DirectGrid):
         self.sent, self.payloads, self.blob_bytes = [], [], []
 
     def answer(self, m):
-        ctl = m.content.config_records.get(flower.CONTROL)
+        ctl = m.content.config_records.get(flower_wire.CONTROL)
         ids = [int(c) for c in ctl["client_ids"]] if ctl is not None and "client_ids" in ctl else []
         self.sent.append((m.metadata.message_type, int(m.metadata.group_id or 0), m.metadata.dst_node_id, ids))
-        self.payloads.append(sum(1 for k in m.content.array_records if k.startswith(flower.PAYLOAD)))
-        self.blob_bytes.append(sum(r[flower.BLOB].numpy().nbytes for k, r in m.content.array_records.items()
-                                   if k.startswith(flower.PAYLOAD)))
+        self.payloads.append(sum(1 for k in m.content.array_records if k.startswith(flower_wire.PAYLOAD)))
+        self.blob_bytes.append(sum(r[flower_wire.BLOB].numpy().nbytes for k, r in m.content.array_records.items()
+                                   if k.startswith(flower_wire.PAYLOAD)))
         return super().answer(m)
 
 
@@ -515,13 +518,14 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     order, and the run computes the in-process numbers. A client step failing on its node with an
     unexpected error (not a UserInputError) loses that client for the round, not its node-mates."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline, runners
+    from rafl.federation import runners
+    from rafl.stages import federate
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
-    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
-    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
+    prep = federate.prepare(load_run_config(None, sets), progress=False)
+    ref = federate.run(prep, tmp_path / "ref", progress=False)
     grid = CountingGrid(2)
-    got = flower.run_on_grid(grid, prep, tmp_path / "msg", progress=False)
+    got = flower_app.run_on_grid(grid, prep, tmp_path / "msg", progress=False)
     assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
     steps = [s for s in grid.sent if s[0] in ("train", "evaluate")]
     assert steps == [(kind, rnd, node, ids) for rnd in (1, 2) for kind in ("train", "evaluate")
@@ -547,7 +551,7 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
         return real(fed, store, ctx, down)
 
     monkeypatch.setattr(flower_node, "train_client", flaky)
-    flower.run_on_grid(CountingGrid(2), prep, tmp_path / "flaky", progress=False)
+    flower_app.run_on_grid(CountingGrid(2), prep, tmp_path / "flaky", progress=False)
     rows = _rows(tmp_path / "flaky")
     assert [r["failed"] for r in rows] == [0, 1]
     assert rows[1]["lost"] == {"2": "node 1 (partition-id=0): node error: RuntimeError: CUDA out of memory"}
@@ -559,22 +563,22 @@ def test_a_node_whose_uploads_would_pass_the_reply_bound_gets_several_train_mess
     client (node 1: three messages, node 2: two), evaluation stays one message per node, and the
     run computes the in-process numbers."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
-    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
-    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
+    prep = federate.prepare(load_run_config(None, sets), progress=False)
+    ref = federate.run(prep, tmp_path / "ref", progress=False)
     grid = CountingGrid(2)
     limits: list[int] = []
-    real = flower.FlowerClients._batches
+    real = flower_runner.FlowerClients._batches
 
     def batches(self, kind, jobs):
         limits.extend(self.upload_limits.get(cid) for cid, _ in jobs if kind == "train")
         return real(self, kind, jobs)
 
-    monkeypatch.setattr(flower.FlowerClients, "_batches", batches)
-    monkeypatch.setattr(flower, "MAX_REPLY_BYTES", 1)  # every client alone exceeds it: one per message
-    got = flower.run_on_grid(grid, prep, tmp_path / "msg", progress=False)
+    monkeypatch.setattr(flower_runner.FlowerClients, "_batches", batches)
+    monkeypatch.setattr(flower_runner, "MAX_REPLY_BYTES", 1)  # every client alone exceeds it: one per message
+    got = flower_app.run_on_grid(grid, prep, tmp_path / "msg", progress=False)
     assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
     assert limits and all(limit > 1 for limit in limits)
     steps = [s for s in grid.sent if s[0] in ("train", "evaluate")]
@@ -586,12 +590,12 @@ def test_a_node_whose_uploads_would_pass_the_reply_bound_gets_several_train_mess
 def test_reply_batches_fill_up_to_the_bound_in_job_order(monkeypatch):
     from types import SimpleNamespace
 
-    monkeypatch.setattr(flower, "MAX_REPLY_BYTES", 100)
+    monkeypatch.setattr(flower_runner, "MAX_REPLY_BYTES", 100)
     clients = SimpleNamespace(upload_limits={0: 40, 1: 40, 2: 40, 3: 150, 4: 10})
     jobs = [(cid, Payload()) for cid in range(5)]
-    got = flower.FlowerClients._batches(clients, "train", jobs)
+    got = flower_runner.FlowerClients._batches(clients, "train", jobs)
     assert [[cid for cid, _ in b] for b in got] == [[0, 1], [2], [3], [4]]  # a client alone may pass it
-    assert [[cid for cid, _ in b] for b in flower.FlowerClients._batches(clients, "evaluate", jobs)] == [[0, 1, 2, 3, 4]]
+    assert [[cid for cid, _ in b] for b in flower_runner.FlowerClients._batches(clients, "evaluate", jobs)] == [[0, 1, 2, 3, 4]]
 
 
 def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_path, supernet_dir, task_identity,
@@ -601,10 +605,11 @@ def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_
     0.4 s) a third would end past 0.9 s, so client 4 is not started and is lost alone, named with
     the reason; clients 0 and 2 count (a node used to lose its whole batch to the timeout)."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline, runners
+    from rafl.federation import runners
+    from rafl.stages import federate
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=1)]
-    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
+    prep = federate.prepare(load_run_config(None, sets), progress=False)
     now = [0.0]
     real = runners.train_client
 
@@ -614,7 +619,7 @@ def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_
 
     monkeypatch.setattr(flower_node, "_clock", lambda: now[0])
     monkeypatch.setattr(flower_node, "train_client", timed)
-    flower.run_on_grid(DirectGrid(2), prep, tmp_path / "run", progress=False)
+    flower_app.run_on_grid(DirectGrid(2), prep, tmp_path / "run", progress=False)
     (row,) = _rows(tmp_path / "run")
     assert row["failed"] == 1 and row["participated"] == 4
     assert row["lost"] == {"4": "node 1 (partition-id=0): node error: not started: this node's earlier clients took "
@@ -647,22 +652,23 @@ def test_a_restarted_supernode_takes_its_clients_back(tmp_path, supernet_dir, ta
     on its clients are sent to node 3 (they used to stay lost for the rest of the run), and with
     the client states kept on its disk the run computes the in-process numbers."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
-    ref = pipeline.run(prep, tmp_path / "ref", progress=False)
-    got = flower.run_on_grid(RestartGrid(), prep, tmp_path / "msg", progress=False)
+    prep = federate.prepare(load_run_config(None, _tiny_sets(supernet_dir)), progress=False)
+    ref = federate.run(prep, tmp_path / "ref", progress=False)
+    got = flower_app.run_on_grid(RestartGrid(), prep, tmp_path / "msg", progress=False)
     assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
 
 
 def test_every_client_lost_stops_the_run(tmp_path, supernet_dir, task_identity):
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
+    prep = federate.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
     grid = FaultyGrid(1, dead=1, dead_from=1)
-    with pytest.raises(UserInputError, match=r"round 1: all 3 sampled clients were lost \(client 0: node 1 \(partition-id=0\): no reply within 1 s\)"):
-        flower.run_on_grid(grid, prep, tmp_path / "run", progress=False)
+    with pytest.raises(UserInputError, match=r"round 1: all 3 sampled clients were lost \(client 0: node 1 "
+                                             r"\(partition-id=0\): no reply within 1 s\)"):
+        flower_app.run_on_grid(grid, prep, tmp_path / "run", progress=False)
 
 
 # ---------------------------------------------------------------------- the node's trust boundary
@@ -674,7 +680,7 @@ def _node(node_config=None, node_id=1):
 
 def _forged(kind, control):
     """A message as anyone who reaches the SuperLink could send it to a node."""
-    return flwr_app.Message(flwr_app.RecordDict({flower.CONTROL: flwr_app.ConfigRecord(control)}), dst_node_id=1,
+    return flwr_app.Message(flwr_app.RecordDict({flower_wire.CONTROL: flwr_app.ConfigRecord(control)}), dst_node_id=1,
                             message_type=kind)
 
 
@@ -698,8 +704,8 @@ def test_a_forged_message_cannot_make_a_node_import_a_plug_in(tmp_path, monkeypa
                                          "def make(**kw):\n    raise SystemExit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     ctl = _step_control({"clients": {"models": "evilmod:make,cnn4"}})
-    reply = flower.client_app(_forged("train", ctl), _node({"plugins": "other.mod:make"}))
-    rec = reply.content.config_records[flower.CONTROL]
+    reply = flower_app.client_app(_forged("train", ctl), _node({"plugins": "other.mod:make"}))
+    rec = reply.content.config_records[flower_wire.CONTROL]
     assert rec["refused"] is True and rec["user_error_field"] == "node_config.plugins"
     assert rec["user_error"].startswith("the message's clients.models names plug-in 'evilmod:make', which this "
                                         "node does not allow (plugins: other.mod:make)")
@@ -729,8 +735,8 @@ def test_a_forged_message_cannot_make_a_node_read_a_path_outside_its_data_roots(
               ({"clients": {"profiles": [str(tmp_path / "pi.yaml")]}}, "clients.profiles", str(tmp_path / "pi.yaml")),
               ({"clients": {"arch": str(tmp_path / "a.yaml")}}, "clients.arch", str(tmp_path / "a.yaml"))]
     for n, (config, field, path) in enumerate(forged, 1):
-        reply = flower.client_app(_forged("evaluate", _step_control(config)), _node(node))
-        rec = reply.content.config_records[flower.CONTROL]
+        reply = flower_app.client_app(_forged("evaluate", _step_control(config)), _node(node))
+        rec = reply.content.config_records[flower_wire.CONTROL]
         assert rec["refused"] is True and rec["user_error_field"] == "node_config.data-roots", (config, rec)
         assert rec["user_error"].startswith(f"the message's {field} names {path!r}, outside this node's data-roots")
         assert len(flower_node.refusals(tmp_path / "states")) == n
@@ -757,8 +763,8 @@ def test_a_forged_discard_or_run_key_cannot_make_a_node_delete_or_write_a_foreig
               ("train", _step_control({}, state_dir=str(victim))),
               ("train", _step_control({}, run_key="../victim"))]
     for n, (kind, ctl) in enumerate(forged, 1):
-        reply = flower.client_app(_forged(kind, ctl), _node())
-        rec = reply.content.config_records[flower.CONTROL]
+        reply = flower_app.client_app(_forged(kind, ctl), _node())
+        rec = reply.content.config_records[flower_wire.CONTROL]
         assert "refused" in rec and rec["refused"] is not False, (ctl, rec)
         assert (victim / "keep.txt").is_file() and len(flower_node.refusals(states)) == n
     assert [r["field"] for r in flower_node.refusals(states)] == [  # a run key that is no key is refused first
@@ -768,9 +774,9 @@ def test_a_forged_discard_or_run_key_cannot_make_a_node_delete_or_write_a_foreig
     own = states / "0123456789abcdef"
     own.mkdir()
     (own / "0000000.r00001.st").write_bytes(b"")
-    reply = flower.client_app(_forged("query", {"ask": "discard", "run_key": "0123456789abcdef", "state_dir": ""}),
+    reply = flower_app.client_app(_forged("query", {"ask": "discard", "run_key": "0123456789abcdef", "state_dir": ""}),
                               _node())
-    assert reply.content.config_records[flower.CONTROL]["done"] and not own.exists()
+    assert reply.content.config_records[flower_wire.CONTROL]["done"] and not own.exists()
     shared = flower_node.NodeTrust.of({"shared-state-dirs": str(victim)})  # an operator's explicit share
     assert shared.run_folder({"run_key": "0123456789abcdef", "state_dir": str(victim)}) == victim.resolve()
 
@@ -779,12 +785,12 @@ def test_a_run_the_nodes_refuse_stops_with_the_nodes_reason(tmp_path, supernet_d
     """rafl's own ServerApp, with a run config naming a supernet outside the nodes' data-roots: the
     run stops at round 1 with one line naming the node, the field and the node-config key."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
-    prep = pipeline.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
+    prep = federate.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=1)), progress=False)
     monkeypatch.setenv("RAFL_FLOWER_DATA_ROOTS", str(tmp_path / "elsewhere"))
     with pytest.raises(UserInputError) as err:
-        flower.run_on_grid(DirectGrid(2), prep, tmp_path / "run", progress=False)
+        flower_app.run_on_grid(DirectGrid(2), prep, tmp_path / "run", progress=False)
     assert str(err.value).startswith("node 1 (partition-id=0) refused the train message: node_config.data-roots: the "
                                      f"message's supernet.path names {str(supernet_dir)!r}, outside this node's "
                                      "data-roots")
@@ -830,7 +836,7 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     res = CliRunner().invoke(cli, ["flower-app", "--out", str(tmp_path / "app"), "--config", str(cfg),
                                    "--runs", str(tmp_path / "runs")])
     assert res.exit_code == 0, res.output
-    with flower.LocalFleet(2, tmp_path / "fleet") as fleet:
+    with flower_fleet.LocalFleet(2, tmp_path / "fleet") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600)
         assert run.completed and run.status == "finished:completed", (run, fleet.logs()[-4000:])
         assert "rafl: 2 rounds" in run.stdout, (run.stdout + run.stderr + fleet.logs())[-4000:]
@@ -856,7 +862,7 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
     # (the nodes' state folder was keyed by the config with engine.rounds, so round 3 found no state);
     # its nodes run Flower's own SuperExec (a flwr-clientapp process per message), the first fleet
     # rafl's forking one: both compute the in-process numbers
-    with flower.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states",
+    with flower_fleet.LocalFleet(2, tmp_path / "fleet2", state_dir=tmp_path / "fleet" / "node-states",
                            isolation="subprocess") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600, run_config=f"resume='{run_dir}' rounds=3")
         assert run.completed, (run, fleet.logs()[-4000:])
@@ -875,8 +881,8 @@ def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
     cfg.write_text("name: div\ndata: {limit_per_class: 10}\npartition: {public_fraction: 0.3}\n"
                    "clients: {n: 2, models: cnn3-small, feature_dim: 16}\n"
                    "algorithm: {name: fedproto, lr: 1.0e+12}\nengine: {rounds: 1, round_timeout_s: 300}\n")
-    flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
-    with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
+    flower_app.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
+    with flower_fleet.LocalFleet(1, tmp_path / "fleet") as fleet:
         run = fleet.run(tmp_path / "app", timeout=600)
     assert run.status == "finished:failed", (run, fleet.logs()[-3000:])
     assert "client 0 (model cnn3-small) on node " in run.status_details  # the node, as in-process the client
@@ -897,8 +903,8 @@ def test_a_failed_serverapp_is_reported_as_failed_although_flwr_run_exits_0(tmp_
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"name: bad\nsupernet: {{path: {tmp_path / 'missing'}}}\nclients: {{n: 2}}\n")
-    flower.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
-    with flower.LocalFleet(1, tmp_path / "fleet") as fleet:
+    flower_app.write_app(tmp_path / "app", config=cfg, out=tmp_path / "runs")
+    with flower_fleet.LocalFleet(1, tmp_path / "fleet") as fleet:
         run = fleet.run(tmp_path / "app", timeout=300)
         below = fleet._descendants()  # SuperExecs, and a failed run's ServerApp if it lingers
     assert below and not [pid for pid in below if flower_fleet._alive(pid)]  # stopped, in their own groups too
@@ -981,9 +987,9 @@ class HostileGrid(DirectGrid):
         content, rnd = reply.content, int(m.metadata.group_id)
         for cid in (0, 1, 2):
             slot = f".{cid}"
-            if flower.PAYLOAD + slot not in content.array_records:
+            if flower_wire.PAYLOAD + slot not in content.array_records:
                 continue
-            up = flower.records_to_payload(content, "test", slot)
+            up = flower_wire.records_to_payload(content, "test", slot)
             if (rnd, cid) == (1, 1):
                 n = sum(t.numel() for t in up.tensors.values())
                 up.tensors["junk"] = torch.zeros(2 * n + 300_000)
@@ -993,7 +999,7 @@ class HostileGrid(DirectGrid):
                 up.meta["n_samples"] = 10**12
             else:
                 continue
-            content.array_records[flower.PAYLOAD + slot] = flower.payload_to_records(up, slot)[flower.PAYLOAD + slot]
+            content.array_records[flower_wire.PAYLOAD + slot] = flower_wire.payload_to_records(up, slot)[flower_wire.PAYLOAD + slot]
         return reply
 
 
@@ -1002,12 +1008,12 @@ def test_hostile_uploads_on_flower_are_rejected_counted_and_the_rounds_complete(
     rejected, a 10**12-sample claim weighs the registered count; each rejection names the client
     and its node, and every round completes with the others."""
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
+    from rafl.stages import federate
 
     sets = [f"supernet.path={supernet_dir}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=2",
             "algorithm.name=fedavg", "clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"]
-    prep = pipeline.prepare(load_run_config(None, sets), progress=False)
-    summary = flower.run_on_grid(HostileGrid(2), prep, tmp_path / "run", progress=False)
+    prep = federate.prepare(load_run_config(None, sets), progress=False)
+    summary = flower_app.run_on_grid(HostileGrid(2), prep, tmp_path / "run", progress=False)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rejected"] for r in rows] == [1, 1] and summary["rejected_uploads"] == 2
     assert not any(r.get("round_failed") for r in rows)

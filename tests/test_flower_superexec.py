@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from rafl.cli import cli
-from rafl.federation import flower_node, flower_superexec
+from rafl.stages.flower import node as flower_node
+from rafl.stages.flower import superexec as flower_superexec
 
 
 def _reap_all(executor: flower_superexec.ForkExecutor, limit_s: float = 120.0) -> None:

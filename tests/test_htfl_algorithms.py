@@ -11,7 +11,7 @@ import torch
 from rafl.data import ClientSplit, Partition, load_dataset
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ClientContext, ClientInfo, ServerContext, get_algorithm
-from rafl.federation.compare import build_group_federation
+from rafl.federation.build import build_group_federation
 from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.payload import Payload
 from rafl.federation.runners import Federation

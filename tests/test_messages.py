@@ -122,7 +122,7 @@ def test_a_truncated_client_state_says_truncated(tmp_path):
 
 
 def test_a_truncated_subnet_file_says_truncated_and_how_to_redo_it(tmp_path, tiny_supernet):
-    from rafl.search.runner import load_searched_subnet, save_subnet_weights
+    from rafl.stages.search import load_searched_subnet, save_subnet_weights
     from rafl.supernet import subnet_from_arch
 
     _, space = tiny_supernet

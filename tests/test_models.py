@@ -127,7 +127,8 @@ def test_user_plugin_model_joins(tmp_path, monkeypatch):
              "my_plugin:conv_map": "features\\(\\) gives shape \\[2, 16, 32, 32\\], expected a tensor of shape "
                                    "\\[2, 16\\] \\(the group's common width D\\)", "my_plugin:not_a_model": "nn.Module",
              "my_plugin:no_head": "features", "my_plugin:boom": "RuntimeError",
-             "my_plugin:missing": "no callable", "my_plugin:wrong_forward": "forward gives shape \\[2, 16\\]", "no_such_module_xyz:f": "cannot import",
+             "my_plugin:missing": "no callable", "my_plugin:wrong_forward": "forward gives shape \\[2, 16\\]",
+             "no_such_module_xyz:f": "cannot import",
              "bad spec": "not package", "my_plugin:tuple_head": "head gives tuple, expected a tensor of shape \\[2, 10\\] \\(logits\\)",
              "broken_at_import:f": "importing 'broken_at_import' raised RuntimeError: config server down",
              "bad_syntax:f": "importing 'bad_syntax' raised SyntaxError",

@@ -53,7 +53,7 @@ def test_report_has_every_section_and_consistent_numbers(tmp_path):
 
 
 def test_mcu_is_reported_infeasible_and_model_inputs(tmp_path):
-    from rafl.search.runner import save_subnet_weights
+    from rafl.stages.search import save_subnet_weights
     from rafl.supernet import subnet_from_arch
     from rafl.supernet.arch import ArchConfig
 
@@ -199,7 +199,7 @@ def test_search_subnet_yaml_carries_its_space_else_the_error_says_pass_supernet(
     """A subnet.yaml from `rafl search` records its search space: `rafl profile --arch subnet.yaml`
     uses it without --supernet (here a 16 px space the default 24-32 px one rejects); an arch file
     without one, outside the default space, fails naming --supernet DIR."""
-    from rafl.search.runner import write_subnet_yaml
+    from rafl.stages.search import write_subnet_yaml
     from rafl.supernet import build_supernet, save_supernet
     from rafl.supernet.arch import ArchConfig
 

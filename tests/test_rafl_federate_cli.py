@@ -412,7 +412,8 @@ def test_parallel_runs_claim_distinct_run_dirs_and_never_remove_another(tmp_path
     its own."""
     import time as _time
 
-    from rafl.federation import pipeline
+    from rafl.errors import UserInputError
+    from rafl.stages import federate
 
     monkeypatch.setattr(_time, "strftime", lambda fmt, *a: "20260101-000000")
     out = tmp_path / "runs"
@@ -422,10 +423,10 @@ def test_parallel_runs_claim_distinct_run_dirs_and_never_remove_another(tmp_path
 
     def failing_prepare(cfg, progress=True):  # the other run is preparing: its dir is claimed, empty
         seen.append(sorted(p.name for p in out.iterdir()))
-        raise pipeline.UserInputError("a bad profile, say", field="clients.profiles")
+        raise UserInputError("a bad profile, say", field="clients.profiles")
 
     (out / "fedgh-digits-20260101-000000").mkdir(parents=True)  # a parallel run's claimed, still empty dir
-    monkeypatch.setattr(pipeline, "prepare", failing_prepare)
+    monkeypatch.setattr(federate, "prepare", failing_prepare)
     line = _one_error_line(_invoke(["--out", str(out), *sets]))
     assert "a bad profile, say" in line
     assert seen == [["fedgh-digits-20260101-000000", "fedgh-digits-20260101-000000-2"]]  # claimed before work

@@ -229,7 +229,7 @@ class _Claims(FedAvg):
 
 def _run(tiny, tmp_path, algo, **cfg):
     from rafl.federation.engine import Engine, EngineConfig
-    from rafl.federation.pipeline import build_federation
+    from rafl.federation.build import build_federation
 
     space, supernet, ds, part = tiny
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)
@@ -261,7 +261,7 @@ def test_engine_below_min_valid_uploads_the_round_fails_and_keeps_the_server_sta
     assert rows[0]["round_failed"] is True and summary["failed_rounds"] == 1 and ck["committed"] == {}
     algo = FedAvg()
     space, supernet, ds, part = tiny
-    from rafl.federation.pipeline import build_federation
+    from rafl.federation.build import build_federation
 
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)
     torch.manual_seed(seed_of(0, 0, 7))

@@ -22,7 +22,7 @@ from rafl.errors import UserInputError
 from rafl.search.cost import CostModel
 from rafl.search.evolution import SearchConfig, search_subnets
 from rafl.search.profile import load_profile
-from rafl.search.runner import load_searched_subnet, run_search, server_eval_data
+from rafl.stages.search import load_searched_subnet, run_search, server_eval_data
 from rafl.supernet import build_supernet, save_supernet
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -286,7 +286,7 @@ def test_cli_small_search(supernet_dir, tmp_path):
 def test_search_json_records_profile_folders_absolute(tmp_path, monkeypatch):
     """search.json's ``dir`` was relative to the folder the search ran from (``s1/pi4``), unlike
     every other recorded path."""
-    from rafl.search.runner import write_search_index
+    from rafl.stages.search import write_search_index
 
     (tmp_path / "s1" / "pi4").mkdir(parents=True)
     (tmp_path / "s1" / "pi4" / "result.json").write_text(json.dumps({"arch_string": "x", "accuracy": 0.5}))

@@ -18,7 +18,8 @@ from rafl.federation.algorithms import ServerContext, get_algorithm
 from rafl.federation.algorithms.heterofl import index_map
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig
 from rafl.federation.payload import Payload
-from rafl.federation.pipeline import build_federation, build_group_federation, uniform_arch
+from rafl.federation.build import build_federation, build_group_federation
+from rafl.search.federation_search import uniform_arch
 from rafl.federation.store import load_state
 from rafl.federation.weight_sharing import (extract, fold_kernel_transforms, masked_average, nas_index_map,
                                             prefix_index_map)
@@ -336,7 +337,7 @@ def test_compare_of_nas_subnets_reports_accuracy_per_device_tier(tmp_path, tiny_
 
 
 def test_tier_figures_cover_the_clients_every_method_evaluated(tmp_path):
-    from rafl.federation.compare import common_client_tiers, tier_tables
+    from rafl.stages.compare import common_client_tiers, tier_tables
 
     table = [{"client": c, "profile": p} for c, p in enumerate(["pi4", "phone", "pi4", "phone"])]
     full = {str(c): {"model.acc": a, "test_samples": n} for c, a, n in [(0, 0.5, 10), (1, 1.0, 20), (2, 0.0, 10),

@@ -41,7 +41,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
-    from rafl.federation.compare import load_compare_config, load_compare_resume, run_compare
+    from rafl.stages.compare import load_compare_config, load_compare_resume, run_compare
     from rafl.io import check_output_dir
     from rafl.models import resolve_models
 
@@ -128,9 +128,9 @@ def _say_how_to_resume(out: Path) -> Iterator[None]:
 
 def _warn_ignored(cfg, models: str) -> None:
     """Warn about settings that are valid but do nothing in this comparison (``algorithm.name``:
-    :func:`rafl.federation.compare.load_compare_config`)."""
+    :func:`rafl.stages.compare.load_compare_config`)."""
     from rafl.errors import warn
 
-    # (--feature-dim with nas: rafl.federation.pipeline warns about clients.feature_dim, which it sets)
+    # (--feature-dim with nas: rafl.stages.prepare warns about clients.feature_dim, which it sets)
     if models.strip() != "nas" and (cfg.clients.arch or cfg.clients.archs):
         warn("clients.arch / clients.archs pick supernet subnets and apply to --models nas only; ignored here")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import shlex
-import shutil
-import time
 from pathlib import Path
 
 import click
 
 from rafl.cli import exit_interrupted
-from rafl.errors import UserInputError, shown, warn
+from rafl.errors import UserInputError
 
 
 #: the accuracies a method reports besides its deployed model's (``model.acc``), in table order:
@@ -90,16 +87,6 @@ def print_table(summary: dict, run_dir: Path) -> None:
     con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 
-def _hold(fd: int) -> int:
-    """Keep the run dir's lock (:func:`rafl.io.lock_dir`) until the command ends; returns ``fd``."""
-    import os
-
-    click.get_current_context().call_on_close(lambda: os.close(fd))
-    return fd
-
-
-
-
 def list_algorithms() -> str:
     """``rafl federate --list-algorithms``: every registered method (``algorithm.name``), its paper
     (the first sentence of its docstring), what it needs, and its hyperparameters with defaults."""
@@ -157,11 +144,8 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
     searched subnet per profile, RaFL. Prints a per-client table and the run dir, which holds
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
-    from rafl.config import RunConfig, parse_overrides
     from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
-    from rafl.federation.checks import check_checkpoint_readable, check_resumable_here
-    from rafl.io import check_output_dir, lock_dir
+    from rafl.stages import federate as stage
 
     if data_root is not None:
         if resume_dir is not None:
@@ -176,136 +160,18 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
                                  field="--show-config")
         click.echo(commented_config(load_run_config(config_path, overrides)), nl=False)
         return
-    if resume_dir is not None:
-        source = click.get_current_context().get_parameter_source("out")
-        if source is not None and source.name == "COMMANDLINE":
-            raise UserInputError("cannot be combined with --resume (the run continues in its own dir)",
-                                 field="--out")
-        if config_path is not None:
-            raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)",
-                                 field="--config")
-        cfg_file = resume_dir / "config.yaml"
-        if _is_compare_folder(cfg_file):
-            raise UserInputError("is a rafl compare folder, not a rafl federate run dir; continue it with: rafl "
-                                 f"compare --resume {shlex.quote(str(resume_dir))}", source=resume_dir, field="--resume")
-        if cfg_file.is_file() and not (resume_dir / "checkpoint.safetensors").is_file():
-            raise UserInputError("never completed a round (no checkpoint.safetensors), so there is nothing to "
-                                 "resume: run the command again under the same name (the folder is reused)",
-                                 source=resume_dir, field="--resume")
-        if not cfg_file.is_file():
-            raise UserInputError("does not exist" if not resume_dir.exists() else
-                                 "is not a rafl federate run dir (no config.yaml)", source=resume_dir,
-                                 field="--resume")
-        check_resumable_here(resume_dir)  # a SuperLink's run: its client states are on the nodes
-        check_checkpoint_readable(resume_dir)  # cut short by a copy: say how to recover, before any work
-        fixed = sorted({key for key, _ in parse_overrides(overrides) if key.split(".")[0] != "engine"})
-        if fixed:  # before the values are read: e.g. another algorithm.name would fail on the run's hparams
-            raise UserInputError(f"--resume may change only engine settings (engine.rounds to extend the run, "
-                                 f"engine.backend, ...), not {fixed}", field="--set")
-        # paths in a run dir's config.yaml are absolute (rafl.config.absolute_paths); in an older
-        # one a relative path meant the current folder
-        old = load_run_config(cfg_file, base=Path.cwd())
-        try:
-            cfg = load_run_config(cfg_file, overrides, base=Path.cwd())
-        except UserInputError as err:  # the file alone is valid, so a --set value is at fault
-            raise UserInputError(err.message, source="--set", field=err.field) from None
-        changed = {k for k in ("data", "partition", "clients", "supernet", "search", "algorithm", "train", "seed")
-                   if getattr(cfg, k) != getattr(old, k)}
-        if changed:
-            raise UserInputError(f"--resume may change only engine settings, not {sorted(changed)}", field="--set")
-        pipeline.check_resume_rounds(resume_dir, cfg.engine.rounds, "engine.rounds")
-        _hold(lock_dir(resume_dir, "--resume"))  # until the command ends: one run writes here at a time
-        prep = pipeline.prepare(cfg, progress=progress)
-        try:
-            summary = pipeline.run(prep, resume_dir, resume=True, progress=progress)
-        except (KeyboardInterrupt, click.exceptions.Abort, SystemExit) as err:
-            if _say_how_to_resume(resume_dir):
-                raise exit_interrupted(err) from None
-            raise
-        from rafl.io import atomic_write_yaml
-
-        atomic_write_yaml(resume_dir / "config.yaml", cfg.resolved())
-        print_table(summary, resume_dir)
-        return
-
-    cfg: RunConfig = load_run_config(config_path, overrides)
-    check_output_dir(out)  # a file, or a folder nothing can be created in: before any work
-    name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if Path(name).name != name or name in (".", ".."):
-        raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under --out",
-                             field="name")
-    run_dir = out / name
-    out_existed = out.exists()
-    lock: int | None = None
-    if cfg.name is None:  # a default name: runs started in the same second (a sweep) get -2, -3, ...
-        # claimed with an atomic mkdir, so parallel runs never share (or clean up) one run dir
-        stem, i = name, 1
-        while True:
-            try:
-                run_dir.mkdir(parents=True)
-                break
-            except FileExistsError:
-                i += 1
-                name = f"{stem}-{i}"
-                run_dir = out / name
-    elif run_dir.exists():
-        if not (run_dir / "config.yaml").is_file() and any(run_dir.iterdir()):
-            raise UserInputError("already exists and is not a rafl federate run dir (choose another name or --out)",
-                                 source=run_dir)
-        if (run_dir / "checkpoint.safetensors").is_file():
-            raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
-        # never completed a round: a run killed (kill -9) before its first checkpoint, whose lock the
-        # kernel released; a live run holds it, and lock_dir refuses then
-        lock = _hold(lock_dir(run_dir, "name"))
-        for p in list(run_dir.iterdir()):
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        warn(f"{run_dir} never completed a round (its run was killed before the first checkpoint): starting it "
-             "afresh")
-    else:
-        try:
-            run_dir.mkdir(parents=True)
-        except FileExistsError:  # another run took this name a moment ago
-            raise UserInputError("already exists: another run took this name (choose another name or --out)",
-                                 source=run_dir) from None
-    if lock is None:
-        lock = _hold(lock_dir(run_dir, "name"))  # until the command ends (the kernel releases it on kill -9)
     try:
-        prep = pipeline.prepare(cfg, progress=progress)  # every check happens here; the run dir is still empty
-        summary = pipeline.run(prep, run_dir, progress=progress)
-    except BaseException as err:
-        if run_dir.exists() and not (run_dir / "checkpoint.safetensors").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)  # ours, with no complete round: leave nothing half-made
-        if not out_existed and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        if isinstance(err, (KeyboardInterrupt, click.exceptions.Abort, SystemExit)):
-            if not _say_how_to_resume(run_dir):
-                click.echo("interrupted before the first complete round: nothing was kept", err=True)
-            raise exit_interrupted(err) from None
-        raise
+        if resume_dir is not None:
+            source = click.get_current_context().get_parameter_source("out")
+            if source is not None and source.name == "COMMANDLINE":
+                raise UserInputError("cannot be combined with --resume (the run continues in its own dir)",
+                                     field="--out")
+            if config_path is not None:
+                raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)",
+                                     field="--config")
+            summary, run_dir = stage.resume(resume_dir, overrides, progress=progress)
+        else:
+            summary, run_dir = stage.start(load_run_config(config_path, overrides), out, progress=progress)
+    except (KeyboardInterrupt, SystemExit) as err:  # the stage said what was kept and how to continue
+        raise exit_interrupted(err) from None
     print_table(summary, run_dir)
-
-
-def _is_compare_folder(cfg_file: Path) -> bool:
-    """Whether ``cfg_file`` is the config.yaml ``rafl compare`` writes (:func:`rafl.config.is_compare_record`)."""
-    import yaml
-
-    from rafl.config import is_compare_record
-    from rafl.io import load_yaml, read_text_file
-
-    try:
-        return is_compare_record(load_yaml(read_text_file(cfg_file), cfg_file))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, UserInputError):
-        return False  # not readable as a compare config: the checks below say what it is
-
-
-def _say_how_to_resume(run_dir: Path) -> bool:
-    """After Ctrl-C / SIGTERM: one stderr line with the rounds the checkpoint holds and the command
-    that continues the run; ``False`` (nothing said) when no round completed: the run dir is gone then."""
-    from rafl.federation.pipeline import completed_rounds
-
-    if not (run_dir / "checkpoint.safetensors").is_file():
-        return False
-    done = completed_rounds(run_dir)
-    click.echo(f"interrupted: {done} complete round(s) checkpointed in {run_dir}; continue with: "
-               f"rafl federate --resume {shlex.quote(str(run_dir))}", err=True)
-    return True

@@ -21,7 +21,7 @@ def flower_app(folder: Path, config: Path | None, runs: Path) -> None:
     that hosts it (node config partition-id=I num-partitions=P hosts clients I, I+P, ...).
     """
     from rafl.federation.run_config import load_run_config
-    from rafl.federation.flower import write_app
+    from rafl.stages.flower.app import write_app
 
     # the run config is read on the SuperLink only when `flwr run` starts it, and `flwr run`
     # exits 0 whatever happens there: check what can be checked here (schema, algorithm and its
@@ -58,7 +58,7 @@ def flower_superexec(runtime_api_address: str, insecure: bool, root_certificates
     SIGTERM. Linux and macOS (fork).
     """
     from rafl.errors import UserInputError
-    from rafl.federation.flower_superexec import run
+    from rafl.stages.flower.superexec import run
 
     if not insecure and root_certificates is None:
         raise UserInputError("give --root-certificates (TLS to the Runtime API) or --insecure (a SuperNode on "

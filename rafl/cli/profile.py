@@ -124,7 +124,7 @@ def _load_model(path: Path, arch_text: str | None, space, hint: str | None = Non
                                  f"x{space.width_mult}: {load_error_detail(err)}", source=path,
                                  field="--model") from None
         return sub.eval(), arch, space
-    from rafl.search.runner import load_searched_subnet
+    from rafl.stages.search import load_searched_subnet
 
     sub = load_searched_subnet(path)
     return sub.eval(), sub.arch, sub.space

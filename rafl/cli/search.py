@@ -24,7 +24,8 @@ def _check_out(out: Path, names: list[str]) -> None:
 
 @click.command("search")
 @click.option("--device-profile", "profiles", multiple=True, required=True,
-              help="Shipped profile name (pi4, jetson-nano, ...; or its file name pi4.yaml, from any folder) or a YAML path; repeat for several.")
+              help="Shipped profile name (pi4, jetson-nano, ...; or its file name pi4.yaml, from any folder) or a YAML "
+                   "path; repeat for several.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
               help="Supernet folder from `rafl supernet train`, or a shipped one by name: cifar10 "
                    "[default: the quickstart supernet on digits, trained once and cached].")
@@ -63,7 +64,7 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     """
     from rafl.search.evolution import SearchConfig
     from rafl.search.profile import load_profile
-    from rafl.search.runner import run_search
+    from rafl.stages.search import run_search
 
     profs = [load_profile(p) for p in profiles]  # unknown / malformed profiles: exit 2 before any work
     names = [p.name for p in profs]
@@ -83,7 +84,7 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     results = run_search(profs, out, config, supernet_dir=supernet_dir)
     from rafl.search.evolution import binding_text
     from rafl.search.predictor import tau_meaning
-    from rafl.search.runner import same_subnet_note
+    from rafl.stages.search import same_subnet_note
 
     fit = next(iter(results.values())).predictor_fit
     if fit:

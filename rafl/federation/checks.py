@@ -2,7 +2,7 @@
 public pool and the clients' data, the same data sample as the supernet trained on, and, on
 ``--resume``, the same rounds, clients and data as the run started with.
 
-Used by ``rafl federate`` (:mod:`rafl.federation.pipeline`), ``rafl compare`` and the Flower App.
+Used by ``rafl federate`` (:mod:`rafl.stages.prepare`), ``rafl compare`` and the Flower App.
 Every check raises :class:`~rafl.errors.UserInputError` naming the field or file to change.
 """
 

@@ -19,7 +19,7 @@ server steps and knows no algorithm by name. One round ``t``:
    A *client runner* (:mod:`rafl.federation.runners`) does the client part:
    :class:`~rafl.federation.runners.InProcessClients`, one client after the other,
    :class:`rafl.federation.workers.WorkerClients` in ``engine.workers`` forked processes, or
-   :class:`rafl.federation.flower.FlowerClients` as Flower ClientApps on SuperNodes
+   :class:`rafl.federation.flower_runner.FlowerClients` as Flower ClientApps on SuperNodes
    (a node that fails or times out loses its clients for the round: counted as failed).
 5. ``server_aggregate`` produces the next broadcast.
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
@@ -167,7 +167,7 @@ class Engine:
         progress: show a tqdm bar over rounds.
         clients: the client runner, built from the engine's store (``clients(fed, store, seed)``);
             default :class:`~rafl.federation.runners.InProcessClients`, or
-            :class:`rafl.federation.workers.WorkerClients` with ``config.workers`` > 1. :mod:`rafl.federation.flower` passes one that runs
+            :class:`rafl.federation.workers.WorkerClients` with ``config.workers`` > 1. :mod:`rafl.stages.flower` passes one that runs
             the client steps as Flower ClientApps on SuperNodes.
         observers: :class:`RunObserver` s told every round's record and the summary, in order
             (e.g. ``[rafl.reports.run.RunReport(run_dir)]``: ``metrics.jsonl``, ``summary.json``, ...).

@@ -16,7 +16,7 @@ an 8-byte header length, a JSON header (tensor names, dtypes, shapes, offsets, a
 ``__metadata__`` entry holding this payload's metadata as one JSON string) and the raw tensor
 bytes. A payload with no tensors and no metadata is "nothing sent" and has ``nbytes() == 0``.
 
-Mapping onto Flower (``flwr.app``, :mod:`rafl.federation.flower`): the blob itself, as one
+Mapping onto Flower (``flwr.app``, :mod:`rafl.federation.flower_wire`): the blob itself, as one
 ``uint8`` ``Array`` of an ``ArrayRecord`` per payload (one Flower object per payload instead of
 one per tensor; the bytes Flower carries are the bytes counted here).
 """

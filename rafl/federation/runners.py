@@ -3,7 +3,7 @@
 The :class:`~rafl.federation.engine.Engine` hands a *client runner* the round's jobs and gets the
 uploads back; it never calls a method's client step itself. Every runner -- :class:`InProcessClients`
 here (one client after the other, in this process), :class:`rafl.federation.workers.WorkerClients`
-(forked processes), :class:`rafl.federation.flower.FlowerClients` (Flower ClientApps on SuperNodes)
+(forked processes), :class:`rafl.federation.flower_runner.FlowerClients` (Flower ClientApps on SuperNodes)
 -- runs the same functions on the same seeded context (:func:`client_context`): :func:`train_client`
 and :func:`evaluate_client`, and for clients that never trained the shared evaluation per
 architecture (:func:`evaluate_untrained`). So the backends draw the same numbers.
@@ -49,7 +49,7 @@ def seed_of(*parts: int) -> int:
 
 @dataclass
 class Federation:
-    """Everything the engine needs for one run (built by :mod:`rafl.federation.pipeline` or tests).
+    """Everything the engine needs for one run (built by :mod:`rafl.stages.prepare` or tests).
 
     Attributes:
         algorithm: the method instance.

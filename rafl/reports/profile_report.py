@@ -17,11 +17,9 @@ finds) call. The report has
 
 from __future__ import annotations
 
-import copy
 import math
 import platform
 import statistics
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from torch import nn
 from rafl.io import atomic_write_json, atomic_write_text
 from rafl.reports.plots import new_figure, save_figure
 from rafl.reports.tables import fmt, markdown_table
+from rafl.search.counting import count_fvcore, count_thop
 from rafl.search.cost import CostModel, check_budgets, energy_per_epoch_j
 from rafl.search.latency import measure_latency_ms
 from rafl.search.profile import DeviceProfile, load_profile
@@ -40,39 +39,6 @@ from rafl.supernet.arch import ArchConfig, SearchSpace
 __all__ = ["write_profile_report", "count_fvcore", "count_thop", "measure_host_latency", "stage_of", "fmt_cost"]
 
 MIB = 2**20
-
-
-def count_fvcore(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """fvcore's counts (fvcore "flops" = MACs for conv/linear) per module and per operator.
-
-    Returns:
-        ``(per_module, per_operator)``: ``per_module[name][op]`` (submodules included in their
-        parents) and the whole model's ``{op: count}``.
-    """
-    with warnings.catch_warnings():  # torch.jit deprecation notices from fvcore's import and tracer
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from fvcore.nn import FlopCountAnalysis
-
-        fca = FlopCountAnalysis(model, x).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
-        per_module = {k: dict(v) for k, v in fca.by_module_and_operator().items()}
-        return per_module, dict(fca.by_operator())
-
-
-def count_thop(model: nn.Module, x: torch.Tensor) -> tuple[float, dict[str, Any]]:
-    """thop's total ops and its per-child tree ``{name: (ops, params, children)}``.
-
-    thop is run on a deep copy (it leaves ``total_ops`` buffers on the modules it profiles)."""
-    import logging
-
-    from thop import profile
-
-    logging.getLogger().setLevel(logging.WARNING)
-    clone = copy.deepcopy(model).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        total, _, tree = profile(clone, inputs=(x,), verbose=False, ret_layer_info=True)
-    return float(total), tree
 
 
 def _thop_of(tree: dict[str, Any], dotted: str) -> float:

@@ -1,7 +1,8 @@
 """The server's data for supernet training: the public pool only, plus a held-out test sample.
 
 No leakage into clients: the supernet trains on ``carve_public_pool(labels, public_fraction,
-public_seed, origin)`` (drawn from the source's train split only) (the same pool :func:`rafl.data.make_partition` withholds from the clients). The pool
+public_seed, origin)`` (drawn from the source's train split only) (the same pool
+:func:`rafl.data.make_partition` withholds from the clients). The pool
 is split, stratified and deterministically, into pool-train (what the supernet learns from, and
 what BN recalibration uses) and server-val (per-phase validation). Test accuracy is measured on
 samples the supernet never trained on: non-pool samples of the source's own test split when it

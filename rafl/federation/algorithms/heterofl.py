@@ -169,7 +169,8 @@ class HeteroFL(Algorithm):
                 ok = False
             if not ok:
                 raise UserInputError(f"client {c.client_id}'s subnet {c.model_key} comes from another supernet than the "
-                                     f"federation's ({'a ' + type(model).__name__ if theirs is None else 'search space ' + json.dumps(theirs)}); "
+                                     f"federation's ({'a ' + type(model).__name__ if theirs is None else 'search space '}"
+                                     f"{'' if theirs is None else json.dumps(theirs)}); "
                                      f"{self.name} averages the weights of one supernet; allowed: subnets of the search space "
                                      f"{json.dumps(want)}", field="clients.archs")
         layout = {"kind": "nas", "space": want, "middle": middle_channels(space)}

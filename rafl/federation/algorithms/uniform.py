@@ -1,7 +1,7 @@
 """One size fits all: every client trains the same model, the largest the weakest device can run; FedAvg.
 
 The control for "do tailored subnets pay?": instead of one subnet per device profile, the pipeline
-gives every client one subnet (:func:`rafl.federation.pipeline.uniform_arch`): among the subnets the
+gives every client one subnet (:func:`rafl.search.federation_search.uniform_arch`): among the subnets the
 search found for the run's profiles, the most accurate (search accuracy on the server's validation
 split; ties: fewer MACs) that meets the budgets of *every* client's profile (each profile's own cost
 model). With nested budgets that is the weakest device's own subnet. With a model group

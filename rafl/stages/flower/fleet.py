@@ -1,7 +1,6 @@
 """A Flower deployment on one machine: a SuperLink and SuperNodes on 127.0.0.1, as processes this
 module starts and stops (tests, ``bench/flower_overhead.py``, trying ``flwr run`` before a real
-fleet). Split from :mod:`rafl.federation.flower`, which re-exports :class:`LocalFleet`: process
-management has nothing to do with how rafl's payloads travel."""
+fleet). Process management only: how rafl's payloads travel is :mod:`rafl.federation.flower_wire`."""
 
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ class LocalFleet:
             ``workdir/node-states``.
         isolation: ``"fork"`` (default): each SuperNode runs with ``--isolation process`` beside a
             ``rafl flower-superexec`` (log ``superexec<i>.log``) that forks each message's
-            ClientApp from one warm process (:mod:`rafl.federation.flower_superexec`);
+            ClientApp from one warm process (:mod:`rafl.stages.flower.superexec`);
             ``"subprocess"``: Flower's own SuperExec, a new ``flwr-clientapp`` process per message.
 
     Raises:

@@ -1,8 +1,8 @@
 """Flower's Simulation Runtime (Ray) as ``engine.backend: flower``: :func:`simulate` runs a
-prepared federation with every client step a ClientApp on a virtual SuperNode (the messages,
-client side and ServerApp logic of :mod:`rafl.federation.flower`), and tears Ray down promptly
-on Ctrl-C / SIGTERM (:func:`_interruptible_ray_backend`). Split from ``flower.py``: this part is
-about Ray's lifecycle, not about rafl's messages.
+prepared federation with every client step a ClientApp on a virtual SuperNode (the ServerApp
+logic of :func:`rafl.stages.flower.app.run_on_grid`, the ClientApp of
+:mod:`rafl.stages.flower.node`), and tears Ray down promptly on Ctrl-C / SIGTERM
+(:func:`_interruptible_ray_backend`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rafl.errors import UserInputError
+from rafl.federation.flower_wire import _flwr
+from rafl.stages.flower.app import run_on_grid
+from rafl.stages.flower.node import _make_client_app, own_node_config
 
 
 class _Quiet(logging.Filter):
@@ -94,9 +97,7 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     # 143 every other backend exits with. rafl handles the signals itself. Ray reads the switch
     # once, when it is first imported: set it before Flower imports Ray.
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-    from rafl.federation import flower  # (flower.py re-exports this function: imported here, not at the top)
-
-    flower._flwr()  # a clear error without rafl[flower]
+    _flwr()  # a clear error without rafl[flower]
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
@@ -112,16 +113,14 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     @sapp.main()
     def _main(grid: Any, context: Any) -> None:
         try:
-            out["summary"] = flower.run_on_grid(grid, prep, run_dir, resume=resume, progress=progress, shared_disk=True,
+            out["summary"] = run_on_grid(grid, prep, run_dir, resume=resume, progress=progress, shared_disk=True,
                                          stop=stop)
         except BaseException as err:  # re-raised in the caller's thread below
             out["error"] = err
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # the virtual nodes are this process's own: they allow what this run config names and its run
-    # dir's clients/ (flower_node.NodeTrust); the settings travel with the ClientApp to Ray's workers
-    from rafl.federation.flower_node import _make_client_app, own_node_config
-
+    # dir's clients/ (rafl.stages.flower.node.NodeTrust); the settings travel with the ClientApp to Ray's workers
     client_app = _make_client_app(own_node_config(prep.cfg, Path(run_dir) / "clients"))
     quiet = _Quiet()
     before = set(threading.enumerate())

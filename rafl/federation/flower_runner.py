@@ -1,4 +1,4 @@
-"""The Flower backend: the same engine, with the client steps run as Flower ClientApps on SuperNodes.
+"""The Flower client runner: the same engine, with the client steps run as Flower ClientApps on SuperNodes.
 
 rafl's :class:`~rafl.federation.engine.Engine` keeps everything that is not a client's own
 computation -- sampling, sporadic participation, dropout, communication counting, evaluation
@@ -8,7 +8,7 @@ sends one ``train`` :class:`flwr.app.Message` to every SuperNode hosting sampled
 the steps of all of them, and waits for the replies; evaluation sends ``evaluate`` messages the
 same way. One message per node, not per client: a deployed SuperNode starts a ClientApp process
 per message, which imports torch and rebuilds the federation. The ClientApp
-(:data:`client_app`) runs :func:`~rafl.federation.runners.train_client` /
+(:data:`rafl.stages.flower.app.client_app`) runs :func:`~rafl.federation.runners.train_client` /
 :func:`~rafl.federation.runners.evaluate_client`, the very functions the in-process runner calls,
 with the same seeds, so both backends compute the same numbers.
 
@@ -18,17 +18,8 @@ cannot give each client its own broadcast (FedGH/FedTGP send per-client views, L
 global part) and would duplicate the engine's accounting. The ServerApp here drives Flower's
 :class:`~flwr.serverapp.Grid` directly, which is Flower's documented low-level API.
 
-What travels (DESIGN.md, :mod:`rafl.federation.payload`): a payload is its wire blob
-(:meth:`Payload.to_bytes`: safetensors, tensors by name, metadata in the header) in one ``uint8``
-array of the ``ArrayRecord`` ``"payload.<slot>"``: one Flower object per payload, not per tensor,
-and exactly the bytes the engine counts. A broadcast several clients share travels once per
-message (slots ``0, 1, ...``), an upload under its client id's slot (``.<client id>``),
-evaluation counts as the ``MetricRecord`` ``"metrics.<client id>"``. The control record
-``"rafl"`` holds the client ids (in job order), each one's payload slot and the client state
-version the server has committed, the round, the run key and the run config (YAML text); a
-reply's holds ``client_errors`` (client steps that failed on the node) or the ``user_error``
-that stopped it. Communication is counted by the engine from :meth:`Payload.nbytes`, identical
-for both backends; Flower's own framing is not counted.
+What travels: :mod:`rafl.federation.flower_wire`. Communication is counted by the engine from
+:meth:`Payload.nbytes`, identical for both backends; Flower's own framing is not counted.
 
 Clients and nodes: the server asks every connected node for its ``node_config``. A node with
 ``partition-id = i`` and ``num-partitions = P`` hosts the clients ``i, i + P, i + 2P, ...`` of the
@@ -49,123 +40,31 @@ training messages delete superseded state versions (and one message after the fi
 checkpoint): the server evaluates states it has not checkpointed yet. A run that fails before its
 first checkpoint asks the nodes to delete its state folder (:meth:`FlowerClients.discard`).
 
-The node side (the ClientApp that runs a message's client steps) is
-:mod:`rafl.federation.flower_node`.
-
-Entry points:
-
-* :func:`simulate` (in :mod:`rafl.federation.flower_simulation`) -- Flower's Simulation Runtime (``flwr.simulation.run_simulation``, Ray), the
-  backend of ``rafl federate --set engine.backend=flower``;
-* :data:`server_app` / :data:`client_app` -- a Flower App for a real SuperLink and SuperNodes
-  (``flwr run``; the run config keys are ``config``, ``out``, ``resume`` and ``rounds``), written
-  by ``rafl flower-app``; see the README;
-* :class:`LocalFleet` (:mod:`rafl.federation.flower_fleet`, re-exported here) -- a SuperLink and
-  SuperNodes on 127.0.0.1 for a deployment on one machine.
+The node side (the ClientApp that runs a message's client steps) is :mod:`rafl.stages.flower.node`;
+the Flower App, the Simulation Runtime entry point and the local fleet are the other modules of
+:mod:`rafl.stages.flower`, which hand this runner to the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import re
-import shutil
 import threading
 import time
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from rafl.errors import UserInputError, warn
 from rafl.federation.engine import Federation
-from rafl.federation.flower_fleet import FleetRun, LocalFleet
+from rafl.federation.flower_wire import (CONTROL, EVALUATE, QUERY, TRAIN, _blob_records, _blob_size,
+                                         _flwr, one_line, records_to_payload)
 from rafl.federation.payload import Payload
 from rafl.federation.screening import RejectedUpload
 from rafl.federation.store import ClientStore
-
-#: Record names in a Flower message's ``RecordDict`` (a payload's record is ``PAYLOAD + slot``) and
-#: the name of the one array a payload record holds.
-PAYLOAD, CONTROL, BLOB = "payload", "rafl", "safetensors"
-#: Message types: the ServerApp's node query and the two client steps.
-QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
-
-
-def _flwr():
-    try:
-        from flwr import app
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise UserInputError("the Flower backend needs flwr: pip install 'rafl[flower]'",
-                             field="engine.backend") from None
-    return app
-
-
-# ---------------------------------------------------------------------- payload <-> records
-def payload_to_records(payload: Payload, slot: str = "") -> dict[str, Any]:
-    """``{PAYLOAD + slot: ArrayRecord}`` holding ``payload`` as its wire blob
-    (:meth:`Payload.to_bytes`, safetensors, metadata in its header) in one ``uint8`` ``Array``
-    named ``"safetensors"``; ``slot`` (e.g. ``".3"``) tells apart the payloads of one message.
-
-    One array, not one per tensor: Flower 1.42 moves every ``Array`` of a message as objects of
-    their own (an HTTP request each between SuperNode and SuperLink), so rafl's knowledge network
-    (231 tensors) cost 231 requests per client and direction; and the bytes Flower carries are
-    exactly the ones the engine counts."""
-    return _blob_records(payload.to_bytes(), slot)
-
-
-def _blob_records(blob: bytes, slot: str) -> dict[str, Any]:
-    """:func:`payload_to_records` of an already serialized payload."""
-    import numpy as np
-
-    app = _flwr()
-    return {PAYLOAD + slot: app.ArrayRecord({BLOB: app.Array(np.frombuffer(blob, dtype=np.uint8))})}
-
-
-def records_to_payload(content: Any, sender: str, slot: str = "", max_bytes: int | None = None) -> Payload:
-    """Inverse of :func:`payload_to_records`; a blob over ``max_bytes`` is refused unparsed.
-
-    Raises:
-        UserInputError: a message without the payload record, a blob over ``max_bytes``, or a
-            corrupt blob, naming ``sender``."""
-    name = PAYLOAD + slot
-    record = content.array_records.get(name)
-    if record is None or BLOB not in record:
-        raise UserInputError(f"carries no rafl payload {name!r} (records {sorted(content.keys())[:10]})",
-                             source=sender)
-    array = record[BLOB]
-    size = len(array.data) if isinstance(getattr(array, "data", None), bytes) else None  # .npy: blob + its header
-    if max_bytes is not None and size is not None and size > max_bytes + 4096:
-        raise UserInputError(f"holds about {size} bytes; allowed: at most {max_bytes} (engine.max_upload_mb)",
-                             source=sender)
-    blob = array.numpy().tobytes()
-    if max_bytes is not None and len(blob) > max_bytes:
-        raise UserInputError(f"holds {len(blob)} bytes; allowed: at most {max_bytes} (engine.max_upload_mb)",
-                             source=sender)
-    return Payload.from_bytes(blob, source=sender)
-
-
-def _blob_size(content: Any, slot: str) -> int:
-    """Bytes of the payload blob in ``content`` (0 when it has none), without copying it."""
-    record = content.array_records.get(PAYLOAD + slot)
-    data = getattr(record[BLOB], "data", b"") if record is not None and BLOB in record else b""
-    return len(data) if isinstance(data, bytes) else 0
-
 
 # ---------------------------------------------------------------------- server side
 class Stopped(Exception):
     """The run was interrupted (Ctrl-C / SIGTERM in the caller) while waiting for nodes: the
     round in progress is abandoned, nothing more is committed."""
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def one_line(reason: str, limit: int = 300) -> str:
-    """The last meaningful line of a node's error (a remote traceback ends with the exception),
-    without terminal colours, at most ``limit`` characters."""
-    lines = [ln.strip() for ln in _ANSI.sub("", str(reason)).splitlines() if ln.strip()]
-    text = lines[-1] if lines else "unknown error"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float,
@@ -446,7 +345,7 @@ class FlowerClients:
             if rec is not None and "user_error" in rec:
                 cid = int(rec["user_error_client"])
                 source = str(rec.get("user_error_source", "")) or f"client {cid}"
-                if rec.get("refused"):  # the node's trust boundary (flower_node.NodeTrust): about the node, not a client
+                if rec.get("refused"):  # the node's trust boundary (rafl.stages.flower.node.NodeTrust): about the node, not a client
                     source = f"{node_name(self.node_of, cid)} refused the {kind} message"
                 else:
                     source = f"{source} on {node_name(self.node_of, cid)}"
@@ -562,278 +461,4 @@ def _refusals(replies: dict[Any, Any], lost: dict[Any, str]) -> dict[Any, str]:
     return out
 
 
-def run_key_of(run_dir: Path, resolved: dict[str, Any]) -> str:
-    """A short stable key naming a run's client-state folder on the nodes: the run dir and its
-    resolved config (:meth:`RunConfig.resolved`) without the ``engine`` section, the settings a
-    resume may change (``engine.rounds`` to extend a run, ``engine.backend``, timeouts); the key
-    used to include them, so a run extended with more rounds looked in an empty folder."""
-    text = yaml.safe_dump({k: v for k, v in resolved.items() if k != "engine"}, sort_keys=True)
-    return hashlib.sha256(f"{Path(run_dir).resolve()}\n{text}".encode()).hexdigest()[:16]
-
-
-def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, progress: bool = True,
-                shared_disk: bool = False, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Run a prepared federation (:func:`rafl.federation.pipeline.prepare`) with its client steps
-    on the grid's SuperNodes; the rest as :func:`rafl.federation.pipeline.run` (same run dir).
-    ``shared_disk``: the nodes run on this machine (simulation) and keep client states in the
-    run dir's ``clients/``. ``stop``: set it to abandon the run (:class:`Stopped`); the last
-    checkpoint stays the last complete round."""
-    from rafl.federation import pipeline
-
-    if prep.cfg.engine.backend != "flower":  # what the run dir's config.yaml records: it runs on Flower
-        cfg = prep.cfg.model_copy(update={"engine": prep.cfg.engine.model_copy(update={"backend": "flower"})})
-        prep = dataclasses.replace(prep, cfg=cfg)
-    cfg = prep.cfg
-    config_text = yaml.safe_dump(cfg.resolved(), sort_keys=True)
-    timeout = float(cfg.engine.round_timeout_s)
-    node_of = discover_nodes(grid, len(prep.federation.clients), max(timeout, 60.0), simulation=shared_disk, stop=stop)
-    key = run_key_of(run_dir, cfg.resolved())
-    # on a SuperLink the nodes keep the client states on their own disks: the run dir says so
-    # (clients.json), and only the Flower App resumes it (rafl federate --resume refuses it)
-    deployment = None if shared_disk else {
-        "backend": "flower", "runtime": "superlink",
-        "client_states": f"on every SuperNode's disk, in <state-dir>/{key}/ (default ~/.cache/rafl/flower-states/{key}/)"}
-
-    made: list[FlowerClients] = []
-
-    def runner(fed: Federation, store: ClientStore, seed: int) -> FlowerClients:
-        made.append(FlowerClients(fed, store, seed, grid=grid, node_of=node_of, config_text=config_text, run_key=key,
-                             timeout=timeout, state_dir=str(Path(run_dir).resolve() / "clients") if shared_disk else "",
-                             stop=stop, simulation=shared_disk))
-        return made[-1]
-
-    try:
-        summary = pipeline.run(prep, run_dir, resume=resume, progress=progress, clients=runner,
-                               backend="flower-simulation" if shared_disk else "flower-superlink", deployment=deployment)
-    except BaseException as err:
-        if made and not resume and not shared_disk and not (Path(run_dir) / "checkpoint.safetensors").is_file():
-            # no round completed: the nodes' states of this run can never be resumed. After an error
-            # the nodes get the round timeout to confirm (a loaded node starts a ClientApp process
-            # slowly); after an interrupt 10 s, the user is waiting
-            interrupted = isinstance(err, (Stopped, KeyboardInterrupt, SystemExit))
-            try:
-                lost = made[-1].discard(10.0 if interrupted else made[-1].timeout)
-            except Exception as why:  # noqa: BLE001 - best effort; the run's own error is the news
-                lost = {"all nodes": one_line(str(why))}
-            if lost:
-                print("rafl: the run failed before its first complete round; "
-                      + "; ".join(f"node {nid} did not delete its client states ({why})" for nid, why in lost.items())
-                      + f": delete <state-dir>/{key}/ on them by hand", flush=True)
-            else:
-                print(f"rafl: the run failed before its first complete round; the nodes deleted its client states "
-                      f"(<state-dir>/{key}/)", flush=True)
-        raise
-    made[-1].finish()
-    return summary
-
-
-# ---------------------------------------------------------------------- entry points
-APP_PYPROJECT = """\
-# A Flower App that runs rafl's federation on a SuperLink and its SuperNodes (written by
-# `rafl flower-app`). Run it with `flwr run <this folder> <superlink connection>`.
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "rafl-flower-app"
-version = "{version}"
-description = "rafl: resource-aware heterogeneous federated learning on Flower"
-license = "Apache-2.0"
-dependencies = ["rafl[flower]"]
-
-[tool.flwr.app]
-publisher = "rafl"
-
-[tool.flwr.app.components]
-serverapp = "rafl.federation.flower:server_app"
-clientapp = "rafl.federation.flower:client_app"
-
-[tool.flwr.app.config]
-# absolute paths on the SuperLink's machine (the ServerApp does not run in your shell's folder)
-config = {config}   # a rafl run config (YAML, as for `rafl federate --config`); "" = the defaults
-out = {out}         # run dirs are created under this folder
-resume = ""           # a run dir to continue from its last complete round instead
-rounds = 0            # > 0 sets engine.rounds (e.g. more rounds for a resumed run)
-"""
-
-
-def _absolute(value: Any, key: str) -> Path | None:
-    """``run_config.<key>``: an absolute path, or None for a missing key or ``""``.
-
-    Raises:
-        UserInputError: a value that is not text (``resume=0`` used to mean no resume) or a
-            relative path."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise UserInputError(f"is {value!r}; allowed: an absolute path in quotes (--run-config \"{key}='/...'\"), "
-                             "or \"\"", field=f"run_config.{key}")
-    text = value
-    path = Path(text).expanduser()
-    if not path.is_absolute():
-        raise UserInputError(f"is {text!r}; allowed: an absolute path (the ServerApp runs in the SuperLink's "
-                             "process, not in your shell's folder)", field=f"run_config.{key}")
-    return path
-
-
-def whole_number(value: Any) -> int | None:
-    """``value`` of a Flower run config or node config as an integer: an int, a whole float
-    (``3.0``) or a number in quotes (``'4'``; Flower passes values through as typed); None for
-    anything else (a bool, ``2.7``, ``'abc'``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return None
-    if isinstance(value, int):
-        return value
-    try:
-        number = float(value)
-    except ValueError:
-        return None
-    return int(number) if number.is_integer() else None
-
-
-def _run_config_rounds(value: Any) -> int:
-    """``run_config.rounds``: 0 (keep the config's ``engine.rounds``) or an integer >= 1
-    (:func:`whole_number`).
-
-    Raises:
-        UserInputError: anything else (``-1`` used to be ignored, ``2.7`` to become 2 and ``'abc'``
-            to raise a bare ``ValueError``)."""
-    rounds = whole_number(value)
-    if rounds is None or rounds < 0:
-        raise UserInputError(f"is {value!r}; allowed: 0 (the config's engine.rounds) or an integer >= 1",
-                             field="run_config.rounds")
-    return rounds
-
-
-def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
-    """``(prepared, run_dir, resume)`` from a ``flwr run`` run config (keys ``config``: path of
-    the rafl run YAML on the SuperLink's machine, ``out``: run dir parent, ``resume``: a run dir,
-    ``rounds``: > 0 sets ``engine.rounds`` (e.g. to extend a resumed run); absolute paths).
-    Relative paths inside the YAML are taken relative to its folder.
-
-    Raises:
-        UserInputError: a relative path, a missing file, a run dir that exists (not resuming), a
-            ``rounds`` below the completed rounds, or an invalid run config."""
-    from rafl.federation.run_config import load_run_config
-    from rafl.federation import pipeline
-
-    from rafl.federation.checks import deployment_of
-    from rafl.io import check_output_dir
-
-    rounds = _run_config_rounds(run_config.get("rounds", 0))
-    # the run dir's config.yaml records the backend it ran on (a resume rewrites it)
-    overrides = ["engine.backend=flower"] + ([f"engine.rounds={rounds}"] if rounds > 0 else [])
-    resume = _absolute(run_config.get("resume"), "resume")
-    if resume is not None:
-        if not (resume / "checkpoint.safetensors").is_file():
-            raise UserInputError("is not a rafl run dir with a checkpoint (nothing to resume)", source=resume,
-                                 field="run_config.resume")
-        if deployment_of(resume) is None and any((resume / "clients").glob("*.st")):
-            raise UserInputError("ran in-process or on the Simulation Runtime: its client states are in its clients/ "
-                                 "folder, which SuperNodes do not read; resume it with: rafl federate --resume "
-                                 f"{resume}", source=resume, field="run_config.resume")
-        cfg = load_run_config(resume / "config.yaml", overrides)
-        pipeline.check_resume_rounds(resume, cfg.engine.rounds, "run_config.rounds")
-        return pipeline.prepare(cfg, progress=False), resume, True  # its config.yaml: rewritten once it succeeds
-    config = _absolute(run_config.get("config"), "config")
-    cfg = load_run_config(config, overrides)  # relative paths inside: against the YAML's folder
-    out = _absolute(run_config.get("out"), "out")
-    if out is None:
-        raise UserInputError("is empty; allowed: an absolute folder for run dirs", field="run_config.out")
-    check_output_dir(out, "run_config.out")  # a file, or a folder nothing can be created in: before any work
-    name = cfg.name or f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = out / name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise UserInputError(f"already exists; continue it with --run-config \"resume='{run_dir}'\", or set another "
-                             "name (run YAML) or out (run config)", source=run_dir, field="run_config.out")
-    return pipeline.prepare(cfg, progress=False), run_dir, False
-
-
-def write_app(folder: str | Path, *, config: str | Path | None = None, out: str | Path = "runs") -> Path:
-    """Write the Flower App (``pyproject.toml`` naming this module's ``server_app`` and
-    ``client_app``) into ``folder``; ``config``/``out`` become the run config's defaults
-    (made absolute). Returns the ``pyproject.toml`` path.
-
-    Raises:
-        UserInputError: ``folder`` holds a pyproject.toml already."""
-    from rafl import __version__
-    from rafl.io import atomic_write_text
-
-    folder = Path(folder)
-    target = folder / "pyproject.toml"
-    if target.exists():
-        raise UserInputError("already holds a pyproject.toml (choose an empty folder)", source=folder, field="--out")
-    folder.mkdir(parents=True, exist_ok=True)
-    quoted = json.dumps  # a JSON string is a TOML basic string (backslashes of Windows paths escaped)
-    text = APP_PYPROJECT.format(version=__version__, config=quoted(str(Path(config).resolve()) if config else ""),
-                                out=quoted(str(Path(out).resolve())))
-    atomic_write_text(target, text)
-    return target
-
-
-def _make_server_app() -> Any:
-    from flwr.serverapp import ServerApp
-
-    sapp = ServerApp()
-
-    @sapp.main()
-    def _main(grid: Any, context: Any) -> None:
-        run_dir = None
-        try:
-            prep, run_dir, resume = _load_from_run_config(dict(context.run_config))
-            key = run_key_of(run_dir, prep.cfg.resolved())
-            print(f"rafl: run dir {run_dir}; the nodes keep its client states in <state-dir>/{key}/ (default "
-                  f"~/.cache/rafl/flower-states/{key}/: delete it when the run is no longer needed)", flush=True)
-            summary = run_on_grid(grid, prep, run_dir, resume=resume, progress=False)
-            if resume:  # with its new engine.rounds, as `rafl federate --resume` (not when it failed)
-                from rafl.io import atomic_write_yaml
-
-                atomic_write_yaml(run_dir / "config.yaml", prep.cfg.resolved())
-        except BaseException as err:
-            if run_dir is not None and not resume and not (run_dir / "checkpoint.safetensors").is_file():
-                shutil.rmtree(run_dir, ignore_errors=True)  # no complete round: leave nothing half-made
-            if isinstance(err, UserInputError):  # one line first in the run's log; the run ends as failed
-                print(f"error: {err}", flush=True)
-            raise  # Flower logs the traceback after it (a SystemExit here would lose the streamed line)
-        final = summary["final"]
-        print(f"rafl: {summary['rounds']} rounds; model accuracy: mean over clients "
-              f"{final.get('model.acc_mean_over_clients', float('nan')):.3f}, sample-weighted "
-              f"{final.get('model.acc_sample_weighted', float('nan')):.3f}; {summary['cum_mb']:.2f} MB; "
-              f"run dir {run_dir}", flush=True)
-
-    return sapp
-
-
-from rafl.federation.flower_node import _make_client_app  # noqa: E402  (the node side uses this module's names)
-
-try:  # the Flower App's components (``flwr run`` finds them by name); rafl itself imports without flwr
-    client_app = _make_client_app()
-    server_app = _make_server_app()
-except ImportError:  # pragma: no cover - depends on the environment
-    client_app = server_app = None
-
-
-__all__ = [
-    "BLOB",
-    "CONTROL",
-    "PAYLOAD",
-    "FleetRun",
-    "FlowerClients",
-    "LocalFleet",
-    "client_app",
-    "discover_nodes",
-    "NodeMap",
-    "partition_of",
-    "whole_number",
-    "payload_to_records",
-    "records_to_payload",
-    "run_key_of",
-    "run_on_grid",
-    "server_app",
-    "simulate",
-    "write_app",
-]
-
-# the Simulation Runtime entry point lives in its own module (Ray teardown); importable from here
-from rafl.federation.flower_simulation import simulate  # noqa: E402  (it uses this module's names at call time)
+__all__ = ["MAX_REPLY_BYTES", "FlowerClients", "NodeMap", "Stopped", "discover_nodes", "node_name", "partition_of"]

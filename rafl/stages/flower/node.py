@@ -1,12 +1,12 @@
 """The node side of rafl's Flower backend: the ClientApp that runs a node message's client steps.
 
 A SuperNode hands every ``train`` / ``evaluate`` message of a rafl run to :func:`_make_client_app`'s
-ClientApp (exposed as :data:`rafl.federation.flower.client_app`). It rebuilds the run's
+ClientApp (exposed as :data:`rafl.stages.flower.app.client_app`). It rebuilds the run's
 federation from the run config the message carries (cached per process), runs
 :func:`~rafl.federation.runners.train_client` / :func:`~rafl.federation.runners.evaluate_client`
 for each client of the message in order, with the seeds the in-process engine uses, and keeps the
 clients' states in versioned files on the node's disk (:class:`ClientStore`). The message format
-is described in :mod:`rafl.federation.flower`, whose server side sends them.
+is described in :mod:`rafl.federation.flower_wire`; :mod:`rafl.federation.flower_runner` sends them.
 
 Trust boundary (:class:`NodeTrust`). A message comes from whoever can reach the SuperLink's
 Fleet/Control API, so it may choose among what the node's operator allowed, never name anything
@@ -34,10 +34,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rafl.config import RunConfig
 from rafl.errors import UserInputError
+from rafl.federation import flower_wire as w
+from rafl.federation.flower_wire import whole_number
 from rafl.federation.runners import Federation, client_context, evaluate_client, train_client
 from rafl.federation.store import ClientStore
 from rafl.io import load_yaml
+from rafl.models import is_plugin_spec, resolve_models
+from rafl.search.profile import names_a_file
+from rafl.stages.prepare import prepare
 
 _PREPARED: dict[str, Any] = {}
 
@@ -45,7 +51,7 @@ _PREPARED: dict[str, Any] = {}
 #: them when the node config does not set them (the node config wins)
 TRUST_ENV = {"state-dir": "RAFL_FLOWER_STATE_DIR", "data-roots": "RAFL_FLOWER_DATA_ROOTS",
              "plugins": "RAFL_FLOWER_PLUGINS", "shared-state-dirs": "RAFL_FLOWER_SHARED_STATE_DIRS"}
-#: a run key as :func:`rafl.federation.flower.run_key_of` makes it (the name of a run's state folder)
+#: a run key as :func:`rafl.stages.flower.app.run_key_of` makes it (the name of a run's state folder)
 RUN_KEY = re.compile(r"[0-9a-f]{16}")
 #: where a node counts the messages it refused (one JSON line each), under its state root
 REFUSED_LOG = "refused.jsonl"
@@ -81,9 +87,6 @@ def named_inputs(cfg: Any) -> tuple[list[tuple[str, Path]], list[str]]:
     ``clients.profiles``, arch files of ``clients.arch`` / ``clients.archs``, and the
     ``package.module:factory`` members of ``clients.models``. Null values (rafl's own default
     locations on the node) are not named."""
-    from rafl.models import is_plugin_spec, resolve_models
-    from rafl.search.profile import names_a_file
-
     paths: list[tuple[str, Path]] = []
     for field, value in (("data.root", cfg.data.root), ("supernet.path", cfg.supernet.path)):
         if value:
@@ -213,7 +216,7 @@ def refusals(state_root: str | Path) -> list[dict[str, Any]]:
 
 #: called with a run config text the first time this process meets it, after the node's trust
 #: rules accepted it and before the federation is built: rafl's forking SuperExec
-#: (:mod:`rafl.federation.flower_superexec`) sets it in its children, to build the run once in the
+#: (:mod:`rafl.stages.flower.superexec`) sets it in its children, to build the run once in the
 #: warm process the next children fork from; None otherwise
 on_new_run: Callable[[str], None] | None = None
 
@@ -224,8 +227,6 @@ def _parse_run_config(config_text: str) -> Any:
     Raises:
         UserInputError: an invalid run config (field ``config``)."""
     from pydantic import ValidationError
-
-    from rafl.config import RunConfig
 
     try:
         return RunConfig.model_validate(load_yaml(config_text))
@@ -240,14 +241,12 @@ def config_key(config_text: str) -> str:
 
 
 def _build(config_text: str, cfg: Any) -> tuple[Federation, int]:
-    """The run's federation, from the cache or built (``pipeline.prepare``) and cached: one run at
+    """The run's federation, from the cache or built (``rafl.stages.prepare.prepare``) and cached: one run at
     a time per process."""
     key = config_key(config_text)
     if key not in _PREPARED:
-        from rafl.federation import pipeline
-
         _PREPARED.clear()
-        _PREPARED[key] = (pipeline.prepare(cfg, progress=False).federation, cfg.seed)
+        _PREPARED[key] = (prepare(cfg, progress=False).federation, cfg.seed)
     return _PREPARED[key]
 
 
@@ -276,7 +275,7 @@ def warm(config_text: str) -> None:
     running pool hangs at its first parallel operation (GNU OpenMP is not fork-safe).
 
     Raises:
-        UserInputError: an invalid run config; whatever ``pipeline.prepare`` raises."""
+        UserInputError: an invalid run config; whatever ``rafl.stages.prepare.prepare`` raises."""
     cfg = _parse_run_config(config_text)
     if cfg.train.threads == 1:
         _build(config_text, cfg)
@@ -285,8 +284,6 @@ def warm(config_text: str) -> None:
 def _client_step(msg: Any, node_config: dict[str, Any], kind: str, fed: Federation, seed: int,
                  index: int) -> dict[str, Any]:
     """The ``index``-th client step a node message carries: its reply records."""
-    from rafl.federation import flower as w  # the wire format (flower imports this module)
-
     ctl = msg.content.config_records[w.CONTROL]
     cid, rnd = int(ctl["client_ids"][index]), int(ctl["round"])
     version = int(ctl["state_versions"][index])
@@ -327,8 +324,6 @@ def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any
     client after the first, a node whose elapsed time plus its mean step time so far would pass
     :data:`BUDGET_SHARE` of it starts no more clients and replies with those done; the rest are
     lost for the round (named with the reason), not the whole batch."""
-    from rafl.federation import flower as w  # the wire format (flower imports this module)
-
     def handler(msg: Any, context: Any) -> Any:
         app = w._flwr()
         ctl = msg.content.config_records[w.CONTROL]
@@ -363,7 +358,8 @@ def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any
             if isinstance(err, Refused):
                 trust.count_refusal(err, msg)
             return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({
-                "refused": isinstance(err, Refused), "user_error": err.message, "user_error_source": err.source or "", "user_error_field": err.field or "",
+                "refused": isinstance(err, Refused), "user_error": err.message, "user_error_source": err.source or "",
+                "user_error_field": err.field or "",
                 "user_error_client": cid if cid >= 0 else int(ctl["client_ids"][0])})}), reply_to=msg)
         return app.Message(app.RecordDict({**records, w.CONTROL: app.ConfigRecord({"client_errors": json.dumps(failed)})}),
                            reply_to=msg)
@@ -371,12 +367,10 @@ def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any
 
 
 def _integer(node_config: dict[str, Any], key: str, default: int) -> int:
-    """The node config's ``key`` as an integer (:func:`rafl.federation.flower.whole_number`).
+    """The node config's ``key`` as an integer (:func:`rafl.federation.flower_wire.whole_number`).
 
     Raises:
         ValueError: a value that is not a whole number, named with the key."""
-    from rafl.federation.flower import whole_number
-
     value = node_config.get(key, default)
     number = whole_number(value)
     if number is None:
@@ -389,8 +383,6 @@ def _make_client_app(own: dict[str, str] | None = None) -> Any:
     ``own``: trust settings (node-config keys) under the node config's own, for nodes that are
     the user's own process (:func:`own_node_config`); None on a SuperNode."""
     from flwr.clientapp import ClientApp
-
-    from rafl.federation import flower as w  # the wire format (flower imports this module)
 
     capp = ClientApp()
 

@@ -9,7 +9,7 @@ accuracy where there is one), MB communicated (up + down, counted from the seria
 and wall time; ``compare.png`` plots accuracy (with std bars) and MB.
 
 Client models: ``models="nas"`` uses the resource-aware subnets of the ``rafl federate`` pipeline
-(:func:`rafl.federation.pipeline.prepare`: the quickstart or given supernet, a subnet per device
+(:func:`rafl.stages.prepare.prepare`: the quickstart or given supernet, a subnet per device
 profile); any other value is a model group / list for :mod:`rafl.models`, assigned round-robin
 (:func:`build_group_federation`).
 """
@@ -31,15 +31,20 @@ import numpy as np
 import torch
 import yaml
 
-from rafl.config import RunConfig
-from rafl.errors import UserInputError, shown
-from rafl.federation.algorithms import get_algorithm
-from rafl.federation.engine import CHECKPOINT, Engine, Federation, participation
-from rafl.federation.pipeline import (build_group_federation, check_public_pool, check_same_clients, engine_config,
-                                      load_data_and_partition)
-from rafl.io import atomic_write_json, atomic_write_text, claim_file
-from rafl.reports.progress import round_progress
-from rafl.reports.run import RunReport
+from rafl.config import (AlgorithmConfig, RunConfig, blame, parse_overrides, read_config_file, reject_compare_record,
+                         section_keys_that_apply)
+from rafl.errors import UserInputError, shown, warn
+from rafl.federation.algorithms import ALGORITHMS, get_algorithm
+from rafl.federation.algorithms._common import LOCAL_DEFAULTS, with_group_lr
+from rafl.federation.build import build_group_federation
+from rafl.federation.checks import check_public_pool, check_same_clients
+from rafl.federation.engine import CHECKPOINT, Federation, participation
+from rafl.federation.run_config import load_run_config, without_unused_pool
+from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text, atomic_write_yaml, claim_file
+from rafl.models import resolve_models
+from rafl.models.plugin import is_plugin_spec, load_factory
+from rafl.stages.prepare import engine_config, load_data_and_partition, prepare
+from rafl.stages.runs import export_federated_supernet, run_engine
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
 
@@ -66,9 +71,6 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
             no selected method accepts.
     """
-    from rafl.config import (blame, parse_overrides, read_config_file, reject_compare_record,
-                             section_keys_that_apply)
-
     data = read_config_file(path)
     reject_compare_record(data, path)
     source = str(path) if path is not None else "--set"
@@ -101,11 +103,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
         else:
             rest.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
     if algo_section.pop("name", None) is not None:
-        from rafl.errors import warn
-
         warn("algorithm.name is ignored by compare; the methods come from --algorithms")
-    from rafl.federation.algorithms import ALGORITHMS
-
     try:
         classes = {a: get_algorithm(a) for a in algorithms}
     except UserInputError as err:
@@ -157,9 +155,6 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
     cfg = _validate(tmp, rest, source, Path(path).parent if path is not None else Path.cwd())
     if models is None:
         models = cfg.clients.models if "models" in cfg.clients.model_fields_set else DEFAULT_MODELS
-    from rafl.federation.run_config import without_unused_pool
-    from rafl.federation.algorithms._common import with_group_lr
-
     hps = {name: with_group_lr(hp, given[name], models) for name, hp in hps.items()}
     return without_unused_pool(cfg, [(get_algorithm(n), hp) for n, hp in hps.items()], models), hps
 
@@ -169,8 +164,6 @@ def _validate(text: str, overrides: list[str], source: str, base: Path) -> RunCo
     ``source``; relative paths in it are taken against ``base``, those of ``--set`` against the
     current folder)."""
     import tempfile
-
-    from rafl.federation.run_config import load_run_config
 
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "run.yaml"
@@ -190,8 +183,6 @@ def method_settings(name: str, hp: dict[str, Any], all_hparams: dict[str, dict[s
     is left out when all methods of the comparison (``all_hparams``) use the same value: it is then
     the same on every row (e.g. ``--set algorithm.lr=0.01``); a per-method value
     (``--set algorithm.fedgh.lr=0.5``) is shown."""
-    from rafl.federation.algorithms._common import LOCAL_DEFAULTS
-
     others = all_hparams or {name: hp}
 
     def shared(key: str) -> bool:
@@ -338,8 +329,6 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             or any method-specific check (all methods are prepared before the first one runs, so a
             bad input writes nothing).
     """
-    from rafl.models import resolve_models
-
     out = Path(out)
     if resume:
         if not (out / "config.yaml").is_file():
@@ -356,12 +345,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     subnets: dict[str, dict[str, Any]] = {}  # nas: {method: {profile: arch, source, budgets}}
     preps: dict[str, Any] = {}  # nas: the pipeline's preparation per method
     if members == ["nas"]:
-        from rafl.federation.pipeline import prepare
-
         for name, hp in hparams.items():
             c = cfg.model_copy(deep=True)
-            from rafl.config import AlgorithmConfig
-
             c.algorithm = AlgorithmConfig(name=name, **hp)
             try:
                 prep = prepare(c, progress=progress)
@@ -390,8 +375,6 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     participation(ecfg, cfg.clients.n)  # a count larger than the population is an error before writing
     out_existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    from rafl.io import atomic_write_yaml
-
     previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
     shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
     if not resume:
@@ -429,11 +412,9 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
             atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
             atomic_write_json(run_dir / STARTED_WITH, started)
-        engine = Engine(fed, ecfg, run_dir, progress=progress, observers=[RunReport(run_dir)])
         t0 = time.perf_counter()
         try:
-            with round_progress(progress):  # clients done / sampled and the local epoch, inside each round
-                summary = engine.run(resume=continuing)
+            summary = run_engine(fed, ecfg, run_dir, resume=continuing, progress=progress)
         except BaseException as err:
             _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
             if isinstance(err, UserInputError):  # say which method failed; its keys as compare names them
@@ -441,8 +422,6 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             raise
         wall = time.perf_counter() - t0 + earlier_s
         if name in preps:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
-            from rafl.federation.pipeline import export_federated_supernet
-
             export_federated_supernet(preps[name], run_dir, summary)
         rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
         write_table(out, with_settings(rows, hparams), models)
@@ -568,8 +547,6 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
     """
     out = Path(out)
     path = out / "config.yaml"
-    from rafl.config import read_config_file
-
     if not path.is_file():
         raise UserInputError("does not exist" if not out.exists() else "is not a rafl compare output (no config.yaml)",
                              source=out, field="--resume")
@@ -578,9 +555,6 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
         raise UserInputError("is not a rafl compare config (no algorithms / models)", source=path, field="--resume")
     algorithms = data.pop("algorithms")
     models = str(data.pop("models"))
-    from rafl.models import resolve_models
-    from rafl.models.plugin import is_plugin_spec, load_factory
-
     try:
         for member in resolve_models(models):  # plug-ins are imported now, so a failure names config.yaml
             if is_plugin_spec(member):
@@ -706,8 +680,6 @@ def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rafl.io import atomic_write_bytes
-
     fig, ax = plt.subplots(figsize=(6.4, 4.0), layout="constrained")
     top = max((r.get("cum_mb", 0.0) for h in histories.values() for r in h), default=0.0)
     for name, hist in histories.items():
@@ -767,8 +739,6 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rafl.io import atomic_write_bytes
-
     names = [r["algorithm"] for r in rows]
     x = np.arange(len(rows))
     # constrained layout: it makes room for the legend placed outside the axes (below the plot)
@@ -819,5 +789,5 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-__all__ = ["build_group_federation", "load_compare_config", "run_compare", "summarize_run", "write_table",
-           "plot_compare", "plot_accuracy_vs_mb", "tier_accuracy", "tier_tables", "engine_config", "DEFAULT_ALGORITHMS"]
+__all__ = ["load_compare_config", "run_compare", "summarize_run", "write_table",
+           "plot_compare", "plot_accuracy_vs_mb", "tier_accuracy", "tier_tables", "DEFAULT_ALGORITHMS"]

@@ -24,7 +24,7 @@ Children run one torch thread unless the run config asks for more (``train.threa
 process itself never starts torch's thread pool (``torch.set_num_threads(1)`` before any work), so
 a forked child does not inherit a pool whose threads it lacks.
 
-Needs ``fork`` (Linux, macOS). Started by :class:`~rafl.federation.flower_fleet.LocalFleet` beside
+Needs ``fork`` (Linux, macOS). Started by :class:`~rafl.stages.flower.fleet.LocalFleet` beside
 each SuperNode, or by hand: ``rafl flower-superexec --runtime-api-address 127.0.0.1:9094 --insecure``.
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rafl.federation import flower_node
+from rafl.stages.flower import node as flower_node
 
 #: how often this process asks the SuperNode for a new task, in seconds (Flower's default is 1 s;
 #: on one machine a faster poll is cheap, and each message waits for at most one poll)
@@ -208,7 +208,7 @@ def run(runtime_api_address: str, *, insecure: bool, root_certificates: str | No
     import flwr.supercore.superexec.run_superexec as superexec
     from flwr.supercore.auth import load_superexec_auth_secret
 
-    from rafl.federation import flower  # noqa: F401 - the ClientApp and everything it imports, once
+    from rafl.stages.flower import app  # noqa: F401 - the ClientApp and everything it imports, once
 
     executor = ForkExecutor(warm=flower_node.warm)
     # flwr 1.42 builds its executor from a type name (subprocess, kubernetes) and takes no instance:

@@ -1,0 +1,13 @@
+"""The stages: what a command does, end to end, above the engine, the search and the supernet.
+
+- :mod:`rafl.stages.prepare`: a run config -> data, partition, supernet, searched subnets (or a
+  model group) -> a federation and its engine config, every check before anything is written;
+- :mod:`rafl.stages.runs`: a prepared federation run in its run dir with the client runner the
+  caller picked (the engine, the run's reports, the summary);
+- :mod:`rafl.stages.rundir`: :class:`~rafl.stages.rundir.RunDir`, the run dir's lifecycle;
+- :mod:`rafl.stages.federate`: ``rafl federate`` (new run or ``--resume``; it picks the runner);
+- :mod:`rafl.stages.compare`: ``rafl compare``, the methods on one partition;
+- :mod:`rafl.stages.search`: ``rafl search``'s output folders;
+- :mod:`rafl.stages.flower`: the Flower App, its node side, the Simulation Runtime, a local fleet
+  and the forking SuperExec.
+"""

@@ -1,0 +1,240 @@
+"""A run dir's lifecycle, in one place for every stage that writes one (``rafl federate``, the
+Flower App's ServerApp, ``rafl compare``'s per-method runs).
+
+A run dir is created and claimed (:meth:`RunDir.claim`) or opened to continue
+(:meth:`RunDir.resume`); while a stage holds it, an exclusive ``flock`` on the folder
+(:func:`rafl.io.lock_dir`) tells a live run's folder from a dead one's (the kernel releases it on
+``kill -9``). A run that fails or is interrupted before its first complete round leaves nothing
+(:meth:`RunDir.discard_if_incomplete`); a resumed run rewrites its ``config.yaml`` atomically once
+it succeeds (:meth:`RunDir.write_config`); what a resume may change is checked in one place
+(:func:`resumed_config`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rafl.config import RunConfig, is_compare_record, parse_overrides
+from rafl.errors import UserInputError, shown, warn
+from rafl.federation.checks import (check_checkpoint_readable, check_resumable_here, check_resume_rounds,
+                                    completed_rounds)
+from rafl.federation.engine import CHECKPOINT
+from rafl.federation.run_config import load_run_config
+from rafl.io import atomic_write_yaml, check_output_dir, load_yaml, lock_dir, read_text_file
+
+#: the file a run dir is recognised by
+CONFIG = "config.yaml"
+
+
+def default_name(cfg: Any) -> str:
+    """``<algorithm>-<dataset>-<YYYYmmdd-HHMMSS>``: a run's name when its config sets none."""
+    return f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def is_compare_folder(path: str | Path) -> bool:
+    """Whether ``path`` holds the ``config.yaml`` that ``rafl compare`` writes
+    (:func:`rafl.config.is_compare_record`), not a run dir's."""
+    cfg_file = Path(path) / CONFIG
+    try:
+        return is_compare_record(load_yaml(read_text_file(cfg_file), cfg_file))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, UserInputError):
+        return False  # not readable as a compare config: the caller's checks say what it is
+
+
+def resumed_config(run_dir: str | Path, overrides: tuple[str, ...] | list[str] = (), *,
+                   rounds_field: str = "engine.rounds", base: Path | None = None) -> RunConfig:
+    """``run_dir``'s ``config.yaml`` with ``overrides`` (``KEY=VALUE``), of which a resume may
+    change only the ``engine`` section (more ``engine.rounds`` to extend the run,
+    ``engine.backend``, timeouts): every other section decides the clients' data, models and
+    seeds. ``base``: the folder relative paths of an older config mean (paths in a run dir's
+    ``config.yaml`` are absolute; default: the file's folder).
+
+    Raises:
+        UserInputError: an override outside ``engine`` (``field`` ``--set``), a value the run
+            config refuses, or ``engine.rounds`` below the completed rounds (``rounds_field``)."""
+    cfg_file = Path(run_dir) / CONFIG
+    fixed = sorted({key for key, _ in parse_overrides(overrides) if key.split(".")[0] != "engine"})
+    if fixed:  # before the values are read: e.g. another algorithm.name would fail on the run's hparams
+        raise UserInputError(f"--resume may change only engine settings (engine.rounds to extend the run, "
+                             f"engine.backend, ...), not {fixed}", field="--set")
+    old = load_run_config(cfg_file, base=base)
+    try:
+        cfg = load_run_config(cfg_file, overrides, base=base)
+    except UserInputError as err:  # the file alone is valid, so an override is at fault
+        raise UserInputError(err.message, source="--set", field=err.field) from None
+    changed = {k for k in ("data", "partition", "clients", "supernet", "search", "algorithm", "train", "seed")
+               if getattr(cfg, k) != getattr(old, k)}
+    if changed:
+        raise UserInputError(f"--resume may change only engine settings, not {sorted(changed)}", field="--set")
+    check_resume_rounds(run_dir, cfg.engine.rounds, rounds_field)
+    return cfg
+
+
+class RunDir:
+    """One run dir held by this process: its path, whether it continues an earlier run, and the
+    lock on it (held until :meth:`close`; a ``with`` block closes it and, on an exception, first
+    :meth:`discard_if_incomplete`).
+
+    Attributes:
+        path: the run dir.
+        resumed: it continues a run that completed at least one round.
+    """
+
+    def __init__(self, path: Path, *, resumed: bool, lock_fd: int, out_created: Path | None = None):
+        self.path, self.resumed = Path(path), resumed
+        self._fd: int | None = lock_fd
+        self._out_created = out_created  # the parent folder this claim created (removed again if left empty)
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def claim(cls, out: str | Path, name: str | None, *, default: str, field: str = "name") -> RunDir:
+        """Create and claim the run dir ``out/name`` for a new run.
+
+        ``name`` None: ``out/default``, or ``default-2``, ``-3``, ... when runs started in the same
+        second (a sweep) took it; each is claimed with an atomic ``mkdir``, so parallel runs never
+        share (or clean up) one run dir. A named run dir that never completed a round (its run was
+        killed before the first checkpoint, and no live run holds its lock) is emptied and reused,
+        with a warning.
+
+        Raises:
+            UserInputError: ``out`` cannot be created or written; ``name`` is not a plain folder
+                name; the run dir exists with a checkpoint (resume it instead), holds something that
+                is not a run dir, or is held by a live run (``field`` names the setting)."""
+        out = Path(out)
+        check_output_dir(out)  # a file, or a folder nothing can be created in: before any work
+        if name is not None and (Path(name).name != name or name in (".", "..")):
+            raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under "
+                                 "--out", field=field)
+        made_out = None if out.exists() else out  # removed again if the run leaves it empty
+        run_dir = out / (name or default)
+        if name is None:
+            stem, i = default, 1
+            while True:
+                try:
+                    run_dir.mkdir(parents=True)
+                    break
+                except FileExistsError:
+                    i += 1
+                    run_dir = out / f"{stem}-{i}"
+            return cls(run_dir, resumed=False, lock_fd=lock_dir(run_dir, field), out_created=made_out)
+        if run_dir.exists():
+            if not (run_dir / CONFIG).is_file() and any(run_dir.iterdir()):
+                raise UserInputError("already exists and is not a rafl federate run dir (choose another name or --out)",
+                                     source=run_dir)
+            if (run_dir / CHECKPOINT).is_file():
+                raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
+            # never completed a round: a run killed (kill -9) before its first checkpoint, whose lock the
+            # kernel released; a live run holds it, and lock_dir refuses then
+            fd = lock_dir(run_dir, field)
+            for p in list(run_dir.iterdir()):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            warn(f"{run_dir} never completed a round (its run was killed before the first checkpoint): "
+                 "starting it afresh")
+            return cls(run_dir, resumed=False, lock_fd=fd)
+        try:
+            run_dir.mkdir(parents=True)
+        except FileExistsError:  # another run took this name a moment ago
+            raise UserInputError("already exists: another run took this name (choose another name or --out)",
+                                 source=run_dir) from None
+        return cls(run_dir, resumed=False, lock_fd=lock_dir(run_dir, field), out_created=made_out)
+
+    @classmethod
+    def resume(cls, path: str | Path, *, field: str = "--resume", here: bool = True) -> RunDir:
+        """Open the run dir ``path`` to continue it from its last complete round, and claim it.
+
+        ``here``: the client states must be in the run dir (this process, worker processes or the
+        Simulation Runtime); False for a Flower App on a SuperLink, whose nodes hold them.
+
+        Raises:
+            UserInputError: ``path`` does not exist, is not a run dir, is a ``rafl compare``
+                folder (naming the command that continues it), never completed a round, has a
+                checkpoint cut short, ran on a SuperLink (``here``), or is held by a live run."""
+        path = Path(path)
+        if is_compare_folder(path):
+            raise UserInputError("is a rafl compare folder, not a rafl federate run dir; continue it with: rafl "
+                                 f"compare --resume {shlex.quote(str(path))}", source=path, field=field)
+        if (path / CONFIG).is_file() and not (path / CHECKPOINT).is_file():
+            raise UserInputError("never completed a round (no checkpoint.safetensors), so there is nothing to "
+                                 "resume: run the command again under the same name (the folder is reused)",
+                                 source=path, field=field)
+        if not (path / CONFIG).is_file():
+            raise UserInputError("does not exist" if not path.exists() else
+                                 "is not a rafl federate run dir (no config.yaml)", source=path, field=field)
+        if here:
+            check_resumable_here(path)  # a SuperLink's run: its client states are on the nodes
+        check_checkpoint_readable(path)  # cut short by a copy: say how to recover, before any work
+        return cls(path, resumed=True, lock_fd=lock_dir(path, field))
+
+    def resumed_config(self, overrides: tuple[str, ...] | list[str] = (), *, rounds_field: str = "engine.rounds",
+                       base: Path | None = None) -> RunConfig:
+        """:func:`resumed_config` of this run dir."""
+        return resumed_config(self.path, overrides, rounds_field=rounds_field, base=base)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def config_file(self) -> Path:
+        """``config.yaml``: the run's resolved config."""
+        return self.path / CONFIG
+
+    def has_checkpoint(self) -> bool:
+        """Whether a round completed (``checkpoint.safetensors`` exists)."""
+        return (self.path / CHECKPOINT).is_file()
+
+    def completed_rounds(self) -> int:
+        """The rounds the run completed (rows of ``metrics.jsonl``)."""
+        return completed_rounds(self.path)
+
+    def write_config(self, cfg: Any) -> None:
+        """Rewrite ``config.yaml`` atomically with ``cfg.resolved()`` (a resumed run's new
+        ``engine.rounds``; the old file stays until the new one is complete)."""
+        atomic_write_yaml(self.config_file, cfg.resolved())
+
+    def how_to_resume(self, command: str = "rafl federate --resume") -> str | None:
+        """After Ctrl-C / SIGTERM: the line naming the rounds the checkpoint holds and the command
+        that continues the run; None when no round completed."""
+        if not self.has_checkpoint():
+            return None
+        return (f"interrupted: {self.completed_rounds()} complete round(s) checkpointed in {self.path}; continue "
+                f"with: {command} {shlex.quote(str(self.path))}")
+
+    # ------------------------------------------------------------------ ending
+    def discard_if_incomplete(self) -> bool:
+        """Remove the run dir of a new run that never completed a round (and the parent folder this
+        claim created, if it is left empty); a resumed run, or one with a checkpoint, stays.
+        Returns whether it removed it."""
+        if self.resumed or not self.path.exists() or self.has_checkpoint():
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)  # ours, with no complete round: leave nothing half-made
+        out = self._out_created
+        if out is not None and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        return True
+
+    def close(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None:
+                self.discard_if_incomplete()
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r}, resumed={self.resumed})"
+
+
+__all__ = ["CONFIG", "RunDir", "default_name", "is_compare_folder", "resumed_config"]

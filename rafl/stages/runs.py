@@ -1,0 +1,109 @@
+"""Running a prepared federation (:func:`rafl.stages.prepare.prepare`) in its run dir: the
+engine with the client runner the caller picked, the run's reports, the summary with the
+per-client table, and the federated supernet a weight-sharing method leaves."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rafl.errors import UserInputError
+from rafl.federation.checks import DEPLOYMENT, check_resumable_here, check_same_clients
+from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
+from rafl.federation.store import load_state
+from rafl.io import atomic_write_json, atomic_write_yaml
+from rafl.reports.progress import round_progress
+from rafl.reports.run import RunReport
+from rafl.stages.prepare import Prepared
+from rafl.supernet.checkpoint import save_supernet
+
+#: ``summary.json``'s ``backend``: this process, Flower's Simulation Runtime, or a Flower App on a
+#: SuperLink (``rafl flower-app``), whose nodes keep the client states on their own disks.
+BACKENDS = ("in-process", "flower-simulation", "flower-superlink")
+
+
+def run_engine(fed: Federation, config: EngineConfig, run_dir: Path, *, resume: bool = False, progress: bool = True,
+               clients: Any = None) -> dict[str, Any]:
+    """The engine's rounds of ``fed`` in ``run_dir`` (which exists), with the run's reports
+    (:class:`rafl.reports.run.RunReport`: metrics files, summary, plots) and the round's progress
+    bar; ``clients``: the client runner factory (:class:`~rafl.federation.engine.Engine`).
+    Returns the engine's summary."""
+    engine = Engine(fed, config, run_dir, progress=progress, clients=clients, observers=[RunReport(run_dir)])
+    with round_progress(progress):  # clients done / sampled and the local epoch, inside each round
+        return engine.run(resume=resume)
+
+
+def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+                 clients: Any = None, backend: str = "in-process", deployment: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the prepared federation in ``run_dir`` (created here unless resuming); returns the
+    summary extended with the per-client table (``summary["table"]``), the means and the
+    ``backend`` that ran this session (:data:`BACKENDS`).
+
+    ``clients``: the engine's client runner factory (:class:`~rafl.federation.engine.Engine`);
+    None: the engine's default (this process, or ``engine.workers`` forked processes); the
+    Flower stages pass theirs (:func:`rafl.stages.flower.app.run_on_grid`). ``backend``: what the
+    runner is, as ``summary.json`` names it. ``deployment``: the runner keeps
+    client states outside the run dir (a SuperLink's nodes); a new run records it in
+    ``clients.json`` (:data:`~rafl.federation.checks.DEPLOYMENT`), so ``rafl federate --resume``
+    refuses the run dir (:func:`~rafl.federation.checks.check_resumable_here`).
+
+    Raises:
+        UserInputError: resuming on other clients than the run started with (:func:`check_same_clients`)."""
+    if resume:
+        if deployment is None:  # this process or the Simulation Runtime: the states must be in the run dir
+            check_resumable_here(run_dir, "resume")
+        check_same_clients(run_dir, prep.clients_table, prep.cfg.partition.scheme)
+    run_dir = Path(run_dir)
+    if not resume:
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise UserInputError("already exists and is not empty (use --resume to continue it, or "
+                                 "another --out / name)", source=run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_yaml(run_dir / "config.yaml", prep.cfg.resolved())
+        atomic_write_json(run_dir / "clients.json", {"clients": prep.clients_table, **prep.extra,
+                                                     **({DEPLOYMENT: deployment} if deployment else {})})
+    t0 = time.perf_counter()
+    summary = run_engine(prep.federation, prep.engine_config, run_dir, resume=resume, progress=progress,
+                         clients=clients)
+    summary["wall_s"] = time.perf_counter() - t0
+    summary["backend"] = backend
+    rows = []
+    for row in prep.clients_table:
+        accs = summary["clients"].get(str(row["client"]), {})
+        rows.append({**row, **{k: v for k, v in accs.items() if k.endswith(".acc")}})
+    summary["table"] = rows
+    acc_keys = sorted({k for r in rows for k in r if k.endswith(".acc")})  # model.acc, proto.acc, knowledge.acc, ...
+    summary["means"] = {k: float(np.mean([r[k] for r in rows if r.get(k) is not None]))
+                        for k in ("macs_m", "params_m", *acc_keys)
+                        if any(r.get(k) is not None for r in rows)}
+    atomic_write_json(run_dir / "summary.json", summary)
+    export_federated_supernet(prep, run_dir, summary)
+    return summary
+
+
+def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, Any]) -> Path | None:
+    """Write the server's final global model as a supernet (``run_dir/supernet.safetensors`` +
+    ``supernet.json``, :func:`rafl.supernet.save_supernet`) when the method keeps one (HeteroFL and
+    FedRolex over NAS subnets: ``federated_supernet``); ``rafl search --supernet RUN_DIR`` and
+    ``supernet.path: RUN_DIR`` then use it. It keeps the original supernet's training config (its
+    data and public pool) and metrics, plus ``metrics.federated`` (method, rounds, source supernet).
+    Returns the JSON path, or None."""
+    export = getattr(prep.federation.algorithm, "federated_supernet", None)
+    if export is None or prep.supernet_meta is None:
+        return None
+    ck = load_state(Path(run_dir) / CHECKPOINT)
+    net = export(ck["server_state"], prep.federation.server)
+    if net is None:
+        return None
+    meta = prep.supernet_meta
+    metrics = {**meta.get("metrics", {}), "federated": {"algorithm": prep.federation.algorithm.name,
+                                                        "rounds": int(ck["round"]),
+                                                        "supernet": prep.extra.get("supernet"),
+                                                        "acc_mean_over_clients": summary.get("final", {}).get(
+                                                            "model.acc_mean_over_clients")}}
+    return save_supernet(run_dir, net, config=meta.get("config", {}), metrics=metrics)
+
+__all__ = ["BACKENDS", "export_federated_supernet", "run_engine", "run_prepared"]
