@@ -49,7 +49,8 @@ def _torchrun(n: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     """2 ranks (stopped after 2 of the 4 epochs and resumed) end within 1e-5 of one uninterrupted
-    process with the same global batch, through all four phases (sandwich, in-place KD, channel
+    process with the same global batch (BatchNorm's running statistics within 1e-5 + 1e-5 of their
+    size), through all four phases (sandwich, in-place KD, channel
     sorting, dropout, BatchNorm over the global batch). The learning rates are small (1e-4) so
     that float32 rounding, which the two orders of summation differ by (~1e-7 per step), is not
     amplified by the tiny net's training dynamics: at lr 0.05 the same runs drift apart by ~1e-3
@@ -68,7 +69,15 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
     b = load_file(tmp_path / "two" / "supernet.safetensors")
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.allclose(a[key].double(), b[key].double(), atol=1e-5, rtol=0), key
+        # BatchNorm's running statistics are float32 sums over N*H*W terms taken in another order
+        # (the native kernel on 8 rows vs two shards of 4 summed): their rounding error scales with
+        # the statistic (running_var up to ~5 here), so they are compared relative to their size.
+        # Here the largest gap is 1.9e-6; on another CPU's kernels it exceeded 1e-5 absolute on a
+        # running_var of 4.8 (equal to 4 decimals). Weights agree to ~1e-7.
+        stat = key.endswith(("running_mean", "running_var"))
+        x, y = a[key].double(), b[key].double()
+        gap = (x - y).abs().max().item() if x.numel() else 0.0
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-5 if stat else 0), f"{key}: largest gap {gap:.3g}"
     m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
     m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
     for p1, p2 in zip(m1["phases"], m2["phases"], strict=True):  # global loss and accuracy, summed over ranks

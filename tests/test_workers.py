@@ -9,6 +9,8 @@ import json
 import multiprocessing
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,6 +174,36 @@ def test_a_method_error_in_a_worker_stops_the_run_naming_the_client(digits, tmp_
         Engine(fed, EngineConfig(rounds=2, seed=0, workers=2), tmp_path, progress=False,
                observers=[RunReport(tmp_path)]).run()
     assert not multiprocessing.active_children()
+
+
+class _TwoDivergingClients(get_algorithm("fedproto")):
+    """Clients 2 and 5 diverge; client 2 raises only after client 5 has (or after 60 s, if one worker
+    runs both), so the later client's error reaches the engine first."""
+    marker: Path
+
+    def client_update(self, state, broadcast, client):
+        if client.client_id == 5:
+            self.marker.touch()
+            raise UserInputError("local training diverged (loss nan)", field="algorithm.lr")
+        if client.client_id == 2:
+            deadline = time.monotonic() + 60
+            while not self.marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise UserInputError("local training diverged (loss inf)", field="algorithm.lr")
+        return super().client_update(state, broadcast, client)
+
+
+def test_of_two_method_errors_in_workers_the_first_client_in_job_order_is_raised(digits, tmp_path):
+    """The error raised is the in-process runner's (client 2, the first failing job), not that of
+    whichever worker answered first."""
+    ds, part = digits
+    algo = _TwoDivergingClients(local_epochs=1, lr=0.01)
+    algo.marker = tmp_path / "client5-raised"
+    fed, _ = build_group_federation(ds, part, MEMBERS, algo, feature_dim=16, batch_size=8)
+    with pytest.raises(UserInputError, match=r"client 2 \(model cnn4-small\).*diverged \(loss inf\)"):
+        Engine(fed, EngineConfig(rounds=1, seed=0, workers=2), tmp_path / "run", progress=False,
+               observers=[RunReport(tmp_path / "run")]).run()
+    assert algo.marker.exists() and not multiprocessing.active_children()
 
 
 class _CountingEvaluations(get_algorithm("fedproto")):

@@ -302,8 +302,18 @@ class WorkerClients:
         return results, failed
 
     def _loop(self, kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted) -> None:
-        """Dispatch ``todo`` (job indices, last first) and collect until every job is done."""
-        while todo or any(w.job is not None for w in self._workers):
+        """Dispatch ``todo`` (job indices, last first) and collect until every job is done.
+
+        A method's error raised in a job does not stop the loop at once: the jobs before it in job
+        order still run (those after it are dropped), and the error of the first failing job in job
+        order is raised, the one the in-process runner raises. Which worker answers first then
+        decides nothing."""
+        errors: dict[int, tuple] = {}
+
+        def needed(i: int) -> bool:
+            return not errors or i < min(errors)
+
+        while todo or any(w.job is not None and needed(w.job[0]) for w in self._workers):
             if interrupted:
                 interrupted.raise_()
             for w in [w for w in self._workers if w.job is None and not w.proc.is_alive()]:
@@ -338,7 +348,8 @@ class WorkerClients:
                             if kind == "train":
                                 progress.report("client_done", client=jobs[i][0])
                         else:
-                            self._raise(msg[1], msg[2])
+                            errors[i] = (msg[1], msg[2])
+                            todo[:] = [j for j in todo if needed(j)]
                         continue
                 if w.job is not None and (w.proc.sentinel in ready or w.conn in ready):
                     w.proc.join(timeout=10)
@@ -347,6 +358,8 @@ class WorkerClients:
                     self._drop(w)
         if interrupted:
             interrupted.raise_()
+        if errors:
+            self._raise(*errors[min(errors)])
 
     @staticmethod
     def _raise(err: tuple, trace: str) -> None:
