@@ -139,3 +139,20 @@ def test_default_run_sets_no_budget_override():
     from rafl.config import ClientsConfig
 
     assert ClientsConfig().budgets == {}
+
+
+def test_network_correction_fit_recovers_a_and_b_and_stays_positive_on_noise():
+    from rafl.search.latency import fit_network_correction
+
+    sums = np.array([2.0, 3.0, 5.0, 8.0])
+    a, b, method = fit_network_correction(sums, 1.5 * sums + 0.7)
+    assert (a, b) == (pytest.approx(1.5), pytest.approx(0.7)) and "+ b_ms" in method
+    # Timings that fall as the layer sums grow (a loaded host, one repeat): the two-term slope
+    # would be negative, so the one-term model a x sum is fitted (b = 0) and the method says why.
+    y = np.array([9.0, 8.0, 7.5, 7.0])
+    a, b, method = fit_network_correction(sums, y)
+    r = sums / y
+    assert a == pytest.approx(r.sum() / (r * r).sum()) and a > 0 and b == 0.0
+    assert "two-term fit gave" in method
+    with pytest.raises(ValueError, match="all > 0"):
+        fit_network_correction([1.0, 0.0], [1.0, 2.0])

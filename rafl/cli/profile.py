@@ -243,6 +243,11 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
         click.echo(f"wrote {out}: {len(entries)} layer configurations, {statistic} of {repeats} runs each "
                    f"({threads} thread(s), {clock} clock){corr}; reference it from a profile with "
                    f"`latency_lut: {out}`")
+        from rafl.io import load_yaml
+
+        method = (load_yaml(out.read_text(), out).get("network_correction") or {}).get("method", "")
+        if "two-term fit gave" in method:
+            click.echo(f"warning: network_correction: {method}", err=True)
         return
 
     if arch_text is None and model_path is None:

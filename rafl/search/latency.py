@@ -135,19 +135,37 @@ def latency_lut_correction(path: str | Path) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def fit_network_correction(layer_sums, measured) -> tuple[float, float]:
-    """``(a, b_ms)`` minimizing the squared *relative* error of ``a * layer_sum + b`` against the
-    measured whole-network latencies (least squares; both in ms, one entry per network).
+def fit_network_correction(layer_sums, measured) -> tuple[float, float, str]:
+    """``(a, b_ms, method)`` minimizing the squared *relative* error of ``a * layer_sum + b``
+    against the measured whole-network latencies (least squares; both in ms, one entry per network).
 
     A network pays what none of its layers pays alone (the module's own forward, the global pool,
     cache misses between layers); nn-Meter (Zhang et al., MobiSys 2021) predicts a model as the sum
-    of its kernels' latencies, and this one linear term accounts for the rest."""
+    of its kernels' latencies, and this one linear term accounts for the rest.
+
+    The two-term fit needs the subnets' latencies to grow with their layer sums. When the timings
+    are too noisy for that (few repeats, a loaded host), its slope comes out ``<= 0``, which would
+    predict every subnet at about the same latency or a larger one as faster. Then the one-term
+    model ``a * layer_sum`` (``b = 0``, least squares on the same relative error,
+    ``a = sum(s/y) / sum((s/y)^2) > 0``) is fitted instead, and ``method`` says so.
+
+    Raises:
+        ValueError: no networks, or a layer sum or latency that is not > 0.
+    """
     import numpy as np
 
     s, y = np.asarray(layer_sums, dtype=float), np.asarray(measured, dtype=float)
+    if s.size == 0 or s.shape != y.shape or not (np.all(s > 0) and np.all(y > 0)):
+        raise ValueError("fit_network_correction needs as many layer sums as latencies, all > 0")
     design = np.stack([s / y, 1.0 / y], axis=1)
     (a, b), *_ = np.linalg.lstsq(design, np.ones(len(y)), rcond=None)
-    return float(a), float(b)
+    if a > 0:
+        return float(a), float(b), ("least squares on the relative error of a x (sum of layer entries) + b_ms "
+                                    "against whole random subnets timed the same way")
+    r = s / y
+    return float(r.sum() / (r * r).sum()), 0.0, (
+        f"least squares on the relative error of a x (sum of layer entries), b_ms = 0: the two-term fit "
+        f"gave a = {float(a):.4g} <= 0 (timings too noisy to separate a per-network term; time more repeats)")
 
 
 def _time_round_robin(modules, warmup: int, repeats: int, now, statistic: str, progress: bool, desc: str
@@ -258,10 +276,8 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
             nets = [(extract_subnet(supernet, a).eval(), torch.randn(1, 3, a.r, a.r)) for a in archs]
             whole = _time_round_robin(nets, warmup, repeats, now, statistic, progress, "whole subnets")
             sums = [sum(entries[s.key] for _, s in arch_units(space, a)) for a in archs]
-            a, b = fit_network_correction(sums, whole)
-            correction = {"a": round(a, 6), "b_ms": round(b, 6), "n_subnets": calibrate,
-                          "method": "least squares on the relative error of a x (sum of layer entries) + b_ms "
-                                    "against whole random subnets timed the same way"}
+            a, b, method = fit_network_correction(sums, whole)
+            correction = {"a": round(a, 6), "b_ms": round(b, 6), "n_subnets": calibrate, "method": method}
     finally:
         torch.set_num_threads(old_threads)
     doc = {
