@@ -146,6 +146,30 @@ def test_build_lut_measures_every_layer_and_a_profile_uses_it(tmp_path):
     assert res.exit_code == 0, res.output
 
 
+def test_build_lut_on_timings_that_fall_with_size_writes_a_usable_lut_and_warns(tmp_path, monkeypatch):
+    """A loaded host can time larger subnets as faster: the two-term network correction's slope is
+    then <= 0, so ``a x sum`` alone is fitted, the LUT loads, and the command warns."""
+    from rafl.search import latency
+
+    def size(module):
+        return sum(p.numel() for p in module.parameters())
+
+    def timed(modules, warmup, repeats, now, statistic, progress, desc):  # deterministic "noisy" host
+        if desc == "whole subnets":
+            return [50.0 - 1e-4 * size(m) for m, _ in modules]
+        return [0.01 + 1e-5 * size(m) for m, _ in modules]
+
+    monkeypatch.setattr(latency, "_time_round_robin", timed)
+    lut = tmp_path / "lut.yaml"
+    res = CliRunner().invoke(cli, ["profile", "--build-lut", "--device-profile", "pi4", "--width-mult", "0.25",
+                                   "--out", str(lut), "--quiet"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    corr = yaml.safe_load(lut.read_text())["network_correction"]
+    assert corr["a"] > 0 and corr["b_ms"] == 0.0 and "two-term fit gave" in corr["method"]
+    assert "warning: network_correction:" in res.output
+    assert latency.latency_lut_correction(lut) == (corr["a"], 0.0)
+
+
 def test_supernet_folder_gives_the_space(tmp_path):
     from rafl.supernet import build_supernet, save_supernet
 
