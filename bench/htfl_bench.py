@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from rafl.stages.compare import load_compare_config, read_history, run_compare
+from rafl.reports.compare import read_history
+from rafl.stages.compare import load_compare_config, run_compare
 from rafl.federation.payload import Payload
 from rafl.stages.prepare import load_data_and_partition
 from rafl.errors import UserInputError

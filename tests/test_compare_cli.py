@@ -64,7 +64,7 @@ def test_compare_smoke(tmp_path):
 def test_compare_row_pools_the_clients_test_samples():
     """``pooled acc`` = all clients' correct / all their test samples (HtFLlib's Averaged Test
     Accuracy), not the mean over clients: a client of 2 test images counts 2/102."""
-    from rafl.stages.compare import summarize_run
+    from rafl.reports.compare import summarize_run
     from rafl.federation.engine import summarize_eval
 
     per_client = {0: {"model.correct": 0.0, "model.total": 2.0}, 1: {"model.correct": 90.0, "model.total": 100.0}}
@@ -459,7 +459,7 @@ def test_the_nearest_prototype_legend_covers_no_bar(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rafl.stages.compare import plot_compare
+    from rafl.reports.compare import plot_compare
 
     close, figs = plt.close, []
     monkeypatch.setattr(plt, "close", figs.append)  # keep the figure to measure it
@@ -679,7 +679,7 @@ def test_a_second_run_into_the_same_out_stops_at_the_claim(tmp_path, monkeypatch
 
 def test_table_never_shows_zero_mb_for_a_method_that_communicated(tmp_path):
     """The MB columns keep 3 decimals, but a few hundred bytes (prototype uploads) read 0.000 MB."""
-    from rafl.stages.compare import write_table
+    from rafl.reports.compare import write_table
 
     rows = [{"algorithm": "fedproto", "mb_up": 0.00044, "mb_down": 0.000044, "mb_total": 0.000484},
             {"algorithm": "fedavg", "mb_up": 1.25, "mb_down": 1.25, "mb_total": 2.5},

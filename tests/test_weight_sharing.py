@@ -337,7 +337,7 @@ def test_compare_of_nas_subnets_reports_accuracy_per_device_tier(tmp_path, tiny_
 
 
 def test_tier_figures_cover_the_clients_every_method_evaluated(tmp_path):
-    from rafl.stages.compare import common_client_tiers, tier_tables
+    from rafl.reports.compare import common_client_tiers, tier_tables
 
     table = [{"client": c, "profile": p} for c, p in enumerate(["pi4", "phone", "pi4", "phone"])]
     full = {str(c): {"model.acc": a, "test_samples": n} for c, a, n in [(0, 0.5, 10), (1, 1.0, 20), (2, 0.0, 10),
