@@ -10,11 +10,15 @@ process's session:
    Ray, one virtual SuperNode per client);
 3. **Flower deployment**: ``rafl flower-app`` + ``flwr run`` against a SuperLink and ``--nodes``
    SuperNodes on 127.0.0.1 (:class:`rafl.stages.flower.fleet.LocalFleet`); each round sends one
-   train and one evaluate message per node (carrying all its clients). Twice, back to back:
-   ``fork`` (rafl's default: each SuperNode with ``--isolation process`` beside ``rafl
-   flower-superexec``, which forks each message's ClientApp from one warm process holding torch and
-   the run's federation) and ``subprocess`` (Flower's own SuperExec: each message starts a
-   ``flwr-clientapp`` process, which imports torch and rebuilds the federation from the run config).
+   train and one evaluate message per node (carrying all its clients). Once per ``--deployments``
+   entry ``ISOLATION:POLL``, back to back. ``ISOLATION``: ``fork`` (rafl's default: each SuperNode
+   with ``--isolation process`` beside ``rafl flower-superexec``, which forks each message's
+   ClientApp from one warm process holding torch and the run's federation) or ``subprocess``
+   (Flower's own SuperExec: each message starts a ``flwr-clientapp`` process, which imports torch
+   and rebuilds the federation from the run config). ``POLL``: the SuperNodes run as ``rafl
+   flower-supernode --poll-interval POLL`` (LocalFleet's default, 0.1 s) or, for ``flower``, as
+   Flower's own ``flower-supernode`` (3 s between an idle node's requests). Default:
+   ``fork:0.1,fork:flower,subprocess:flower``.
 
 ``--case tiny``: 1,000 clients with the tiny heterogeneous CNNs (``htfe-tiny``) on CIFAR-10, IID,
 FedProto, 20 clients sampled per round and evaluated (``eval_clients: sampled``): the per-message
@@ -80,7 +84,10 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=2, help="SuperNodes of the local deployment")
     ap.add_argument("--case", choices=("default", "tiny"), default="default")
     ap.add_argument("--data-root", type=Path, default=None, help="CIFAR-10 (--case tiny)")
-    ap.add_argument("--isolations", default="fork,subprocess", help="deployments to run, comma-separated")
+    ap.add_argument("--deployments", default="fork:0.1,fork:flower,subprocess:flower",
+                    help="deployments to run, comma-separated ISOLATION:POLL (POLL: the SuperNodes' idle poll in "
+                         "seconds, `rafl flower-supernode --poll-interval`, or `flower`: Flower's own "
+                         "flower-supernode, 3 s)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
@@ -125,14 +132,16 @@ def main() -> None:
         federate.run(federate.prepare(c, progress=False), work / "runs" / "sim", progress=False)
         return work / "runs" / "sim"
 
-    def deployment(isolation: str):
+    def deployment(isolation: str, poll: float | None):
         def go() -> Path:
-            name = f"deployed-{isolation}"
+            tag = f"{isolation}-{'flower' if poll is None else poll}"
+            name = f"deployed-{tag}"
             cfg_file = work / f"{name}.yaml"
             cfg_file.write_text(yaml.safe_dump({**nested(base_overrides), "name": name}))
-            flower_app.write_app(work / f"app-{isolation}", config=cfg_file, out=work / "runs")
-            with flower_fleet.LocalFleet(args.nodes, work / f"fleet-{isolation}", isolation=isolation) as fleet:
-                run = fleet.run(work / f"app-{isolation}", timeout=3600)
+            flower_app.write_app(work / f"app-{tag}", config=cfg_file, out=work / "runs")
+            with flower_fleet.LocalFleet(args.nodes, work / f"fleet-{tag}", isolation=isolation,
+                                         poll_interval_s=poll) as fleet:
+                run = fleet.run(work / f"app-{tag}", timeout=3600)
                 if not run.completed:
                     sys.exit(f"the deployment failed ({run.status}: {run.status_details}):\n{run.stdout}\n"
                              f"{run.stderr}\n{fleet.logs()[-5000:]}")
@@ -142,13 +151,17 @@ def main() -> None:
     timed("in-process", in_process)
     if args.case == "default":
         timed("flower simulation", simulation)
-    for isolation in args.isolations.split(","):
-        timed(f"flower deployment, {isolation} ({args.nodes} SuperNodes)", deployment(isolation))
+    for item in args.deployments.split(","):
+        isolation, _, poll_text = item.partition(":")
+        poll = None if poll_text in ("", "flower") else float(poll_text)
+        node = "flower-supernode (3 s poll)" if poll is None else f"rafl flower-supernode --poll-interval {poll:g}"
+        timed(f"flower deployment, {isolation}, {node} ({args.nodes} SuperNodes)", deployment(isolation, poll))
 
     base = results["in-process"]
     command = (f"python bench/flower_overhead.py --case {args.case} --rounds {args.rounds} --nodes {args.nodes}"
                + (f" --algorithm {args.algorithm}" if args.algorithm else "")
-               + (" --data-root DATA" if args.data_root else ""))
+               + (" --data-root DATA" if args.data_root else "")
+               + (f" --deployments {args.deployments}" if args.deployments != ap.get_default("deployments") else ""))
     setting = ("The `rafl federate` default pipeline (digits, 10 clients, quickstart supernet)"
                if args.case == "default" else
                "1,000 clients, `htfe-tiny` models, CIFAR-10 IID, 20 clients sampled and evaluated per round")
@@ -183,7 +196,10 @@ def main() -> None:
               "node's clients. `fork`: `rafl flower-superexec` forks each message's ClientApp from a process "
               "that imported torch, flwr and rafl once and built the run's federation once (when the first "
               "message of the run reported it); `subprocess`: Flower's SuperExec starts a new `flwr-clientapp` "
-              "process per message, which imports torch and rebuilds the federation."]
+              "process per message, which imports torch and rebuilds the federation. `flower-supernode (3 s poll)`: "
+              "Flower's own SuperNode, which asks the SuperLink for a message every 3 s when idle and checks for a "
+              "ClientApp's reply every 0.5 s; `rafl flower-supernode --poll-interval S`: the same SuperNode sleeping "
+              "at most S seconds in both waits (`rafl.stages.flower.supernode`)."]
     text = "\n".join(lines) + "\n"
     print(text)
     tag = "flower_overhead" + ("" if args.case == "default" else f"_{args.case}")

@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "federate": "rafl.cli.federate:federate",
     "flower-app": "rafl.cli.flower:flower_app",
     "flower-superexec": "rafl.cli.flower:flower_superexec",
+    "flower-supernode": "rafl.cli.flower:flower_supernode",
 }
 
 

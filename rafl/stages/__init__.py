@@ -8,6 +8,6 @@
 - :mod:`rafl.stages.federate`: ``rafl federate`` (new run or ``--resume``; it picks the runner);
 - :mod:`rafl.stages.compare`: ``rafl compare``, the methods on one partition;
 - :mod:`rafl.stages.search`: ``rafl search``'s output folders;
-- :mod:`rafl.stages.flower`: the Flower App, its node side, the Simulation Runtime, a local fleet
-  and the forking SuperExec.
+- :mod:`rafl.stages.flower`: the Flower App, its node side, the Simulation Runtime, a local fleet,
+  the forking SuperExec and the SuperNode with a shorter idle poll.
 """

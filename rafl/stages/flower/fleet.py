@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from rafl.errors import UserInputError
+from rafl.stages.flower.supernode import check_poll_interval
+
+#: how often an idle SuperNode of a :class:`LocalFleet` asks its SuperLink for a message, in seconds
+POLL_INTERVAL_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +63,13 @@ class LocalFleet:
             ``rafl flower-superexec`` (log ``superexec<i>.log``) that forks each message's
             ClientApp from one warm process (:mod:`rafl.stages.flower.superexec`);
             ``"subprocess"``: Flower's own SuperExec, a new ``flwr-clientapp`` process per message.
+        poll_interval_s: each SuperNode runs as ``rafl flower-supernode --poll-interval
+            poll_interval_s`` (:mod:`rafl.stages.flower.supernode`; default 0.1 s: an idle node asks
+            the SuperLink for a message that often); ``None``: Flower's own ``flower-supernode``
+            (3 s between an idle node's requests).
 
     Raises:
-        UserInputError: ``n_nodes`` < 1 or an unknown ``isolation``.
+        UserInputError: ``n_nodes`` < 1, an unknown ``isolation`` or a bad ``poll_interval_s``.
     """
 
     ISOLATIONS = ("fork", "subprocess")
@@ -69,7 +77,7 @@ class LocalFleet:
     CONNECTION = "rafl-local"
 
     def __init__(self, n_nodes: int, workdir: str | Path, state_dir: str | Path | None = None,
-                 isolation: str = "fork"):
+                 isolation: str = "fork", poll_interval_s: float | None = POLL_INTERVAL_S):
         import sys
 
         if n_nodes < 1:
@@ -77,6 +85,7 @@ class LocalFleet:
         if isolation not in self.ISOLATIONS:
             raise UserInputError(f"is {isolation!r}; allowed: {', '.join(self.ISOLATIONS)}", field="isolation")
         self.isolation = isolation
+        self.poll_interval_s = None if poll_interval_s is None else check_poll_interval(poll_interval_s)
         self.n_nodes, self.workdir = n_nodes, Path(workdir)
         self.bindir = Path(sys.executable).parent
         self.home = self.workdir / "flwr-home"
@@ -138,7 +147,9 @@ class LocalFleet:
             for i in range(self.n_nodes):
                 runtime_port = self._free_port()
                 fork = ["--isolation", "process"] if self.isolation == "fork" else []
-                self._start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", *fork, "--host",
+                supernode = (["flower-supernode"] if self.poll_interval_s is None else
+                             ["rafl", "flower-supernode", "--poll-interval", str(self.poll_interval_s)])
+                self._start([*supernode, "--insecure", "--superlink", f"127.0.0.1:{port}", *fork, "--host",
                              "127.0.0.1", "--port", str(runtime_port), "--node-config",
                              f"partition-id={i} num-partitions={self.n_nodes}"], f"node{i}.log")
                 if fork:
@@ -282,4 +293,4 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
-__all__ = ["FleetRun", "LocalFleet", "descendants", "stop_process_trees"]
+__all__ = ["POLL_INTERVAL_S", "FleetRun", "LocalFleet", "descendants", "stop_process_trees"]

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rafl.errors import UserInputError
 from rafl.stages.flower import node as flower_node
 
 #: how often this process asks the SuperNode for a new task, in seconds (Flower's default is 1 s;
@@ -196,8 +197,6 @@ def run(runtime_api_address: str, *, insecure: bool, root_certificates: str | No
         UserInputError: this platform cannot fork.
     """
     import multiprocessing
-
-    from rafl.errors import UserInputError
 
     if "fork" not in multiprocessing.get_all_start_methods():
         raise UserInputError("needs fork (Linux, macOS); use Flower's subprocess isolation on this platform",
