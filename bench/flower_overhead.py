@@ -16,9 +16,9 @@ process's session:
    ClientApp from one warm process holding torch and the run's federation) or ``subprocess``
    (Flower's own SuperExec: each message starts a ``flwr-clientapp`` process, which imports torch
    and rebuilds the federation from the run config). ``POLL``: the SuperNodes run as ``rafl
-   flower-supernode --poll-interval POLL`` (LocalFleet's default, 0.1 s) or, for ``flower``, as
+   flower-supernode --poll-interval POLL`` (LocalFleet's default, 0.2 s) or, for ``flower``, as
    Flower's own ``flower-supernode`` (3 s between an idle node's requests). Default:
-   ``fork:0.1,fork:flower,subprocess:flower``.
+   ``fork:0.2,fork:flower,subprocess:flower``.
 
 ``--case tiny``: 1,000 clients with the tiny heterogeneous CNNs (``htfe-tiny``) on CIFAR-10, IID,
 FedProto, 20 clients sampled per round and evaluated (``eval_clients: sampled``): the per-message
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=2, help="SuperNodes of the local deployment")
     ap.add_argument("--case", choices=("default", "tiny"), default="default")
     ap.add_argument("--data-root", type=Path, default=None, help="CIFAR-10 (--case tiny)")
-    ap.add_argument("--deployments", default="fork:0.1,fork:flower,subprocess:flower",
+    ap.add_argument("--deployments", default="fork:0.2,fork:flower,subprocess:flower",
                     help="deployments to run, comma-separated ISOLATION:POLL (POLL: the SuperNodes' idle poll in "
                          "seconds, `rafl flower-supernode --poll-interval`, or `flower`: Flower's own "
                          "flower-supernode, 3 s)")

@@ -62,6 +62,12 @@ from rafl.federation.screening import RejectedUpload
 from rafl.federation.store import ClientStore
 
 # ---------------------------------------------------------------------- server side
+#: seconds between the server's requests for the replies still missing: each is a request the
+#: SuperLink serves, and on a machine that also runs the clients a shorter wait takes their CPU
+#: (bench/flower_overhead.py: 0.05 s cost the SuperLink 2.5x the CPU of 0.2 s, for slower rounds)
+REPLY_POLL_S = 0.2
+
+
 class Stopped(Exception):
     """The run was interrupted (Ctrl-C / SIGTERM in the caller) while waiting for nodes: the
     round in progress is abandoned, nothing more is committed."""
@@ -95,7 +101,7 @@ def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float,
             else:
                 replies[key_of[mid]] = reply
         if pending:
-            time.sleep(0.05)
+            time.sleep(REPLY_POLL_S)
     for mid in pending:
         lost[key_of[mid]] = f"no reply within {timeout:g} s"
     return replies, lost

@@ -16,7 +16,7 @@ from rafl.errors import UserInputError
 from rafl.stages.flower.supernode import check_poll_interval
 
 #: how often an idle SuperNode of a :class:`LocalFleet` asks its SuperLink for a message, in seconds
-POLL_INTERVAL_S = 0.1
+POLL_INTERVAL_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class LocalFleet:
             ClientApp from one warm process (:mod:`rafl.stages.flower.superexec`);
             ``"subprocess"``: Flower's own SuperExec, a new ``flwr-clientapp`` process per message.
         poll_interval_s: each SuperNode runs as ``rafl flower-supernode --poll-interval
-            poll_interval_s`` (:mod:`rafl.stages.flower.supernode`; default 0.1 s: an idle node asks
+            poll_interval_s`` (:mod:`rafl.stages.flower.supernode`; default 0.2 s: an idle node asks
             the SuperLink for a message that often); ``None``: Flower's own ``flower-supernode``
             (3 s between an idle node's requests).
 

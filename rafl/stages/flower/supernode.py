@@ -3,22 +3,22 @@
 A SuperNode of flwr 1.42 (``flower-supernode``, :func:`flwr.supernode.start_client_internal.
 start_client_internal`) asks the SuperLink for a message, and when there is none it sleeps 3 s
 before it asks again; once it has handed a message to its ClientApp it checks for the reply every
-0.5 s. Both intervals are literals in that function, with no option or environment variable. On a
-deployment whose round is two messages per node (train, then evaluate) each message waits up to one
-idle poll after the ServerApp sent it, so a round pays up to 6 s that no client works in: on the
-default pipeline that was half of a deployment round (``bench/flower_overhead.py``).
+0.5 s. Both intervals are literals in that function, with no option or environment variable. A
+deployment round is two messages per node (train, then evaluate), and each waits up to one idle
+poll after the ServerApp sent it.
 
 :func:`run` is ``flower-supernode`` itself -- Flower's own argument parser, connection, node
 state, Runtime API, heartbeats and authentication, unchanged -- with one change: the module's
-``time`` is replaced by a :class:`PollClock` whose ``sleep`` waits at most ``poll_interval_s``. The
-SuperLink then answers ``1 / poll_interval_s`` PullMessages requests a second from each idle node:
-cheap for a few nodes on one machine (:class:`~rafl.stages.flower.fleet.LocalFleet` uses 0.1 s),
-a load to weigh for a large fleet, where Flower's own 3 s (``flower-supernode``) may be the right
-choice.
+``time`` is replaced by a :class:`PollClock` whose ``sleep`` waits at most ``poll_interval_s``.
+Each idle node then sends ``1 / poll_interval_s`` PullMessages requests a second, which the
+SuperLink serves: a shorter wait is paid in CPU on the SuperLink's machine, and on a machine that
+also runs the clients, in their time (``bench/flower_overhead.py``: with 2 SuperNodes on 2 cores,
+0.1 s and a 0.02 s SuperExec poll made rounds slower than 0.2 s and 0.1 s).
+:class:`~rafl.stages.flower.fleet.LocalFleet` uses 0.2 s; for a large fleet Flower's own 3 s
+(``flower-supernode``) may be the right choice.
 
-The replaced name is checked on import of :func:`run`: another flwr whose SuperNode loop does not
-call ``time.sleep`` of that module raises :class:`RuntimeError` instead of silently polling at
-Flower's own pace.
+The replaced name is checked before it is replaced: another flwr whose SuperNode loop has no
+module-level ``time`` raises :class:`RuntimeError` instead of silently polling at Flower's pace.
 """
 
 from __future__ import annotations
