@@ -77,3 +77,28 @@ def test_local_fleet_checks_its_poll_interval_before_starting_anything(tmp_path)
     with pytest.raises(UserInputError, match="--poll-interval"):
         flower_fleet.LocalFleet(1, tmp_path / "fleet", poll_interval_s=0)
     assert not (tmp_path / "fleet").exists()
+
+
+
+def test_run_hands_flower_the_default_signal_handlers(restore_loop, monkeypatch):
+    """Flower's SuperNode puts back the handler it found when it stops: under the rafl CLI that was
+    a SIGTERM handler raising SystemExit, which a second SIGTERM ran inside Flower's shutdown (the
+    process then waited on its Runtime API thread). `run` gives Flower the defaults, as under its
+    own `flower-supernode`."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    seen: dict = {}
+
+    def fake_flower_supernode() -> None:
+        seen["term"] = signal.getsignal(signal.SIGTERM)
+        seen["int"] = signal.getsignal(signal.SIGINT)
+
+    monkeypatch.setattr(flower_cli, "flower_supernode", fake_flower_supernode)
+    try:
+        signal.signal(signal.SIGTERM, lambda *args: None)  # what a CLI might have installed
+        supernode.run(["--insecure"], poll_interval_s=0.2)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert seen == {"term": signal.SIG_DFL, "int": signal.default_int_handler}

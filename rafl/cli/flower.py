@@ -72,14 +72,16 @@ def flower_superexec(runtime_api_address: str, insecure: bool, root_certificates
 
 @click.command("flower-supernode", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--poll-interval", type=float, default=DEFAULT_POLL_INTERVAL_S, show_default=True,
-              help="seconds between the idle node's requests for a message, and between its checks for a "
-                   "ClientApp's reply (Flower's flower-supernode: 3 and 0.5)")
+              help="the longest wait, in seconds (>= 0.01), between the idle node's requests for a message and "
+                   "between its checks for a ClientApp's reply (Flower's flower-supernode: 3 and 0.5); give it "
+                   "before Flower's options")
 @click.argument("supernode_args", nargs=-1, type=click.UNPROCESSED)
 def flower_supernode(poll_interval: float, supernode_args: tuple[str, ...]) -> None:
     """Run Flower's SuperNode (`flower-supernode SUPERNODE_ARGS`: the same options, see
     `flower-supernode --help`) polling the SuperLink every --poll-interval seconds when idle instead
     of Flower's fixed 3 s: a deployment round waits up to one poll per message. Each idle node then
-    sends 1/--poll-interval requests a second to the SuperLink. Stops on Ctrl-C / SIGTERM.
+    sends 1/--poll-interval requests a second to the SuperLink. With `--isolation process`, start
+    `rafl flower-superexec` beside it. Stops on Ctrl-C / SIGTERM as Flower's command does.
     """
     from rafl.stages.flower.supernode import run
 

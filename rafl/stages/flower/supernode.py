@@ -9,7 +9,9 @@ poll after the ServerApp sent it.
 
 :func:`run` is ``flower-supernode`` itself -- Flower's own argument parser, connection, node
 state, Runtime API, heartbeats and authentication, unchanged -- with one change: the module's
-``time`` is replaced by a :class:`PollClock` whose ``sleep`` waits at most ``poll_interval_s``.
+``time`` is replaced by a :class:`PollClock` whose ``sleep`` waits at most ``poll_interval_s``
+(every wait of that loop: the idle poll, the wait for a ClientApp's reply and for its content; an
+interval above Flower's own leaves that wait as it is).
 Each idle node then sends ``1 / poll_interval_s`` PullMessages requests a second, which the
 SuperLink serves: a shorter wait is paid in CPU on the SuperLink's machine, and on a machine that
 also runs the clients, in their time (``bench/flower_overhead.py``: with 2 SuperNodes on 2 cores,
@@ -23,6 +25,7 @@ module-level ``time`` raises :class:`RuntimeError` instead of silently polling a
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 import types
@@ -103,6 +106,11 @@ def run(args: Sequence[str], poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -
     patch_poll(poll_interval_s)
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
+    # Flower's own signal handling, as under `flower-supernode`: its handler puts back the handler it
+    # found, so the rafl CLI's SIGTERM handler (SystemExit) would run on a second SIGTERM inside
+    # Flower's shutdown and leave the process waiting on its Runtime API thread
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = ["flower-supernode", *args]
     flower_supernode()
 
