@@ -17,6 +17,7 @@ import numpy as np
 
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from rafl.reports.tables import binomial_se
 
 
 def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]], model: str = "model"
@@ -47,7 +48,7 @@ def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]
         n = sum(t for _, t in vals)
         pooled = sum(a * t for a, t in vals) / n
         out[prof] = {"clients": len(vals), "test_samples": n, "acc_mean": float(np.mean([a for a, _ in vals])),
-                     "acc_pooled": float(pooled), "se": float(math.sqrt(pooled * (1 - pooled) / n))}
+                     "acc_pooled": float(pooled), "se": binomial_se(pooled, n)}
     return out
 
 
@@ -109,7 +110,7 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     if last and "model.acc_pooled" in row and not math.isnan(row["model.acc_pooled"]):
         n = sum(int(c.get("test_samples", 0) or 0) for c in summary.get("clients", {}).values())
         p = row["model.acc_pooled"]
-        row["model.acc_pooled_se"] = float(math.sqrt(p * (1 - p) / n)) if n else float("nan")
+        row["model.acc_pooled_se"] = binomial_se(p, n)
     tiers = tier_accuracy(summary.get("clients", {}), table or [])
     if tiers:
         row["tiers"] = tiers
