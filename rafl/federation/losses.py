@@ -117,7 +117,9 @@ def logit_regularizer(class_logits: Mapping[int, torch.Tensor], gamma: float) ->
 def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.Optimizer,
                       extra: Regularizer | None = None, *, epochs: int = 1,
                       device: torch.device | str = "cpu",
-                      diverged: tuple[str, str | None] = ("algorithm.lr", None)) -> TrainStats:
+                      diverged: tuple[str, str | None] = ("algorithm.lr", None),
+                      last_epoch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+                      ) -> TrainStats:
     """``epochs`` passes of ``CE(head(f(x)), y) + extra(f(x), logits, y)``.
 
     Args:
@@ -128,6 +130,7 @@ def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torc
         epochs: passes over the loader.
         device: where to compute.
         diverged: the keys a diverged loss names (:func:`~rafl.federation.training.check_finite_loss`).
+        last_epoch: sees every batch of the last epoch (:func:`~rafl.federation.training.train_ce`).
 
     Returns:
         :class:`~rafl.federation.training.TrainStats` (``loss`` = mean total loss).
@@ -138,7 +141,8 @@ def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torc
     if extra is None:  # still run the model as head(features(x)): it may have no forward()
         def extra(feats, logits, labels):
             return logits.new_zeros(())
-    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra, diverged=diverged)
+    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra, diverged=diverged,
+                    last_epoch=last_epoch)
 
 
 def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch],

@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from rafl.federation.algorithms.base import (ALGORITHMS, Algorithm, ClientContext, ClientInfo,
-                                             ServerContext, get_algorithm, register)
+from rafl.federation.algorithms.base import (ALGORITHMS, DEPLOYED, Accuracy, Algorithm, ClientContext, ClientInfo,
+                                             ServerContext, get_algorithm, register, reported_accuracies)
 
 for _mod in pkgutil.iter_modules(__path__):
     if _mod.name != "base" and not _mod.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_mod.name}")
 
-__all__ = ["ALGORITHMS", "Algorithm", "ClientContext", "ClientInfo", "ServerContext", "get_algorithm",
-           "register"]
+__all__ = ["ALGORITHMS", "DEPLOYED", "Accuracy", "Algorithm", "ClientContext", "ClientInfo", "ServerContext", "get_algorithm",
+           "register", "reported_accuracies"]

@@ -51,6 +51,36 @@ State = Any
 
 
 @dataclass(frozen=True)
+class Accuracy:
+    """An accuracy a method reports: its metric prefix (``<prefix>.correct`` / ``<prefix>.total``
+    in :meth:`Algorithm.evaluate`, ``<prefix>.acc_*`` in the metrics), its one name in every table,
+    plot and line rafl prints, and what it measures in a sentence's words.
+
+    Attributes:
+        prefix: e.g. ``"proto"``.
+        name: e.g. ``"nearest prototype"`` (a table's column ``acc nearest prototype``).
+        meaning: e.g. ``"nearest-prototype accuracy"``.
+        short: the stem of its column in ``rafl compare``'s table (``"proto"``: ``proto acc``;
+            empty: the prefix).
+    """
+
+    prefix: str
+    name: str
+    meaning: str
+    short: str = ""
+
+    @property
+    def column(self) -> str:
+        """Its column in ``rafl compare``'s table, e.g. ``"proto acc"``."""
+        return f"{self.short or self.prefix} acc"
+
+
+#: the accuracy of the model a client deploys (RaFL's specialized subnet, FedGH's extractor +
+#: global header, ...): every method reports it, and a run's headline numbers are its.
+DEPLOYED = Accuracy("model", "deployed model", "deployed model accuracy")
+
+
+@dataclass(frozen=True)
 class ClientInfo:
     """What the server may know about a client (no data): id, profile, architecture, size.
 
@@ -180,6 +210,8 @@ class Algorithm(ABC):
         requires_homogeneous: True for methods that average whole models (FedAvg/FedProx/FedNova);
             :meth:`check_population` then rejects clients with different ``model_key``.
         uses_public_pool: True when :meth:`server_aggregate` needs ``ServerContext.public_images``.
+        accuracies: the :class:`Accuracy` s :meth:`evaluate` may report, :data:`DEPLOYED` first
+            (tables, plots and ``rafl federate``'s per-client table read them here).
         shared_initial_evaluation: True when :meth:`prepare_evaluation` and :meth:`evaluate` of
             an initial state depend on the client only through its model (``model_key``) and its
             test split; the engine then evaluates the clients that have not trained yet together,
@@ -192,6 +224,7 @@ class Algorithm(ABC):
     requires_homogeneous: ClassVar[bool] = False
     uses_public_pool: ClassVar[bool] = False
     shared_initial_evaluation: ClassVar[bool] = True
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -319,5 +352,15 @@ def get_algorithm(name: str) -> type[Algorithm]:
     return ALGORITHMS[key]
 
 
-__all__ = ["Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State", "Loader",
+def reported_accuracies() -> dict[str, Accuracy]:
+    """``prefix -> Accuracy`` over every registered method (:data:`DEPLOYED` first, then in
+    registration order): the names tables and plots print for a metric prefix."""
+    out = {DEPLOYED.prefix: DEPLOYED}
+    for cls in ALGORITHMS.values():
+        for acc in cls.accuracies:
+            out.setdefault(acc.prefix, acc)
+    return out
+
+
+__all__ = ["Accuracy", "DEPLOYED", "reported_accuracies", "Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State", "Loader",
            "ModelFactory", "ALGORITHMS", "register", "get_algorithm"]

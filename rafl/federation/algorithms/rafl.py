@@ -38,7 +38,7 @@ import torch
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import (Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded,
                                                 fraction)
 from rafl.federation.losses import train_mutual
@@ -95,6 +95,8 @@ class RaFL(Algorithm):
     """RaFL (Yu et al.): deep mutual learning with a shared, averaged knowledge network."""
 
     name: ClassVar[str] = "rafl"
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED, Accuracy("knowledge", "knowledge network",
+                                                                "knowledge network accuracy"))
     hparams_model: ClassVar[type[Hyperparameters]] = RaFLHparams
     uses_public_pool: ClassVar[bool] = False
 
