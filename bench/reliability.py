@@ -76,10 +76,8 @@ def honest_round(method: str, supernet: Path):
     fed, algo = prep.federation, prep.federation.algorithm
     torch.manual_seed(seed_of(0, 0, 7))
     server = fed.server
-    server.round, server.seed, server.hparams = 0, 0, dict(fed.hparams)
-    import numpy as np
+    server.round, server.seed = 0, 0
 
-    server.rng = np.random.default_rng(seed_of(0, 0, 7))
     state, broadcast = algo.init_server(server)
     uploads = []
     for cid in range(3):
@@ -143,9 +141,7 @@ def aggregate(algo, accepted, state, server):
     from rafl.federation.runners import seed_of
 
     torch.manual_seed(seed_of(0, 1, 7))
-    import numpy as np
 
-    server.rng = np.random.default_rng(seed_of(0, 1, 7))
     _, broadcast = algo.server_aggregate(accepted, state, server)
     return broadcast
 

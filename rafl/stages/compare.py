@@ -263,8 +263,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             algo = get_algorithm(name)(**hp)
             check_public_pool(algo, hp, part)
             feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
-                                                batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
-                                                hparams=hp)
+                                                batch_size=cfg.train.batch_size, device=device, seed=cfg.seed)
     for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
         fed.algorithm.init_server(fed.server)
     if cfg.engine.backend != "in-process":

@@ -1,4 +1,5 @@
-"""FL methods, one module per method, registered by name.
+"""FL methods, one module per method, registered by name, and the bases families of methods share
+(:mod:`~rafl.federation.algorithms.prototype_family`: FedProto, FedTGP, FD).
 
 Importing this package imports every module in it, so each module's ``@register`` runs and
 :func:`get_algorithm` knows every method (new methods need no edit here: add a module).

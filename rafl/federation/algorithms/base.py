@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -112,14 +111,13 @@ class ClientContext:
             test split is used only by :meth:`Algorithm.evaluate`.
         n_classes: number of classes.
         device: torch device for local computation.
-        seed: per-(run, client, round) seed; ``rng`` and ``torch_generator`` are seeded from it.
+        seed: per-(run, client, round) seed (torch's global RNG is seeded with it before
+            :meth:`Algorithm.client_update`; the train loader shuffles with it).
         init_seed: per-(run, client) seed of the client's initial state (torch is seeded with it
             before :meth:`Algorithm.init_client`): the same in every round, so a client that has
             not trained yet (not sampled, or failed) keeps one initial model, whichever round
             first builds it. It equals round 1's ``seed``.
-        rng: numpy Generator for this client and round.
         round: current round (1-based).
-        hparams: the algorithm's hyperparameters (the validated config's ``algorithm`` section).
         space: the supernet's search space (to resolve archs such as RaFL's knowledge network),
             or None when the models are not supernet subnets.
     """
@@ -133,9 +131,7 @@ class ClientContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
     init_seed: int = 0
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
-    hparams: dict[str, Any] = field(default_factory=dict)
     space: SearchSpace | None = None
 
     @property
@@ -154,10 +150,6 @@ class ClientContext:
     def profile(self) -> str:
         return self.info.profile
 
-    def torch_generator(self) -> torch.Generator:
-        """A CPU torch Generator seeded with :attr:`seed` (for dropout masks, sampling...)."""
-        return torch.Generator().manual_seed(int(self.seed))
-
 
 @dataclass
 class ServerContext:
@@ -173,10 +165,8 @@ class ServerContext:
         space: the supernet's search space, or None.
         supernet: the supernet (read-only for algorithms), or None.
         device: torch device for server computation.
-        seed: run seed; ``rng`` is seeded from it and the round.
-        rng: numpy Generator for this server step.
+        seed: run seed.
         round: the round whose uploads are being aggregated (0 during ``init_server``).
-        hparams: the algorithm's hyperparameters.
         aggregation: the run's rule for merging weights (``engine.aggregation``: the mean or a
             robust rule), used through :func:`rafl.federation.aggregation.server_average`.
     """
@@ -189,9 +179,7 @@ class ServerContext:
     supernet: nn.Module | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
-    hparams: dict[str, Any] = field(default_factory=dict)
     aggregation: AggregationRule = field(default_factory=AggregationRule)
 
 

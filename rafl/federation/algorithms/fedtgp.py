@@ -36,7 +36,7 @@ from torch import nn
 
 from rafl.errors import warn
 from rafl.federation.algorithms._common import cpu_state
-from rafl.federation.algorithms._prototype_family import ClassMeansHparams, GLOBAL, PROTOTYPE, PrototypeFamily
+from rafl.federation.algorithms.prototype_family import ClassMeansHparams, GLOBAL, PROTOTYPE, PrototypeFamily
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, bounded, choice, width
 from rafl.federation.headers import check_split_model, feature_dim
