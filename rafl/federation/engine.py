@@ -6,11 +6,12 @@ server steps and knows no algorithm by name. One round ``t``:
 1. *Sporadic participation* (RaFL's sporadic setting): a share ``sporadic_rate`` of the currently
    available clients leaves and is replaced by clients drawn from the rest of the population.
 2. *Sampling*: ``clients_per_round`` clients (a count, or a fraction of the available ones) are
-   drawn without replacement, seeded by ``(seed, t)``.
+   drawn without replacement, seeded by round ``t``'s sampling node of the run's seed tree
+   (:mod:`rafl.federation.seeds`: run -> round -> sampling / server / client).
 3. *Dropout*: each sampled client fails with probability ``dropout`` after downloading; it uploads
    nothing and its state is not updated. The round completes with the rest (failures counted).
 4. Every surviving client: its committed state is loaded from disk (or ``init_client`` on first
-   use), ``client_update`` runs with loaders and torch RNG seeded by ``(seed, client, t)``, the
+   use), ``client_update`` runs with loaders and torch RNG seeded by the tree's ``(t, client)`` node, the
    new state is written to disk, the upload is screened (:mod:`rafl.federation.screening`: size,
    dtypes, finite values in range, shapes vs ``upload_spec``, the method's ``check_upload``); a
    rejected upload is logged and counted and its client's new state discarded; below
@@ -42,8 +43,8 @@ server steps and knows no algorithm by name. One round ``t``:
    the observers get the history and the summary (:func:`make_summary`). The engine itself writes
    only ``clients/`` and the checkpoint.
 
-``resume`` continues from the last complete round; because every random draw is seeded by
-``(seed, round[, client])`` and client states are versioned (:mod:`rafl.federation.store`), a
+``resume`` continues from the last complete round; because every random draw is seeded by its
+node of the seed tree (round, then sampling / server / client) and client states are versioned (:mod:`rafl.federation.store`), a
 resumed run ends with the same metrics as an uninterrupted one. That holds bit for bit on CPU (what
 the tests check); on CUDA, cuDNN's default convolution algorithms are not deterministic, so runs
 (resumed or not) agree up to floating-point noise unless the caller sets
@@ -70,7 +71,8 @@ from rafl.federation.aggregation import AggregationRule
 from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.progress import report
-from rafl.federation.runners import Federation, RunnerFactory, seed_of
+from rafl.federation.runners import Federation, RunnerFactory
+from rafl.federation.seeds import SeedTree
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
@@ -219,6 +221,7 @@ class Engine:
         self.policy = UploadPolicy(config.max_upload_mb, config.max_abs_value, config.min_valid_uploads)
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
+        self.seeds = SeedTree(config.seed)  # every random stream of the run (rafl.federation.seeds)
         if clients is None:
             clients = runner(config.workers, self.n_sampled, fed.device)
         self.clients = clients(fed, self.store, config.seed)
@@ -228,7 +231,7 @@ class Engine:
     def _server_ctx(self, rnd: int) -> ServerContext:
         s = self.fed.server
         s.round = rnd
-        s.seed = self.cfg.seed
+        s.seed = self.seeds.server(rnd)
         s.aggregation = self.rule
         return s
 
@@ -307,7 +310,7 @@ class Engine:
     def _start(self, resume: bool) -> tuple[RunState, int]:
         """The run's state before its first round to run, and that round: from the checkpoint
         (``resume``), else the algorithm's initial server state and the initial available set."""
-        fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
+        fed, algo = self.fed, self.fed.algorithm
         if resume:
             for folder in (self.run_dir, self.run_dir / "clients"):  # what a kill -9 mid-write left behind
                 remove_orphaned_tmp(folder)
@@ -318,9 +321,9 @@ class Engine:
                             broadcast=Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"])),
                             available=[int(v) for v in ck["available"]], history=json.loads(ck["history"]),
                             counters=json.loads(ck["counters"])), int(ck["round"]) + 1
-        torch.manual_seed(seed_of(cfg.seed, 0, 7))
+        torch.manual_seed(self.seeds.server(0))
         server_state, broadcast = algo.init_server(self._server_ctx(0))
-        rng0 = np.random.default_rng(seed_of(cfg.seed, 0, 3))
+        rng0 = np.random.default_rng(self.seeds.sampling(0))
         available = sorted(int(v) for v in rng0.choice(len(fed.clients), size=self.n_available, replace=False))
         return RunState(server_state=server_state, broadcast=broadcast, available=available, history=[],
                         counters={"cum_bytes_up": 0, "cum_bytes_down": 0, "failures": 0, "co_mb_to_target": None,
@@ -391,7 +394,7 @@ class Engine:
         (available set, server state, broadcast, counters); the record's timing is the caller's."""
         fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
         times = RoundTimes()
-        rng = np.random.default_rng(seed_of(cfg.seed, rnd, 1))
+        rng = np.random.default_rng(self.seeds.sampling(rnd))
         if cfg.sporadic_rate > 0 and rnd > 1:
             st.available = sporadic_update(st.available, len(fed.clients), cfg.sporadic_rate, rng)
         sampled = sample_clients(st.available, self.n_sampled, rng)
@@ -418,7 +421,7 @@ class Engine:
             warn(f"round {rnd} failed: {len(uploads)} valid upload(s), engine.min_valid_uploads is "
                  f"{self.policy.min_valid_uploads}; the server state is unchanged")
         else:
-            torch.manual_seed(seed_of(cfg.seed, rnd, 7))
+            torch.manual_seed(self.seeds.server(rnd))
             ta = time.perf_counter()
             st.server_state, st.broadcast = algo.server_aggregate(uploads, st.server_state, self._server_ctx(rnd))
             times.aggregate = time.perf_counter() - ta

@@ -32,6 +32,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.payload import Payload
 from rafl.federation.progress import report
+from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore
 
 #: Test samples per batch of the shared evaluation of never-trained clients.
@@ -74,9 +75,10 @@ class Federation:
 
 def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
     """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
-    loaders and ``seed`` from ``seed_of(seed, cid, rnd)``. Every runner (in this process, or a
+    loaders and ``seed`` from the run's seed tree (:meth:`~rafl.federation.seeds.SeedTree.client`). Every runner (in this process, or a
     Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
-    cseed = seed_of(seed, cid, rnd)
+    tree = SeedTree(seed)
+    cseed = tree.client(rnd, cid)
     info = fed.clients[cid]
     return ClientContext(
         info=info,
@@ -84,7 +86,7 @@ def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientCont
         train_loader=fed.loaders(cid, "train", cseed),
         val_loader=fed.loaders(cid, "val", cseed),
         test_loader=fed.loaders(cid, "test", cseed),
-        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=seed_of(seed, cid, 1),
+        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=tree.client_init(cid),
         round=rnd, space=fed.server.space)
 
 

@@ -165,7 +165,9 @@ class ServerContext:
         space: the supernet's search space, or None.
         supernet: the supernet (read-only for algorithms), or None.
         device: torch device for server computation.
-        seed: run seed.
+        seed: this round's server seed (:meth:`rafl.federation.seeds.SeedTree.server`: run ->
+            round -> server); torch's global RNG is seeded with it before the server step, and a
+            method's own generators (shuffles, distillation batches) start from it.
         round: the round whose uploads are being aggregated (0 during ``init_server``).
         aggregation: the run's rule for merging weights (``engine.aggregation``: the mean or a
             robust rule), used through :func:`rafl.federation.aggregation.server_average`.

@@ -165,7 +165,7 @@ class FedTGP(PrototypeFamily):
             x = torch.stack([v for v, _ in pairs]).to(server.device)
             y = torch.tensor([c for _, c in pairs], dtype=torch.long, device=server.device)
             all_classes = torch.arange(server.n_classes, device=server.device)
-            gen = torch.Generator().manual_seed(int(server.seed) * 100003 + int(server.round))
+            gen = torch.Generator().manual_seed(int(server.seed))  # the round's server seed
             bs = int(hp["server_batch_size"])
 
             def batches():  # a fresh shuffle of the uploaded prototypes every epoch
