@@ -13,32 +13,19 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rafl.federation.algorithms._common import build, cpu_state, eval_counts
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.base import ClientContext, register
 from rafl.federation.algorithms.hparams import Hyperparameters
+from rafl.federation.algorithms.standalone import Standalone
 from rafl.federation.payload import Payload
-from rafl.federation.training import evaluate_accuracy
 
 
 @register
-class Pretrained(Algorithm):
-    """No training at all. Client state: ``{"model": state_dict}`` of the subnet as built."""
+class Pretrained(Standalone):
+    """No training at all: Standalone's client state and evaluation, a client step that returns the
+    state unchanged. Client state: ``{"model": state_dict}`` of the subnet as built."""
 
     name: ClassVar[str] = "pretrained"
     hparams_model: ClassVar[type[Hyperparameters]] = Hyperparameters
 
-    def init_server(self, server: ServerContext):
-        return {}, Payload()
-
-    def init_client(self, client: ClientContext):
-        return {"model": cpu_state(client.make_model())}
-
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         return state, Payload()
-
-    def server_aggregate(self, uploads, server_state, server: ServerContext):
-        return server_state, Payload()
-
-    def evaluate(self, state, client: ClientContext):
-        return eval_counts("model", *evaluate_accuracy(build(client, state["model"]), client.test_loader,
-                                                       device=client.device))
