@@ -11,7 +11,9 @@ For each method and seed the two runs go back to back on the scenarios of ``benc
 one torch thread, ``engine.workers: 1``): the head's and the nearest prototype's accuracy (mean of the last ``--tail``
 rounds, paired per seed), and the client steps' seconds per round (the engine's
 ``time_client_update_s``, mean over rounds: local training + the upload's means, the part the
-option changes) with the ratio last_epoch / eval_pass per seed.
+option changes) with the ratio last_epoch / eval_pass per seed. On a loaded machine whole runs
+drift; ``--steps N`` times the client step alone instead: one client's ``client_update`` in the
+two modes alternately, N times each, in one process (median seconds and their ratio).
 
 Run: ``nice -n 10 python bench/class_means.py --only digits-pat2-train20 --rounds 8 --seeds 0,1 --tail 3 --out DIR``;
 writes ``bench/results/class_means[_<only>][_rounds<R>][_limit<N>].md`` and ``.json``. Runs are cached
@@ -29,8 +31,11 @@ from pathlib import Path
 import htfl_bench as hb
 import torch
 
+from rafl.federation.run_config import load_run_config
+from rafl.federation.runners import client_context
 from rafl.reports.compare import read_history
 from rafl.stages.compare import load_compare_config
+from rafl.stages.prepare import prepare
 
 METHODS = ("fedproto", "fd", "fedtgp")
 MODES = ("eval_pass", "last_epoch")
@@ -114,14 +119,69 @@ def report(results: list[dict], args, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def time_steps(name: str, overrides: list[str], dim: int, device: str, methods: list[str], repeats: int) -> list[dict]:
+    """Median seconds of one client's ``client_update`` (client 0 of seed 0's partition, round 2:
+    with a broadcast of global vectors) per method and mode, the two modes alternating."""
+    torch.set_num_threads(1)
+    rows = []
+    for method in methods:
+        sets = hb._method_sets(overrides, 2, 0, device) + ["engine.workers=1", f"algorithm.name={method}",
+                                                            "clients.models=" + hb.MODELS,
+                                                            f"clients.feature_dim={dim}"]
+        if method == "fedtgp":
+            sets.append("algorithm.server_epochs=1")
+        fed = prepare(load_run_config(None, sets), progress=False).federation
+        algos = {m: type(fed.algorithm)(**{**fed.algorithm.hparams, "class_means": m}) for m in MODES}
+        ctx = client_context(fed, 0, 0, 1)
+        state = fed.algorithm.init_client(ctx)
+        server_state, broadcast = fed.algorithm.init_server(fed.server)
+        _, up = fed.algorithm.client_update(state, broadcast, ctx)  # round 1, to get a broadcast of global vectors
+        up.meta.update({"client_id": 0, "n_samples": fed.clients[0].n_samples})
+        _, broadcast = fed.algorithm.server_aggregate([up], server_state, fed.server)
+        secs: dict[str, list[float]] = {m: [] for m in MODES}
+        for _ in range(repeats):
+            for m in MODES:
+                ctx = client_context(fed, 0, 0, 2)
+                torch.manual_seed(ctx.seed)
+                t0 = time.perf_counter()
+                algos[m].client_update(state, broadcast, ctx)
+                secs[m].append(time.perf_counter() - t0)
+        med = {m: statistics.median(v) for m, v in secs.items()}
+        rows.append({"method": method, "median_s": med, "ratio": med["last_epoch"] / med["eval_pass"],
+                     "train_samples": fed.clients[0].n_samples, "repeats": repeats})
+        print(f"  {method}: eval_pass {med['eval_pass']:.4f}s  last_epoch {med['last_epoch']:.4f}s  "
+              f"ratio {rows[-1]['ratio']:.3f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     hb.add_common_args(ap)
     ap.add_argument("--methods", default=",".join(METHODS), help="comma list among fedproto, fd, fedtgp")
+    ap.add_argument("--steps", type=int, default=0, help="time N client steps per mode instead of whole runs")
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     scenarios, only = hb.selected(ap, args)
+    if args.steps:
+        lines = ["# Client step, class_means: last_epoch vs eval_pass (`python bench/class_means.py "
+                 + " ".join(argv) + "`)", "",
+                 "One client's `client_update` (client 0 of seed 0's partition, round 2, htfe-tiny, one local epoch, "
+                 f"batch 10, one torch thread) in the two modes alternately, {args.steps} times each; median seconds.",
+                 ""]
+        results = []
+        for name, sets in scenarios.items():
+            print(f"== {name}", flush=True)
+            rows = time_steps(name, sets, args.feature_dim, args.device, methods, args.steps)
+            results.append({"scenario": name, "steps": rows})
+            lines += [f"## {name} (client 0: {rows[0]['train_samples']} training samples)", "",
+                      "| method | eval_pass s | last_epoch s | ratio |", "|---|---|---|---|"]
+            lines += [f"| {r['method']} | {r['median_s']['eval_pass']:.4f} | {r['median_s']['last_epoch']:.4f} | "
+                      f"{r['ratio']:.3f} |" for r in rows] + [""]
+        text = "\n".join(lines) + "\n"
+        print(text)
+        hb.write_results("class_means_steps", only, args, text, results)
+        return 0
     results = []
     for name, sets in scenarios.items():
         print(f"== {name}", flush=True)
