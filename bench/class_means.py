@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import htfl_bench as hb
 import torch
 
 from rafl.federation.run_config import load_run_config
@@ -36,6 +35,8 @@ from rafl.federation.runners import client_context
 from rafl.reports.compare import read_history
 from rafl.stages.compare import load_compare_config
 from rafl.stages.prepare import prepare
+
+import htfl_bench as hb
 
 METHODS = ("fedproto", "fd", "fedtgp")
 MODES = ("eval_pass", "last_epoch")

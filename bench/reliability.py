@@ -63,12 +63,12 @@ def tiny_supernet(folder: Path) -> Path:
 
 def honest_round(method: str, supernet: Path):
     """``(fed, server_state, server ctx, [(cid, upload)], policy)`` of round 1."""
-    from rafl.federation.run_config import load_run_config
-    from rafl.stages import federate
     from rafl.federation.aggregation import AggregationRule
+    from rafl.federation.run_config import load_run_config
     from rafl.federation.runners import client_context
-    from rafl.federation.seeds import SeedTree
     from rafl.federation.screening import UploadPolicy
+    from rafl.federation.seeds import SeedTree
+    from rafl.stages import federate
 
     sets = [f"supernet.path={supernet}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=1",
             f"algorithm.name={method}", "algorithm.local_epochs=1",

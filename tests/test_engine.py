@@ -19,9 +19,9 @@ from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.algorithms.rafl import RaFL
-from rafl.federation.engine import Engine, EngineConfig, sample_clients, sporadic_update
 from rafl.federation.build import build_federation
 from rafl.federation.checks import check_disjoint
+from rafl.federation.engine import Engine, EngineConfig, sample_clients, sporadic_update
 from rafl.federation.runners import seed_of
 from rafl.reports.run import RunReport
 from rafl.supernet import SearchSpace, build_supernet

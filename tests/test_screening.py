@@ -228,8 +228,8 @@ class _Claims(FedAvg):
 
 
 def _run(tiny, tmp_path, algo, **cfg):
-    from rafl.federation.engine import Engine, EngineConfig
     from rafl.federation.build import build_federation
+    from rafl.federation.engine import Engine, EngineConfig
 
     space, supernet, ds, part = tiny
     fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)

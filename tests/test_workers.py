@@ -18,8 +18,8 @@ import torch
 from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import get_algorithm
-from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.build import build_federation, build_group_federation
+from rafl.federation.engine import Engine, EngineConfig
 from rafl.federation.runners import PooledLoader
 from rafl.federation.store import load_state
 from rafl.federation.workers import resolve_workers

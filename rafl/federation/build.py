@@ -18,7 +18,6 @@ from rafl.supernet.arch import ArchConfig
 from rafl.supernet.bank import ModelBank
 from rafl.supernet.server_data import calibration_sample
 
-
 #: batch size of the global test set's loader (evaluation only: BN in eval mode, so it changes no number)
 GLOBAL_BATCH = 256
 

@@ -72,8 +72,8 @@ from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.progress import report
 from rafl.federation.runners import Federation, RunnerFactory
-from rafl.federation.seeds import SeedTree
 from rafl.federation.screening import UploadPolicy, screen_uploads
+from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
 from rafl.io import remove_orphaned_tmp

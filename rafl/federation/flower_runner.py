@@ -55,8 +55,17 @@ from typing import Any
 
 from rafl.errors import UserInputError, warn
 from rafl.federation.engine import Federation
-from rafl.federation.flower_wire import (CONTROL, EVALUATE, QUERY, TRAIN, _blob_records, _blob_size,
-                                         _flwr, one_line, records_to_payload)
+from rafl.federation.flower_wire import (
+    CONTROL,
+    EVALUATE,
+    QUERY,
+    TRAIN,
+    _blob_records,
+    _blob_size,
+    _flwr,
+    one_line,
+    records_to_payload,
+)
 from rafl.federation.payload import Payload
 from rafl.federation.runners import ClientRunner
 from rafl.federation.screening import RejectedUpload

@@ -31,8 +31,15 @@ from torch import nn
 
 from rafl.federation.progress import report
 from rafl.federation.prototypes import safe_distance, stack_targets, target_bank
-from rafl.federation.training import (TrainStats, check_finite_loss, kl_soft, no_singleton_batches,
-                                      recalibrate_local_bn, train_ce, train_mode)
+from rafl.federation.training import (
+    TrainStats,
+    check_finite_loss,
+    kl_soft,
+    no_singleton_batches,
+    recalibrate_local_bn,
+    train_ce,
+    train_mode,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.

@@ -48,8 +48,8 @@ from rafl.federation import progress
 from rafl.federation.payload import Payload
 from rafl.federation.runners import (
     ClientRunner,
-    RunnerFactory,
     InProcessClients,
+    RunnerFactory,
     client_context,
     evaluate_client,
     evaluate_group,

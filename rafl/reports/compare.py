@@ -17,8 +17,8 @@ import numpy as np
 
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ALGORITHMS, DEPLOYED, Accuracy, reported_accuracies
-from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from rafl.federation.runners import GLOBAL_SUFFIX
+from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from rafl.reports.tables import binomial_se
 
 #: evaluated rounds averaged in the ``acc_mean_last3`` columns

@@ -10,8 +10,18 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from rafl.federation.algorithms.base import (ALGORITHMS, DEPLOYED, Accuracy, Algorithm, ClientContext, ClientInfo,
-                                             ServerContext, get_algorithm, register, reported_accuracies)
+from rafl.federation.algorithms.base import (
+    ALGORITHMS,
+    DEPLOYED,
+    Accuracy,
+    Algorithm,
+    ClientContext,
+    ClientInfo,
+    ServerContext,
+    get_algorithm,
+    register,
+    reported_accuracies,
+)
 
 for _mod in pkgutil.iter_modules(__path__):
     if _mod.name != "base" and not _mod.name.startswith("_"):

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rafl.federation.algorithms.prototype_family import ClassMeansHparams, PrototypeFamily
 from rafl.federation.algorithms.base import ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, bounded
+from rafl.federation.algorithms.prototype_family import ClassMeansHparams, PrototypeFamily
 from rafl.federation.losses import logit_regularizer
 from rafl.federation.prototypes import check_class_upload, from_payload
 

@@ -34,8 +34,8 @@ from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import build, cpu_state, optimizer_for
 from rafl.federation.algorithms.base import ClientContext, ServerContext, register
-from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
 from rafl.federation.algorithms.fml import PrivateAndSharedModel, shared_model
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
 

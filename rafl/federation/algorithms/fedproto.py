@@ -22,9 +22,9 @@ from typing import ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.algorithms.prototype_family import ClassMeansHparams, PROTOTYPE, PrototypeFamily
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, bounded, choice
+from rafl.federation.algorithms.prototype_family import PROTOTYPE, ClassMeansHparams, PrototypeFamily
 from rafl.federation.losses import prototype_regularizer
 from rafl.federation.prototypes import check_class_upload, from_payload
 

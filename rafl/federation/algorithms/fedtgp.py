@@ -36,14 +36,20 @@ from torch import nn
 
 from rafl.errors import warn
 from rafl.federation.algorithms._common import cpu_state
-from rafl.federation.algorithms.prototype_family import ClassMeansHparams, GLOBAL, PROTOTYPE, PrototypeFamily
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, bounded, choice, width
+from rafl.federation.algorithms.prototype_family import GLOBAL, PROTOTYPE, ClassMeansHparams, PrototypeFamily
 from rafl.federation.headers import check_split_model, feature_dim
 from rafl.federation.losses import prototype_regularizer
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (adaptive_margin, check_class_upload, from_payload, pairwise_distances,
-                                        to_payload_tensors, weighted_class_average)
+from rafl.federation.prototypes import (
+    adaptive_margin,
+    check_class_upload,
+    from_payload,
+    pairwise_distances,
+    to_payload_tensors,
+    weighted_class_average,
+)
 from rafl.federation.training import train_sgd
 
 PROTO = "proto."

@@ -39,8 +39,14 @@ from rafl.federation.algorithms.hparams import LocalTraining, choice
 from rafl.federation.headers import feature_dim
 from rafl.federation.losses import Regularizer, train_regularized
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (RunningClassMeans, evaluate_head_and_prototypes, from_payload,
-                                        local_class_averages, to_payload_tensors, weighted_class_average)
+from rafl.federation.prototypes import (
+    RunningClassMeans,
+    evaluate_head_and_prototypes,
+    from_payload,
+    local_class_averages,
+    to_payload_tensors,
+    weighted_class_average,
+)
 from rafl.federation.training import evaluate_accuracy
 
 #: the wire prefix of the server's broadcast of global per-class vectors

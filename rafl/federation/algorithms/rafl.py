@@ -38,9 +38,16 @@ import torch
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ClientInfo, ServerContext, register
-from rafl.federation.algorithms.hparams import (Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded,
-                                                fraction)
+from rafl.federation.algorithms.base import (
+    DEPLOYED,
+    Accuracy,
+    Algorithm,
+    ClientContext,
+    ClientInfo,
+    ServerContext,
+    register,
+)
+from rafl.federation.algorithms.hparams import Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
 from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits
