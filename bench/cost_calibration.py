@@ -31,8 +31,11 @@ the classifier (one framework kernel each).
 Error as nn-Meter reports it (Zhang et al., MobiSys 2021): the share of networks predicted within
 +-10 % of the published latency, with the mean absolute percentage error and the RMSE (ms).
 
-Run: ``python bench/cost_calibration.py`` (seconds). Writes ``bench/results/cost_calibration.md``
-and ``.json``. ``--extract PATH_TO_HELP_CHECKOUT`` re-makes the CSV from HELP's files (needs torch).
+Then, with the cost model alone, which budget of each shipped profile binds on the shipped CIFAR-10
+supernet's space (2,000 random subnets, the smallest and the largest).
+
+Run: ``python bench/cost_calibration.py`` (about a minute of CPU). Writes
+``bench/results/cost_calibration.md`` and ``.json``. ``--extract PATH_TO_HELP_CHECKOUT`` re-makes the CSV from HELP's files (needs torch).
 """
 
 from __future__ import annotations
