@@ -46,7 +46,7 @@ METHODS = "pretrained,standalone,uniform,heterofl,fedrolex,rafl,fedgh,fedtgp,fed
 ABLATION = "standalone,rafl,fedtgp"
 GRID = "0.01,0.03,0.1"
 TIERS = ("pi4", "jetson-nano", "phone")
-SMOKE = ["--set", "clients.n=30", "--set", "engine.clients_per_round=3", "--set", "engine.rounds=2",
+SMOKE = ["--set", "engine.workers=1", "--set", "clients.n=30", "--set", "engine.clients_per_round=3", "--set", "engine.rounds=2",
          "--set", "engine.eval_every=1", "--set", "partition.global_test_per_class=20",
          "--set", "search.generations=2", "--set", "search.population=8",
          "--set", "search.predictor_samples=8", "--set", "search.val_samples=64"]
