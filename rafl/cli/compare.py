@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from rafl.cli import exit_interrupted
+from rafl.cli._types import data_root_option
 
 
 @click.command("compare")
@@ -21,8 +22,7 @@ from rafl.cli import exit_interrupted
                    "hyperparameters and per-method sub-sections, e.g. algorithm: {fedtgp: {server_epochs: 50}}).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field, e.g. --set engine.rounds=5 --set algorithm.fedgh.server_lr=0.05.")
-@click.option("--data-root", type=click.Path(path_type=Path), default=None,
-              help="Where the dataset is (a tarball or an unpacked tree; `rafl data`): short for --set data.root=PATH.")
+@data_root_option("Short for --set data.root=PATH.")
 @click.option("--models", default="htfe-tiny", show_default=True,
               help="nas (resource-aware subnets of the supernet), a model group (htfe4, htfe8, htfe-tiny), "
                    "or a comma list of model names / package.module:factory plug-ins (round-robin). "
@@ -41,8 +41,14 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
-    from rafl.stages.compare import load_compare_config, load_compare_resume, run_compare
     from rafl.io import check_output_dir
+
+    if resume_dir is None:  # the checks that need no torch first: a typo answers at once
+        if out is None:
+            raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
+        check_output_dir(out)
+        _precheck_config(config_path, (f"data.root={data_root}", *overrides) if data_root is not None else overrides)
+    from rafl.stages.compare import load_compare_config, load_compare_resume, run_compare
     from rafl.models import resolve_models
 
     if resume_dir is not None:
@@ -60,9 +66,6 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
                                progress=not quiet, resume=True)
         out = resume_dir
     else:
-        if out is None:
-            raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
-        check_output_dir(out)
         names = [a.strip().lower() for a in algorithms.split(",") if a.strip()]
         if not names:
             raise UserInputError("is empty; give comma-separated method names", field="--algorithms")
@@ -88,6 +91,23 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} method{'s' if len(rows) != 1 else ''})")
+
+
+def _precheck_config(config_path: Path | None, overrides: tuple[str, ...]) -> None:
+    """The run config's file, ``--set`` keys and values outside ``algorithm`` (whose per-method
+    sections :func:`rafl.stages.compare.load_compare_config` reads) checked without torch.
+
+    Raises:
+        UserInputError: what :func:`rafl.config.read_run_config` raises, except for ``algorithm``.
+    """
+    from rafl.config import read_run_config
+    from rafl.errors import UserInputError
+
+    try:
+        read_run_config(config_path, overrides)
+    except UserInputError as err:
+        if not (err.field or "").startswith("algorithm"):
+            raise
 
 
 @contextlib.contextmanager

@@ -36,10 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from rafl.data import sources
-from rafl.data.sources import first_per_class
+from rafl.data.sources import DATASETS, first_per_class
 from rafl.errors import UserInputError, allowed
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "femnist")
 
 # Per-channel statistics of the CIFAR training sets (pixel values in [0, 1]).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)

@@ -43,6 +43,9 @@ from tqdm.auto import tqdm
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes, read_json_file
 
+#: the datasets rafl reads (:func:`rafl.data.load_dataset`)
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "femnist")
+
 CACHE_VERSION = 1
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")
 

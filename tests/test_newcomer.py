@@ -1,0 +1,158 @@
+"""What a newcomer meets first: every option a message names exists on the command it names, one
+``--data-root`` with one meaning on every command that reads a dataset, and bad input answered
+before torch loads."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from rafl.cli import COMMANDS
+from rafl.cli._types import DATA_ROOT_HELP
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: options of other programs that rafl's messages tell the user to pass there (Flower's `flwr`,
+#: `flower-supernode` and SuperLink, torchrun), and click's own --help
+FOREIGN = {"--help", "--run-config", "--node-config", "--isolation", "--stream", "--host", "--port", "--ssl-",
+           "--superlink", "--run-id", "--format", "--disable-runtime-dependency-installation", "--nproc",
+           "--insecure", "--root-certificates"}
+
+#: the commands that read a dataset
+DATASET_COMMANDS = ("data", "supernet train", "search", "federate", "compare")
+
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _commands() -> dict[str, tuple[str, click.Command]]:
+    """``rafl`` command path (``supernet train``) -> (its module, the click command)."""
+    out = {}
+    for name, target in COMMANDS.items():
+        module, attr = target.split(":")
+        cmd = getattr(importlib.import_module(module), attr)
+        if isinstance(cmd, click.Group):
+            out.update({f"{name} {sub}": (module, c) for sub, c in cmd.commands.items()})
+        else:
+            out[name] = (module, cmd)
+    return out
+
+
+def _options(cmd: click.Command) -> set[str]:
+    return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+
+
+def _messages(tree: ast.AST):
+    """Every string literal (an f-string with ``{}`` for its fields) that is not a docstring."""
+    docs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs.add(id(first.value))
+    parts = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            yield node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+              and id(node) not in parts):
+            yield node.lineno, node.value
+
+
+def test_every_option_a_message_names_exists_on_its_command():
+    """A message (error, warning, help) that names ``--opt`` names an option of the command it is
+    about: ``rafl CMD ... --opt`` in the text, else the commands of its own ``rafl.cli`` module,
+    else (library code) one of rafl's commands."""
+    cmds = _commands()
+    opts = {path: _options(c) for path, (_, c) in cmds.items()}
+    every = set().union(*opts.values())
+    names = sorted(cmds, key=len, reverse=True)  # `supernet train` before `supernet`
+    missing = []
+    checked = 0
+    for file in sorted((ROOT / "rafl").rglob("*.py")):
+        module = ".".join(file.relative_to(ROOT).with_suffix("").parts)
+        own = set().union(*(opts[p] for p, (m, _) in cmds.items() if m == module))
+        for line, text in _messages(ast.parse(file.read_text())):
+            for m in OPTION.finditer(text):
+                opt = m.group()
+                if opt in FOREIGN:
+                    continue
+                before = text[:m.start()]
+                # `rafl CMD ... --opt` as one command line (no quote, comma or bracket between them)
+                named = [(before.rfind(f"rafl {n}"), n) for n in names if f"rafl {n}" in before]
+                if named and re.search(r"[`;,()]", before[max(named)[0]:]):
+                    named = []
+                pool = opts[max(named)[1]] if named else (own or every)
+                checked += 1
+                if opt not in pool:
+                    missing.append(f"{file.relative_to(ROOT)}:{line}: {opt} in {text[:90]!r}")
+    assert checked > 100  # the walk saw the messages
+    assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("path", DATASET_COMMANDS)
+def test_every_command_that_reads_a_dataset_takes_data_root_with_one_meaning(path):
+    cmd = _commands()[path][1]
+    param = next((p for p in cmd.params if "--data-root" in p.opts), None)
+    assert param is not None, f"rafl {path} has no --data-root"
+    assert param.help.startswith(DATA_ROOT_HELP)
+
+
+def test_search_reads_the_shipped_supernets_data_from_data_root(tmp_path):
+    """The message for a missing CIFAR-10 names --data-root, and `rafl search` takes it."""
+    from click.testing import CliRunner
+
+    from rafl.cli import cli
+
+    missing = tmp_path / "nowhere"
+    res = CliRunner().invoke(cli, ["search", "--supernet", "cifar10", "--device-profile", "pi4",
+                                   "--data-root", str(missing), "--out", str(tmp_path / "o"), "--quiet"])
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith(f"error: {missing}: --data-root: does not exist; expected "), res.output
+    assert not (tmp_path / "o").exists()
+    env = {"RAFL_DATA_ROOT": str(missing)}
+    res = CliRunner(env=env).invoke(cli, ["search", "--supernet", "cifar10", "--device-profile", "pi4",
+                                          "--out", str(tmp_path / "o"), "--quiet"])
+    assert res.exit_code == 2 and "--data-root" in res.output, res.output
+
+
+BAD_INPUT = [
+    ["federate", "--config", "{tmp}/none.yaml"],
+    ["federate", "--config", "{tmp}/bad.yaml"],
+    ["federate", "--set", "engine.rounds=0"],
+    ["federate", "--set", "engine.roundz=3"],
+    ["federate", "--set", "clients.profiles=[pi5]"],
+    ["federate", "--set", "clients.budgets.pi4.latency_ms=-1"],
+    ["federate", "--data-root", "{tmp}", "--resume", "{tmp}"],
+    ["compare", "--out", "{tmp}/c", "--set", "partition.alpha=0"],
+    ["compare", "--out", "{tmp}/bad.yaml"],
+    ["compare", "--algorithms", "rafl"],
+    ["search", "--device-profile", "pi5"],
+    ["search", "--device-profile", "{tmp}/bad.yaml"],
+    ["search", "--device-profile", "pi4", "--supernet", "{tmp}/none"],
+    ["data", "--dataset", "cifar11"],
+]
+
+
+@pytest.mark.parametrize("args", BAD_INPUT, ids=[" ".join(a[:3]) for a in BAD_INPUT])
+def test_bad_input_is_answered_before_torch_loads(tmp_path, args):
+    """One error line, exit 2, and torch never imported (what makes the answer take seconds)."""
+    (tmp_path / "bad.yaml").write_text("engine: [1\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code = ("import sys, json\nfrom rafl.cli import main\ntry:\n    main(json.loads(sys.argv[1]))\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n")
+    env = {**os.environ, "RAFL_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1] == "exit 2 False", res.stderr
+    assert len(lines) == 2 and lines[0].startswith("error: "), res.stderr
+    assert not (tmp_path / "c").exists()
