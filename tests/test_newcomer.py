@@ -156,3 +156,28 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path, args):
     assert lines[-1] == "exit 2 False", res.stderr
     assert len(lines) == 2 and lines[0].startswith("error: "), res.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_compare_picks_sliceable_client_models_for_weight_sharing_methods(tmp_path, tiny_supernet):
+    """`rafl compare --algorithms heterofl,fedrolex,uniform,rafl` with no --models runs every method on
+    one supernet's subnets (htfe-tiny's models are not width-slices of one another) and says so."""
+    from click.testing import CliRunner
+
+    from rafl.cli import cli
+    from rafl.stages.compare import DEFAULT_MODELS, default_models
+
+    assert default_models(["rafl", "fedgh", "uniform"]) == (DEFAULT_MODELS, None)
+    assert default_models(["rafl", "fedrolex"])[0] == "nas"
+    path, space = tiny_supernet
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "heterofl,fedrolex,uniform,rafl", "--quiet",
+                                   "--out", str(out), "--set", f"supernet.path={path}",
+                                   "--set", "data.limit_per_class=10", "--set", "clients.n=3",
+                                   "--set", "algorithm.local_epochs=1", "--set", "engine.rounds=1",
+                                   "--set", f"clients.arch={space.smallest().to_string()}"])
+    assert res.exit_code == 0, res.output
+    assert "--models: nas (a searched subnet of the supernet per device profile, for every method): heterofl, " \
+           "fedrolex average(s) width-slices of one model" in res.output
+    table = json.loads((out / "compare.json").read_text())
+    assert table["models"] == "nas"
+    assert [r["algorithm"] for r in table["rows"]] == ["heterofl", "fedrolex", "uniform", "rafl"]

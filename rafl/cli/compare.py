@@ -26,7 +26,8 @@ from rafl.cli._types import data_root_option
 @click.option("--models", default="htfe-tiny", show_default=True,
               help="nas (resource-aware subnets of the supernet), a model group (htfe4, htfe8, htfe-tiny), "
                    "or a comma list of model names / package.module:factory plug-ins (round-robin). "
-                   "Default: the config's clients.models if it sets one, else htfe-tiny.")
+                   "Default: the config's clients.models if it sets one, else htfe-tiny (nas when heterofl "
+                   "or fedrolex is compared: their client models must be width-slices of one model).")
 @click.option("--feature-dim", type=click.IntRange(min=1, max=4096), default=128, show_default=True,
               help="Common representation width D of model-group clients (default: the config's "
                    "clients.feature_dim if it sets one).")
@@ -48,7 +49,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
         check_output_dir(out)
         _precheck_config(config_path, (f"data.root={data_root}", *overrides) if data_root is not None else overrides)
-    from rafl.stages.compare import load_compare_config, load_compare_resume, run_compare
+    from rafl.stages.compare import default_models, load_compare_config, load_compare_resume, run_compare
     from rafl.models import resolve_models
 
     if resume_dir is not None:
@@ -84,6 +85,11 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         if from_config:
             models = cfg.clients.models
             resolve_models(models)
+        elif not _given(ctx, "models"):
+            models, note = default_models(names)
+            if note is not None:  # the methods' defaults (lr, the server's pool) follow the models
+                cfg, hparams = load_compare_config(config_path, overrides, names, models)
+                click.echo(note, err=True)
         if not _given(ctx, "feature_dim") and "feature_dim" in cfg.clients.model_fields_set:
             feature_dim = cfg.clients.feature_dim
         _warn_ignored(cfg, models)
