@@ -181,3 +181,86 @@ def test_compare_picks_sliceable_client_models_for_weight_sharing_methods(tmp_pa
     table = json.loads((out / "compare.json").read_text())
     assert table["models"] == "nas"
     assert [r["algorithm"] for r in table["rows"]] == ["heterofl", "fedrolex", "uniform", "rafl"]
+
+
+def test_help_points_only_at_files_and_sections_that_exist():
+    """Every docs/*.md, examples/*.yaml and README section a command's help names is there."""
+    from rafl.cli import cli
+
+    readme = (ROOT / "README.md").read_text()
+    named = 0
+    for path, (_, cmd) in _commands().items():
+        with click.Context(cmd, info_name=f"rafl {path}", parent=click.Context(cli, info_name="rafl")) as ctx:
+            text = " ".join(cmd.get_help(ctx).split())
+        for ref in re.findall(r"(?:docs|examples)/[\w.*-]+\.(?:md|yaml)", text):
+            named += 1
+            assert list(ROOT.glob(ref)), f"rafl {path} --help names {ref}, which does not exist"
+        for section in re.findall(r"README's '([^']+)' section", text):
+            assert f"## {section}" in readme, f"rafl {path} --help names README section {section!r}"
+    assert named >= 2
+
+
+def test_federate_table_explains_its_empty_cells(capsys):
+    """A client with no figure is `-` in the table, and one line under it says why and what the
+    means are over."""
+    from rafl.cli.federate import print_table
+
+    rows = [{"client": i, "profile": "pi4", "macs_m": 3.0, "params_m": 0.4, "arch": "r24_k3e3", "n_train": 90,
+             "n_test": 10, "model.acc": acc} for i, acc in enumerate([0.5, None, 0.7, None])]
+    summary = {"table": rows, "algorithm": "rafl", "rounds": 1, "means": {"model.acc": 0.6, "macs_m": 3.0,
+                                                                          "params_m": 0.4},
+               "final": {}, "cum_mb": 1.0, "cum_bytes_up": 5e5, "cum_bytes_down": 5e5,
+               "mean_bytes_up_per_client_per_round": 2.5e5, "co_mb_to_target": None, "target_accuracy": None,
+               "failures": 0}
+    print_table(summary, Path("runs/x"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("-: no figure for client(s) 1, 3 (2 of 4): they have not trained in any round yet (a round trains "
+            "engine.clients_per_round of the clients), so they hold no model of their own; the means are over the "
+            "2 clients with a figure") in out
+
+
+def test_supernet_info_prints_whole_arch_strings_on_a_narrow_terminal():
+    from click.testing import CliRunner
+
+    from rafl.cli import cli
+
+    res = CliRunner(env={"COLUMNS": "70"}).invoke(cli, ["supernet", "info", "cifar10"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((ROOT / "rafl" / "pretrained" / "cifar10" / "supernet.json").read_text())
+    cells: dict[str, str] = {}
+    which = None
+    for line in res.output.splitlines():
+        cols = [c.strip() for c in line.split("│")]
+        if len(cols) == 5:  # │ subnet │ arch │ test acc │
+            which = cols[1] or which
+            cells[which] = cells.get(which, "") + cols[2]
+    for name in ("smallest", "middle", "largest"):
+        assert cells[name] == meta["metrics"]["archs"][name]
+
+
+def test_every_plot_has_a_title(tmp_path, monkeypatch):
+    from rafl.reports import compare, run
+
+    titles = []
+    real = run.save_figure
+
+    def keep(fig, path, **kw):
+        titles.append(fig.axes[0].get_title())
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(run, "save_figure", keep)
+    history = [{"round": r, "cum_mb": 0.5 * r, "model.acc_mean_over_clients": 0.1 * r,
+                "model.acc_std_over_clients": 0.01} for r in (1, 2)]
+    run.RunReport(tmp_path).run_done(history, {"algorithm": "fedgh"})
+    assert titles == [f"fedgh, {tmp_path.name}: client test accuracy by round",
+                      f"fedgh, {tmp_path.name}: client test accuracy vs communication"]
+    import matplotlib.pyplot as plt
+
+    seen = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: seen.append(
+        fig._suptitle.get_text() if fig._suptitle else fig.axes[0].get_title()))
+    compare.plot_accuracy_vs_mb(tmp_path / "c.png", {"rafl": history, "fedgh": history})
+    compare.plot_compare(tmp_path / "p.png", [{"algorithm": "rafl", "model.acc_mean": 0.5, "model.acc_std": 0.1,
+                                               "mb_total": 1.0, "mb_up": 0.5, "mb_down": 0.5, "wall_s": 3.0}])
+    assert seen == ["rafl, fedgh: client test accuracy vs communication",
+                    "rafl compare, 1 method on one partition: final round"]

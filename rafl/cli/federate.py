@@ -64,6 +64,11 @@ def print_table(summary: dict, run_dir: Path) -> None:
     con = Console(width=max(120, Console().width))  # every column header on one line
     con.print(t)
     fin = summary["final"]
+    blank = [str(r["client"]) for r in rows if r.get("model.acc") is None]
+    if blank:
+        con.print(f"-: no figure for client(s) {', '.join(blank)} ({len(blank)} of {len(rows)}): they have not trained "
+                  "in any round yet (a round trains engine.clients_per_round of the clients), so they hold no model "
+                  f"of their own; the means are over the {len(rows) - len(blank)} clients with a figure")
     tests = [int(r["n_test"]) for r in rows if r.get("model.acc") is not None]
     if tests:
         con.print(f"se = sqrt(p (1 - p) / test), the binomial standard error of an accuracy p over a client's "
@@ -118,7 +123,7 @@ def _list_algorithms(ctx: click.Context, param: click.Parameter, value: bool) ->
     "Config keys and their allowed values: rafl federate --show-config (add --config/--set to see the resolved "
     "run). Methods (algorithm.name) and their hyperparameters: rafl federate --list-algorithms. Ready-made run "
     "configs: examples/*.yaml in the repository (CIFAR-10 with NAS subnets or HtFE models, FEMNIST natural, a "
-    "Flower deployment); the README's 'rafl federate' section explains every key."))
+    "Flower deployment). Docs: docs/federate.md (the run, its files, the table) and docs/config.md (every key)."))
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Run config YAML (dataset, partition, clients and profiles, algorithm, engine...); "
                    "missing keys take the defaults.")

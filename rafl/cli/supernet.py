@@ -181,7 +181,7 @@ def _print_table(metrics: dict, out: Path) -> None:
 
     table = Table(title=f"supernet test accuracy (BN recalibrated on pool-train; {metrics['test_source']})")
     table.add_column("subnet")
-    table.add_column("arch")
+    table.add_column("arch", overflow="fold")  # the whole arch string, folded onto more lines when narrow
     table.add_column("test acc", justify="right")
     for which in ("smallest", "middle", "largest"):
         table.add_row(which, metrics["archs"][which], f"{100 * metrics['test'][which]:.2f}%")
