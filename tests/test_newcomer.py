@@ -264,3 +264,60 @@ def test_every_plot_has_a_title(tmp_path, monkeypatch):
                                                "mb_total": 1.0, "mb_up": 0.5, "mb_down": 0.5, "wall_s": 3.0}])
     assert seen == ["rafl, fedgh: client test accuracy vs communication",
                     "rafl compare, 1 method on one partition: final round"]
+
+
+def _run_until(cmd, ready: Path, sig, env=None):
+    """Start ``cmd``, wait until ``ready`` exists (a completed round's file: the trigger is the run's own
+    progress, not a sleep), send ``sig``, return ``(exit status, stderr)``."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 300
+    while not ready.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_federate_with_workers_stops_on_a_signal_keeping_complete_rounds(tmp_path, tiny_supernet, sig):
+    import signal
+
+    signum = getattr(signal, sig)
+    path, _ = tiny_supernet
+    out = tmp_path / "runs"
+    code, err = _run_until(
+        [sys.executable, "-m", "rafl", "federate", "--no-progress", "--out", str(out), "--set", "name=w",
+         "--set", f"supernet.path={path}", "--set", "data.limit_per_class=10", "--set", "clients.n=4",
+         "--set", "engine.rounds=500", "--set", "engine.workers=2", "--set", "algorithm.name=standalone",
+         "--set", "algorithm.local_epochs=1"],
+        out / "w" / "checkpoint.safetensors", signum)
+    assert code == 128 + signum, err
+    done = len((out / "w" / "metrics.jsonl").read_text().splitlines())
+    assert err.rstrip().endswith(f"interrupted: {done} complete round(s) checkpointed in {out / 'w'}; continue "
+                                 f"with: rafl federate --resume {out / 'w'}"), err
+    assert not [p for p in (out / "w").rglob("*") if ".tmp" in p.name]  # nothing half-written
+
+
+@pytest.mark.integration
+def test_compare_with_workers_stops_on_sigterm_and_says_how_to_resume(tmp_path, tiny_supernet):
+    import signal
+
+    path, space = tiny_supernet
+    out = tmp_path / "cmp"
+    code, err = _run_until(
+        [sys.executable, "-m", "rafl", "compare", "--quiet", "--algorithms", "standalone,rafl", "--models", "nas",
+         "--out", str(out), "--set", f"supernet.path={path}", "--set", "data.limit_per_class=10",
+         "--set", "clients.n=4", "--set", "engine.rounds=500", "--set", "engine.workers=2",
+         "--set", "algorithm.local_epochs=1", "--set", f"clients.arch={space.smallest().to_string()}"],
+        out / "standalone" / "checkpoint.safetensors", signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    assert err.rstrip().endswith(f"interrupted: finished methods and complete rounds are kept in {out}; continue "
+                                 f"with: rafl compare --resume {out}"), err
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
