@@ -138,6 +138,8 @@ BAD_INPUT = [
     ["search", "--device-profile", "pi5"],
     ["search", "--device-profile", "{tmp}/bad.yaml"],
     ["search", "--device-profile", "pi4", "--supernet", "{tmp}/none"],
+    ["search", "--device-profile", "pi4", "--supernet", "cifar10", "--data-root", "{tmp}/none"],
+    ["search", "--device-profile", "pi4", "--supernet", "cifar10"],
     ["data", "--dataset", "cifar11"],
 ]
 
@@ -149,7 +151,7 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path, args):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     code = ("import sys, json\nfrom rafl.cli import main\ntry:\n    main(json.loads(sys.argv[1]))\n"
             "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n")
-    env = {**os.environ, "RAFL_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "RAFL_CACHE_DIR": str(tmp_path / "cache"), "RAFL_DATA_ROOT": str(tmp_path / "no-data")}
     res = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
     lines = res.stderr.strip().splitlines()

@@ -22,6 +22,29 @@ def _check_out(out: Path, names: list[str]) -> None:
                                  source=out, field="--out")
 
 
+def _check_data(supernet_dir: Path, data_root: Path | None) -> None:
+    """The supernet's dataset can be found (``--data-root``, else the root its training config
+    recorded, else the default), checked before torch loads; its contents are checked when read."""
+    from rafl.data.sources import check_data_root
+    from rafl.io import read_json_file
+
+    meta = supernet_dir / "supernet.json"
+    try:
+        cfg = (read_json_file(meta) or {}).get("config") or {} if meta.is_file() else {}
+    except (OSError, ValueError, AttributeError, UserInputError):
+        return  # loading the supernet reports it
+    data_cfg = cfg.get("data", cfg) if isinstance(cfg.get("data"), dict) else cfg
+    name = data_cfg.get("dataset", "digits")
+    if name == "digits" or not isinstance(name, str):
+        return
+    try:
+        check_data_root(name, data_root if data_root is not None else data_cfg.get("data_root", data_cfg.get("root")))
+    except UserInputError as err:
+        raise UserInputError(err.message, source=err.source, field="--data-root") from None
+    except KeyError:
+        return  # an unknown dataset: loading the supernet's data reports it
+
+
 @click.command("search")
 @click.option("--device-profile", "profiles", multiple=True, required=True,
               help="Shipped profile name (pi4, jetson-nano, ...; or its file name pi4.yaml, from any folder) or a YAML "
@@ -84,6 +107,8 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path
     if supernet_dir is not None and not supernet_dir.exists():
         raise UserInputError("no such supernet folder (train one with `rafl supernet train`, or omit "
                              "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")
+    if supernet_dir is not None:
+        _check_data(supernet_dir, data_root)
     from rafl.search.evolution import SearchConfig
     from rafl.stages.search import run_search
 

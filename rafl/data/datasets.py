@@ -282,11 +282,7 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
     if name == "digits":
         return load_digits(resolution, limit_per_class)
     if root is None:
-        root = sources.default_data_root()
-        if not root.exists():
-            raise UserInputError(
-                f"dataset {name!r} needs a data root (--data-root, or $RAFL_DATA_ROOT; default {root} does "
-                f"not exist); expected there: {sources.EXPECTED[name]}", field="data_root")
+        root = sources.check_data_root(name, None)
     if name in ("cifar10", "cifar100"):
         raw = sources.load_cifar(name, root, limit_per_class, progress)
         mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)

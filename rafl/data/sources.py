@@ -249,6 +249,25 @@ def _read_tarball(name: str, path: Path, limit: int | None, progress: bool = Tru
     return _decode_images(_select_first(images, limit), str(path), progress)
 
 
+def check_data_root(name: str, root: str | Path | None) -> Path:
+    """Where dataset ``name`` (not digits) is read from: ``root``, else :func:`default_data_root`;
+    checked to exist without reading it (the commands call this before torch loads).
+
+    Raises:
+        UserInputError: the root (given or default) does not exist (field ``data_root``).
+    """
+    if root is None:
+        root = default_data_root()
+        if not root.exists():
+            raise UserInputError(
+                f"dataset {name!r} needs a data root (--data-root, or $RAFL_DATA_ROOT; default {root} does "
+                f"not exist); expected there: {EXPECTED[name]}", field="data_root")
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise UserInputError(f"does not exist; expected {EXPECTED[name]}", source=root, field="data_root")
+    return root
+
+
 # --------------------------------------------------------------------------------------------
 # CIFAR entry point
 
