@@ -37,7 +37,7 @@ from rafl.data.partition import validate_split
 from rafl.errors import DuplicateKeyError, UserInputError, shown, warn, yaml_error_detail
 from rafl.io import load_yaml, read_text_file
 from rafl.schema import NoBoolNumbers
-from rafl.search.profile import names_a_file, profiles_dir
+from rafl.search.profile import DeviceProfile, load_profile, names_a_file, profiles_dir
 from rafl.supernet.pretrained import is_pretrained_name
 
 #: the largest seed (numpy's legacy seeding bound; the methods derive per-round generator seeds such
@@ -558,6 +558,30 @@ def read_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     return absolute_paths(cfg, file_base, set_keys), ConfigSource(source, tuple(set_keys), moved)
 
 
+def client_profiles(cfg: RunConfig) -> list[DeviceProfile]:
+    """The device profiles of ``clients.profiles`` (shipped names or YAML files), each with its
+    ``clients.budgets`` overrides applied, in order. Reads no dataset and loads no model (the
+    commands call it before torch loads, so a misspelt profile answers at once).
+
+    Raises:
+        UserInputError: an unknown profile name (field ``clients.profiles``), a malformed
+            profile file (naming the file and its field) or a bad budget override.
+    """
+    profiles = []
+    for name in cfg.clients.profiles:
+        try:
+            profile = load_profile(name)
+        except UserInputError as err:
+            if err.source is not None:  # a profile file: name it and its field
+                raise UserInputError(err.message, source=err.source, field=err.field) from None
+            raise UserInputError(err.message, field="clients.profiles") from None
+        if name in cfg.clients.budgets or profile.name in cfg.clients.budgets:
+            overrides = cfg.clients.budgets.get(name, cfg.clients.budgets.get(profile.name, {}))
+            profile = profile.with_budgets(overrides, source=f"clients.budgets.{name}")
+        profiles.append(profile)
+    return profiles
+
+
 #: ``rafl.data.make_partition``'s field / ``rafl data`` option names -> the run config's keys
 _PARTITION_FIELDS = {"k": "partition.k", "alpha": "partition.alpha", "min_samples": "partition.min_samples",
                      "n_clients": "clients.n", "clients": "clients.n", "public_fraction": "partition.public_fraction",
@@ -599,7 +623,7 @@ def warn_about_test_data(cfg: RunConfig, partition: Any) -> None:
 
 __all__ = ["warn_about_test_data", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig",
            "SupernetConfig", "SearchSection", "AlgorithmConfig", "ConfigSource", "EngineConfig", "EngineSection",
-           "TrainSection", "merge_method_sections", "read_run_config", "parse_overrides"]
+           "TrainSection", "merge_method_sections", "read_run_config", "parse_overrides", "client_profiles"]
 
 
 def config_keys() -> dict[str, str]:

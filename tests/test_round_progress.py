@@ -40,7 +40,7 @@ def test_a_round_reports_each_client_and_its_local_epochs(tmp_path, tiny_superne
     assert res.exit_code == 0, res.output
     rounds = [i for e, i in events if e == "round"]
     assert rounds == [{"round": 1, "rounds": 2, "clients": 2}, {"round": 2, "rounds": 2, "clients": 2}]
-    first = events[:events.index(("round_end", {"round": 1})) + 1]
+    first = [(e, i) for e, i in events[:events.index(("round_end", {"round": 1})) + 1] if e != "batch"]
     names = [e for e, _ in first]
     # per sampled client: start, its two local epochs, done; then the runner's count, evaluation, the end
     assert names == ["round", "client", "epoch", "epoch", "client_done", "client", "epoch", "epoch", "client_done",
@@ -62,10 +62,18 @@ def test_with_worker_processes_only_the_run_shows_progress_and_counts_their_clie
                                            str(_tiny_run_config(tmp_path, supernet_dir, space, rounds=3)),
                                            "--set", "engine.workers=2", "--out", str(tmp_path / "runs")])
     assert res.exit_code == 0, res.output
-    names = [e for e, _ in events[:events.index(("round_end", {"round": 1})) + 1]]
+    first = events[:events.index(("round_end", {"round": 1})) + 1]
+    names = [e for e, _ in first if e != "batch"]
     # the workers' clients reported by the run as their replies come (no per-epoch events from them)
     assert names == ["round", "client_done", "client_done", "trained", "evaluate", "round_end"], names
+    # ... and their batches, forwarded with the client each worker trains
+    done = {i["client"] for e, i in first if e == "client_done"}
+    batches = [i for e, i in first if e == "batch"]
+    assert batches and {i["client"] for i in batches} == done and all(i["epochs"] == 2 for i in batches)
     lines = log.read_text().splitlines()
+    estimates = [line for line in lines if line.startswith("rounds: about ")]  # once, from round 1's batches
+    assert len(estimates) == 1 and "round 1's first batches" in estimates[0], lines
+    lines = [line for line in lines if line not in estimates]
     shown = [(int(line.split("/")[0].split()[1]), int(line.split(": ")[1].split("/")[0])) for line in lines]
     assert shown and [r for r, _ in shown] == sorted(r for r, _ in shown)  # never a stale round's state
     assert all(done <= 2 for _, done in shown) and {r for r, _ in shown} == {1, 2, 3}
@@ -125,3 +133,55 @@ def test_report_without_a_listener_does_nothing_and_listeners_are_removed():
         report("epoch", epoch=1, epochs=1)
     report("epoch", epoch=2, epochs=2)
     assert seen == ["epoch"]
+
+
+def _batches(display, now, client, times, batches, epochs=1, worker=False):
+    for b, t in enumerate(times, start=1):
+        now[0] = float(t)
+        info = {"batch": b, "batches": batches, "epoch": 1, "epochs": epochs}
+        display("batch", {**info, "client": client} if worker else info)
+
+
+def test_batches_give_a_count_and_the_time_left_in_the_round():
+    now = [0.0]
+    out = io.StringIO()
+    display = RoundProgress(out, interval_s=1000, terminal=False, clock=lambda: now[0])
+    display("round", {"round": 3, "rounds": 10, "clients": 2})
+    display("client", {"client": 7})
+    display("epoch", {"epoch": 1, "epochs": 1})
+    _batches(display, now, 7, [0, 1, 2, 3], batches=4)
+    # 3 batches in 3 s; client 7 has none left, the other client's 4 (the mean seen) are to come
+    assert display.seconds_left() == pytest.approx(4.0)
+    assert display.status() == "0/2 clients done, client 7 in local epoch 1/1, batch 4/4, about 4 s left in the round"
+    assert out.getvalue() == ""  # no estimate before ESTIMATE_AFTER_S seconds of batches or a finished client
+
+
+def test_the_first_round_says_what_the_rounds_should_take_and_how_to_shorten_them():
+    now = [0.0]
+    out = io.StringIO()
+    display = RoundProgress(out, interval_s=1000, terminal=False, clock=lambda: now[0])
+    display("round", {"round": 3, "rounds": 10, "clients": 2})
+    display("client", {"client": 7})
+    _batches(display, now, 7, [0, 1, 2, 3, 4, 5], batches=10)
+    # at 5 s: 1 batch/s, 4 + 10 batches left: 14 s left, 19 s per round, 8 rounds to run
+    assert out.getvalue().splitlines() == [
+        "rounds: about 19 s of local training per round (from round 3's first batches), so about 2.5 min for the 8 "
+        "rounds to run, plus evaluation; shorter: --set engine.rounds=N, --set algorithm.local_epochs=1, or fewer "
+        "clients per round (--set engine.clients_per_round=0.5)"]
+    _batches(display, now, 7, [6, 7, 8], batches=10)
+    display("round", {"round": 4, "rounds": 10, "clients": 2})
+    _batches(display, now, 7, [9, 20, 30], batches=10)
+    assert len(out.getvalue().splitlines()) == 1  # once
+
+
+def test_clients_training_in_workers_are_shown_side_by_side():
+    now = [0.0]
+    display = RoundProgress(io.StringIO(), interval_s=1000, terminal=False, clock=lambda: now[0])
+    display("round", {"round": 1, "rounds": 1, "clients": 3})
+    _batches(display, now, 4, [0, 1], batches=8, epochs=2, worker=True)
+    _batches(display, now, 9, [2], batches=5, epochs=2, worker=True)
+    # 2 batches in 2 s: client 4 has 14 left, client 9 has 9, the third client the mean (16 + 10) / 2
+    assert display.status() == ("0/3 clients done, client 4 epoch 1/2 batch 2/8, client 9 epoch 1/2 batch 1/5, "
+                                "about 36 s left in the round")
+    display("client_done", {"client": 4})
+    assert display.status().startswith("1/3 clients done, client 9 epoch 1/2 batch 1/5, about ")

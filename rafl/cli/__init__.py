@@ -145,8 +145,19 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``rafl``)."""
-    cli.main(args=argv, prog_name="rafl", standalone_mode=True)
+    """Console entry point (``rafl``).
+
+    Once the command has returned or said why it stops, the objects it made are frozen out of
+    Python's cyclic garbage collector (``gc.freeze``): the collection the interpreter runs at exit
+    over a run's models, datasets and tables took 10-15 s on a loaded 2-core machine, between the
+    "interrupted: ..." line of a SIGTERM / Ctrl-C and the exit. Nothing is left half-written by
+    it: every file is written atomically before, and ``atexit`` handlers still run."""
+    import gc
+
+    try:
+        cli.main(args=argv, prog_name="rafl", standalone_mode=True)
+    finally:
+        gc.freeze()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from rafl.cli import exit_interrupted
+from rafl.cli._types import data_root_option
 
 
 @click.command("compare")
@@ -21,12 +22,12 @@ from rafl.cli import exit_interrupted
                    "hyperparameters and per-method sub-sections, e.g. algorithm: {fedtgp: {server_epochs: 50}}).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a config field, e.g. --set engine.rounds=5 --set algorithm.fedgh.server_lr=0.05.")
-@click.option("--data-root", type=click.Path(path_type=Path), default=None,
-              help="Where the dataset is (a tarball or an unpacked tree; `rafl data`): short for --set data.root=PATH.")
+@data_root_option("Short for --set data.root=PATH.")
 @click.option("--models", default="htfe-tiny", show_default=True,
               help="nas (resource-aware subnets of the supernet), a model group (htfe4, htfe8, htfe-tiny), "
                    "or a comma list of model names / package.module:factory plug-ins (round-robin). "
-                   "Default: the config's clients.models if it sets one, else htfe-tiny.")
+                   "Default: the config's clients.models if it sets one, else htfe-tiny (nas when heterofl "
+                   "or fedrolex is compared: their client models must be width-slices of one model).")
 @click.option("--feature-dim", type=click.IntRange(min=1, max=4096), default=128, show_default=True,
               help="Common representation width D of model-group clients (default: the config's "
                    "clients.feature_dim if it sets one).")
@@ -51,8 +52,21 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
     from rafl.io import check_output_dir
+
+    if resume_dir is None:  # the checks that need no torch first: a typo answers at once
+        if out is None:
+            raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
+        check_output_dir(out)
+        _precheck_config(config_path, (f"data.root={data_root}", *overrides) if data_root is not None else overrides)
     from rafl.models import resolve_models
-    from rafl.stages.compare import load_compare_config, load_compare_resume, parse_grid, run_compare, run_tuning
+    from rafl.stages.compare import (
+        default_models,
+        load_compare_config,
+        load_compare_resume,
+        parse_grid,
+        run_compare,
+        run_tuning,
+    )
 
     if resume_dir is not None:
         ctx = click.get_current_context()
@@ -69,9 +83,6 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
                                progress=not quiet, resume=True, finetune=not no_finetune)
         out = resume_dir
     else:
-        if out is None:
-            raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
-        check_output_dir(out)
         names = [a.strip().lower() for a in algorithms.split(",") if a.strip()]
         if not names:
             raise UserInputError("is empty; give comma-separated method names", field="--algorithms")
@@ -90,6 +101,11 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         if from_config:
             models = cfg.clients.models
             resolve_models(models)
+        elif not _given(ctx, "models"):
+            models, note = default_models(names)
+            if note is not None:  # the methods' defaults (lr, the server's pool) follow the models
+                cfg, hparams = load_compare_config(config_path, overrides, names, models)
+                click.echo(note, err=True)
         if not _given(ctx, "feature_dim") and "feature_dim" in cfg.clients.model_fields_set:
             feature_dim = cfg.clients.feature_dim
         _warn_ignored(cfg, models)
@@ -102,6 +118,23 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
                                finetune=not no_finetune)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} method{'s' if len(rows) != 1 else ''})")
+
+
+def _precheck_config(config_path: Path | None, overrides: tuple[str, ...]) -> None:
+    """The run config's file, ``--set`` keys and values outside ``algorithm`` (whose per-method
+    sections :func:`rafl.stages.compare.load_compare_config` reads) checked without torch.
+
+    Raises:
+        UserInputError: what :func:`rafl.config.read_run_config` raises, except for ``algorithm``.
+    """
+    from rafl.config import read_run_config
+    from rafl.errors import UserInputError
+
+    try:
+        read_run_config(config_path, overrides)
+    except UserInputError as err:
+        if not (err.field or "").startswith("algorithm"):
+            raise
 
 
 @contextlib.contextmanager

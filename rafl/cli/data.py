@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from rafl.cli._types import data_root_option
 from rafl.errors import UserInputError, allowed
 
 OUT_FILES = ("partition.json", "class_heatmap.png")
@@ -41,9 +42,7 @@ def _parse_split(text: str) -> tuple[float, float, float]:
 @click.command("data")
 @click.option("--dataset", default="digits", show_default=True,
               help="digits (embedded, offline) | cifar10 | cifar100 | femnist.")
-@click.option("--data-root", type=click.Path(path_type=Path), default=None,
-              help="Where cifar10/cifar100/femnist are: a folder or a .tar.gz (see README) "
-                   "[default: $RAFL_DATA_ROOT or ~/.cache/rafl-data].")
+@data_root_option()
 @click.option("--clients", type=int, default=None,
               help="Number of clients [default: 20; natural: one per eligible writer].")
 @click.option("--partition", "scheme", default="dirichlet", show_default=True,

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from rafl.cli import exit_interrupted
+from rafl.cli._types import data_root_option
 from rafl.errors import UserInputError
 
 
@@ -54,6 +55,11 @@ def print_table(summary: dict, run_dir: Path) -> None:
     con = Console(width=max(120, Console().width))  # every column header on one line
     con.print(t)
     fin = summary["final"]
+    blank = [str(r["client"]) for r in rows if r.get("model.acc") is None]
+    if blank:
+        con.print(f"-: no figure for client(s) {', '.join(blank)} ({len(blank)} of {len(rows)}): they have not trained "
+                  "in any round yet (a round trains engine.clients_per_round of the clients), so they hold no model "
+                  f"of their own; the means are over the {len(rows) - len(blank)} clients with a figure")
     tests = [int(r["n_test"]) for r in rows if r.get("model.acc") is not None]
     if tests:
         con.print(f"se = sqrt(p (1 - p) / test), the binomial standard error of an accuracy p over a client's "
@@ -108,14 +114,13 @@ def _list_algorithms(ctx: click.Context, param: click.Parameter, value: bool) ->
     "Config keys and their allowed values: rafl federate --show-config (add --config/--set to see the resolved "
     "run). Methods (algorithm.name) and their hyperparameters: rafl federate --list-algorithms. Ready-made run "
     "configs: examples/*.yaml in the repository (CIFAR-10 with NAS subnets or HtFE models, FEMNIST natural, a "
-    "Flower deployment); the README's 'rafl federate' section explains every key."))
+    "Flower deployment). Docs: docs/federate.md (the run, its files, the table) and docs/config.md (every key)."))
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Run config YAML (dataset, partition, clients and profiles, algorithm, engine...); "
                    "missing keys take the defaults.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override one config key (dotted, value parsed as YAML), e.g. --set engine.rounds=3. Repeatable.")
-@click.option("--data-root", type=click.Path(path_type=Path), default=None,
-              help="Where the dataset is (a tarball or an unpacked tree; `rafl data`): short for --set data.root=PATH.")
+@data_root_option("Short for --set data.root=PATH.")
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
               help="Continue RUN_DIR from its last complete round (same config; --set may extend engine.rounds).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
@@ -135,14 +140,22 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
     searched subnet per profile, RaFL. Prints a per-client table and the run dir, which holds
     config.yaml (resolved), clients.json, metrics.jsonl/csv, summary.json, plots and checkpoints.
     """
-    from rafl.federation.run_config import load_run_config
-    from rafl.stages import federate as stage
-
     if data_root is not None:
         if resume_dir is not None:
             raise UserInputError("cannot be combined with --resume (the run dir's config.yaml names its data)",
                                  field="--data-root")
         overrides = (f"data.root={data_root}", *overrides)  # a --set data.root given too comes after it and wins
+    if resume_dir is None:
+        from rafl.config import client_profiles, read_run_config
+
+        # the file, --set, every key and value but the method's hyperparameters, and the profiles: checked
+        # before torch and the models load (a typo answers at once); the registry checks the rest below
+        cfg, _ = read_run_config(config_path, overrides)
+        if cfg.clients.models.strip() == "nas":
+            client_profiles(cfg)
+    from rafl.federation.run_config import load_run_config
+    from rafl.stages import federate as stage
+
     if show_config:
         from rafl.config import commented_config
 

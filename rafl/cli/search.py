@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from rafl.cli._types import FiniteFloatRange
+from rafl.cli._types import FiniteFloatRange, data_root_option
 from rafl.errors import UserInputError
 
 
@@ -22,6 +22,29 @@ def _check_out(out: Path, names: list[str]) -> None:
                                  source=out, field="--out")
 
 
+def _check_data(supernet_dir: Path, data_root: Path | None) -> None:
+    """The supernet's dataset can be found (``--data-root``, else the root its training config
+    recorded, else the default), checked before torch loads; its contents are checked when read."""
+    from rafl.data.sources import check_data_root
+    from rafl.io import read_json_file
+
+    meta = supernet_dir / "supernet.json"
+    try:
+        cfg = (read_json_file(meta) or {}).get("config") or {} if meta.is_file() else {}
+    except (OSError, ValueError, AttributeError, UserInputError):
+        return  # loading the supernet reports it
+    data_cfg = cfg.get("data", cfg) if isinstance(cfg.get("data"), dict) else cfg
+    name = data_cfg.get("dataset", "digits")
+    if name == "digits" or not isinstance(name, str):
+        return
+    try:
+        check_data_root(name, data_root if data_root is not None else data_cfg.get("data_root", data_cfg.get("root")))
+    except UserInputError as err:
+        raise UserInputError(err.message, source=err.source, field="--data-root") from None
+    except KeyError:
+        return  # an unknown dataset: loading the supernet's data reports it
+
+
 @click.command("search")
 @click.option("--device-profile", "profiles", multiple=True, required=True,
               help="Shipped profile name (pi4, jetson-nano, ...; or its file name pi4.yaml, from any folder) or a YAML "
@@ -29,6 +52,8 @@ def _check_out(out: Path, names: list[str]) -> None:
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
               help="Supernet folder from `rafl supernet train`, or a shipped one by name: cifar10 "
                    "[default: the quickstart supernet on digits, trained once and cached].")
+@data_root_option("The dataset the supernet was trained on: its server validation split scores the subnets "
+                  "(replaces the data root recorded in the supernet's training config).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/search"), show_default=True,
               help="Output folder; one subfolder per profile (replaced atomically; other profiles' "
                    "folders from earlier searches are kept and listed in OUT/search.json).")
@@ -49,7 +74,7 @@ def _check_out(out: Path, names: list[str]) -> None:
                    "profile's budgets wins (any profile's finalists, when several are searched).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed (the search is deterministic).")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
-def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, generations: int, population: int,
+def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path | None, out: Path, generations: int, population: int,
            time_budget_s: float | None, estimator: str, predictor_samples: int, top_k: int, seed: int,
            quiet: bool) -> None:
     """Search, per device profile, the supernet's subnet with the best estimated accuracy that
@@ -62,11 +87,15 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     the best measured finalist of any profile searched in the same command that meets its
     budgets ("found for X" when another profile's search found it). Prints one line per profile.
     """
-    from rafl.search.evolution import SearchConfig
     from rafl.search.profile import load_profile
-    from rafl.stages.search import run_search
 
-    profs = [load_profile(p) for p in profiles]  # unknown / malformed profiles: exit 2 before any work
+    # every check below runs before torch loads (a typo answers at once)
+    try:
+        profs = [load_profile(p) for p in profiles]  # unknown / malformed profiles: exit 2 before any work
+    except UserInputError as err:
+        if err.source is not None:  # a profile file: its own field
+            raise
+        raise UserInputError(err.message, field="--device-profile") from None
     names = [p.name for p in profs]
     if len(set(names)) != len(names):
         raise UserInputError(f"profile names repeat: {', '.join(names)}", field="--device-profile")
@@ -78,10 +107,20 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     if supernet_dir is not None and not supernet_dir.exists():
         raise UserInputError("no such supernet folder (train one with `rafl supernet train`, or omit "
                              "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")
+    if supernet_dir is not None:
+        _check_data(supernet_dir, data_root)
+    from rafl.search.evolution import SearchConfig
+    from rafl.stages.search import run_search
+
     config = SearchConfig(population=population, generations=generations, time_budget_s=time_budget_s,
                           estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
                           progress=not quiet)  # the options' click ranges are SearchConfig's constraints
-    results = run_search(profs, out, config, supernet_dir=supernet_dir)
+    try:
+        results = run_search(profs, out, config, supernet_dir=supernet_dir, data_root=data_root)
+    except UserInputError as err:  # the library's argument name -> the option
+        if err.field != "data_root":
+            raise
+        raise UserInputError(err.message, source=err.source, field="--data-root") from None
     from rafl.search.evolution import binding_text
     from rafl.search.predictor import tau_meaning
     from rafl.stages.search import same_subnet_note

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from rafl.cli._types import data_root_option
 from rafl.errors import UserInputError
 from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN
 
@@ -33,8 +34,7 @@ def supernet() -> None:
 
 @supernet.command("train")
 @click.option("--dataset", default=None, help="digits | cifar10 | cifar100 | femnist  [default: digits]")
-@click.option("--data-root", type=click.Path(path_type=Path), default=None,
-              help="Where cifar10/cifar100/femnist are (not needed for digits).")
+@data_root_option("Config key data_root.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Run folder (checkpoint, config.json, metrics.json). Required unless --resume.")
 @click.option("--epochs-per-phase", type=int, default=None,
@@ -181,7 +181,7 @@ def _print_table(metrics: dict, out: Path) -> None:
 
     table = Table(title=f"supernet test accuracy (BN recalibrated on pool-train; {metrics['test_source']})")
     table.add_column("subnet")
-    table.add_column("arch")
+    table.add_column("arch", overflow="fold")  # the whole arch string, folded onto more lines when narrow
     table.add_column("test acc", justify="right")
     for which in ("smallest", "middle", "largest"):
         table.add_row(which, metrics["archs"][which], f"{100 * metrics['test'][which]:.2f}%")

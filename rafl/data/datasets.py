@@ -36,10 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from rafl.data import sources
-from rafl.data.sources import first_per_class
+from rafl.data.sources import DATASETS, first_per_class
 from rafl.errors import UserInputError, allowed
-
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "femnist")
 
 # Per-channel statistics of the CIFAR training sets (pixel values in [0, 1]).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -283,11 +281,7 @@ def load_dataset(name: str, root: str | Path | None = None, resolution: int = 32
     if name == "digits":
         return load_digits(resolution, limit_per_class)
     if root is None:
-        root = sources.default_data_root()
-        if not root.exists():
-            raise UserInputError(
-                f"dataset {name!r} needs a data root (--data-root, or $RAFL_DATA_ROOT; default {root} does "
-                f"not exist); expected there: {sources.EXPECTED[name]}", field="data_root")
+        root = sources.check_data_root(name, None)
     if name in ("cifar10", "cifar100"):
         raw = sources.load_cifar(name, root, limit_per_class, progress)
         mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)

@@ -189,7 +189,7 @@ class Partition:
         if n_samples is not None and "n_samples" in meta and meta["n_samples"] != n_samples:
             raise UserInputError(
                 f"is {brief(meta['n_samples'])}, but the dataset has {n_samples} samples "
-                "(the partition was made for another dataset or --limit)", source=path, field="meta.n_samples")
+                "(the partition was made for another dataset or --limit-per-class)", source=path, field="meta.n_samples")
         raw_clients = obj.get("clients")
         if isinstance(raw_clients, list):  # tolerate a list of clients (position = id)
             raw_clients = {str(i): c for i, c in enumerate(raw_clients)}

@@ -43,6 +43,9 @@ from tqdm.auto import tqdm
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes, read_json_file
 
+#: the datasets rafl reads (:func:`rafl.data.load_dataset`)
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "femnist")
+
 CACHE_VERSION = 1
 IMAGE_EXTS = (".jpg", ".jpeg", ".png")
 
@@ -244,6 +247,25 @@ def _read_tarball(name: str, path: Path, limit: int | None, progress: bool = Tru
     if not images:
         raise UserInputError(f"archive holds no CIFAR data; expected {EXPECTED[name]}", source=path)
     return _decode_images(_select_first(images, limit), str(path), progress)
+
+
+def check_data_root(name: str, root: str | Path | None) -> Path:
+    """Where dataset ``name`` (not digits) is read from: ``root``, else :func:`default_data_root`;
+    checked to exist without reading it (the commands call this before torch loads).
+
+    Raises:
+        UserInputError: the root (given or default) does not exist (field ``data_root``).
+    """
+    if root is None:
+        root = default_data_root()
+        if not root.exists():
+            raise UserInputError(
+                f"dataset {name!r} needs a data root (--data-root, or $RAFL_DATA_ROOT; default {root} does "
+                f"not exist); expected there: {EXPECTED[name]}", field="data_root")
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise UserInputError(f"does not exist; expected {EXPECTED[name]}", source=root, field="data_root")
+    return root
 
 
 # --------------------------------------------------------------------------------------------

@@ -195,9 +195,11 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
     train_mode(model_b, loader)
     st_a, st_b = TrainStats(), TrainStats()
     sum_a = sum_b = 0.0
+    batches = len(loader) if hasattr(loader, "__len__") else None
     for epoch in range(int(epochs)):
         report("epoch", epoch=epoch + 1, epochs=int(epochs))
-        for images, labels in no_singleton_batches(loader):
+        for b, (images, labels) in enumerate(no_singleton_batches(loader)):
+            report("batch", batch=b + 1, batches=batches, epoch=epoch + 1, epochs=int(epochs))
             images, labels = images.to(device), labels.to(device)
             if split:
                 h_a, h_b = model_a.features(images), model_b.features(images)

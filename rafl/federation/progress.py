@@ -8,10 +8,13 @@ happens unless a listener is installed with :func:`listening` (the CLI's display
   (how many sampled clients train, dropouts excluded).
 - ``client``: a client's local training starts in this process; ``client`` (its id).
 - ``epoch``: a local epoch starts; ``epoch`` (1-based), ``epochs``.
+- ``batch``: a local training step starts; ``batch`` (1-based), ``batches`` (the epoch's batches,
+  None for a loader without a length), ``epoch``, ``epochs``; from a worker process (forwarded by
+  :class:`rafl.federation.workers.WorkerClients`) also ``client``.
 - ``client_done``: that client's local training ended; ``client``.
 - ``trained``: the round's client runner returned; ``done`` (clients whose upload arrived). A
-  runner whose clients train elsewhere (Flower ClientApps, worker processes) reports no
-  ``client``/``epoch`` events here, only this one.
+  runner whose clients train elsewhere reports no ``client``/``epoch`` events here, only this
+  one (worker processes forward their ``batch`` events; Flower ClientApps nothing).
 - ``evaluate``: evaluation starts; ``clients`` (how many are evaluated).
 - ``round_end``: the round is checkpointed; ``round``.
 

@@ -278,11 +278,13 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
     train_mode(model, loader)
     stats = TrainStats()
     loss_sum = 0.0
+    batches = len(loader) if hasattr(loader, "__len__") else None
     for epoch in range(int(epochs)):
         report("epoch", epoch=epoch + 1, epochs=int(epochs))
-        for images, labels in no_singleton_batches(loader):
+        for b, (images, labels) in enumerate(no_singleton_batches(loader)):
             if max_steps is not None and stats.steps >= max_steps:
                 break
+            report("batch", batch=b + 1, batches=batches, epoch=epoch + 1, epochs=int(epochs))
             images, labels = images.to(device), labels.to(device)
             if extra is None:
                 logits = model(images)

@@ -131,6 +131,17 @@ def _worker_main(conn, others: list, fed, store_dir: str, seed: int) -> None:
         c.close()
     torch.set_num_threads(1)
     progress.silence()  # the run's process shows the round's progress (its clients done, as replies come)
+
+    def forward(event: str, info: dict) -> None:  # the batches of the client trained here, to the run's display
+        if event == "batch":
+            conn.send(("progress", event, info))
+
+    with progress.listening(forward):
+        _serve(conn, fed, store_dir, seed)
+
+
+def _serve(conn, fed, store_dir: str, seed: int) -> None:
+    """A worker's jobs from ``conn`` until ``None`` or the pipe closes (:func:`_worker_main`)."""
     store = ClientStore(store_dir)
     downloads: dict[int, Payload] = {}
     while True:
@@ -345,6 +356,10 @@ class WorkerClients(ClientRunner):
                         msg = w.conn.recv()
                     except (EOFError, OSError):
                         msg = None
+                    if msg is not None and msg[0] == "progress":  # a batch of the job it is running
+                        if kind == "train":
+                            progress.report(msg[1], client=jobs[w.job[0]][0], **msg[2])
+                        continue
                     if msg is not None:
                         i = w.job[0]
                         w.job = None

@@ -378,6 +378,7 @@ def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) 
         ax.set_xscale("log")
     ax.set_xlabel("cumulative MB communicated (payload up + down, all clients)" + (", log scale" if log else ""))
     ax.set_ylabel("client test accuracy (mean over clients)")
+    ax.set_title(f"{', '.join(histories)}: client test accuracy vs communication", fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -454,6 +455,8 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     if ax1.get_legend_handles_labels()[0]:
         # below the plot, never over a bar (inside the axes it covered whichever bar stood there)
         fig.legend(fontsize=7, loc="outside lower left")
+    fig.suptitle(f"rafl compare, {len(rows)} method{'s' if len(rows) != 1 else ''} on one partition: final round",
+                 fontsize=10)
     ax1.set_xticks(x, names, rotation=30, ha="right")
     ax1.set_ylabel("client test accuracy")
     ax1.set_ylim(0, 1)

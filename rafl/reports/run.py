@@ -47,7 +47,7 @@ class RunReport:
         """The metrics files again, ``summary.json`` and the two accuracy plots (:func:`plot_metrics`)."""
         write_metrics(self.run_dir, history)
         atomic_write_json(self.run_dir / "summary.json", summary)
-        plot_metrics(self.run_dir, history)
+        plot_metrics(self.run_dir, history, title=f"{summary.get('algorithm', 'run')}, {self.run_dir.name}")
 
 
 def write_metrics(run_dir: Path, history: list[dict]) -> None:
@@ -63,9 +63,10 @@ def write_metrics(run_dir: Path, history: list[dict]) -> None:
     atomic_write_text(run_dir / "metrics.csv", buf.getvalue())
 
 
-def plot_metrics(run_dir: Path, history: list[dict]) -> None:
+def plot_metrics(run_dir: Path, history: list[dict], title: str = "") -> None:
     """``accuracy_vs_round.png`` and ``accuracy_vs_mb.png`` (every evaluated model, mean over
-    clients with a +-std band), written atomically; nothing when no round was evaluated."""
+    clients with a +-std band), written atomically; nothing when no round was evaluated. Each
+    plot's title says what it shows, after ``title`` (the method and run, e.g. ``"rafl, run-1"``)."""
     from matplotlib.ticker import MaxNLocator  # matplotlib: heavy, loaded only when a run plots
 
     evals = [r for r in history if any(k.endswith(".acc_mean_over_clients") for k in r)]
@@ -77,6 +78,8 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
     for xkey, fname, xlabel in (("round", "accuracy_vs_round.png", "round"),
                                 ("cum_mb", "accuracy_vs_mb.png", "cumulative communication (MB, up + down)")):
         fig, (ax,) = new_figure(1, width=5.5, height=3.6)
+        what = "client test accuracy by round" if xkey == "round" else "client test accuracy vs communication"
+        ax.set_title(f"{title}: {what}" if title else what, fontsize=9)
         for m in models:
             pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
                    if f"{m}.acc_mean_over_clients" in r]

@@ -72,6 +72,29 @@ DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", 
 DEFAULT_MODELS = "htfe-tiny"
 
 
+def default_models(algorithms: list[str]) -> tuple[str, str | None]:
+    """``(models, note)``: the client models of a comparison whose ``--models`` and
+    ``clients.models`` are not given. :data:`DEFAULT_MODELS` (note None), unless a weight-sharing
+    method (HeteroFL, FedRolex: every client model a width-slice of one global model) is among
+    ``algorithms``: htfe-tiny's four architectures are not slices of one another, so then ``nas``
+    (every client a subnet of one supernet, which every method runs on), with a one-line note.
+
+    Raises:
+        UserInputError: an unknown method name (field ``--algorithms``).
+    """
+    from rafl.federation.algorithms.heterofl import HeteroFL
+
+    try:
+        sharing = [a for a in algorithms if issubclass(get_algorithm(a), HeteroFL)]
+    except UserInputError as err:
+        raise UserInputError(err.message, field="--algorithms") from None
+    if not sharing:
+        return DEFAULT_MODELS, None
+    return "nas", (f"--models: nas (a searched subnet of the supernet per device profile, for every method): "
+                   f"{', '.join(sharing)} average(s) width-slices of one model, which the default {DEFAULT_MODELS} "
+                   "is not; --models heterofl-cnn4 gives width-sliced CNNs instead")
+
+
 def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[str, ...],
                         algorithms: list[str], models: str | None = None) -> tuple[RunConfig, dict[str, dict[str, Any]]]:
     """The run config shared by every method plus each method's hyperparameters.
@@ -638,5 +661,6 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
     return cfg, hps, models, feature_dim
 
 
-__all__ = ["DEFAULT_ALGORITHMS", "DEFAULT_MODELS", "load_compare_config", "load_compare_resume", "method_settings",
-           "run_compare", "with_settings", "parse_grid", "run_tuning", "validation_loaders", "TUNE_RECORD"]
+__all__ = ["default_models", "DEFAULT_ALGORITHMS", "DEFAULT_MODELS", "load_compare_config", "load_compare_resume",
+           "method_settings", "run_compare", "with_settings", "parse_grid", "run_tuning", "validation_loaders",
+           "TUNE_RECORD"]

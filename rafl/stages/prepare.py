@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rafl.config import RunConfig, partition_error, warn_about_test_data
+from rafl.config import RunConfig, client_profiles, partition_error, warn_about_test_data
 from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError, warn
 from rafl.federation.algorithms import get_algorithm
@@ -30,7 +30,7 @@ from rafl.federation.engine import EngineConfig, Federation, participation
 from rafl.federation.workers import resolve_workers
 from rafl.models import resolve_models
 from rafl.search.federation_search import search_split, subnet_budgets, subnets_for_profiles, uniform_arch
-from rafl.search.profile import list_profiles, load_profile
+from rafl.search.profile import list_profiles
 from rafl.supernet import load_supernet, quickstart_supernet
 from rafl.supernet.checkpoint import load_meta
 from rafl.supernet.quickstart import quickstart_config
@@ -167,18 +167,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     algorithm = algo_cls(**cfg.algorithm.hparams())
     device = torch.device(cfg.train.device)  # validated by the run config (TrainSection)
     members = _group_members(cfg)  # None: nas
-    profiles = []
-    for name in cfg.clients.profiles if members is None else ():
-        try:
-            profile = load_profile(name)
-        except UserInputError as err:
-            if err.source is not None:  # a profile file: name it and its field
-                raise UserInputError(err.message, source=err.source, field=err.field) from None
-            raise UserInputError(err.message, field="clients.profiles") from None
-        if name in cfg.clients.budgets or profile.name in cfg.clients.budgets:
-            overrides = cfg.clients.budgets.get(name, cfg.clients.budgets.get(profile.name, {}))
-            profile = profile.with_budgets(overrides, source=f"clients.budgets.{name}")
-        profiles.append(profile)
+    profiles = client_profiles(cfg) if members is None else []
     # Budgets or archs for shipped profiles that this run does not use are fine (the defaults name
     # pi4 and jetson-nano); any other name is a typo.
     known = set(cfg.clients.profiles) | {pr.name for pr in profiles} | set(list_profiles())

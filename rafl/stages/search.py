@@ -59,8 +59,8 @@ SUBNET_WEIGHTS = "subnet.safetensors"
 
 
 # ---------------------------------------------------------------------- server data
-def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True
-                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
+def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True,
+                     data_root: str | Path | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
     """The server's validation split and BN-calibration images for the search.
 
     Rebuilds the supernet's own server split (:func:`rafl.supernet.server_data.server_split`)
@@ -68,7 +68,8 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
     ``image_size``, ``limit_per_class``, ``public_fraction``, ``public_seed``, ``val_fraction`` of
     :class:`rafl.supernet.train.TrainConfig`): accuracy is measured on server-val,
     BN statistics are re-estimated on pool-train; no client data is touched. ``progress``: show
-    the bars of reading a dataset source (a cache miss).
+    the bars of reading a dataset source (a cache miss). ``data_root``: where the dataset is
+    (``--data-root``), instead of the root the training config recorded.
 
     Returns:
         ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``; the
@@ -81,7 +82,7 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
     cfg = dict(meta_config or {})
     data_cfg = cfg.get("data", cfg) if isinstance(cfg.get("data"), dict) else cfg
     name = data_cfg.get("dataset", "digits")
-    root = data_cfg.get("data_root", data_cfg.get("root"))
+    root = data_root if data_root is not None else data_cfg.get("data_root", data_cfg.get("root"))
     resolution = int(data_cfg.get("image_size", data_cfg.get("resolution", max(space.resolutions))))
     limit = data_cfg.get("limit_per_class")
     public_fraction = float(data_cfg.get("public_fraction", 0.3))
@@ -254,8 +255,8 @@ def load_search_supernet(supernet_dir: str | Path | None, progress: bool = True)
 
 
 def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchConfig | None = None, *,
-               supernet_dir: str | Path | None = None, supernet=None, meta: dict[str, Any] | None = None
-               ) -> dict[str, SearchResult]:
+               supernet_dir: str | Path | None = None, supernet=None, meta: dict[str, Any] | None = None,
+               data_root: str | Path | None = None) -> dict[str, SearchResult]:
     """Search a subnet per device profile and write ``out/<profile>/`` (see the module docstring).
 
     Args:
@@ -264,6 +265,8 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         supernet_dir: a supernet directory (``rafl supernet train`` output); ``None`` with
             ``supernet=None`` uses :func:`rafl.supernet.quickstart_supernet`.
         supernet, meta: an in-memory supernet and its ``supernet.json`` content (tests, pipelines).
+        data_root: where the supernet's dataset is (``--data-root``); None: the root its training
+            config recorded, else ``$RAFL_DATA_ROOT`` or ``~/.cache/rafl-data``.
 
     Raises:
         UserInputError: unknown or malformed profile, a supernet checkpoint that does not load or
@@ -278,7 +281,8 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         supernet, meta = load_search_supernet(supernet_dir, progress=config.progress)
     meta = meta or {}
     space: SearchSpace = supernet.space
-    val, calib, data_info = server_eval_data(meta.get("config"), space, progress=config.progress)
+    val, calib, data_info = server_eval_data(meta.get("config"), space, progress=config.progress,
+                                             data_root=data_root)
 
     models = {p.name: CostModel(space, p) for p in profs}
     results = search_subnets(supernet, profs, val, calib, config, cost_models=models)

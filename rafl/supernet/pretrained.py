@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the shipped-name checks run before torch loads
+    import torch
 
 from rafl.errors import UserInputError, allowed
 
