@@ -65,16 +65,9 @@ def test_global_test_set_larger_than_a_class_is_refused():
     assert len(carve_global_test(LABELS, 0, 0, ORIGIN)) == 0
 
 
-def test_validation_loaders_score_on_val_and_hide_the_global_test_set():
-    calls = []
-
-    def loaders(cid, split, seed):
-        calls.append(split)
-        return None if split == "global" else f"{split}-{cid}"
-
-    swapped = validation_loaders(loaders)
+def test_validation_loaders_score_on_val():
+    swapped = validation_loaders(lambda cid, split, seed: f"{split}-{cid}")
     assert swapped(1, "test", 0) == "val-1" and swapped(1, "train", 0) == "train-1"
-    assert swapped(1, "global", 0) is None and "global" not in calls
     with pytest.raises(UserInputError, match="no validation split"):
         validation_loaders(lambda cid, split, seed: None)(0, "test", 0)
 

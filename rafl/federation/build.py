@@ -22,16 +22,17 @@ from rafl.supernet.server_data import calibration_sample
 GLOBAL_BATCH = 256
 
 
+def global_test_loader(dataset, partition):
+    """A loader over the partition's held-out balanced global test set (``partition.global_test``,
+    in index order), or ``None`` when it has none."""
+    held = np.asarray(getattr(partition, "global_test", ()), dtype=np.int64)
+    return make_loader(dataset, held, GLOBAL_BATCH, shuffle=False, seed=0) if len(held) else None
+
+
 def client_loaders(dataset, partition, batch_size: int):
     """The federation's ``loaders(cid, split, seed)``: a DataLoader over client ``cid``'s ``split``
-    (train shuffled with ``seed``; no ``drop_last``), or ``None`` for an empty ``val`` split. Split
-    ``"global"`` is the partition's held-out balanced global test set, the same for every client
-    (``None`` when the partition has none)."""
-    held = np.asarray(getattr(partition, "global_test", ()), dtype=np.int64)
-
+    (train shuffled with ``seed``; no ``drop_last``), or ``None`` for an empty ``val`` split."""
     def loaders(cid: int, split: str, seed: int):
-        if split == "global":
-            return make_loader(dataset, held, GLOBAL_BATCH, shuffle=False, seed=0) if len(held) else None
         idx = getattr(partition.clients[cid], split)
         if split == "val" and len(idx) == 0:
             return None
@@ -108,6 +109,7 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
                            n_classes=dataset.num_classes, space=supernet.space, supernet=supernet, device=device,
                            seed=seed)
     fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
+                     global_test=global_test_loader(dataset, partition),
                      n_classes=dataset.num_classes, device=device)
     algorithm.check_models(server)
     return fed, table
@@ -191,9 +193,10 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
     server = ServerContext(clients=infos, make_model=server_model, public_images=pub_images, n_classes=n_classes,
                            space=None, supernet=None, device=device, seed=seed)
     fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
+                     global_test=global_test_loader(dataset, partition),
                      n_classes=n_classes, device=device)
     algorithm.check_models(server)
     return fed, table
 
 
-__all__ = ["build_federation", "build_group_federation", "client_loaders"]
+__all__ = ["build_federation", "build_group_federation", "client_loaders", "global_test_loader"]

@@ -62,6 +62,8 @@ class Federation:
         server: the :class:`ServerContext` (its ``round`` and ``seed`` are set by the engine).
         n_classes: number of classes.
         device: torch device of local computation.
+        global_test: a loader over the held-out balanced global test set (the same images for
+            every client; :func:`rafl.federation.build.global_test_loader`), or None.
     """
 
     algorithm: Algorithm
@@ -71,6 +73,7 @@ class Federation:
     server: ServerContext
     n_classes: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    global_test: Loader | None = None
 
 
 def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
@@ -148,11 +151,11 @@ GLOBAL_SUFFIX = "@global"
 
 def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str, float]:
     """``evaluate`` of a prepared client state on the client's own test split, and, when the
-    federation has a held-out global test set (``fed.loaders(cid, "global", seed)``), on it too,
+    federation has a held-out global test set (``fed.global_test``), on it too,
     its models renamed ``m@global`` (:data:`GLOBAL_SUFFIX`)."""
     algo = fed.algorithm
     out = dict(algo.evaluate(state, ctx))
-    held = fed.loaders(ctx.client_id, "global", ctx.seed)
+    held = fed.global_test
     if held is not None:
         counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
         for key, value in counts.items():

@@ -321,7 +321,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
         fed.algorithm.init_server(fed.server)
         if validation:
-            fed.loaders = validation_loaders(fed.loaders)
+            fed.loaders, fed.global_test = validation_loaders(fed.loaders), None
     if cfg.engine.backend != "in-process":
         raise UserInputError(f"is {cfg.engine.backend!r}; rafl compare runs its methods in-process (allowed: "
                              "in-process); run one method on Flower with rafl federate", field="engine.backend")
@@ -393,16 +393,14 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
 
 
 def validation_loaders(loaders):
-    """A federation's loader factory whose ``"test"`` split is the client's validation split and
-    whose global test set is absent: what hyperparameter tuning scores on (never test data).
+    """A federation's loader factory whose ``"test"`` split is the client's validation split: what
+    hyperparameter tuning scores on (never test data; the caller drops the global test set too).
 
     Raises:
         UserInputError: (when called) a client without a validation split
             (``partition.split`` with a val share of 0).
     """
     def swapped(cid: int, split: str, seed: int):
-        if split == "global":
-            return None
         if split == "test":
             val = loaders(cid, "val", seed)
             if val is None:
