@@ -353,8 +353,10 @@ class Engine:
             round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
             if round_failed:  # too few valid uploads: the round changes no server or client state
                 self.store.pending.clear()
-                warn(f"round {rnd} failed: {len(uploads)} valid upload(s), engine.min_valid_uploads is "
-                     f"{self.policy.min_valid_uploads}; the server state is unchanged")
+                why = failed_round_reason(rnd, len(results), len(uploads), self.policy.min_valid_uploads,
+                                          screened.rejected)
+                counters.setdefault("failed_round_reasons", []).append(why)
+                warn(f"{why}; the server state is unchanged")
             else:
                 torch.manual_seed(seed_of(cfg.seed, rnd, 7))
                 ta = time.perf_counter()
@@ -420,6 +422,27 @@ class Engine:
         for observer in self.observers:
             observer.run_done(history, summary)
         return summary
+
+
+def failed_round_reason(rnd: int, uploaded: int, valid: int, needed: int, rejected: dict[int, str]) -> str:
+    """One line saying why round ``rnd`` failed: its valid uploads against ``engine.min_valid_uploads``
+    and the most common rejection reason (without the client), or, when every upload was rejected,
+    that the server state they answered may be what is wrong (a poisoned aggregate makes honest
+    uploads look like outliers, so no client is blamed then)."""
+    line = f"round {rnd} failed: {valid} valid upload(s) of {uploaded}, engine.min_valid_uploads is {needed}"
+    if not rejected:
+        return line
+    reasons: dict[str, int] = {}
+    for why in rejected.values():
+        key = why.split(": ", 1)[1] if ": " in why else why
+        key = key.split(": ", 1)[-1] if key.count(": ") else key
+        reasons[key] = reasons.get(key, 0) + 1
+    top, count = max(reasons.items(), key=lambda kv: kv[1])
+    line += f"; {count} rejected for: {top[:160]}"
+    if valid == 0 and uploaded > 1:
+        line += (f" (all {uploaded} clients were refused: the server state they trained from may be what is "
+                 "wrong, e.g. a poisoned aggregate; allowed: engine.aggregation norm_clip, median or trimmed_mean)")
+    return line
 
 
 # ---------------------------------------------------------------------- metrics
@@ -507,6 +530,7 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         "failures": counters["failures"],
         "rejected_uploads": counters.get("rejected", 0),
         "failed_rounds": counters.get("failed_rounds", 0),
+        **({"failed_round_reasons": counters["failed_round_reasons"]} if counters.get("failed_round_reasons") else {}),
         "clients": clients,
         "time_s": tot,
         "engine_overhead_share": eng / tot if tot > 0 else 0.0,
@@ -528,5 +552,6 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
-__all__ = ["Engine", "EngineConfig", "eval_coverage", "participation", "RoundTimes", "summarize_eval", "summarize_untrained",
+__all__ = ["Engine", "EngineConfig", "eval_coverage", "failed_round_reason",
+           "participation", "RoundTimes", "summarize_eval", "summarize_untrained",
            "make_summary", "RunObserver", "sample_clients", "sporadic_update"]

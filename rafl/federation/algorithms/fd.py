@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from rafl.federation.aggregation import bound_vectors
 from rafl.federation.algorithms._common import build, cpu_state, divergence_keys, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded
@@ -67,7 +68,8 @@ class FD(Algorithm):
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         merged = (from_payload({GLOBAL + "values": server_state["values"], GLOBAL + "labels": server_state["labels"]},
                                GLOBAL) if len(server_state["labels"]) else {})
-        merged.update(weighted_class_average((from_payload(u.tensors, LOGIT), None) for u in uploads))
+        bounded = bound_vectors([from_payload(u.tensors, LOGIT) for u in uploads], server)  # engine.aggregation
+        merged.update(weighted_class_average((p, None) for p in bounded))
         tensors = to_payload_tensors(merged, GLOBAL)
         return ({"values": tensors[GLOBAL + "values"], "labels": tensors[GLOBAL + "labels"]},
                 Payload(tensors) if merged else Payload())

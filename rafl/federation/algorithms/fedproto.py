@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from rafl.errors import UserInputError
+from rafl.federation.aggregation import bound_vectors
 from rafl.federation.algorithms._common import (build, cpu_state, divergence_keys, eval_counts,
                                                optimizer_for)
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
@@ -77,8 +78,8 @@ class FedProto(Algorithm):
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         items = []
-        for u in uploads:
-            protos = from_payload(u.tensors, PROTO)
+        bounded = bound_vectors([from_payload(u.tensors, PROTO) for u in uploads], server)  # engine.aggregation
+        for u, protos in zip(uploads, bounded):
             counts = dict(zip(u.tensors[PROTO + "labels"].tolist(), u.tensors[PROTO + "counts"].tolist()))
             items.append((protos, counts))
         merged = from_payload({GLOBAL + "values": server_state["values"], GLOBAL + "labels": server_state["labels"]},
