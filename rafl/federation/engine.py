@@ -347,9 +347,13 @@ class Engine:
                 sender=lambda c: f"client {c} (model {fed.clients[c].model_key}){self.clients.where(c)}",
                 nonfinite_hint=DIVERGED_UPLOAD)
             uploads, bytes_up = screened.accepted, screened.bytes_up
+            # every upload of several clients refused: the server state they answered is suspect, not
+            # each client (a poisoned aggregate makes honest uploads outliers); one line says so below
+            suspect_server = not uploads and len(screened.rejected) > 1
             for cid, why in screened.rejected.items():
                 self.store.pending.pop(cid, None)  # a rejected client's new state is not committed
-                warn(f"round {rnd}: rejected the upload of {why}")
+                if not suspect_server:
+                    warn(f"round {rnd}: rejected the upload of {why}")
             round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
             if round_failed:  # too few valid uploads: the round changes no server or client state
                 self.store.pending.clear()
@@ -426,19 +430,14 @@ class Engine:
 
 def failed_round_reason(rnd: int, uploaded: int, valid: int, needed: int, rejected: dict[int, str]) -> str:
     """One line saying why round ``rnd`` failed: its valid uploads against ``engine.min_valid_uploads``
-    and the most common rejection reason (without the client), or, when every upload was rejected,
+    and the first rejection's reason; when every upload was rejected, also
     that the server state they answered may be what is wrong (a poisoned aggregate makes honest
     uploads look like outliers, so no client is blamed then)."""
     line = f"round {rnd} failed: {valid} valid upload(s) of {uploaded}, engine.min_valid_uploads is {needed}"
     if not rejected:
         return line
-    reasons: dict[str, int] = {}
-    for why in rejected.values():
-        key = why.split(": ", 1)[1] if ": " in why else why
-        key = key.split(": ", 1)[-1] if key.count(": ") else key
-        reasons[key] = reasons.get(key, 0) + 1
-    top, count = max(reasons.items(), key=lambda kv: kv[1])
-    line += f"; {count} rejected for: {top[:160]}"
+    first = rejected[min(rejected)]
+    line += f"; {len(rejected)} rejected, e.g. {first[:200]}"
     if valid == 0 and uploaded > 1:
         line += (f" (all {uploaded} clients were refused: the server state they trained from may be what is "
                  "wrong, e.g. a poisoned aggregate; allowed: engine.aggregation norm_clip, median or trimmed_mean)")
