@@ -254,6 +254,7 @@ def boosted_influence(fed, state, server, honest, policy) -> dict:
     broadcast, over how far the most influential honest client moves it (leave-one-out: the max
     |delta| of the broadcast with all 3 uploads against the one without that client's); <= 1 meets
     the target "no single client changes the global model more than the largest honest client"."""
+    from rafl.errors import UserInputError
     from rafl.federation.aggregation import AggregationRule
 
     algo = fed.algorithm
@@ -264,13 +265,17 @@ def boosted_influence(fed, state, server, honest, policy) -> dict:
     for name in RULES:
         server.aggregation = AggregationRule(name, trim_fraction=0.34 if name == "trimmed_mean" else 0.1)
         sent = [(0, copy_upload(honest[0][1])), (1, boosted), (2, copy_upload(honest[2][1]))]
-        everyone = aggregate(algo, screen(fed, state, policy, sent).accepted, state, server)
-        moves = {}
-        for left_out in (0, 1, 2):
-            rest = [(c, u if c == 1 else copy_upload(u)) for c, u in sent if c != left_out]
-            moves[left_out] = max_delta(everyone, aggregate(algo, screen(fed, state, policy, rest).accepted, state,
-                                                            server))
-        out[name] = moves[1] / max(moves[0], moves[2], 1e-30)
+        try:
+            everyone = aggregate(algo, screen(fed, state, policy, sent).accepted, state, server)
+            moves = {}
+            for left_out in (0, 1, 2):
+                rest = [(c, u if c == 1 else copy_upload(u)) for c, u in sent if c != left_out]
+                moves[left_out] = max_delta(everyone, aggregate(algo, screen(fed, state, policy, rest).accepted,
+                                                                state, server))
+            out[name] = moves[1] / max(moves[0], moves[2], 1e-30)
+        except UserInputError as err:  # the server step itself failed on the boosted upload
+            out[name] = f"server step failed: {str(err)[:80]}"
+
     server.aggregation = saved
     return out
 

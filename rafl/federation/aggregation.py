@@ -108,7 +108,7 @@ class AggregationRule:
             ``norm_clip`` (updates clipped to an L2 norm, Sun et al. 2019).
         trim_fraction: ``beta`` in ``[0, 0.5)``: ``floor(beta * m)`` largest and smallest values of
             every coordinate are dropped over ``m`` uploads.
-        clip_norm: ``M`` (> 0) for ``norm_clip``, or None: the median of the round's update norms.
+        clip_norm: ``M`` (> 0) for ``norm_clip``, or None: the lower median of the round's weighted update norms.
     """
 
     name: str = "mean"
@@ -151,10 +151,12 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
       for even ``m``); weights are not used (Yin et al. 2018, Def. 1).
     * ``trimmed_mean``: per coordinate, drop the ``b = floor(beta m)`` largest and smallest values
       and average the other ``m - 2b`` (Def. 2); weights are not used.
-    * ``norm_clip``: ``theta = ref + sum_l w_l * Delta_l * min(1, M / ||Delta_l||_2)`` with
-      ``Delta_l = theta_l - ref`` over the floating tensors of a state (its global L2 norm), and
-      ``M = rule.clip_norm`` or the median of the round's ``||Delta_l||``; integer tensors take
-      the weighted mean (Sun et al. 2019, Sec. 4). ``reference`` is the model the clients started
+    * ``norm_clip``: ``theta = ref + sum_l w_l * Delta_l * s_l`` with ``Delta_l = theta_l - ref``
+      over the floating tensors of a state (its global L2 norm) and ``s_l = min(1, M /
+      ||Delta_l||_2)`` for ``M = rule.clip_norm`` (Sun et al. 2019, Sec. 4); with no ``clip_norm``,
+      ``s_l = min(1, T / (w_l ||Delta_l||_2))`` for ``T`` the lower median of the round's terms
+      ``w_l ||Delta_l||_2``, so no client's term outweighs the largest honest one while fewer than
+      half are hostile. Integer tensors take the weighted mean. ``reference`` is the model the clients started
       from (the previous global); None when the states already are updates (a zero reference).
 
     Args:
@@ -192,7 +194,12 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
     floats = [k for k, v in states[0].items() if v.is_floating_point()]
     refs = {k: (reference[k].detach().to("cpu", torch.float64) if reference is not None
                 else torch.zeros(states[0][k].shape, dtype=torch.float64)) for k in floats}
-    scale = clip_scales(update_norms(states, refs), rule.clip_norm)
+    norms = update_norms(states, refs)
+    if rule.clip_norm is not None:
+        scale = clip_scales(norms, rule.clip_norm)
+    else:  # every client's term w_l * ||Delta_l|| at most the lower median term: no client outweighs an honest one
+        terms = [wi * n for wi, n in zip(w, norms)]
+        scale = clip_scales(terms)
     for key, ref in states[0].items():
         rows = _stacked(states, key)
         if key in refs:
