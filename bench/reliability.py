@@ -251,9 +251,11 @@ RULES = ("mean", "median", "trimmed_mean", "norm_clip")
 
 def boosted_influence(fed, state, server, honest, policy) -> dict:
     """Per ``engine.aggregation`` rule: how far client 1's boosted (x100) upload moves the server's
-    broadcast, over how far the most influential honest client moves it (leave-one-out: the max
-    |delta| of the broadcast with all 3 uploads against the one without that client's); <= 1 meets
-    the target "no single client changes the global model more than the largest honest client"."""
+    broadcast (leave-one-out: the max |delta| of the broadcast with it against the one without it)
+    over how far the most influential honest client moves it in the same round (``same_round``:
+    the same leave-one-out of clients 0 and 2), and over the most influential client of the round
+    had all three been honest (``vs_honest_round``); <= 1 meets the target "no single client
+    changes the global model more than the largest honest client"."""
     from rafl.errors import UserInputError
     from rafl.federation.aggregation import AggregationRule
 
@@ -265,14 +267,20 @@ def boosted_influence(fed, state, server, honest, policy) -> dict:
     for name in RULES:
         server.aggregation = AggregationRule(name, trim_fraction=0.34 if name == "trimmed_mean" else 0.1)
         sent = [(0, copy_upload(honest[0][1])), (1, boosted), (2, copy_upload(honest[2][1]))]
+        clean = [(c, copy_upload(u)) for c, u in honest]
+
+        def agg(results):
+            return aggregate(algo, screen(fed, state, policy, results).accepted, state, server)
+
         try:
-            everyone = aggregate(algo, screen(fed, state, policy, sent).accepted, state, server)
-            moves = {}
-            for left_out in (0, 1, 2):
-                rest = [(c, u if c == 1 else copy_upload(u)) for c, u in sent if c != left_out]
-                moves[left_out] = max_delta(everyone, aggregate(algo, screen(fed, state, policy, rest).accepted,
-                                                                state, server))
-            out[name] = moves[1] / max(moves[0], moves[2], 1e-30)
+            attacked = agg(sent)
+            moves = [max_delta(attacked, agg([(c, u if c == 1 else copy_upload(u)) for c, u in sent if c != left]))
+                     for left in (0, 1, 2)]
+            everyone = agg(clean)
+            honest_moves = [max_delta(everyone, agg([(c, copy_upload(u)) for c, u in clean if c != h]))
+                            for h in (0, 1, 2)]
+            out[name] = {"same_round": moves[1] / max(moves[0], moves[2], 1e-30),
+                         "vs_honest_round": moves[1] / max(max(honest_moves), 1e-30)}
         except UserInputError as err:  # the server step itself failed on the boosted upload
             out[name] = f"server step failed: {str(err)[:80]}"
 
@@ -597,11 +605,17 @@ def report(data: dict) -> str:
             lines.append(f"- {n}: `{r['reason']}`")
     if hu.get("influence"):
         lines += ["", "## A boosted (x100) upload's influence, per rule (round 1, leave-one-out)", "",
-                  "How far client 1's boosted upload moves the broadcast over how far the most influential honest "
-                  "client moves it (max |delta| with and without the client); <= 1 meets the target. Default rule: "
-                  "`norm_clip`.", "", "| method | " + " | ".join(RULES) + " |", "|---|" + "---|" * len(RULES)]
+                  "How far client 1's boosted upload moves the broadcast (max |delta| with and without it) over "
+                  "how far the most influential honest client of the same round moves it (the same leave-one-out), "
+                  "and in brackets over the most influential client of that round had all three been honest; "
+                  "<= 1 meets the target. Default rule: `norm_clip`. With 3 clients, removing one re-clips the "
+                  "other two (the lower median of two is the smaller), so values a little above 1 come from "
+                  "the measurement, not from the attacker's term, which is at most the largest honest term.", "",
+                  "| method | " + " | ".join(RULES) + " |", "|---|" + "---|" * len(RULES)]
         for m, r in hu["influence"].items():
-            lines.append(f"| {m} | " + " | ".join(fmt(r[k]) for k in RULES) + " |")
+            lines.append(f"| {m} | " + " | ".join(
+                f"{fmt(r[k]['same_round'])} ({fmt(r[k]['vs_honest_round'])})" if isinstance(r[k], dict) else fmt(r[k])
+                for k in RULES) + " |")
     if data.get("rounds"):
         lines += ["", "## A boosted (x100) client every round, 6 rounds, per rule", "",
                   "In-process engine, 3 clients, client 1 boosted in every round. Cell: rounds failed / uploads "
