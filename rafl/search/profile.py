@@ -96,10 +96,10 @@ class DeviceProfile(NoBoolNumbers):
 
     name: str = Field(..., min_length=1, description="a non-empty string")
     description: str = Field("", description="free text")
-    throughput_gmacs: float = Field(..., gt=0, le=1e9, allow_inf_nan=False,
-                                    description="a finite number > 0 and <= 1e9 (sustained fp32 GMAC/s on conv layers)")
-    mem_bandwidth_gbs: float = Field(..., gt=0, le=1e9, allow_inf_nan=False,
-                                     description="a finite number > 0 and <= 1e9 (sustained DRAM bandwidth, GB/s)")
+    throughput_gmacs: float = Field(..., ge=1e-6, le=1e9, allow_inf_nan=False,
+                                    description="a finite number > 0, in 1e-6..1e9 (sustained fp32 GMAC/s on conv layers)")
+    mem_bandwidth_gbs: float = Field(..., ge=1e-6, le=1e9, allow_inf_nan=False,
+                                     description="a finite number > 0, in 1e-6..1e9 (sustained DRAM bandwidth, GB/s)")
     layer_overhead_us: float = Field(0.0, ge=0, le=1e9, allow_inf_nan=False,
                                      description="a finite number >= 0 and <= 1e9 (fixed cost per layer, microseconds)")
     train_ram_mb: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False,
@@ -111,8 +111,8 @@ class DeviceProfile(NoBoolNumbers):
                                       description="a finite number > 0 and <= 1e9 (average power while computing, W)")
     latency_lut: str | None = Field(None, min_length=1,
                                     description="a path to a YAML written by `rafl profile --build-lut`")
-    batch_size: int = Field(32, gt=0, le=1_000_000, strict=True,
-                            description="an integer > 0 and <= 1000000 (local training batch size)")
+    batch_size: int = Field(32, gt=0, le=1024, strict=True,
+                            description="an integer > 0 and <= 1024 (local training batch size)")
     epoch_samples: int = Field(500, gt=0, le=10**9, strict=True,
                                description="an integer > 0 and <= 10**9 (training samples per local epoch)")
     budgets: Budgets = Field(default_factory=Budgets, description="a mapping of budgets")
