@@ -154,11 +154,28 @@ def aggregate(algo, accepted, state, server):
 
 
 def max_delta(a, b) -> float:
+    """Max |a - b| over the tensors of two payloads; per-class rows (``*values`` beside
+    ``*labels``) are compared on the classes both hold (a client left out may take a class away)."""
     keys = set(a.tensors) | set(b.tensors)
     if set(a.tensors) != set(b.tensors):
         return math.inf
-    return max((float((a.tensors[k].double() - b.tensors[k].double()).abs().max()) if a.tensors[k].numel() else 0.0)
-               for k in keys) if keys else 0.0
+    out = 0.0
+    for k in keys:
+        x, y = a.tensors[k], b.tensors[k]
+        lab = k[:-len("values")] + "labels" if k.endswith("values") else None
+        if x.shape != y.shape and lab in a.tensors:
+            rows_x = dict(zip(a.tensors[lab].tolist(), x))
+            rows_y = dict(zip(b.tensors[lab].tolist(), y))
+            common = sorted(set(rows_x) & set(rows_y))
+            x = torch.stack([rows_x[c] for c in common]) if common else torch.zeros(0)
+            y = torch.stack([rows_y[c] for c in common]) if common else torch.zeros(0)
+        elif x.shape != y.shape:
+            if k.endswith("labels"):
+                continue
+            return math.inf
+        if x.numel():
+            out = max(out, float((x.double() - y.double()).abs().max()))
+    return out
 
 
 def screen(fed, state, policy, results):
