@@ -86,16 +86,18 @@ class FedDF(Algorithm):
         members: dict[str, list[Payload]] = {}
         for u in uploads:
             members.setdefault(group_of(by_id[int(u.meta["client_id"])].model_key), []).append(u)
-        previous = {g: groups[g] for g in members}
+        # every upload's update from its group's previous global is norm-bounded over the whole round (a
+        # group may have one member, whose own median bounds nothing); the group averages and the
+        # teachers use the bounded states
+        bounded = clipped_states([u.tensors for u in uploads],
+                                 [groups[group_of(by_id[int(u.meta["client_id"])].model_key)] for u in uploads],
+                                 getattr(server, "aggregation", None))
+        of_upload = {id(u): b for u, b in zip(uploads, bounded)}
         for g, ups in members.items():
-            groups[g] = server_average([u.tensors for u in ups], ups, server, reference=groups[g])
+            groups[g] = server_average([of_upload[id(u)] for u in ups], ups, server, reference=groups[g])
         images = server.public_images
         logits = []
-        # every teacher's update from its group's previous global is norm-bounded like the averages
-        teachers = clipped_states([u.tensors for u in uploads], [previous[group_of(by_id[int(u.meta["client_id"])]
-                                                                                     .model_key)] for u in uploads],
-                                  getattr(server, "aggregation", None))
-        for u, weights in zip(uploads, teachers):
+        for u, weights in zip(uploads, bounded):
             teacher = server.make_model(client_id=int(u.meta["client_id"]))
             teacher.load_state_dict(weights)
             logits.append(predict_logits(teacher.to(server.device), images, device=server.device))
