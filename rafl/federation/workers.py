@@ -39,22 +39,24 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from rafl.errors import UserInputError
 from rafl.federation import progress
 from rafl.federation.payload import Payload
-from rafl.federation.screening import RejectedUpload, check_meta, raw_nbytes, raw_size
 from rafl.federation.runners import (
+    ClientRunner,
     InProcessClients,
+    RunnerFactory,
     client_context,
     evaluate_client,
     evaluate_group,
     initial_groups,
     train_client,
 )
+from rafl.federation.screening import RejectedUpload, check_meta, raw_nbytes, raw_size
 from rafl.federation.store import ClientStore
 
 
@@ -94,7 +96,7 @@ def resolve_workers(workers: int | None, n_sampled: int, device: torch.device) -
     return workers
 
 
-def runner(workers: int | None, n_sampled: int, device: torch.device):
+def runner(workers: int | None, n_sampled: int, device: torch.device) -> RunnerFactory:
     """The engine's default client runner factory ``(fed, store, seed) -> runner``:
     :class:`~rafl.federation.runners.InProcessClients` for one worker (:func:`resolve_workers`),
     else :class:`WorkerClients`."""
@@ -261,7 +263,7 @@ def _stop(workers: list[_Worker], kill: bool) -> None:
         w.conn.close()
 
 
-class WorkerClients:
+class WorkerClients(ClientRunner):
     """Runs the client steps in ``workers`` forked processes (see the module docstring).
 
     Args:
@@ -271,8 +273,11 @@ class WorkerClients:
         workers: number of processes (>= 1).
     """
 
+    shares_initial_evaluation: ClassVar[bool] = True
+
     def __init__(self, fed, store: ClientStore, seed: int, workers: int):
         self.fed, self.store, self.seed, self.n = fed, store, seed, int(workers)
+        self.upload_limits = {}
         self._ctx = multiprocessing.get_context("fork")
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop, self._workers, True)
