@@ -87,7 +87,10 @@ def honest_round(method: str, supernet: Path):
         torch.manual_seed(ctx.seed)
         _, up = algo.client_update(cstate, algo.client_broadcast(broadcast, fed.clients[cid]), ctx)
         uploads.append((cid, up))
-    server.round, server.aggregation = 1, AggregationRule()
+    from rafl.config import EngineConfig
+
+    default = EngineConfig()
+    server.round, server.aggregation = 1, AggregationRule(default.aggregation, default.trim_fraction, default.clip_norm)
     return fed, state, server, uploads, UploadPolicy()
 
 
@@ -148,11 +151,28 @@ def aggregate(algo, accepted, state, server):
 
 
 def max_delta(a, b) -> float:
+    """Max |a - b| over the tensors of two payloads; per-class rows (``*values`` beside
+    ``*labels``) are compared on the classes both hold (a client left out may take a class away)."""
     keys = set(a.tensors) | set(b.tensors)
     if set(a.tensors) != set(b.tensors):
         return math.inf
-    return max((float((a.tensors[k].double() - b.tensors[k].double()).abs().max()) if a.tensors[k].numel() else 0.0)
-               for k in keys) if keys else 0.0
+    out = 0.0
+    for k in keys:
+        x, y = a.tensors[k], b.tensors[k]
+        lab = k[:-len("values")] + "labels" if k.endswith("values") else None
+        if x.shape != y.shape and lab in a.tensors:
+            rows_x = dict(zip(a.tensors[lab].tolist(), x))
+            rows_y = dict(zip(b.tensors[lab].tolist(), y))
+            common = sorted(set(rows_x) & set(rows_y))
+            x = torch.stack([rows_x[c] for c in common]) if common else torch.zeros(0)
+            y = torch.stack([rows_y[c] for c in common]) if common else torch.zeros(0)
+        elif x.shape != y.shape:
+            if k.endswith("labels"):
+                continue
+            return math.inf
+        if x.numel():
+            out = max(out, float((x.double() - y.double()).abs().max()))
+    return out
 
 
 def screen(fed, state, policy, results):
@@ -167,7 +187,7 @@ def screen(fed, state, policy, results):
 def hostile_uploads(supernet: Path, methods: list[str]) -> dict:
     from rafl.errors import UserInputError
 
-    table, extra = {}, {}
+    table, extra, influence = {}, {}, {}
     for method in methods:
         t0 = time.perf_counter()
         fed, state, server, honest, policy = honest_round(method, supernet)
@@ -194,10 +214,12 @@ def hostile_uploads(supernet: Path, methods: list[str]) -> dict:
               f"{sum(r['outcome'] == 'accepted-harmless' for r in rows.values())} harmless, "
               f"{sum(r['outcome'] == 'accepted-harmful' for r in rows.values())} harmful "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        influence[method] = boosted_influence(fed, state, server, honest, policy)
+        print(f"  boosted x100 influence / largest honest: {influence[method]}", flush=True)
         if method in ("fedavg", "rafl"):
             extra[method] = claim_and_robust(fed, state, server, honest, policy)
     extra["memory"] = big_rejections(supernet)
-    return {"table": table, **extra}
+    return {"table": table, "influence": influence, **extra}
 
 
 def claim_and_robust(fed, state, server, honest, policy) -> dict:
@@ -236,6 +258,98 @@ def claim_and_robust(fed, state, server, honest, policy) -> dict:
     return {"honest_client_moves": moved(n[1]), "claim_1e12_moves": moved(10**12),
             "old_rule_attacker_share": old_share, "old_rule_measured_share": attacker_share,
             "boosted_x100_max_delta_by_rule": robust, "registered_n": n}
+
+
+RULES = ("mean", "median", "trimmed_mean", "norm_clip")
+
+
+def boosted_influence(fed, state, server, honest, policy) -> dict:
+    """Per ``engine.aggregation`` rule: how far client 1's boosted (x100) upload moves the server's
+    broadcast (leave-one-out: the max |delta| of the broadcast with it against the one without it)
+    over how far the most influential honest client moves it in the same round (``same_round``:
+    the same leave-one-out of clients 0 and 2), and over the most influential client of the round
+    had all three been honest (``vs_honest_round``); <= 1 meets the target "no single client
+    changes the global model more than the largest honest client"."""
+    from rafl.errors import UserInputError
+    from rafl.federation.aggregation import AggregationRule
+
+    algo = fed.algorithm
+    boosted = copy_upload(honest[1][1])
+    boosted.tensors = {k: v * 100 if v.is_floating_point() else v for k, v in boosted.tensors.items()}
+    out = {}
+    saved = server.aggregation
+    for name in RULES:
+        server.aggregation = AggregationRule(name, trim_fraction=0.34 if name == "trimmed_mean" else 0.1)
+        sent = [(0, copy_upload(honest[0][1])), (1, boosted), (2, copy_upload(honest[2][1]))]
+        clean = [(c, copy_upload(u)) for c, u in honest]
+
+        def agg(results):
+            return aggregate(algo, screen(fed, state, policy, results).accepted, state, server)
+
+        try:
+            attacked = agg(sent)
+            moves = [max_delta(attacked, agg([(c, u if c == 1 else copy_upload(u)) for c, u in sent if c != left]))
+                     for left in (0, 1, 2)]
+            everyone = agg(clean)
+            honest_moves = [max_delta(everyone, agg([(c, copy_upload(u)) for c, u in clean if c != h]))
+                            for h in (0, 1, 2)]
+            out[name] = {"same_round": moves[1] / max(moves[0], moves[2], 1e-30),
+                         "vs_honest_round": moves[1] / max(max(honest_moves), 1e-30)}
+        except UserInputError as err:  # the server step itself failed on the boosted upload
+            out[name] = f"server step failed: {str(err)[:80]}"
+
+    server.aggregation = saved
+    return out
+
+
+def boosted_rounds(supernet: Path, methods: list[str], rounds: int = 6) -> dict:
+    """``rounds`` rounds of the engine (in-process) for every method and rule, client 1 of 3 sending
+    its honest upload x100 every round: rounds failed, honest uploads rejected, the run's final
+    accuracy, against the same rule's run without the attacker."""
+    import shutil
+
+    from rafl.federation.algorithms import ALGORITHMS
+    from rafl.federation.run_config import load_run_config
+    from rafl.stages import federate
+
+    out: dict = {}
+    for method in methods:
+        base = ALGORITHMS[method]
+
+        class Boosted(base):  # client 1 sends its honest upload x100 (in range) every round
+            def client_update(self, state, broadcast, client):
+                state, up = super().client_update(state, broadcast, client)
+                if client.client_id == 1:
+                    up.tensors = {k: v * 100 if v.is_floating_point() else v for k, v in up.tensors.items()}
+                return state, up
+
+        Boosted.__name__ = base.__name__
+        for rule in RULES:
+            row = {}
+            for attacked in (False, True):
+                sets = [f"supernet.path={supernet}", "data.limit_per_class=10", "clients.n=3", f"engine.rounds={rounds}",
+                        f"engine.eval_every={rounds}", f"engine.aggregation={rule}", "engine.workers=1",
+                        f"algorithm.name={method}", "algorithm.local_epochs=1",
+                        *(["engine.trim_fraction=0.34"] if rule == "trimmed_mean" else []),
+                        *(SAME_MODEL if method in ("fedavg", "fedprox", "fednova") else THREE_MODELS)]
+                prep = federate.prepare(load_run_config(None, sets), progress=False)
+                if attacked:
+                    prep.federation.algorithm.__class__ = Boosted
+                run_dir = Path(tempfile.mkdtemp(prefix="rel-"))
+                try:
+                    from rafl.federation.engine import Engine
+
+                    summary = Engine(prep.federation, prep.engine_config, run_dir, progress=False).run()
+                    row["attacked" if attacked else "honest"] = {
+                        "acc": summary["final"].get("model.acc_mean_over_clients"),
+                        "failed_rounds": summary["failed_rounds"], "rejected": summary["rejected_uploads"]}
+                except Exception as err:  # noqa: BLE001 - recorded: a run error is a finding
+                    row["attacked" if attacked else "honest"] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+                finally:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+            out.setdefault(method, {})[rule] = row
+            print(f"{rounds} rounds, {method}, {rule}: {row}", flush=True)
+    return out
 
 
 def rss_mb() -> float:
@@ -289,6 +403,57 @@ def big_rejections(supernet: Path) -> dict:
         out[name] = {"rejected": 1 in res["r"].rejected, "seconds": seconds, "rss_growth_mb": grown,
                      "serializing_first": old}
         bad = res = None  # free the 400 MB before the next case
+    out.update(wire_rejections(fed, state, policy, honest))
+    return out
+
+
+def wire_rejections(fed, state, policy, honest) -> dict:
+    """Resident-set growth of the receiving side (worker processes' and Flower's path) while it
+    refuses: a 400 MB upload blob (the byte limit, before parsing), a blob whose header says
+    200 MB of metadata follow, a payload holding a 200 MB metadata string handed to the worker's
+    encoder (refused before serializing), and metadata of a type the wire format refuses."""
+    import json as _json
+
+    from safetensors.torch import save as st_save
+
+    from rafl.federation.payload import Payload
+    from rafl.federation.screening import RejectedUpload
+    from rafl.federation.workers import decode_upload, encode_upload
+
+    limit = policy.byte_limit(fed.algorithm.upload_spec(state, fed.clients[1]))
+    out = {}
+    blob = Payload({**honest[1][1].tensors, "junk": torch.zeros(100_000_000)}, dict(honest[1][1].meta)).to_bytes()
+    res = {}
+    seconds, grown = peak_rss_growth(lambda: res.update(r=decode_upload(blob, "client 1", limit)))
+    out["400 MB upload blob, received (workers / Flower)"] = {
+        "rejected": isinstance(res["r"], RejectedUpload), "seconds": seconds, "rss_growth_mb": grown,
+        "serializing_first": f"blob of {len(blob) / 1e6:.0f} MB already received"}
+    blob = None
+    head = b'{"__metadata__": {"rafl": "' + b"x" * 200_000_000 + b'"}}'
+    blob = len(head).to_bytes(8, "little") + head
+    head = None
+    seconds, grown = peak_rss_growth(lambda: res.update(r=decode_upload(blob, "client 1", None)))
+    out["200 MB metadata header, no byte limit"] = {
+        "rejected": isinstance(res["r"], RejectedUpload), "seconds": seconds, "rss_growth_mb": grown,
+        "serializing_first": (res["r"].reason[:80] if isinstance(res["r"], RejectedUpload) else "accepted")}
+    blob = None
+    bad = Payload(dict(honest[1][1].tensors), {**honest[1][1].meta, "s": "x" * 200_000_000})
+    seconds, grown = peak_rss_growth(lambda: res.update(r=encode_upload(bad, limit)))
+    out["200 MB metadata string, sent by a worker's client"] = {
+        "rejected": isinstance(res["r"], RejectedUpload), "seconds": seconds, "rss_growth_mb": grown,
+        "serializing_first": "refused before serializing" if isinstance(res["r"], RejectedUpload) else "sent"}
+    bad = None
+    wire = st_save({"w": torch.zeros(2)}, metadata={"rafl": _json.dumps({"m": {"a": 1}})})
+    got = decode_upload(wire, "client 1", limit)
+    inproc = copy_upload(honest[1][1])
+    inproc.meta["m"] = {"a": 1}
+    screened = screen(fed, state, policy, [(0, copy_upload(honest[0][1])), (1, inproc)])
+    out["dict metadata (wire-type), received"] = {
+        "rejected": isinstance(got, RejectedUpload), "seconds": 0.0, "rss_growth_mb": 0.0,
+        "serializing_first": (got.reason[:80] if isinstance(got, RejectedUpload) else "accepted")}
+    out["dict metadata (wire-type), in-process"] = {
+        "rejected": 1 in screened.rejected, "seconds": 0.0, "rss_growth_mb": 0.0,
+        "serializing_first": screened.rejected.get(1, "accepted").split(": ", 1)[-1][:80]}
     return out
 
 
@@ -452,6 +617,33 @@ def report(data: dict) -> str:
     for n, r in hu["table"]["fedavg"].items():
         if r["outcome"] == "rejected":
             lines.append(f"- {n}: `{r['reason']}`")
+    if hu.get("influence"):
+        lines += ["", "## A boosted (x100) upload's influence, per rule (round 1, leave-one-out)", "",
+                  "How far client 1's boosted upload moves the broadcast (max |delta| with and without it) over "
+                  "how far the most influential honest client of the same round moves it (the same leave-one-out), "
+                  "and in brackets over the most influential client of that round had all three been honest; "
+                  "<= 1 meets the target. Default rule: `norm_clip`. With 3 clients, removing one re-clips the "
+                  "other two (the lower median of two is the smaller), so values a little above 1 come from "
+                  "the measurement, not from the attacker's term, which is at most the largest honest term.", "",
+                  "| method | " + " | ".join(RULES) + " |", "|---|" + "---|" * len(RULES)]
+        for m, r in hu["influence"].items():
+            lines.append(f"| {m} | " + " | ".join(
+                f"{fmt(r[k]['same_round'])} ({fmt(r[k]['vs_honest_round'])})" if isinstance(r[k], dict) else fmt(r[k])
+                for k in RULES) + " |")
+    if data.get("rounds"):
+        lines += ["", "## A boosted (x100) client every round, 6 rounds, per rule", "",
+                  "In-process engine, 3 clients, client 1 boosted in every round. Cell: rounds failed / uploads "
+                  "rejected / final accuracy (mean over clients) with the attacker, then the same rule's run "
+                  "without it (tiny digits federation: 10 images per class, accuracies are noisy).", "",
+                  "| method | " + " | ".join(RULES) + " |", "|---|" + "---|" * len(RULES)]
+
+        def cell(r):
+            a, h = r.get("attacked", {}), r.get("honest", {})
+            if "error" in a:
+                return f"run error: {a['error'][:60]}"
+            return (f"{a['failed_rounds']} / {a['rejected']} / {fmt(a['acc'])} (honest {fmt(h.get('acc'))})")
+        for m, r in data["rounds"].items():
+            lines.append(f"| {m} | " + " | ".join(cell(r[k]) for k in RULES if k in r) + " |")
     lines += ["", "## A 10^12-sample claim", "",
               "| method | registered n | honest client moves the average (max abs) | the 10^12 claim moves it | "
               "attacker's share under weights from the claim |", "|---|---|---|---|---|"]
@@ -493,6 +685,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fuzz-examples", type=int, default=200)
     ap.add_argument("--skip-kill", action="store_true")
+    ap.add_argument("--skip-rounds", action="store_true", help="without the 6-round boosted runs (about 12 minutes)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated (fedavg and rafl are measured)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -507,8 +700,12 @@ def main() -> None:
         (RESULTS / "reliability.md").write_text(report(data))
 
     with tempfile.TemporaryDirectory() as tmp:
-        data["hostile"] = hostile_uploads(tiny_supernet(Path(tmp) / "supernet"), args.methods.split(","))
-    save()
+        supernet = tiny_supernet(Path(tmp) / "supernet")
+        data["hostile"] = hostile_uploads(supernet, args.methods.split(","))
+        save()
+        if not args.skip_rounds:
+            data["rounds"] = boosted_rounds(supernet, args.methods.split(","))
+            save()
     data["fuzz"] = fuzz(args.fuzz_examples)
     save()
     if not args.skip_kill:

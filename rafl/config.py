@@ -184,8 +184,9 @@ class EngineSection(_Strict):
                                    "then loses its clients for the round; raise it for slow devices or many clients "
                                    "per node)")
     aggregation: Literal["mean", "median", "trimmed_mean", "norm_clip"] = Field(
-        "mean", description="mean (sample-weighted), median or trimmed_mean (coordinate-wise, Yin et al. 2018) or "
-        "norm_clip (updates clipped to an L2 norm, Sun et al. 2019): how the weight-averaging methods merge uploads")
+        "norm_clip", description="norm_clip (every client's update clipped to an L2 norm, Sun et al. 2019; per-class "
+        "vectors to their class's median norm), mean (sample-weighted, unbounded), median or trimmed_mean "
+        "(coordinate-wise, Yin et al. 2018): how the server merges uploads")
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="a fraction in [0, 0.5) (trimmed_mean: the share "
                                  "of largest and of smallest values dropped per coordinate)")
     clip_norm: float | None = Field(None, gt=0, allow_inf_nan=False, description="a number > 0 or null (norm_clip: the L2 bound of an "

@@ -89,6 +89,10 @@ MAX_ALIASES = 1000
 MAX_EXPANDED_NODES = 1_000_000
 #: digits of one integer
 MAX_INT_DIGITS = 64
+#: values (scalars, sequences, mappings) written in one YAML document, before aliases are expanded;
+#: counted by libyaml's event parser before the document is composed (rafl's largest YAML files,
+#: latency LUTs, hold a few thousand)
+MAX_YAML_NODES = 100_000
 
 
 def _limit_error(message: str, source: str | Path | None, field: str | None = None):
@@ -161,10 +165,41 @@ def _expanded_nodes(root, source: str | Path | None) -> int:
     return size(root) if root is not None else 0
 
 
+def _prescan_yaml(text: str, source: str | Path | None) -> None:
+    """Count the values, aliases and nesting of ``text`` with libyaml's event parser (C; PyYAML's
+    pure-Python one where libyaml is missing) before any node is built, and refuse a document over
+    :data:`MAX_YAML_NODES`, :data:`MAX_ALIASES` or :data:`MAX_DEPTH`. Malformed YAML is left to the
+    composing loader, whose message names the line and column."""
+    parser = yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader
+    nodes = aliases = depth = 0
+    try:
+        for event in yaml.parse(text, Loader=parser):
+            if isinstance(event, yaml.AliasEvent):
+                aliases += 1
+                if aliases > MAX_ALIASES:
+                    raise _limit_error(f"uses more than {MAX_ALIASES} aliases (*name); allowed: at most {MAX_ALIASES}",
+                                       source)
+            elif isinstance(event, yaml.NodeEvent):
+                nodes += 1
+                if nodes > MAX_YAML_NODES:
+                    raise _limit_error(f"has more than {MAX_YAML_NODES} values (line {event.start_mark.line + 1}); "
+                                       f"allowed: at most {MAX_YAML_NODES} values in a YAML file", source)
+                if isinstance(event, yaml.CollectionStartEvent):
+                    depth += 1
+                    if depth > MAX_DEPTH:
+                        raise _limit_error(f"is nested deeper than {MAX_DEPTH} levels (line {event.start_mark.line + 1});"
+                                           f" allowed: at most {MAX_DEPTH}", source)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:
+        return
+
+
 def load_yaml(text: str, source: str | Path | None = None) -> Any:
     """Parse YAML (or JSON) ``text`` like ``yaml.safe_load``, refusing duplicate mapping keys and
-    documents over the limits (:data:`MAX_YAML_BYTES`, :data:`MAX_DEPTH`, :data:`MAX_ALIASES`,
-    :data:`MAX_EXPANDED_NODES`, :data:`MAX_INT_DIGITS`).
+    documents over the limits (:data:`MAX_YAML_BYTES`, :data:`MAX_YAML_NODES`, :data:`MAX_DEPTH`,
+    :data:`MAX_ALIASES`, :data:`MAX_EXPANDED_NODES`, :data:`MAX_INT_DIGITS`); the values, aliases
+    and nesting are counted by an event parser before any node is composed.
 
     Every YAML file rafl reads (device profiles, run configs, supernet train configs, arch files,
     latency LUTs) goes through here.
@@ -177,6 +212,7 @@ def load_yaml(text: str, source: str | Path | None = None) -> Any:
     """
     if len(text) > MAX_YAML_BYTES:
         raise _limit_error(f"has {len(text)} characters; allowed: at most {MAX_YAML_BYTES} in a YAML file", source)
+    _prescan_yaml(text, source)
     loader = _BoundedLoader(text)
     loader.rafl_source = source
     try:

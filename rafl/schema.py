@@ -17,8 +17,14 @@ def _accepts_bool(annotation: Any) -> bool:
     return any(_accepts_bool(a) for a in get_args(annotation))
 
 
+#: the largest magnitude of an integer in a validated document (every integer is exact as a float)
+MAX_INT = 2**53
+
+
 class NoBoolNumbers(BaseModel):
-    """A pydantic model whose number fields refuse booleans and NaN/Inf (run configs, device profiles)."""
+    """A pydantic model whose number fields refuse booleans, NaN/Inf and integers beyond
+    :data:`MAX_INT` in magnitude (run configs, device profiles): every integer field is bounded on
+    both sides, whatever its own range says."""
 
     model_config = ConfigDict(allow_inf_nan=False)
 
@@ -28,6 +34,9 @@ class NoBoolNumbers(BaseModel):
         """pydantic's lax mode reads ``True`` as 1 for int/float fields, and YAML turns ``yes``/``on``
         into ``True``: ``clients.n=yes`` would silently run one client. Booleans only where allowed."""
         items = value if isinstance(value, list | tuple) else [value]
+        if any(type(v) is int and abs(v) > MAX_INT for v in items):
+            raise ValueError("an integer of more than 53 bits; allowed: integers in -2**53..2**53"
+                             + (" (in the list)" if items is value else ""))
         if any(isinstance(v, bool) for v in items) and info.field_name is not None:
             field = cls.model_fields.get(info.field_name)
             if field is not None and not _accepts_bool(field.annotation):
@@ -35,4 +44,4 @@ class NoBoolNumbers(BaseModel):
         return value
 
 
-__all__ = ["NoBoolNumbers"]
+__all__ = ["MAX_INT", "NoBoolNumbers"]

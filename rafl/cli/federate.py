@@ -84,6 +84,25 @@ def print_table(summary: dict, run_dir: Path) -> None:
     con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 
+#: the exit status of a run that completed with failed rounds (bad input is 2, an interrupt 130/143)
+FAILED_ROUNDS_EXIT = 3
+
+
+def exit_failed_rounds(summary: dict, run_dir: Path) -> None:
+    """A run with failed rounds (``summary.json``'s ``failed_rounds``: rounds with fewer valid
+    uploads than ``engine.min_valid_uploads``, which changed no state) ends with exit status
+    :data:`FAILED_ROUNDS_EXIT` after one ``error:`` line per reason on stderr; its run dir is kept."""
+    failed = int(summary.get("failed_rounds", 0) or 0)
+    if not failed:
+        return
+    click.echo(f"error: {failed} of {summary['rounds']} round(s) failed (their uploads were refused; the "
+               f"server state was not changed by them); see rejected_reasons in {Path(run_dir) / 'metrics.jsonl'}",
+               err=True)
+    for why in summary.get("failed_round_reasons", [])[:5]:
+        click.echo(f"error: {why}", err=True)
+    raise click.exceptions.Exit(FAILED_ROUNDS_EXIT)
+
+
 def list_algorithms() -> str:
     """``rafl federate --list-algorithms``: every registered method (``algorithm.name``), its paper
     (the first sentence of its docstring), what it needs, and its hyperparameters with defaults."""
@@ -179,3 +198,4 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
     except (KeyboardInterrupt, SystemExit) as err:  # the stage said what was kept and how to continue
         raise exit_interrupted(err) from None
     print_table(summary, run_dir)
+    exit_failed_rounds(summary, run_dir)

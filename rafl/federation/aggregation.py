@@ -107,7 +107,7 @@ class AggregationRule:
             ``norm_clip`` (updates clipped to an L2 norm, Sun et al. 2019).
         trim_fraction: ``beta`` in ``[0, 0.5)``: ``floor(beta * m)`` largest and smallest values of
             every coordinate are dropped over ``m`` uploads.
-        clip_norm: ``M`` (> 0) for ``norm_clip``, or None: the median of the round's update norms.
+        clip_norm: ``M`` (> 0) for ``norm_clip``, or None: the lower median of the round's weighted update norms.
     """
 
     name: str = "mean"
@@ -150,10 +150,12 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
       for even ``m``); weights are not used (Yin et al. 2018, Def. 1).
     * ``trimmed_mean``: per coordinate, drop the ``b = floor(beta m)`` largest and smallest values
       and average the other ``m - 2b`` (Def. 2); weights are not used.
-    * ``norm_clip``: ``theta = ref + sum_l w_l * Delta_l * min(1, M / ||Delta_l||_2)`` with
-      ``Delta_l = theta_l - ref`` over the floating tensors of a state (its global L2 norm), and
-      ``M = rule.clip_norm`` or the median of the round's ``||Delta_l||``; integer tensors take
-      the weighted mean (Sun et al. 2019, Sec. 4). ``reference`` is the model the clients started
+    * ``norm_clip``: ``theta = ref + sum_l w_l * Delta_l * s_l`` with ``Delta_l = theta_l - ref``
+      over the floating tensors of a state (its global L2 norm) and ``s_l = min(1, M /
+      ||Delta_l||_2)`` for ``M = rule.clip_norm`` (Sun et al. 2019, Sec. 4); with no ``clip_norm``,
+      ``s_l = min(1, T / (w_l ||Delta_l||_2))`` for ``T`` the lower median of the round's terms
+      ``w_l ||Delta_l||_2``, so no client's term outweighs the largest honest one while fewer than
+      half are hostile. Integer tensors take the weighted mean. ``reference`` is the model the clients started
       from (the previous global); None when the states already are updates (a zero reference).
 
     Args:
@@ -191,12 +193,12 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
     floats = [k for k, v in states[0].items() if v.is_floating_point()]
     refs = {k: (reference[k].detach().to("cpu", torch.float64) if reference is not None
                 else torch.zeros(states[0][k].shape, dtype=torch.float64)) for k in floats}
-    norms = []
-    for s in states:
-        sq = sum(float(((s[k].detach().to("cpu", torch.float64) - refs[k]) ** 2).sum()) for k in floats)
-        norms.append(math.sqrt(sq))
-    bound = rule.clip_norm if rule.clip_norm is not None else float(torch.tensor(norms).median())
-    scale = [1.0 if nl <= bound or nl == 0 else bound / nl for nl in norms]
+    norms = update_norms(states, refs)
+    if rule.clip_norm is not None:
+        scale = clip_scales(norms, rule.clip_norm)
+    else:  # every client's term w_l * ||Delta_l|| at most the lower median term: no client outweighs an honest one
+        terms = [wi * n for wi, n in zip(w, norms)]
+        scale = clip_scales(terms)
     for key, ref in states[0].items():
         rows = _stacked(states, key)
         if key in refs:
@@ -205,6 +207,78 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
             acc = sum(wi * row for wi, row in zip(w, rows))
         out[key] = _cast(acc, ref)
     return out
+
+
+def update_norms(states: Sequence[Mapping[str, torch.Tensor]], references: Mapping[str, torch.Tensor] | Sequence[
+        Mapping[str, torch.Tensor]]) -> list[float]:
+    """``||theta_l - ref_l||_2`` of every state over the floating tensors its reference holds (the
+    global L2 norm of the update; Sun et al. 2019, Sec. 4).
+
+    Args:
+        states: ``m`` mappings ``name -> tensor`` (any shapes).
+        references: one mapping for all states, or one per state (e.g. FedDF's per-group globals);
+            only its keys are measured.
+
+    Returns:
+        ``m`` norms (float64 arithmetic)."""
+    per = references if isinstance(references, Sequence) else [references] * len(states)
+    out = []
+    for s, ref in zip(states, per):
+        sq = sum(float(((s[k].detach().to("cpu", torch.float64) - ref[k].detach().to("cpu", torch.float64)) ** 2)
+                       .sum()) for k in ref if s[k].is_floating_point())
+        out.append(math.sqrt(sq))
+    return out
+
+
+def clip_scales(norms: Sequence[float], bound: float | None = None) -> list[float]:
+    """The factor ``min(1, M / n_l)`` of every norm ``n_l``, ``M = bound`` or the lower median of
+    ``norms`` (for an even count the smaller middle value, so of 2 clients neither moves the result
+    further than the other; a minority of clients, however large, is bounded by an honest norm)."""
+    if not norms:
+        return []
+    m = bound if bound is not None else sorted(norms)[(len(norms) - 1) // 2]
+    return [1.0 if n <= m or n == 0 else m / n for n in norms]
+
+
+def clipped_states(states: Sequence[Mapping[str, torch.Tensor]], references: Sequence[Mapping[str, torch.Tensor]],
+                   rule: AggregationRule | None) -> list[dict[str, torch.Tensor]]:
+    """Every state with its update ``theta_l - ref_l`` clipped to the round's bound (``rule.clip_norm``
+    or the lower median of the update norms), floating tensors only: what a single client may
+    contribute beyond an average (FedDF's teachers, Lin et al. 2020 Alg. 1, each clipped before it
+    predicts). Under ``mean`` (or no rule) the states come back unchanged."""
+    if rule is None or rule.name == "mean":
+        return [dict(s) for s in states]
+    scales = clip_scales(update_norms(states, references), rule.clip_norm)
+    out = []
+    for s, ref, sc in zip(states, references, scales):
+        out.append({k: (ref[k].to(v.dtype) + sc * (v - ref[k].to(v.dtype))) if k in ref and v.is_floating_point()
+                    and sc < 1 else v for k, v in s.items()})
+    return out
+
+
+def bound_vectors(per_client: Sequence[Mapping[int, torch.Tensor]], server: Any) -> list[dict[int, torch.Tensor]]:
+    """Per-class vectors (prototypes, LARs, mean logits: ``{class id: (r,) float32}`` per client)
+    with every vector's L2 norm clipped to the median norm of its class over the round's clients
+    (the lower median; over all the round's vectors when fewer than 3 clients sent that class), the
+    norm bound of Sun et al. 2019 (Sec. 4) applied to the vectors the prototype and header methods
+    average or train on. Under ``mean`` (or no rule on ``server``) the vectors come back unchanged.
+
+    Returns:
+        one ``{class id: (r,) float32}`` per client, in order."""
+    rule = getattr(server, "aggregation", None)
+    if rule is None or rule.name == "mean":
+        return [dict(p) for p in per_client]
+    norms = {i: {c: float(v.detach().to(torch.float64).norm()) for c, v in p.items()} for i, p in enumerate(per_client)}
+    everything = [n for d in norms.values() for n in d.values()]
+    overall = sorted(everything)[(len(everything) - 1) // 2] if everything else 0.0
+    by_class: dict[int, list[float]] = {}
+    for d in norms.values():
+        for c, n in d.items():
+            by_class.setdefault(c, []).append(n)
+    bound = {c: (rule.clip_norm if rule.clip_norm is not None else
+                 sorted(ns)[(len(ns) - 1) // 2] if len(ns) >= 3 else overall) for c, ns in by_class.items()}
+    return [{c: (v * (bound[c] / norms[i][c])).to(v.dtype) if norms[i][c] > bound[c] else v for c, v in p.items()}
+            for i, p in enumerate(per_client)]
 
 
 def server_average(states: Sequence[Mapping[str, torch.Tensor]], uploads: Sequence[Payload], server: Any,
@@ -217,4 +291,4 @@ def server_average(states: Sequence[Mapping[str, torch.Tensor]], uploads: Sequen
 
 
 __all__ = ["weighted_average", "payload_weights", "MAX_SAMPLES", "AGGREGATIONS", "AggregationRule", "robust_average",
-           "server_average"]
+           "server_average", "update_norms", "clip_scales", "clipped_states", "bound_vectors"]

@@ -412,14 +412,20 @@ class Engine:
             sender=lambda c: f"client {c} (model {fed.clients[c].model_key}){self.clients.where(c)}",
             nonfinite_hint=DIVERGED_UPLOAD)
         uploads, bytes_up = screened.accepted, screened.bytes_up
+        # every upload of several clients refused: the server state they answered is suspect, not
+        # each client (a poisoned aggregate makes honest uploads outliers); one line says so below
+        suspect_server = not uploads and len(screened.rejected) > 1
         for cid, why in screened.rejected.items():
             self.store.pending.pop(cid, None)  # a rejected client's new state is not committed
-            warn(f"round {rnd}: rejected the upload of {why}")
+            if not suspect_server:
+                warn(f"round {rnd}: rejected the upload of {why}")
         round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
         if round_failed:  # too few valid uploads: the round changes no server or client state
             self.store.pending.clear()
-            warn(f"round {rnd} failed: {len(uploads)} valid upload(s), engine.min_valid_uploads is "
-                 f"{self.policy.min_valid_uploads}; the server state is unchanged")
+            why = failed_round_reason(rnd, len(results), len(uploads), self.policy.min_valid_uploads,
+                                      screened.rejected)
+            st.counters.setdefault("failed_round_reasons", []).append(why)
+            warn(f"{why}; the server state is unchanged")
         else:
             torch.manual_seed(self.seeds.server(rnd))
             ta = time.perf_counter()
@@ -464,6 +470,22 @@ class Engine:
                 counters["co_mb_to_target"] = row["cum_mb"]
                 counters["co_round"] = rnd
         return RoundResult(row=row, times=times, evaluation=evaluation)
+
+
+def failed_round_reason(rnd: int, uploaded: int, valid: int, needed: int, rejected: dict[int, str]) -> str:
+    """One line saying why round ``rnd`` failed: its valid uploads against ``engine.min_valid_uploads``
+    and the first rejection's reason; when every upload was rejected, also that the server state
+    they answered may be what is wrong (a poisoned aggregate makes honest uploads look like
+    outliers, so no client is blamed then)."""
+    line = f"round {rnd} failed: {valid} valid upload(s) of {uploaded}, engine.min_valid_uploads is {needed}"
+    if not rejected:
+        return line
+    first = rejected[min(rejected)]
+    line += f"; {len(rejected)} rejected, e.g. {first[:200]}"
+    if valid == 0 and uploaded > 1:
+        line += (f" (all {uploaded} clients were refused: the server state they trained from may be what is "
+                 "wrong, e.g. a poisoned aggregate; allowed: engine.aggregation norm_clip, median or trimmed_mean)")
+    return line
 
 
 # ---------------------------------------------------------------------- metrics
@@ -554,6 +576,7 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         "failures": counters["failures"],
         "rejected_uploads": counters.get("rejected", 0),
         "failed_rounds": counters.get("failed_rounds", 0),
+        **({"failed_round_reasons": counters["failed_round_reasons"]} if counters.get("failed_round_reasons") else {}),
         "clients": clients,
         "time_s": tot,
         "engine_overhead_share": eng / tot if tot > 0 else 0.0,
@@ -575,6 +598,6 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
-__all__ = ["Engine", "EngineConfig", "eval_coverage", "participation", "RoundResult", "RoundTimes", "RunState",
+__all__ = ["Engine", "EngineConfig", "eval_coverage", "failed_round_reason", "participation", "RoundResult", "RoundTimes", "RunState",
            "summarize_eval", "summarize_untrained",
            "make_summary", "RunObserver", "sample_clients", "sporadic_update"]

@@ -42,7 +42,11 @@ MetaValue = Union[int, float, str, bool, list[int], list[float]]
 _META_KEY = "rafl"
 
 
-def _check_meta_value(key: str, value: object) -> None:
+def check_meta_value(key: str, value: object) -> None:
+    """Refuse a metadata value the wire format does not carry (:data:`MetaValue`).
+
+    Raises:
+        UserInputError: naming ``payload.meta.<key>`` and the allowed types."""
     if isinstance(value, (bool, int, float, str)):
         return
     if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -75,7 +79,7 @@ class Payload:
     def __post_init__(self) -> None:
         self.tensors = {str(k): v.detach().to("cpu") for k, v in self.tensors.items()}
         for k, v in self.meta.items():
-            _check_meta_value(k, v)
+            check_meta_value(k, v)
         self.meta = {str(k): (list(v) if isinstance(v, tuple) else v) for k, v in self.meta.items()}
 
     # ------------------------------------------------------------------ helpers
@@ -115,15 +119,45 @@ class Payload:
         return _st_save(tensors, metadata={_META_KEY: json.dumps(dict(self.meta), sort_keys=True)})
 
     @classmethod
-    def from_bytes(cls, data: bytes, source: str | None = None) -> Payload:
-        """Inverse of :meth:`to_bytes`. Raises UserInputError on a truncated/corrupt blob."""
+    def from_bytes(cls, data: bytes, source: str | None = None, max_bytes: int | None = None) -> Payload:
+        """Inverse of :meth:`to_bytes`, checking the blob before any tensor is allocated.
+
+        In order: the blob's length (at most ``max_bytes``), the 8-byte header length (at most
+        :data:`MAX_HEADER_BYTES` and within the blob), the JSON header (an object; every tensor's
+        dtype one safetensors writes, its shape whole numbers >= 0, its ``data_offsets`` within
+        the blob and of exactly ``prod(shape) * itemsize`` bytes), the metadata (a JSON object of
+        :data:`MetaValue` s); only then are the tensors read.
+
+        Args:
+            data: the wire blob (b"" is the empty payload).
+            source: who sent it, for the error (e.g. ``"client 3"``).
+            max_bytes: the largest blob accepted, or None.
+
+        Raises:
+            UserInputError: a blob over ``max_bytes`` or :data:`MAX_HEADER_BYTES` of header, a
+                truncated or corrupt blob, or metadata of a type not allowed, naming ``source``.
+        """
         if not data:
             return cls()
+        size = len(data)
+        if max_bytes is not None and size > max_bytes:
+            raise UserInputError(f"holds {size} bytes; allowed: at most {max_bytes} (engine.max_upload_mb)",
+                                 source=source)
+        header = _checked_header(data, source)
         try:
-            tensors = _st_load(data)
-            header_len = int.from_bytes(data[:8], "little")
-            header = json.loads(data[8:8 + header_len])
             meta = json.loads(header.get("__metadata__", {}).get(_META_KEY, "{}"))
+        except ValueError:
+            raise UserInputError("corrupt payload (its metadata is not JSON)", source=source) from None
+        if not isinstance(meta, dict):
+            raise UserInputError(f"corrupt payload (its metadata is a {type(meta).__name__}; allowed: a JSON "
+                                 "object)", source=source)
+        for k, v in meta.items():
+            try:
+                check_meta_value(k, v)
+            except UserInputError as err:
+                raise UserInputError(err.message, source=source, field=err.field) from None
+        try:
+            tensors = _st_load(bytes(data))
         except Exception as err:  # safetensors raises its own error types
             raise UserInputError(f"corrupt or truncated payload ({err.__class__.__name__})",
                                  source=source) from None
@@ -223,9 +257,54 @@ class CountedPayload(Payload):
         return self
 
 
+#: the largest safetensors header (tensor names, dtypes, shapes, offsets, metadata) a payload may have
+MAX_HEADER_BYTES = 16 << 20
+#: bytes per element of the dtypes safetensors writes
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+
+
+def _checked_header(data: bytes, source: str | None) -> dict:
+    """The JSON header of the safetensors blob ``data``, checked against the blob's length before
+    anything else is read (``Payload.from_bytes``'s checks)."""
+    def corrupt(why: str) -> UserInputError:
+        return UserInputError(f"corrupt or truncated payload ({why})", source=source)
+
+    size = len(data)
+    if size < 8:
+        raise corrupt(f"{size} bytes, not even the 8-byte header length")
+    n = int.from_bytes(bytes(data[:8]), "little")
+    if n > MAX_HEADER_BYTES:
+        raise UserInputError(f"has a header of {n} bytes; allowed: at most {MAX_HEADER_BYTES} (names, shapes and "
+                             "metadata)", source=source)
+    if 8 + n > size:
+        raise corrupt(f"a header of {n} bytes in a blob of {size}")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+    except ValueError:
+        raise corrupt("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    body = size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise corrupt("its __metadata__ is not a mapping of strings")
+            continue
+        ok = isinstance(entry, dict) and entry.get("dtype") in _ITEMSIZE
+        shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if ok else (None, None)
+        ok = ok and isinstance(shape, list) and len(shape) <= 64 and all(
+            type(d) is int and 0 <= d < 2**62 for d in shape)
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        if not ok or not 0 <= offsets[0] <= offsets[1] <= body \
+                or offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[entry["dtype"]]:
+            raise corrupt(f"tensor {str(name)[:60]!r} does not fit its blob")
+    return header
+
+
 def _counted(tensors: dict, meta: dict, nbytes: int) -> CountedPayload:
     """Unpickle a :class:`CountedPayload`."""
     return CountedPayload(Payload(tensors, meta), nbytes)
 
 
-__all__ = ["Payload", "CountedPayload", "MetaValue"]
+__all__ = ["Payload", "CountedPayload", "MetaValue", "MAX_HEADER_BYTES", "check_meta_value"]

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.payload import Payload
+from rafl.federation.payload import Payload, check_meta_value
 
 #: the tensor dtypes an upload may hold
 ALLOWED_DTYPES = (torch.float32, torch.int32, torch.int64)
@@ -91,6 +91,29 @@ def raw_nbytes(upload: Payload) -> int:
     for k, v in upload.meta.items():
         size += len(k) + (len(v) if isinstance(v, str) else 24 * len(v) if isinstance(v, (list, tuple)) else 24)
     return size
+
+
+def raw_size(upload: Any) -> int:
+    """:func:`raw_nbytes` of ``upload``, or 0 when it is not a readable :class:`Payload`."""
+    try:
+        return raw_nbytes(upload)
+    except Exception:  # noqa: BLE001 - an object that is no payload: nothing countable was received
+        return 0
+
+
+def check_meta(upload: Payload) -> None:
+    """Every metadata key a string and every value of a type the wire format carries (``int``,
+    ``float``, ``str``, ``bool``, a flat list of numbers): what :class:`Payload` checks when it is
+    built, again on what a client hands over (its ``meta`` may have changed since).
+
+    Raises:
+        UserInputError: naming the key (``field``) and the allowed types."""
+    if not isinstance(upload, Payload):
+        raise UserInputError(f"is a {type(upload).__name__}; allowed: a Payload")
+    for key, value in upload.meta.items():
+        if not isinstance(key, str):
+            raise UserInputError(f"metadata key of type {type(key).__name__}; allowed: str")
+        check_meta_value(key, value)
 
 
 def check_values(upload: Payload, max_abs: float) -> None:
@@ -181,20 +204,26 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
             out.rejected[cid] = f"payload from {sender(cid)}: {upload.reason}"
             out.bytes_rejected += upload.nbytes
             continue
-        size = raw_nbytes(upload)
         try:
+            size = raw_nbytes(upload)
             if size > limits[cid]:
                 raise UserInputError(f"holds {size} bytes; allowed: at most {limits[cid]} (engine.max_upload_mb)")
+            check_meta(upload)
             check_values(upload, policy.max_abs_value)
             upload.validate(algorithm.upload_spec(server_state, info))
             algorithm.check_upload(upload, server_state, info, n_classes)
+            sent = upload.count()  # what was sent; frozen from here on
         except UserInputError as err:
             hint = nonfinite_hint if "NaN or Inf" in err.message else ""
             out.rejected[cid] = UserInputError(err.message + hint, source=f"payload from {sender(cid)}",
                                                field=err.field).__str__()
-            out.bytes_rejected += size
+            out.bytes_rejected += raw_size(upload)
             continue
-        sent = upload.count()  # what was sent; frozen from here on
+        except Exception as err:  # noqa: BLE001 - anything else a client's object does is its upload's fault
+            out.rejected[cid] = f"payload from {sender(cid)}: not a valid payload ({type(err).__name__}: " \
+                                f"{str(err)[:120]})"
+            out.bytes_rejected += raw_size(upload)
+            continue
         out.bytes_up += sent.nbytes()
         claim = sent.meta.get("n_samples")
         if "n_samples" in sent.meta and (type(claim) is not int or claim != info.n_samples):
@@ -204,5 +233,5 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
     return out
 
 
-__all__ = ["ALLOWED_DTYPES", "INT_MAX", "UploadPolicy", "raw_nbytes", "check_values", "Screened", "RejectedUpload",
+__all__ = ["ALLOWED_DTYPES", "INT_MAX", "UploadPolicy", "raw_nbytes", "raw_size", "check_meta", "check_values", "Screened", "RejectedUpload",
            "screen_uploads"]

@@ -56,6 +56,7 @@ from rafl.federation.runners import (
     initial_groups,
     train_client,
 )
+from rafl.federation.screening import RejectedUpload, check_meta, raw_nbytes, raw_size
 from rafl.federation.store import ClientStore
 
 
@@ -158,13 +159,13 @@ def _serve(conn, fed, store_dir: str, seed: int) -> None:
         if kind == "forget":
             downloads.clear()
             continue
-        _, rnd, cid, committed, key = msg
+        _, rnd, cid, committed, key, limit = msg
         store.committed = dict(committed)
         store.pending = {}
         try:
             if kind == "train":
                 upload, seconds = train_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
-                result: Any = (upload.to_bytes(), seconds)
+                result: Any = (encode_upload(upload, limit), seconds)
             elif kind == "evaluate":
                 result = evaluate_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
             else:  # "initial": cid is a group of never-trained clients
@@ -172,6 +173,35 @@ def _serve(conn, fed, store_dir: str, seed: int) -> None:
             conn.send(("ok", result))
         except Exception as err:  # noqa: BLE001 -- the run's process re-raises it
             conn.send(("error", _portable_error(err), traceback.format_exc()))
+
+
+def encode_upload(upload: Any, limit: int | None) -> bytes | RejectedUpload:
+    """A client's upload as the bytes the run's process receives, or the reason it is refused
+    before any byte of it crosses: metadata of a type the wire format does not carry
+    (:func:`rafl.federation.screening.check_meta`), more than ``limit`` bytes (counted without
+    serializing, :func:`rafl.federation.screening.raw_nbytes`), or anything that fails to serialize.
+    The run's process screens what it receives as any other upload."""
+    try:
+        check_meta(upload)
+        size = raw_nbytes(upload)
+        if limit is not None and size > limit:
+            return RejectedUpload(f"holds {size} bytes; allowed: at most {limit} (engine.max_upload_mb)", size)
+        return upload.to_bytes()
+    except UserInputError as err:
+        return RejectedUpload(str(err), raw_size(upload))
+    except Exception as err:  # noqa: BLE001 - what the client handed over does not serialize: its upload's fault
+        return RejectedUpload(f"not a valid payload ({type(err).__name__}: {str(err)[:120]})", raw_size(upload))
+
+
+def decode_upload(data: bytes | RejectedUpload, sender: str, limit: int | None) -> Payload | RejectedUpload:
+    """What :func:`encode_upload` sent, as a payload (:meth:`Payload.from_bytes`: the size and the
+    header checked before a tensor is allocated) or the reason it is refused."""
+    if isinstance(data, RejectedUpload):
+        return data
+    try:
+        return Payload.from_bytes(data, sender, max_bytes=limit)
+    except UserInputError as err:
+        return RejectedUpload(err.message if err.field is None else f"{err.field}: {err.message}", len(data))
 
 
 class _Worker:
@@ -262,6 +292,8 @@ class WorkerClients(ClientRunner):
         self._ctx = multiprocessing.get_context("fork")
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop, self._workers, True)
+        #: client id -> the largest upload accepted (set by the engine every round): checked in the worker
+        self.upload_limits: dict[int, int] = {}
 
     # ------------------------------------------------------------------ pool
     def _spawn(self) -> _Worker:
@@ -346,7 +378,7 @@ class WorkerClients(ClientRunner):
                         w.sent.add(key)
                     ids = who if isinstance(who, list) else [who]
                     committed = {c: self.store.committed[c] for c in ids if c in self.store.committed}
-                    w.conn.send((kind, rnd, who, committed, key))
+                    w.conn.send((kind, rnd, who, committed, key, self.upload_limits.get(who) if kind == "train" else None))
                     w.job = (i,)
             busy = [w for w in self._workers if w.job is not None]
             ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=0.5)
@@ -404,7 +436,7 @@ class WorkerClients(ClientRunner):
         uploads = []
         for i, (cid, _) in enumerate(jobs):
             if i in results:
-                uploads.append((cid, Payload.from_bytes(results[i][0])))
+                uploads.append((cid, decode_upload(results[i][0], f"client {cid}", self.upload_limits.get(cid))))
                 self.store.pending[cid] = rnd
         return uploads, {jobs[i][0]: why for i, why in failed.items()}, time.perf_counter() - t0
 

@@ -60,13 +60,17 @@ class Budgets(NoBoolNumbers):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    macs_m: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (millions of MACs)")
-    params_m: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (millions of parameters)")
-    peak_memory_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (MiB)")
-    train_memory_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (MiB)")
-    latency_ms: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (milliseconds per image)")
-    energy_mj: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (millijoules per image)")
-    energy_per_epoch_j: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (joules per epoch)")
+    macs_m: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False, description="a finite number > 0 and <= 1e9 (millions of MACs)")
+    params_m: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False,
+                                   description="a finite number > 0 and <= 1e9 (millions of parameters)")
+    peak_memory_mb: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False, description="a finite number > 0 and <= 1e9 (MiB)")
+    train_memory_mb: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False, description="a finite number > 0 and <= 1e9 (MiB)")
+    latency_ms: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False,
+                                     description="a finite number > 0 and <= 1e9 (milliseconds per image)")
+    energy_mj: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False,
+                                    description="a finite number > 0 and <= 1e12 (millijoules per image)")
+    energy_per_epoch_j: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False,
+                                             description="a finite number > 0 and <= 1e12 (joules per epoch)")
 
     def items(self) -> list[tuple[str, float]]:
         """The budgets that are set, as ``(name, limit)`` pairs, in field order."""
@@ -92,18 +96,25 @@ class DeviceProfile(NoBoolNumbers):
 
     name: str = Field(..., min_length=1, description="a non-empty string")
     description: str = Field("", description="free text")
-    throughput_gmacs: float = Field(..., gt=0, allow_inf_nan=False, description="a finite number > 0 (sustained fp32 GMAC/s on conv layers)")
-    mem_bandwidth_gbs: float = Field(..., gt=0, allow_inf_nan=False, description="a finite number > 0 (sustained DRAM bandwidth, GB/s)")
-    layer_overhead_us: float = Field(0.0, ge=0, allow_inf_nan=False, description="a finite number >= 0 (fixed cost per layer, microseconds)")
-    train_ram_mb: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (RAM available for training, MiB)")
-    energy_pj_per_mac: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (pJ per MAC)")
-    energy_pj_per_dram_byte: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (pJ per DRAM byte)")
-    avg_power_w: float | None = Field(None, gt=0, allow_inf_nan=False, description="a finite number > 0 (average power while computing, W)")
+    throughput_gmacs: float = Field(..., ge=1e-6, le=1e9, allow_inf_nan=False,
+                                    description="a finite number > 0, in 1e-6..1e9 (sustained fp32 GMAC/s on conv layers)")
+    mem_bandwidth_gbs: float = Field(..., ge=1e-6, le=1e9, allow_inf_nan=False,
+                                     description="a finite number > 0, in 1e-6..1e9 (sustained DRAM bandwidth, GB/s)")
+    layer_overhead_us: float = Field(0.0, ge=0, le=1e9, allow_inf_nan=False,
+                                     description="a finite number >= 0 and <= 1e9 (fixed cost per layer, microseconds)")
+    train_ram_mb: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False,
+                                       description="a finite number > 0 and <= 1e9 (RAM available for training, MiB)")
+    energy_pj_per_mac: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False, description="a finite number > 0 and <= 1e9 (pJ per MAC)")
+    energy_pj_per_dram_byte: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False,
+                                                  description="a finite number > 0 and <= 1e9 (pJ per DRAM byte)")
+    avg_power_w: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False,
+                                      description="a finite number > 0 and <= 1e9 (average power while computing, W)")
     latency_lut: str | None = Field(None, min_length=1,
                                     description="a path to a YAML written by `rafl profile --build-lut`")
-    batch_size: int = Field(32, gt=0, strict=True, description="an integer > 0 (local training batch size)")
-    epoch_samples: int = Field(500, gt=0, strict=True,
-                               description="an integer > 0 (training samples per local epoch)")
+    batch_size: int = Field(32, gt=0, le=1024, strict=True,
+                            description="an integer > 0 and <= 1024 (local training batch size)")
+    epoch_samples: int = Field(500, gt=0, le=10**9, strict=True,
+                               description="an integer > 0 and <= 10**9 (training samples per local epoch)")
     budgets: Budgets = Field(default_factory=Budgets, description="a mapping of budgets")
 
     # where the profile was read from (for relative latency_lut paths and messages); not a field

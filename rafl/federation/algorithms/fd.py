@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from rafl.federation.aggregation import bound_vectors
 from rafl.federation.algorithms.base import ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, bounded
 from rafl.federation.algorithms.prototype_family import ClassMeans, ClassMeansHparams, PrototypeFamily
@@ -58,7 +59,8 @@ class FD(PrototypeFamily):
         return logit_regularizer(targets, float(self.hparams["gamma"])), "gamma"
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
-        return self.merge(server_state, [(from_payload(u.tensors, LOGIT), None) for u in uploads])  # equal weights
+        bounded = bound_vectors([from_payload(u.tensors, LOGIT) for u in uploads], server)  # engine.aggregation
+        return self.merge(server_state, [(p, None) for p in bounded])  # equal weights
 
     def check_upload(self, upload, server_state, client, n_classes):
         """Mean logits: ``logit.values (S, K)``, ``logit.labels (S,)`` distinct class ids < K

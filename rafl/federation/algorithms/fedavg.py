@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from rafl.federation.aggregation import payload_weights, server_average
+from rafl.federation.aggregation import clip_scales, payload_weights, server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded
@@ -138,7 +138,11 @@ class FedNova(FedAvg):
         old = server_state["global"]
         model = server.make_model(client_id=int(uploads[0].meta["client_id"]))
         params = {k for k, _ in model.named_parameters()}
-        tau_eff = sum(pi * float(u.meta["a_norm"]) for pi, u in zip(p, uploads))
+        a_norms = [float(u.meta["a_norm"]) for u in uploads]
+        rule = getattr(server, "aggregation", None)
+        if rule is not None and rule.name != "mean":  # a claimed a_norm scales the step: bounded like the updates
+            a_norms = [a * s for a, s in zip(a_norms, clip_scales(a_norms))]
+        tau_eff = sum(pi * a for pi, a in zip(p, a_norms))
         # params travel as normalized updates (reference 0), buffers as values (reference: the old ones)
         avg = server_average([u.tensors for u in uploads], uploads, server,
                              reference={k: torch.zeros_like(v) if k in params else v for k, v in old.items()})

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.aggregation import server_average
+from rafl.federation.aggregation import clipped_states, server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded
@@ -86,13 +86,20 @@ class FedDF(Algorithm):
         members: dict[str, list[Payload]] = {}
         for u in uploads:
             members.setdefault(group_of(by_id[int(u.meta["client_id"])].model_key), []).append(u)
+        # every upload's update from its group's previous global is norm-bounded over the whole round (a
+        # group may have one member, whose own median bounds nothing); the group averages and the
+        # teachers use the bounded states
+        bounded = clipped_states([u.tensors for u in uploads],
+                                 [groups[group_of(by_id[int(u.meta["client_id"])].model_key)] for u in uploads],
+                                 getattr(server, "aggregation", None))
+        of_upload = {id(u): b for u, b in zip(uploads, bounded)}
         for g, ups in members.items():
-            groups[g] = server_average([u.tensors for u in ups], ups, server, reference=groups[g])
+            groups[g] = server_average([of_upload[id(u)] for u in ups], ups, server, reference=groups[g])
         images = server.public_images
         logits = []
-        for u in uploads:
+        for u, weights in zip(uploads, bounded):
             teacher = server.make_model(client_id=int(u.meta["client_id"]))
-            teacher.load_state_dict(u.tensors)
+            teacher.load_state_dict(weights)
             logits.append(predict_logits(teacher.to(server.device), images, device=server.device))
         targets = torch.stack(logits).mean(0)
         hp = self.hparams

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import UserInputError, shown
+from rafl.federation.aggregation import bound_vectors
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded, choice
@@ -220,7 +221,8 @@ class FedGH(Algorithm):
         hp = self.hparams
         ordered = sorted(uploads, key=lambda u: int(u.meta.get("client_id", 0)))  # client-id order
         header = copy.deepcopy(common_header_module(server, server_state["head"]))
-        train_global_header(header, [from_payload(u.tensors, LAR) for u in ordered], lr=hp["server_lr"],
+        train_global_header(header, bound_vectors([from_payload(u.tensors, LAR) for u in ordered], server),
+                            lr=hp["server_lr"],
                             epochs=hp["server_epochs"], mode=hp["server_mode"],
                             max_grad_norm=hp["server_max_grad_norm"], device=server.device)
         head = {k: v.detach().cpu().clone() for k, v in header.state_dict().items()}

@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from rafl.errors import UserInputError
+from rafl.federation.aggregation import bound_vectors
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, bounded, choice
 from rafl.federation.algorithms.prototype_family import PROTOTYPE, ClassMeansHparams, PrototypeFamily
@@ -60,9 +61,10 @@ class FedProto(PrototypeFamily):
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         items = []
-        for u in uploads:
+        bounded = bound_vectors([from_payload(u.tensors, PROTO) for u in uploads], server)  # engine.aggregation
+        for u, protos in zip(uploads, bounded):
             counts = dict(zip(u.tensors[PROTO + "labels"].tolist(), u.tensors[PROTO + "counts"].tolist()))
-            items.append((from_payload(u.tensors, PROTO), counts))
+            items.append((protos, counts))
         return self.merge(server_state, items)  # Eq. 6 for the classes held this round
 
     def check_upload(self, upload, server_state, client, n_classes):

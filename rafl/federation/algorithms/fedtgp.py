@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import warn
+from rafl.federation.aggregation import bound_vectors
 from rafl.federation.algorithms._common import cpu_state
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, bounded, choice, width
@@ -156,7 +157,7 @@ class FedTGP(PrototypeFamily):
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         hp = self.hparams
-        per_client = [from_payload(u.tensors, PROTO) for u in uploads]
+        per_client = bound_vectors([from_payload(u.tensors, PROTO) for u in uploads], server)  # engine.aggregation
         seen = sorted(set(server_state["seen"]) | {c for p in per_client for c in p})
         net_state = server_state["net"]
         dim = net_state["embedding.weight"].shape[1]
