@@ -8,10 +8,11 @@ here (one client after the other, in this process), :class:`rafl.federation.work
 and :func:`evaluate_client`, and for clients that never trained the shared evaluation per
 architecture (:func:`evaluate_untrained`). So the backends draw the same numbers.
 
-A runner has the interface of :class:`InProcessClients`: ``train(rnd, jobs)``, ``evaluate(rnd,
-ids, broadcast)``, ``where(cid)``, optionally ``evaluate_untrained(rnd, ids, broadcast)``,
-``close()``, ``take_traffic()`` (a runner that sends messages) and ``upload_limits`` (a runner that
-checks wire bytes unparsed).
+Every runner is a :class:`ClientRunner`: ``train(rnd, jobs)`` and ``evaluate(rnd, ids,
+broadcast)``, plus hooks with defaults: ``evaluate_untrained`` (where
+:attr:`ClientRunner.shares_initial_evaluation`), ``where(cid)``, ``take_traffic()`` (a runner
+that sends messages), ``upload_limits`` (a runner that checks wire bytes unparsed) and ``close()``.
+The engine gets one from a :data:`RunnerFactory`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.payload import Payload
 from rafl.federation.progress import report
+from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore
 
 #: Test samples per batch of the shared evaluation of never-trained clients.
@@ -56,9 +59,8 @@ class Federation:
         clients: the population's :class:`ClientInfo` (ids 0..n-1, in order).
         loaders: :data:`LoaderFactory`.
         client_model: :data:`ClientModelFactory`.
-        server: the :class:`ServerContext` (its ``round``/``rng`` are set by the engine).
+        server: the :class:`ServerContext` (its ``round`` and ``seed`` are set by the engine).
         n_classes: number of classes.
-        hparams: the algorithm's hyperparameters (copied into every context).
         device: torch device of local computation.
     """
 
@@ -68,15 +70,15 @@ class Federation:
     client_model: ClientModelFactory
     server: ServerContext
     n_classes: int
-    hparams: dict[str, Any] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
     """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
-    loaders and ``rng`` seeded by ``seed_of(seed, cid, rnd)``. Every runner (in this process, or a
+    loaders and ``seed`` from the run's seed tree (:meth:`~rafl.federation.seeds.SeedTree.client`). Every runner (in this process, or a
     Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
-    cseed = seed_of(seed, cid, rnd)
+    tree = SeedTree(seed)
+    cseed = tree.client(rnd, cid)
     info = fed.clients[cid]
     return ClientContext(
         info=info,
@@ -84,8 +86,8 @@ def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientCont
         train_loader=fed.loaders(cid, "train", cseed),
         val_loader=fed.loaders(cid, "val", cseed),
         test_loader=fed.loaders(cid, "test", cseed),
-        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=seed_of(seed, cid, 1),
-        rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
+        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=tree.client_init(cid),
+        round=rnd, space=fed.server.space)
 
 
 @contextlib.contextmanager
@@ -138,9 +140,32 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
     return upload, seconds
 
 
+#: the suffix of a model's name in the evaluation contract when it is scored on the held-out
+#: global test set (``model@global.correct``): the global-accuracy protocol beside the
+#: personalized one (the client's own test split, ``model.correct``)
+GLOBAL_SUFFIX = "@global"
+
+
+def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str, float]:
+    """``evaluate`` of a prepared client state on the client's own test split, and, when the
+    federation has a held-out global test set (``fed.loaders(cid, "global", seed)``), on it too,
+    its models renamed ``m@global`` (:data:`GLOBAL_SUFFIX`)."""
+    algo = fed.algorithm
+    out = dict(algo.evaluate(state, ctx))
+    held = fed.loaders(ctx.client_id, "global", ctx.seed)
+    if held is not None:
+        counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
+        for key, value in counts.items():
+            model, dot, stat = key.rpartition(".")
+            if dot and stat in ("correct", "total"):
+                out[f"{model}{GLOBAL_SUFFIX}.{stat}"] = value
+    return out
+
+
 def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
     """Evaluate the client's committed state (``prepare_evaluation`` with its view of
-    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``.
+    ``broadcast``, then ``evaluate``, :func:`evaluate_state`): the evaluation contract's
+    ``m.correct``/``m.total`` (and ``m@global.*`` with a global test set).
 
     Raises:
         UserInputError: from the method (e.g. a stored state that does not fit the model), naming
@@ -150,17 +175,81 @@ def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, bro
     with naming_client(ctx):
         state = load_or_init(fed, store, ctx)
         state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
-        return algo.evaluate(state, ctx)
+        return evaluate_state(fed, state, ctx)
 
 
-class InProcessClients:
+#: ``(client id, upload)`` pairs in job order, the clients lost with the reason, and the seconds of
+#: client computation: what :meth:`ClientRunner.train` returns
+Trained = tuple[list[tuple[int, Payload]], dict[int, str], float]
+#: per-client evaluation counts (the evaluation contract) and the clients lost with the reason
+Evaluated = tuple[dict[int, dict[str, float]], dict[int, str]]
+
+
+class ClientRunner(ABC):
+    """Whoever runs a round's client steps for the :class:`~rafl.federation.engine.Engine`: in this
+    process (:class:`InProcessClients`), in forked processes
+    (:class:`rafl.federation.workers.WorkerClients`) or as Flower ClientApps
+    (:class:`rafl.federation.flower_runner.FlowerClients`). Each runs :func:`train_client` and
+    :func:`evaluate_client` on :func:`client_context`, so every runner draws the same numbers.
+
+    Class attributes:
+        shares_initial_evaluation: :meth:`evaluate_untrained` evaluates clients that never trained
+            together, one evaluation per model (else the engine evaluates them one by one).
+
+    Attributes:
+        upload_limits: ``client id -> largest upload in bytes`` the server accepts this round (set
+            by the engine before :meth:`train`; a runner receiving wire bytes checks them unparsed).
+    """
+
+    shares_initial_evaluation: ClassVar[bool] = False
+    upload_limits: dict[int, int]
+
+    @abstractmethod
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> Trained:
+        """``client_update`` of every ``(client_id, download)`` in ``jobs``; the new states are
+        pending versions of round ``rnd`` in the store."""
+
+    @abstractmethod
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> Evaluated:
+        """The evaluation contract's counts of every client in ``ids`` (committed states)."""
+
+    def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload
+                           ) -> tuple[list[tuple[list[int], dict[str, float]]], dict[int, str]]:
+        """The shared evaluation of clients without a state (:func:`evaluate_untrained`); only
+        called where :attr:`shares_initial_evaluation`.
+
+        Raises:
+            NotImplementedError: a runner that does not share it."""
+        raise NotImplementedError(f"{type(self).__name__} evaluates untrained clients one by one")
+
+    def where(self, cid: int) -> str:
+        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
+        return ""
+
+    def take_traffic(self) -> dict[str, int] | None:
+        """The payload bytes this runner's messages carried since the last call (``down``, ``up``,
+        ``eval_down``), or None for a runner that sends no messages."""
+        return None
+
+    def close(self) -> None:
+        """Release what the runner holds (worker processes); idempotent."""
+
+
+#: ``factory(fed, store, seed) -> ClientRunner``: how the engine gets its runner
+RunnerFactory = Callable[[Federation, ClientStore, int], ClientRunner]
+
+
+class InProcessClients(ClientRunner):
     """Runs the client steps in this process, one client after the other (the default runner).
 
     Client states live in the engine's :class:`ClientStore` (``run_dir/clients``), written in the
     background while the next client computes (on disk before the round's commit)."""
 
+    shares_initial_evaluation: ClassVar[bool] = True
+
     def __init__(self, fed: Federation, store: ClientStore, seed: int):
         self.fed, self.store, self.seed = fed, store, seed
+        self.upload_limits = {}
         store.background = True
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
@@ -176,10 +265,6 @@ class InProcessClients:
             uploads.append((cid, upload))
             seconds += sec
         return uploads, {}, seconds
-
-    def where(self, cid: int) -> str:
-        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
-        return ""
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
         """The evaluation contract's counts of every client in ``ids`` (committed states), and the
@@ -238,7 +323,9 @@ def evaluate_group(fed, store: ClientStore, seed: int, rnd: int, group: list[int
     contract's summed ``m.correct``/``m.total``."""
     ctx = client_context(fed, seed, group[0], rnd)
     loaders = [ctx.test_loader] + [fed.loaders(cid, "test", seed) for cid in group[1:]]
-    return evaluate_client(fed, store, dataclasses.replace(ctx, test_loader=PooledLoader(loaders)), broadcast)
+    counts = evaluate_client(fed, store, dataclasses.replace(ctx, test_loader=PooledLoader(loaders)), broadcast)
+    # one model for the whole group: its global-test counts stand for each of the group's clients
+    return {k: v * len(group) if GLOBAL_SUFFIX in k else v for k, v in counts.items()}
 
 
 def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[int], broadcast: Payload
@@ -250,4 +337,4 @@ def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[i
 
 __all__ = ["Federation", "LoaderFactory", "ClientModelFactory", "seed_of", "client_context", "naming_client",
            "load_or_init", "train_client", "evaluate_client", "InProcessClients", "PooledLoader", "initial_groups",
-           "evaluate_group", "evaluate_untrained", "POOLED_BATCH"]
+           "evaluate_group", "evaluate_untrained", "POOLED_BATCH", "GLOBAL_SUFFIX", "evaluate_state"]
