@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,108 @@ def _batches(pix, a, b, labels, idx, bs: int, gen=None):
         yield pix[c].float().mul_(a).add_(b), labels[c]
 
 
+def _bare_server(st, rnd, uploads, kn_states) -> None:
+    """The server step of the bare loop of ``st.method`` (module docstring); updates ``st`` in place."""
+    import torch
+    import torch.nn.functional as F
+
+    method, hp, K, D, glob, head, tgp, know, models = (st.method, st.hp, st.K, st.D, st.glob, st.head, st.tgp,
+                                                        st.know, st.models)
+    local_heads = st.local_heads
+    if method == "fedproto":  # count-weighted mean per class (Eq. 6)
+        tot_s, tot_n = torch.zeros(K, D), torch.zeros(K)
+        for cls, v, c in uploads:
+            tot_s.index_add_(0, cls, v * c[:, None])
+            tot_n.index_add_(0, cls, c)
+        glob.update({k: tot_s[k] / tot_n[k] for k in range(K) if tot_n[k] > 0})
+    elif method == "fd":  # equal-weight mean per class
+        tot_s, tot_n = torch.zeros(K, K), torch.zeros(K)
+        for cls, v, _ in uploads:
+            tot_s.index_add_(0, cls, v)
+            tot_n.index_add_(0, cls, torch.ones(len(cls)))
+        glob.update({k: tot_s[k] / tot_n[k] for k in range(K) if tot_n[k] > 0})
+    elif method == "fedtgp":  # trainable prototypes, margin-enhanced contrastive loss
+        x_p = torch.cat([v for _, v, _ in uploads])
+        y_p = torch.cat([cls for cls, _, _ in uploads])
+        means = torch.stack([x_p[y_p == k].mean(0) for k in y_p.unique()])
+        margin = min(float(torch.cdist(means, means).masked_fill(torch.eye(len(means), dtype=torch.bool),
+                                                                    float("inf")).min()), float(hp["tau"]))
+        opt_s = torch.optim.SGD(tgp.parameters(), lr=hp["server_lr"])
+        g = torch.Generator().manual_seed(rnd)
+        all_k = torch.arange(K)
+        for _ in range(int(hp["server_epochs"])):
+            order = torch.randperm(len(y_p), generator=g)
+            for i in range(0, len(y_p), int(hp["server_batch_size"])):
+                j = order[i:i + int(hp["server_batch_size"])]
+                gp = tgp["net"](tgp["emb"](all_k))
+                dist = torch.cdist(x_p[j], gp) + margin * F.one_hot(y_p[j], K)
+                loss = F.cross_entropy(-dist, y_p[j])
+                opt_s.zero_grad()
+                loss.backward()
+                opt_s.step()
+        with torch.no_grad():
+            seen = sorted(set(glob) | set(y_p.tolist()))
+            gp = tgp["net"](tgp["emb"](torch.tensor(seen)))
+            glob = {k: gp[i] for i, k in enumerate(seen)}
+    elif method == "fedgh":  # global header: one SGD step per LAR, clients in order
+        hdr = torch.nn.Linear(D, K)
+        hdr.load_state_dict(head)
+        opt_s = torch.optim.SGD(hdr.parameters(), lr=hp["server_lr"])
+        for cls, v, _ in uploads:
+            for i in range(len(cls)):
+                loss = F.cross_entropy(hdr(v[i:i + 1]), cls[i:i + 1])
+                opt_s.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(hdr.parameters(), hp["server_max_grad_norm"])
+                opt_s.step()
+        local_heads = [{k: v.detach().clone() for k, v in m.head.state_dict().items()} for m in models]
+        head = {k: v.detach().clone() for k, v in hdr.state_dict().items()}
+    elif method == "lg-fedavg":
+        tot = sum(w for _, w in uploads)
+        head = {k: sum(s[k] * (w / tot) for s, w in uploads) for k in uploads[0][0]}
+    elif method == "rafl":
+        tot = sum(w for _, w in kn_states)
+        know.load_state_dict({k: sum(s[k] * (w / tot) for s, w in kn_states) for k in kn_states[0][0]})
+    st.glob, st.head, st.local_heads = glob, head, local_heads
+
+
+def _bare_evaluate(st, d, n) -> dict[str, list[float]]:
+    """Every client's accuracies on its test split, per inference rule."""
+    import torch
+
+    method, K, D, glob, head, local_heads = st.method, st.K, st.D, st.glob, st.head, st.local_heads
+    pix, a, b, labels, bs, models, know = d["pixels"], d["a"], d["b"], d["labels"], d["batch_size"], st.models, st.know
+    res: dict[str, list[float]] = {}
+    if glob and method in ("fedproto", "fedtgp"):
+        keys = torch.tensor(sorted(glob))
+        bank = torch.stack([glob[k] for k in sorted(glob)])
+    for cid in range(n):
+        model = models[cid].eval()
+        if head is not None:
+            model.head.load_state_dict(head)
+        counts_eval: dict[str, int] = {}
+        total = 0
+        with torch.no_grad():
+            if method == "fedgh":
+                loc = torch.nn.Linear(D, K)
+                loc.load_state_dict(local_heads[cid])
+            for x, y in _batches(pix, a, b, labels, d["test"][cid], bs):
+                feats = model.features(x)
+                outs = {"model": model.head(feats)}
+                if glob and method in ("fedproto", "fedtgp"):
+                    outs["proto"] = keys[torch.cdist(feats, bank).argmin(1)][:, None].eq(torch.arange(K)).float()
+                if method == "fedgh":
+                    outs["local"] = loc(feats)
+                if method == "rafl":
+                    outs["knowledge"] = know.eval()(x)
+                for k, z in outs.items():
+                    counts_eval[k] = counts_eval.get(k, 0) + int((z.argmax(1) == y).sum())
+                total += len(y)
+        for k, c in counts_eval.items():
+            res.setdefault(k, []).append(c / max(total, 1))
+    return res
+
+
 def run_bare(args) -> dict:
     """The method's rounds as a plain PyTorch loop (module docstring, "The bare loops")."""
     import torch
@@ -144,6 +247,8 @@ def run_bare(args) -> dict:
         tgp = torch.nn.ModuleDict({"emb": torch.nn.Embedding(K, D),
                                    "net": torch.nn.Sequential(torch.nn.Linear(D, hid), torch.nn.ReLU(), torch.nn.Linear(hid, D))})
     glob: dict[int, torch.Tensor] = {}  # global prototypes / logits by class
+    st = types.SimpleNamespace(method=method, hp=hp, K=K, D=D, glob=glob, head=head, tgp=tgp, know=know, models=models,
+                               local_heads=None)
 
     def sgd(params):
         return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
@@ -215,90 +320,9 @@ def run_bare(args) -> dict:
                 uploads.append(({k: v.detach().clone() for k, v in model.head.state_dict().items()}, len(d["train"][cid])))
             elif method == "rafl":
                 kn_states.append((k_model.state_dict(), len(d["train"][cid])))
-        # ---- server
-        if method == "fedproto":  # count-weighted mean per class (Eq. 6)
-            tot_s, tot_n = torch.zeros(K, D), torch.zeros(K)
-            for cls, v, c in uploads:
-                tot_s.index_add_(0, cls, v * c[:, None])
-                tot_n.index_add_(0, cls, c)
-            glob.update({k: tot_s[k] / tot_n[k] for k in range(K) if tot_n[k] > 0})
-        elif method == "fd":  # equal-weight mean per class
-            tot_s, tot_n = torch.zeros(K, K), torch.zeros(K)
-            for cls, v, _ in uploads:
-                tot_s.index_add_(0, cls, v)
-                tot_n.index_add_(0, cls, torch.ones(len(cls)))
-            glob.update({k: tot_s[k] / tot_n[k] for k in range(K) if tot_n[k] > 0})
-        elif method == "fedtgp":  # trainable prototypes, margin-enhanced contrastive loss
-            x_p = torch.cat([v for _, v, _ in uploads])
-            y_p = torch.cat([cls for cls, _, _ in uploads])
-            means = torch.stack([x_p[y_p == k].mean(0) for k in y_p.unique()])
-            margin = min(float(torch.cdist(means, means).masked_fill(torch.eye(len(means), dtype=torch.bool),
-                                                                        float("inf")).min()), float(hp["tau"]))
-            opt_s = torch.optim.SGD(tgp.parameters(), lr=hp["server_lr"])
-            g = torch.Generator().manual_seed(rnd)
-            all_k = torch.arange(K)
-            for _ in range(int(hp["server_epochs"])):
-                order = torch.randperm(len(y_p), generator=g)
-                for i in range(0, len(y_p), int(hp["server_batch_size"])):
-                    j = order[i:i + int(hp["server_batch_size"])]
-                    gp = tgp["net"](tgp["emb"](all_k))
-                    dist = torch.cdist(x_p[j], gp) + margin * F.one_hot(y_p[j], K)
-                    loss = F.cross_entropy(-dist, y_p[j])
-                    opt_s.zero_grad()
-                    loss.backward()
-                    opt_s.step()
-            with torch.no_grad():
-                seen = sorted(set(glob) | set(y_p.tolist()))
-                gp = tgp["net"](tgp["emb"](torch.tensor(seen)))
-                glob = {k: gp[i] for i, k in enumerate(seen)}
-        elif method == "fedgh":  # global header: one SGD step per LAR, clients in order
-            hdr = torch.nn.Linear(D, K)
-            hdr.load_state_dict(head)
-            opt_s = torch.optim.SGD(hdr.parameters(), lr=hp["server_lr"])
-            for cls, v, _ in uploads:
-                for i in range(len(cls)):
-                    loss = F.cross_entropy(hdr(v[i:i + 1]), cls[i:i + 1])
-                    opt_s.zero_grad()
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(hdr.parameters(), hp["server_max_grad_norm"])
-                    opt_s.step()
-            local_heads = [{k: v.detach().clone() for k, v in m.head.state_dict().items()} for m in models]
-            head = {k: v.detach().clone() for k, v in hdr.state_dict().items()}
-        elif method == "lg-fedavg":
-            tot = sum(w for _, w in uploads)
-            head = {k: sum(s[k] * (w / tot) for s, w in uploads) for k in uploads[0][0]}
-        elif method == "rafl":
-            tot = sum(w for _, w in kn_states)
-            know.load_state_dict({k: sum(s[k] * (w / tot) for s, w in kn_states) for k in kn_states[0][0]})
-        # ---- evaluation of every client
-        res: dict[str, list[float]] = {}
-        if glob and method in ("fedproto", "fedtgp"):
-            keys = torch.tensor(sorted(glob))
-            bank = torch.stack([glob[k] for k in sorted(glob)])
-        for cid in range(n):
-            model = models[cid].eval()
-            if head is not None:
-                model.head.load_state_dict(head)
-            counts_eval: dict[str, int] = {}
-            total = 0
-            with torch.no_grad():
-                if method == "fedgh":
-                    loc = torch.nn.Linear(D, K)
-                    loc.load_state_dict(local_heads[cid])
-                for x, y in _batches(pix, a, b, labels, d["test"][cid], bs):
-                    feats = model.features(x)
-                    outs = {"model": model.head(feats)}
-                    if glob and method in ("fedproto", "fedtgp"):
-                        outs["proto"] = keys[torch.cdist(feats, bank).argmin(1)][:, None].eq(torch.arange(K)).float()
-                    if method == "fedgh":
-                        outs["local"] = loc(feats)
-                    if method == "rafl":
-                        outs["knowledge"] = know.eval()(x)
-                    for k, z in outs.items():
-                        counts_eval[k] = counts_eval.get(k, 0) + int((z.argmax(1) == y).sum())
-                    total += len(y)
-            for k, c in counts_eval.items():
-                res.setdefault(k, []).append(c / max(total, 1))
+        _bare_server(st, rnd, uploads, kn_states)
+        glob, head = st.glob, st.head
+        res = _bare_evaluate(st, d, n)
         acc = {f"{k}.acc_mean_over_clients": statistics.mean(v) for k, v in res.items()}
     return {"wall_s": time.perf_counter() - t0, "final": acc}
 
@@ -556,9 +580,9 @@ def main() -> None:
                     runs[name].append(child(args, variants[name], base))
             res["methods"][m] = runs
         if args.hog >= 0:
-            from rafl.federation.workers import resolve_workers
-
             import torch
+
+            from rafl.federation.workers import resolve_workers
 
             res["workers"] = {}
             for cond in ("quiet", "hog") if args.hog else ("quiet",):
