@@ -1,29 +1,55 @@
-"""Round speed: rafl's FedProto rounds (``engine.workers`` 1 and 2) against a bare PyTorch loop
-doing the same client steps one after another in one process, and the 3,000-client evaluation
-round with the untrained clients evaluated one by one vs. together (one evaluation per model).
+"""Round speed: every method's rafl rounds against a bare PyTorch loop doing the same work, the
+worker processes (``engine.workers`` 1 vs 2, on a quiet machine and beside a CPU hog), and the
+peak memory of each.
 
-Scenario (issue 35): a CIFAR-10 subset (``--limit-per-class`` images per class from each of the
-train and test sets, pooled, then partitioned), 10 clients with 2 classes each (pathological),
-the FedAvg CNN ``cnn4``, batch 10, 1 local epoch, FedProto, every client every round, evaluation
-every round, 5 rounds, one torch thread per process.
+Scenario (issue 44): a CIFAR-10 subset (``--limit-per-class`` images per class from each of the
+train and test sets, pooled, then partitioned), ``--clients`` clients with 2 classes each
+(pathological), the FedAvg CNN ``cnn4`` (D = 128), batch 10, 1 local epoch, every client every
+round, evaluation of every client every round, ``--rounds`` rounds, one torch thread per process,
+each method with rafl's default hyperparameters.
 
-The bare loop: for every client, one after another, a model kept in memory, SGD over its train
-split with FedProto's loss (cross-entropy + lambda * MSE to the global prototype of the sample's
-class), the prototype pass (per-class mean of eval-mode features over the train split), the
-server's count-weighted prototype average (Eq. 6), then every client's head accuracy and
-nearest-prototype accuracy on its test split (one features pass). It uses rafl's data loader
-(the same batches) and rafl's model builder, nothing of the engine: no state files, no payloads,
-no validation, no checkpoint, metrics or plots.
+The bare loops (:func:`run_bare`): for every client, one after another, a model kept in memory, SGD
+(the method's lr, momentum and weight decay) over its train split in shuffled batches of 10 (a
+trailing 1-sample batch merged, as rafl does) with the method's loss, then the server step, then
+every client's accuracy on its test split -- nothing of rafl's engine: no state files, payloads,
+screening, checkpoints, metrics files or plots. Prototypes and logits are collected the way
+HtFLlib (TsingZ0/HtFLlib, ``system/flcore/clients``) collects them: FedProto and FD from the
+training pass itself (``clientproto.train`` / ``clientdistill.train`` append every batch's
+train-mode representations / logits), FedTGP and FedGH with an extra eval-mode pass over the
+train split after training (``clienttgp.collect_protos`` / ``clientgh.collect_protos``). Per
+method:
 
-Each variant runs in its own process (``--variant``), back to back, in the order bare, w1, w2 and
-again in the reverse order (``--repeats 2``); the parent samples the memory of the variant's
-process tree every 0.1 s: peak RSS (shared pages counted in every process) and peak PSS
-(proportional set size: pages shared by the forked workers counted once overall). Times exclude
-loading the data (the same for every variant); rafl's include everything ``federate.run`` does
-(state files, checkpoints, metrics files, the two plots at the end).
+* standalone: cross-entropy;
+* fedproto: + lambda * MSE(f(x), global prototype of y); server: count-weighted class means;
+* fd: + gamma * MSE(logits, global mean logits of y); server: equal-weight class means;
+* fedtgp: + lambda * ||f(x) - P_y||; server: the trainable prototypes (embedding + 2 layers),
+  ``server_epochs`` epochs of the margin-contrastive loss on the uploads, batch 32;
+* fedgh: cross-entropy under the global header; server: one SGD step per uploaded class mean
+  (gradient norm clipped); evaluation: the global and the local header on one features pass;
+* lg-fedavg: cross-entropy under the global header; server: sample-weighted header average;
+* rafl: deep mutual learning of the client's model and the knowledge network (cnn4-small);
+  server: sample-weighted average of the knowledge networks; evaluation: both models.
 
-Run: ``nice -n 10 python bench/round_speed.py [--limit-per-class 250] [--big-clients 3000]``;
-writes ``bench/results/round_speed.md`` and ``.json``.
+A bare loop imports torch and ``rafl.models`` (the model builder) only, and reads the images,
+labels and partition that rafl loaded, from a file the parent writes once (uint8 pixels
+normalized per batch, like rafl's loader).
+
+Each variant runs in its own process (``--variant``), back to back: per method the bare loop and
+rafl at ``engine.workers: 1``, in alternating order over ``--repeats``; medians. The parent
+samples the memory of the variant's process tree every 0.05 s: peak RSS (shared pages counted in
+every process) and peak PSS (proportional set size: pages shared by forked workers counted once).
+Times exclude loading the data (the same for every variant); rafl's include everything
+``federate.run`` does (state files, checkpoints, metrics files, the two plots at the end).
+
+Workers (``--workers-method``, default fedproto): rafl at ``engine.workers`` 1 and 2, alternating,
+with the machine as it is, then again beside a CPU hog (``--hog``: one process per core minus one
+spinning at the same niceness). Memory (``--memory-limit``): the same method on a larger subset
+(default the whole CIFAR-10, 60,000 images) for 1 round, bare loop vs rafl workers 1 and 2: peak
+RSS / PSS only (the clients trained differ in number: rafl samples ``--memory-per-round``).
+
+Run: ``nice -n 10 python bench/round_speed.py`` (about 5-10 minutes on 2 cores); writes
+``bench/results/round_speed.md`` and ``.json``. ``--big-clients 3000`` adds the 3,000-client
+evaluation round of issue 35 (``round_speed_eval.md``).
 """
 
 from __future__ import annotations
@@ -36,18 +62,21 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = Path.home() / ".cache" / "rafl-data" / "cifar10"
 TARBALL = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
+METHODS = ["standalone", "fedproto", "fedtgp", "fd", "fedgh", "lg-fedavg", "rafl"]
 
 
-def overrides(args, clients: int, limit: int | None, workers: int, rounds: int, per_round: int | None = None) -> list[str]:
-    out = ["algorithm.name=fedproto", "data.dataset=cifar10", f"data.root={args.cifar}",
-           "partition.scheme=pathological", "partition.k=2", f"clients.n={clients}", "clients.models=cnn4",
+def overrides(args, method: str, clients: int, limit: int | None, workers: int, rounds: int,
+              per_round: int | None = None) -> list[str]:
+    out = [f"algorithm.name={method}", "data.dataset=cifar10", f"data.root={args.cifar}",
+           "partition.scheme=pathological", "partition.k=2", f"clients.n={clients}", f"clients.models={args.model}",
            "train.batch_size=10", "train.threads=1", "algorithm.local_epochs=1", f"engine.rounds={rounds}",
-           f"engine.workers={workers}", f"seed={args.seed}"]
+           f"engine.workers={workers}", f"seed={args.seed}", "engine.target_accuracy=null"]
     if limit is not None:
         out.append(f"data.limit_per_class={limit}")
     if per_round is not None:
@@ -63,7 +92,9 @@ def run_rafl(args) -> dict:
     from rafl.stages import federate
 
     torch.set_num_threads(1)
-    cfg = load_run_config(None, overrides(args, args.clients, args.limit_per_class, args.workers, args.rounds))
+    per_round = args.per_round or None
+    cfg = load_run_config(None, overrides(args, args.method, args.clients, args.limit_per_class, args.workers,
+                                          args.rounds, per_round))
     prep = federate.prepare(cfg, progress=False)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
@@ -73,82 +104,227 @@ def run_rafl(args) -> dict:
     return {"wall_s": wall, "rounds_s": sum(r["time_s"] for r in hist),
             "client_update_s": sum(r["time_client_update_s"] for r in hist),
             "evaluate_s": sum(r["time_evaluate_s"] for r in hist), "engine_s": sum(r["time_engine_s"] for r in hist),
-            "final": summary["final"], "hparams": prep.federation.hparams}
+            "final": {k: v for k, v in summary["final"].items() if k.endswith("acc_mean_over_clients")}}
 
 
-def run_bare(args) -> dict:
+
+
+def _batches(pix, a, b, labels, idx, bs: int, gen=None):
+    """Batches of ``idx`` (shuffled with ``gen``), a trailing 1-sample batch merged into the one before."""
+    import torch
+
+    order = idx[torch.randperm(len(idx), generator=gen)] if gen is not None else idx
+    chunks = list(order.split(bs))
+    if len(chunks) > 1 and len(chunks[-1]) == 1:
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    for c in chunks:
+        yield pix[c].float().mul_(a).add_(b), labels[c]
+
+
+def _bare_server(st, rnd, uploads, kn_states) -> None:
+    """The server step of the bare loop of ``st.method`` (module docstring); updates ``st`` in place."""
     import torch
     import torch.nn.functional as F
 
-    from rafl.data import make_loader
-    from rafl.federation.run_config import load_run_config
-    from rafl.federation.training import no_singleton_batches
-    from rafl.models import make_member
-    from rafl.stages import federate
+    method, hp, K, D, glob, head, tgp, know, models = (st.method, st.hp, st.K, st.D, st.glob, st.head, st.tgp,
+                                                        st.know, st.models)
+    local_heads = st.local_heads
+    if method == "fedproto":  # count-weighted mean per class (Eq. 6)
+        tot_s, tot_n = torch.zeros(K, D), torch.zeros(K)
+        for cls, v, c in uploads:
+            tot_s.index_add_(0, cls, v * c[:, None])
+            tot_n.index_add_(0, cls, c)
+        glob.update({k: tot_s[k] / tot_n[k] for k in range(K) if tot_n[k] > 0})
+    elif method == "fd":  # equal-weight mean per class
+        tot_s, tot_n = torch.zeros(K, K), torch.zeros(K)
+        for cls, v, _ in uploads:
+            tot_s.index_add_(0, cls, v)
+            tot_n.index_add_(0, cls, torch.ones(len(cls)))
+        glob.update({k: tot_s[k] / tot_n[k] for k in range(K) if tot_n[k] > 0})
+    elif method == "fedtgp":  # trainable prototypes, margin-enhanced contrastive loss
+        x_p = torch.cat([v for _, v, _ in uploads])
+        y_p = torch.cat([cls for cls, _, _ in uploads])
+        means = torch.stack([x_p[y_p == k].mean(0) for k in y_p.unique()])
+        margin = min(float(torch.cdist(means, means).masked_fill(torch.eye(len(means), dtype=torch.bool),
+                                                                    float("inf")).min()), float(hp["tau"]))
+        opt_s = torch.optim.SGD(tgp.parameters(), lr=hp["server_lr"])
+        g = torch.Generator().manual_seed(rnd)
+        all_k = torch.arange(K)
+        for _ in range(int(hp["server_epochs"])):
+            order = torch.randperm(len(y_p), generator=g)
+            for i in range(0, len(y_p), int(hp["server_batch_size"])):
+                j = order[i:i + int(hp["server_batch_size"])]
+                gp = tgp["net"](tgp["emb"](all_k))
+                dist = torch.cdist(x_p[j], gp) + margin * F.one_hot(y_p[j], K)
+                loss = F.cross_entropy(-dist, y_p[j])
+                opt_s.zero_grad()
+                loss.backward()
+                opt_s.step()
+        with torch.no_grad():
+            seen = sorted(set(glob) | set(y_p.tolist()))
+            gp = tgp["net"](tgp["emb"](torch.tensor(seen)))
+            glob = {k: gp[i] for i, k in enumerate(seen)}
+    elif method == "fedgh":  # global header: one SGD step per LAR, clients in order
+        hdr = torch.nn.Linear(D, K)
+        hdr.load_state_dict(head)
+        opt_s = torch.optim.SGD(hdr.parameters(), lr=hp["server_lr"])
+        for cls, v, _ in uploads:
+            for i in range(len(cls)):
+                loss = F.cross_entropy(hdr(v[i:i + 1]), cls[i:i + 1])
+                opt_s.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(hdr.parameters(), hp["server_max_grad_norm"])
+                opt_s.step()
+        local_heads = [{k: v.detach().clone() for k, v in m.head.state_dict().items()} for m in models]
+        head = {k: v.detach().clone() for k, v in hdr.state_dict().items()}
+    elif method == "lg-fedavg":
+        tot = sum(w for _, w in uploads)
+        head = {k: sum(s[k] * (w / tot) for s, w in uploads) for k in uploads[0][0]}
+    elif method == "rafl":
+        tot = sum(w for _, w in kn_states)
+        know.load_state_dict({k: sum(s[k] * (w / tot) for s, w in kn_states) for k in kn_states[0][0]})
+    st.glob, st.head, st.local_heads = glob, head, local_heads
+
+
+def _bare_evaluate(st, d, n) -> dict[str, list[float]]:
+    """Every client's accuracies on its test split, per inference rule."""
+    import torch
+
+    method, K, D, glob, head, local_heads = st.method, st.K, st.D, st.glob, st.head, st.local_heads
+    pix, a, b, labels, bs, models, know = d["pixels"], d["a"], d["b"], d["labels"], d["batch_size"], st.models, st.know
+    res: dict[str, list[float]] = {}
+    if glob and method in ("fedproto", "fedtgp"):
+        keys = torch.tensor(sorted(glob))
+        bank = torch.stack([glob[k] for k in sorted(glob)])
+    for cid in range(n):
+        model = models[cid].eval()
+        if head is not None:
+            model.head.load_state_dict(head)
+        counts_eval: dict[str, int] = {}
+        total = 0
+        with torch.no_grad():
+            if method == "fedgh":
+                loc = torch.nn.Linear(D, K)
+                loc.load_state_dict(local_heads[cid])
+            for x, y in _batches(pix, a, b, labels, d["test"][cid], bs):
+                feats = model.features(x)
+                outs = {"model": model.head(feats)}
+                if glob and method in ("fedproto", "fedtgp"):
+                    outs["proto"] = keys[torch.cdist(feats, bank).argmin(1)][:, None].eq(torch.arange(K)).float()
+                if method == "fedgh":
+                    outs["local"] = loc(feats)
+                if method == "rafl":
+                    outs["knowledge"] = know.eval()(x)
+                for k, z in outs.items():
+                    counts_eval[k] = counts_eval.get(k, 0) + int((z.argmax(1) == y).sum())
+                total += len(y)
+        for k, c in counts_eval.items():
+            res.setdefault(k, []).append(c / max(total, 1))
+    return res
+
+
+def run_bare(args) -> dict:
+    """The method's rounds as a plain PyTorch loop (module docstring, "The bare loops")."""
+    import torch
+    import torch.nn.functional as F
+
+    from rafl.models import KNOWLEDGE_MODEL, make_member
 
     torch.set_num_threads(1)
-    cfg = load_run_config(None, overrides(args, args.clients, args.limit_per_class, 1, args.rounds))
-    ds, part = federate.load_data_and_partition(cfg, progress=False)
-    hp = get_hparams(cfg)
-    n_classes = ds.num_classes
-    lam = float(hp["lambda"])
+    d = torch.load(args.data, weights_only=False)
+    pix, labels, hp, method = d["pixels"], d["labels"], d["hparams"][args.method], args.method
+    a, b = d["a"], d["b"]
+    K, D, bs = d["n_classes"], d["feature_dim"], d["batch_size"]
+    n = min(len(d["train"]), args.bare_clients or len(d["train"]))
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    models = [make_member("cnn4", n_classes, cfg.clients.feature_dim, 3, 32) for _ in part.clients]
-    protos: dict[int, torch.Tensor] = {}
-    acc = {}
+    models = [make_member(args.model, K, D, 3, 32) for _ in range(n)]
+    know = make_member(KNOWLEDGE_MODEL, K, D, 3, 32) if method == "rafl" else None
+    head = {k: v.clone() for k, v in models[0].head.state_dict().items()} if method in ("fedgh", "lg-fedavg") else None
+    tgp = None
+    if method == "fedtgp":
+        hid = int(hp["server_hidden_dim"]) or D
+        tgp = torch.nn.ModuleDict({"emb": torch.nn.Embedding(K, D),
+                                   "net": torch.nn.Sequential(torch.nn.Linear(D, hid), torch.nn.ReLU(), torch.nn.Linear(hid, D))})
+    glob: dict[int, torch.Tensor] = {}  # global prototypes / logits by class
+    st = types.SimpleNamespace(method=method, hp=hp, K=K, D=D, glob=glob, head=head, tgp=tgp, know=know, models=models,
+                               local_heads=None)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
+
+    def reg_term(feats, logits, y):
+        if method not in ("fedproto", "fedtgp", "fd") or not glob:
+            return 0.0
+        bank = torch.zeros(K, (logits if method == "fd" else feats).shape[1])
+        has = torch.zeros(K, dtype=torch.bool)
+        for k, v in glob.items():
+            bank[k], has[k] = v, True
+        m = has[y]
+        if method == "fedproto":
+            return hp["lambda"] * (feats[m] - bank[y][m]).pow(2).mean(-1).sum() / len(y)
+        if method == "fd":
+            return hp["gamma"] * (logits[m] - bank[y][m]).pow(2).mean(-1).sum() / len(y)
+        diff = feats[m] - bank[y][m]  # fedtgp: Euclidean distance
+        return hp["lambda"] * diff.pow(2).sum(-1).clamp_min(1e-12).sqrt().sum() / len(y)
+
+    acc: dict[str, float] = {}
     for rnd in range(1, args.rounds + 1):
         uploads = []
-        for cid, split in enumerate(part.clients):
+        kn_states = []
+        for cid in range(n):
             model = models[cid].train()
-            opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
-            if protos:
-                bank = torch.zeros(n_classes, next(iter(protos.values())).numel())
-                has = torch.zeros(n_classes, dtype=torch.bool)
-                for k, v in protos.items():
-                    bank[k], has[k] = v, True
-            batches = make_loader(ds, split.train, cfg.train.batch_size, shuffle=True, seed=rnd * 1000 + cid)
-            for x, y in no_singleton_batches(batches):  # rafl's batches (a trailing 1-sample batch merged)
-                feats = model.features(x)
-                loss = F.cross_entropy(model.head(feats), y)
-                if protos:
-                    m = has[y]
-                    loss = loss + lam * (feats[m] - bank[y][m]).pow(2).mean(-1).sum() / len(y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            model.eval()
-            sums, counts = torch.zeros(n_classes, cfg.clients.feature_dim), torch.zeros(n_classes)
-            with torch.no_grad():
-                for x, y in make_loader(ds, split.train, cfg.train.batch_size, shuffle=False):
-                    sums.index_add_(0, y, model.features(x))
-                    counts += torch.bincount(y, minlength=n_classes)
-            uploads.append((sums, counts))
-        tot_s, tot_n = sum(u[0] for u in uploads), sum(u[1] for u in uploads)
-        protos = {k: tot_s[k] / tot_n[k] for k in range(n_classes) if tot_n[k] > 0}
-        bank = torch.stack([protos[k] for k in sorted(protos)])
-        keys = torch.tensor(sorted(protos))
-        head_acc, proto_acc = [], []
-        for cid, split in enumerate(part.clients):
-            model = models[cid].eval()
-            c_h = c_p = n = 0
-            with torch.no_grad():
-                for x, y in make_loader(ds, split.test, cfg.train.batch_size, shuffle=False):
+            if head is not None:
+                model.head.load_state_dict(head)
+            opt = sgd(model.parameters())
+            if know is not None:
+                k_model = make_member(KNOWLEDGE_MODEL, K, D, 3, 32)
+                k_model.load_state_dict(know.state_dict())
+                k_model.train()
+                k_opt = sgd(k_model.parameters())
+            width = K if method == "fd" else D
+            sums, counts = torch.zeros(K, width), torch.zeros(K)
+            gen = torch.Generator().manual_seed(rnd * 1000 + cid)
+            for _ in range(int(hp["local_epochs"])):
+                for x, y in _batches(pix, a, b, labels, d["train"][cid], bs, gen):
                     feats = model.features(x)
-                    c_h += int((model.head(feats).argmax(1) == y).sum())
-                    c_p += int((keys[torch.cdist(feats, bank).argmin(1)] == y).sum())
-                    n += len(y)
-            head_acc.append(c_h / max(n, 1))
-            proto_acc.append(c_p / max(n, 1))
-        acc = {"model.acc_mean_over_clients": statistics.mean(head_acc),
-               "proto.acc_mean_over_clients": statistics.mean(proto_acc)}
+                    logits = model.head(feats)
+                    loss = F.cross_entropy(logits, y)
+                    if know is not None:  # deep mutual learning (T = 1)
+                        zk = k_model(x)
+                        loss_k = F.cross_entropy(zk, y) + hp["alpha"] * F.kl_div(
+                            F.log_softmax(zk, 1), F.softmax(logits.detach(), 1), reduction="batchmean")
+                        loss = loss + hp["alpha"] * F.kl_div(F.log_softmax(logits, 1), F.softmax(zk.detach(), 1),
+                                                             reduction="batchmean")
+                        loss = loss + loss_k
+                        k_opt.zero_grad(set_to_none=True)
+                    loss = loss + reg_term(feats, logits, y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    if know is not None:
+                        k_opt.step()
+                    if method in ("fedproto", "fd"):  # HtFLlib: collected in the training pass
+                        sums.index_add_(0, y, (logits if method == "fd" else feats).detach())
+                        counts += torch.bincount(y, minlength=K)
+            if method in ("fedtgp", "fedgh"):  # HtFLlib: collect_protos, an eval-mode pass after training
+                model.eval()
+                with torch.no_grad():
+                    for x, y in _batches(pix, a, b, labels, d["train"][cid], bs):
+                        sums.index_add_(0, y, model.features(x))
+                        counts += torch.bincount(y, minlength=K)
+            if method in ("fedproto", "fd", "fedtgp", "fedgh"):
+                held = counts > 0
+                uploads.append((torch.nonzero(held)[:, 0], sums[held] / counts[held, None], counts[held]))
+            elif method == "lg-fedavg":
+                uploads.append(({k: v.detach().clone() for k, v in model.head.state_dict().items()}, len(d["train"][cid])))
+            elif method == "rafl":
+                kn_states.append((k_model.state_dict(), len(d["train"][cid])))
+        _bare_server(st, rnd, uploads, kn_states)
+        glob, head = st.glob, st.head
+        res = _bare_evaluate(st, d, n)
+        acc = {f"{k}.acc_mean_over_clients": statistics.mean(v) for k, v in res.items()}
     return {"wall_s": time.perf_counter() - t0, "final": acc}
-
-
-def get_hparams(cfg) -> dict:
-    from rafl.federation.algorithms import get_algorithm
-
-    return get_algorithm(cfg.algorithm.name).check_hparams(cfg.algorithm.hparams())
 
 
 def run_big(args) -> dict:
@@ -160,7 +336,7 @@ def run_big(args) -> dict:
     from rafl.stages import federate
 
     torch.set_num_threads(1)
-    cfg = load_run_config(None, overrides(args, args.big_clients, args.big_limit, args.workers, 1, args.big_per_round)
+    cfg = load_run_config(None, overrides(args, "fedproto", args.big_clients, args.big_limit, args.workers, 1, args.big_per_round)
                           + ["partition.min_samples=4"])
     prep = federate.prepare(cfg, progress=False)
     prep.federation.algorithm.shared_initial_evaluation = bool(args.shared)
@@ -171,7 +347,8 @@ def run_big(args) -> dict:
             "round_s": row["time_s"], "row": {k: v for k, v in row.items() if ".acc_" in k or k.startswith("eval.")}}
 
 
-# ---------------------------------------------------------------------- the parent: memory sampling
+
+# ---------------------------------------------------------------------- the parent
 def _tree(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -201,150 +378,255 @@ def _memory(pid: int) -> tuple[int, int]:
     return rss, pss
 
 
-def child(args, extra: list[str]) -> dict:
-    """Run this script with ``extra`` in a child process (niced like this one), sampling its tree's memory."""
+
+def write_data(args, limit: int | None, clients: int, path: Path) -> None:
+    """The images (uint8, N C H W), labels, the per-batch normalization ``x = p * a + b``, every
+    client's train and test indices and each method's resolved hyperparameters, for the bare loops."""
+    import torch
+
+    from rafl.federation.algorithms import get_algorithm
+    from rafl.federation.run_config import load_run_config
+    from rafl.stages.prepare import load_data_and_partition
+
+    cfg = load_run_config(None, overrides(args, "fedproto", clients, limit, 1, 1))
+    ds, part = load_data_and_partition(cfg, progress=False)
+    hps = {}
+    for m in METHODS:
+        c = load_run_config(None, overrides(args, m, clients, limit, 1, 1))
+        hps[m] = dict(get_algorithm(m).check_hparams(c.algorithm.hparams()))
+    mean = torch.tensor(ds.mean).view(1, -1, 1, 1)
+    std = torch.tensor(ds.std).view(1, -1, 1, 1)
+    torch.save({"pixels": ds.images.pixels.contiguous(), "labels": ds.labels, "a": 1.0 / (255.0 * std), "b": -mean / std,
+                "train": [torch.as_tensor(s.train, dtype=torch.int64) for s in part.clients],
+                "test": [torch.as_tensor(s.test, dtype=torch.int64) for s in part.clients],
+                "n_classes": ds.num_classes, "feature_dim": cfg.clients.feature_dim, "batch_size": 10,
+                "hparams": hps}, path)
+
+
+def child(args, extra: list[str], base: list[str]) -> dict:
+    """Run this script with ``base + extra`` in a child process (niced like this one), sampling its tree's memory."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = Path(fh.name)
-    cmd = [sys.executable, __file__, "--cifar", str(args.cifar), "--seed", str(args.seed), "--rounds", str(args.rounds),
-           "--clients", str(args.clients), "--limit-per-class", str(args.limit_per_class), "--big-clients",
-           str(args.big_clients), "--big-per-round", str(args.big_per_round),
-           *(["--big-limit", str(args.big_limit)] if args.big_limit else []), *extra, "--json", str(out)]
+    cmd = [sys.executable, __file__, "--cifar", str(args.cifar), "--seed", str(args.seed), "--model", args.model,
+           *base, *extra, "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env)
     peak = [0, 0]
     while proc.poll() is None:
         rss, pss = _memory(proc.pid)
         peak = [max(peak[0], rss), max(peak[1], pss)]
-        time.sleep(0.1)
+        time.sleep(0.05)
     if proc.returncode != 0:
         raise SystemExit(f"variant {extra} failed with exit code {proc.returncode}")
     res = json.loads(out.read_text())
     out.unlink()
     res["peak_rss_mb"], res["peak_pss_mb"] = peak[0] / 2**20, peak[1] / 2**20
-    print(f"  {' '.join(extra)}: {json.dumps({k: v for k, v in res.items() if k not in ('hparams', 'row')})}",
-          flush=True)
+    print(f"  {' '.join(base[-6:] + extra)}: {json.dumps({k: v for k, v in res.items() if k != 'row'})}", flush=True)
     return res
 
 
-def report(args, runs: dict[str, list[dict]], big: dict[str, dict], load: str) -> str:
-    def med(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[name])
+def start_hog(n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning in pure Python (a CPU hog), at this process's niceness."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
-    bare = med("bare", "wall_s")
+
+def stop_hog(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+        p.wait()
+
+
+def med(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def load_now() -> str:
+    return ", ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+def report(args, res: dict) -> str:
+    cmd = (f"nice -n 10 python bench/round_speed.py --limit-per-class {args.limit_per_class} --clients {args.clients} "
+           f"--rounds {args.rounds} --repeats {args.repeats} --methods {','.join(args.methods)}"
+           + (f" --hog {args.hog}" if args.hog else "") + f" --memory-limit {args.memory_limit}")
     lines = [
-        "# Round speed: rafl's FedProto rounds vs a bare PyTorch loop",
+        "# Round speed: every method's rafl rounds vs a bare PyTorch loop doing the same work",
         "",
-        f"Command: `nice -n 10 python bench/round_speed.py --limit-per-class {args.limit_per_class} --rounds {args.rounds} "
-        f"--repeats {args.repeats} --big-clients {args.big_clients}`",
+        f"Command: `{cmd}`",
         "",
-        f"Machine: {os.cpu_count()} cores, load average (1, 5, 15 min) {load} at the start and "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. Ratios of variants run back to back are "
-        "what this measures; absolute seconds, and the parallel speed-up above all, depend on the second core "
-        "being free (a load average above ~1 at the start means another job shared the machine).",
+        f"Machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average (1, 5, 15 min) "
+        f"{res['load_start']} at the start and {res['load_end']} at the end. The load is other people's jobs "
+        "sharing the machine (a supernet training in the background, other benchmarks): ratios of variants run "
+        "back to back are what this measures; absolute seconds depend on the machine's load.",
         "",
         f"Scenario: CIFAR-10 subset ({args.limit_per_class} images per class from each split, pooled), "
-        f"{args.clients} clients, pathological 2 classes each, `cnn4`, batch 10, 1 local epoch, FedProto "
-        f"(lr {runs['w1'][0]['hparams']['lr']}, momentum {runs['w1'][0]['hparams']['momentum']}), "
-        f"every client every round, evaluation every round, {args.rounds} rounds, 1 torch thread per process. "
-        f"Each variant in its own process, {args.repeats} time(s), alternating order; medians.",
+        f"{args.clients} clients, pathological 2 classes each, `{args.model}`, batch 10, 1 local epoch, "
+        f"every client every round, evaluation of every client every round, {args.rounds} rounds, 1 torch thread "
+        f"per process, each method's default hyperparameters. Each variant in its own process, {args.repeats} "
+        "time(s), alternating order; medians. The bare loops collect prototypes / logits as HtFLlib does: FedProto "
+        "and FD in the training pass, FedTGP and FedGH in an extra eval-mode pass (the bench's docstring).",
         "",
-        "| variant | wall s | ratio to bare loop | rounds s (rafl) | client steps s | evaluation s | engine s "
-        "| peak RSS MB | peak PSS MB | final model / proto acc |",
+        "## Per method, `engine.workers: 1`",
+        "",
+        "| method | bare loop s | rafl s | ratio rafl / bare | rafl rounds s | client steps s | evaluation s "
+        "| engine s | peak RSS MB bare / rafl | final acc bare / rafl |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, label in (("bare", "bare PyTorch loop"), ("w1", "rafl, engine.workers: 1"), ("w2", "rafl, engine.workers: 2")):
-        r0 = runs[name][-1]
-        fin = r0["final"]
-        cells = [label, f"{med(name, 'wall_s'):.1f}", f"{med(name, 'wall_s') / bare:.2f}x"]
-        if name == "bare":
-            cells += ["", "", "", ""]
-        else:
-            cells += [f"{med(name, k):.1f}" for k in ("rounds_s", "client_update_s", "evaluate_s", "engine_s")]
-        cells += [f"{max(r['peak_rss_mb'] for r in runs[name]):.0f}", f"{max(r['peak_pss_mb'] for r in runs[name]):.0f}",
-                  f"{fin['model.acc_mean_over_clients']:.3f} / {fin['proto.acc_mean_over_clients']:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+    for m in args.methods:
+        b, r = res["methods"][m]["bare"], res["methods"][m]["w1"]
+        fb, fr = b[-1]["final"].get("model.acc_mean_over_clients"), r[-1]["final"].get("model.acc_mean_over_clients")
+        lines.append(
+            f"| {m} | {med(b, 'wall_s'):.1f} | {med(r, 'wall_s'):.1f} | **{med(r, 'wall_s') / med(b, 'wall_s'):.2f}x** | "
+            f"{med(r, 'rounds_s'):.1f} | {med(r, 'client_update_s'):.1f} | {med(r, 'evaluate_s'):.1f} | "
+            f"{med(r, 'engine_s'):.1f} | {max(x['peak_rss_mb'] for x in b):.0f} / {max(x['peak_rss_mb'] for x in r):.0f} | "
+            f"{fb:.3f} / {fr:.3f} |")
     lines += [
         "",
-        "Every run's wall seconds: " + "; ".join(f"{n} " + ", ".join(f"{r['wall_s']:.1f}" for r in runs[n])
-                                                  for n in ("bare", "w1", "w2")) + ".",
-        "rafl's wall time includes the end of the run (summary, the two plots: ~1-3 s of matplotlib import "
-        "and drawing); `rounds s` is the sum of the rounds' `time_s`. With 2 workers `client steps s` is the "
-        "wall time of the parallel section (state I/O included). The bare loop's accuracies differ from rafl's "
-        "(its own initialization and shuffling); they show it learns the same task.",
-        "Peak PSS counts the pages the forked workers share with the run's process (the dataset, the "
-        "model code) once; peak RSS counts them in every process.",
-        "",
-        "Targets (issue 35): workers 1 <= 1.05x the bare loop: "
-        f"**{med('w1', 'wall_s') / bare:.2f}x** (rounds alone {med('w1', 'rounds_s') / bare:.2f}x); workers 2 <= 0.6x: "
-        f"**{med('w2', 'wall_s') / bare:.2f}x**; peak memory <= the bare loop's + 300 MB: PSS "
-        f"{max(r['peak_pss_mb'] for r in runs['w2']):.0f} vs {max(r['peak_pss_mb'] for r in runs['bare']):.0f} + 300 MB.",
+        "Every run's wall seconds (bare; rafl): " + "; ".join(
+            f"{m} " + ", ".join(f"{x['wall_s']:.1f}" for x in res["methods"][m]["bare"]) + "; "
+            + ", ".join(f"{x['wall_s']:.1f}" for x in res["methods"][m]["w1"]) for m in args.methods) + ".",
+        "`rafl s` is the whole `federate.run` (it includes the end of the run: summary and the two plots); "
+        "`rounds s` the sum of the rounds' `time_s`. The bare loops' accuracies differ from rafl's (their own "
+        "initialization and shuffling; FedProto / FD prototypes from the training pass); they show the same task "
+        "is learned.",
         "",
     ]
-    if big:
-        b0, b1 = big["one_by_one"], big["shared"]
-        lines += [
-            f"## One round at {args.big_clients} clients ({args.big_per_round} sampled), `engine.eval_clients: all`",
-            "",
-            f"CIFAR-10 ({'all 60,000 images' if not args.big_limit else f'{args.big_limit} images per class and split'}), "
-            "pathological 2 classes per client, cnn4, FedProto, engine.workers: 1.",
-            "",
-            "| untrained clients evaluated | evaluation s | client steps s | round s |",
-            "|---|---|---|---|",
-            f"| one by one (before; with this change's one-pass FedProto evaluation) | {b0['evaluate_s']:.1f} | "
-            f"{b0['client_update_s']:.1f} | {b0['round_s']:.1f} |",
-            f"| together, one evaluation per model (after) | {b1['evaluate_s']:.1f} | {b1['client_update_s']:.1f} | "
-            f"{b1['round_s']:.1f} |",
-            "",
-            f"Evaluation {b0['evaluate_s'] / b1['evaluate_s']:.0f}x faster. After: "
-            f"`model.acc_mean_over_clients` {b1['row'].get('model.acc_mean_over_clients', float('nan')):.3f} covers the "
-            f"{b1['row'].get('eval.trained_clients')} trained clients, "
-            f"`model.acc_untrained_sample_weighted` {b1['row'].get('model.acc_untrained_sample_weighted', float('nan')):.3f} "
-            f"the {b1['row'].get('eval.untrained_clients')} untrained ones (before, their mean over clients: "
-            f"{b0['row'].get('model.acc_mean_over_clients', float('nan')):.3f} over all {args.big_clients}).",
-            "",
-        ]
+    if "workers" in res:
+        w = res["workers"]
+        lines += [f"## Workers: `engine.workers` 1 vs 2 ({args.workers_method})", "",
+                  "| condition | load average at its start | workers 1 s | workers 2 s | ratio w2 / w1 | default "
+                  "workers chosen | peak RSS MB w1 / w2 | peak PSS MB w1 / w2 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for cond, label in (("quiet", "as the machine is"), ("hog", f"beside a CPU hog ({args.hog} spinning process(es))")):
+            if cond not in w:
+                continue
+            c = w[cond]
+            lines.append(
+                f"| {label} | {c['load']} | {med(c['w1'], 'wall_s'):.1f} | {med(c['w2'], 'wall_s'):.1f} | "
+                f"**{med(c['w2'], 'wall_s') / med(c['w1'], 'wall_s'):.2f}x** | {c['default']} | "
+                f"{max(x['peak_rss_mb'] for x in c['w1']):.0f} / {max(x['peak_rss_mb'] for x in c['w2']):.0f} | "
+                f"{max(x['peak_pss_mb'] for x in c['w1']):.0f} / {max(x['peak_pss_mb'] for x in c['w2']):.0f} |")
+        lines += ["", "`default workers chosen`: what `engine.workers: null` resolves to at that moment "
+                  "(`rafl.federation.workers.resolve_workers`: the usable cores minus the load of other processes).",
+                  ""]
+    if "memory" in res:
+        mm = res["memory"]
+        lines += [f"## Peak memory ({args.workers_method}, {mm['images']} images in memory, 1 round)", "",
+                  "| variant | peak RSS MB | peak PSS MB | vs bare loop (PSS) |", "|---|---|---|---|"]
+        base = mm["bare"]["peak_pss_mb"]
+        for k, label in (("bare", "bare PyTorch loop (imports torch + rafl.models)"), ("w1", "rafl, workers 1"),
+                         ("w2", "rafl, workers 2")):
+            lines.append(f"| {label} | {mm[k]['peak_rss_mb']:.0f} | {mm[k]['peak_pss_mb']:.0f} | "
+                         f"{mm[k]['peak_pss_mb'] - base:+.0f} MB |")
+        lines += ["", "Imports alone (RSS MB after `import`, fresh process): " + ", ".join(
+            f"`{k}` {v:.0f}" for k, v in mm["imports"].items()) + ".", ""]
     return "\n".join(lines)
+
+
+def import_rss() -> dict[str, float]:
+    out = {}
+    for mods in ("torch", "torch,torchvision", "torch,rafl.models", "rafl.stages.federate"):
+        code = ("import importlib\nfor m in %r.split(','): importlib.import_module(m)\n"
+                "print([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1])") % mods
+        out[mods.replace(",", " + ")] = int(subprocess.check_output([sys.executable, "-c", code])) / 1024
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cifar", type=Path, default=TREE if TREE.is_dir() else TARBALL)
-    ap.add_argument("--limit-per-class", type=int, default=250)
+    ap.add_argument("--model", default="cnn4")
+    ap.add_argument("--limit-per-class", type=int, default=100)
     ap.add_argument("--clients", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--big-clients", type=int, default=3000, help="0: skip the large evaluation round")
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=METHODS)
+    ap.add_argument("--workers-method", default="fedproto")
+    ap.add_argument("--hog", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
+                    help="spinning processes beside the workers run (0: skip)")
+    ap.add_argument("--memory-limit", type=int, default=3000, help="images per class and split of the memory case "
+                    "(0: skip it; 3000: the whole CIFAR-10)")
+    ap.add_argument("--memory-clients", type=int, default=100)
+    ap.add_argument("--memory-per-round", type=int, default=4)
+    ap.add_argument("--big-clients", type=int, default=0, help="3000: the large evaluation round of issue 35")
     ap.add_argument("--big-per-round", type=int, default=10)
     ap.add_argument("--big-limit", type=int, default=None, help="images per class for the large round (default: all)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "round_speed")
     ap.add_argument("--variant", choices=["bare", "rafl", "big"], help=argparse.SUPPRESS)
+    ap.add_argument("--method", default="fedproto", help=argparse.SUPPRESS)
+    ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--bare-clients", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--per-round", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--shared", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
-        res = {"bare": run_bare, "rafl": run_rafl, "big": run_big}[args.variant](args)
-        args.json.write_text(json.dumps(res))
+        out = {"bare": run_bare, "rafl": run_rafl, "big": run_big}[args.variant](args)
+        args.json.write_text(json.dumps(out))
         return
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    variants = {"bare": ["--variant", "bare"], "w1": ["--variant", "rafl", "--workers", "1"],
-                "w2": ["--variant", "rafl", "--workers", "2"]}
-    runs: dict[str, list[dict]] = {k: [] for k in variants}
-    for rep in range(args.repeats):
-        order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
-        for name in order:
-            runs[name].append(child(args, variants[name]))
-    big = {}
-    if args.big_clients:
-        for key, shared in (("one_by_one", 0), ("shared", 1)):
-            big[key] = child(args, ["--variant", "big", "--workers", "1", "--shared", str(shared)])
-    text = report(args, runs, big, load)
+    res: dict = {"load_start": load_now(), "methods": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data.pt"
+        write_data(args, args.limit_per_class, args.clients, data)
+        base = ["--limit-per-class", str(args.limit_per_class), "--clients", str(args.clients),
+                "--rounds", str(args.rounds)]
+        for m in args.methods:
+            variants = {"bare": ["--variant", "bare", "--data", str(data), "--method", m],
+                        "w1": ["--variant", "rafl", "--method", m, "--workers", "1"]}
+            runs: dict[str, list[dict]] = {k: [] for k in variants}
+            for rep in range(args.repeats):
+                for name in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
+                    runs[name].append(child(args, variants[name], base))
+            res["methods"][m] = runs
+        if args.hog >= 0:
+            import torch
+
+            from rafl.federation.workers import resolve_workers
+
+            res["workers"] = {}
+            for cond in ("quiet", "hog") if args.hog else ("quiet",):
+                hog = start_hog(args.hog) if cond == "hog" else []
+                try:
+                    if hog:
+                        time.sleep(20)  # let the load average see the hog
+                    c = {"load": load_now(), "w1": [], "w2": [],
+                         "default": resolve_workers(None, args.clients, torch.device("cpu"))}
+                    for rep in range(args.repeats):
+                        for w in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                            c[f"w{w}"].append(child(args, ["--variant", "rafl", "--method", args.workers_method,
+                                                           "--workers", str(w)], base))
+                finally:
+                    stop_hog(hog)
+                res["workers"][cond] = c
+        if args.memory_limit:
+            mdata = Path(tmp) / "memory.pt"
+            write_data(args, args.memory_limit, args.memory_clients, mdata)
+            mbase = ["--limit-per-class", str(args.memory_limit), "--clients", str(args.memory_clients), "--rounds", "1"]
+            mm = {"bare": child(args, ["--variant", "bare", "--data", str(mdata), "--method", args.workers_method,
+                                       "--bare-clients", str(args.memory_per_round)], mbase)}
+            for w in (1, 2):
+                mm[f"w{w}"] = child(args, ["--variant", "rafl", "--method", args.workers_method, "--workers", str(w),
+                                           "--per-round", str(args.memory_per_round)], mbase)
+            import torch
+
+            mm["images"] = int(torch.load(mdata, weights_only=False)["labels"].numel())
+            mm["imports"] = import_rss()
+            res["memory"] = mm
+    res["load_end"] = load_now()
+    text = report(args, res)
     args.out.with_suffix(".md").write_text(text + "\n")
     args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                         "load_average_at_start": load, "runs": runs, "big": big},
-                                                        indent=1) + "\n")
+                                                         **res}, indent=1) + "\n")
     print(text)
+    if args.big_clients:
+        big = {}
+        for key, shared in (("one_by_one", 0), ("shared", 1)):
+            big[key] = child(args, ["--variant", "big", "--workers", "1", "--shared", str(shared)],
+                             ["--big-clients", str(args.big_clients), "--big-per-round", str(args.big_per_round),
+                              *(["--big-limit", str(args.big_limit)] if args.big_limit else [])])
+        (args.out.parent / "round_speed_eval.json").write_text(json.dumps(big, indent=1) + "\n")
+        print(json.dumps(big, indent=1))
 
 
 if __name__ == "__main__":

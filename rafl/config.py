@@ -179,7 +179,8 @@ class EngineSection(_Strict):
                                    "of the Simulation Runtime; null = one per client; ignored in-process)")
     workers: int | None = Field(None, ge=1, description="an integer >= 1 (in-process: processes running the "
                                 "sampled clients' steps and the evaluation, one torch thread each; results are the "
-                                "same for every value) or null (the CPU cores, at most the clients sampled per round)")
+                                "same for every value) or null (the CPU cores not kept busy by other processes (the load "
+                                "average), at most the clients sampled per round)")
     round_timeout_s: float = Field(600.0, gt=0, description="seconds > 0 (flower: a node that has not replied by "
                                    "then loses its clients for the round; raise it for slow devices or many clients "
                                    "per node)")

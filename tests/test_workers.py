@@ -75,6 +75,38 @@ def test_one_and_two_workers_give_the_same_metrics_and_states(digits, tmp_path):
     _same_states(st1, st2)
 
 
+def test_uint8_images_kept_as_loaded_give_the_same_metrics_and_states(tmp_path):
+    """A dataset built from uint8 (N, H, W, C) pixels keeps them as loaded (a channels-last (N, C,
+    H, W) view, no second copy); batches and a whole federated run are the same bit for bit as
+    with a contiguous (N, C, H, W) copy of the pixels."""
+    import dataclasses
+
+    import numpy as np
+
+    from rafl.data.datasets import Images, from_uint8
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(4), 12)
+    nhwc = rng.integers(0, 256, size=(len(labels), 16, 16, 3), dtype=np.uint8)
+    nhwc[np.arange(len(labels)), :, :, labels % 3] //= 2  # a little class signal
+    ds = from_uint8("cifar10", nhwc, labels, np.array(["train"] * len(labels)), list("abcd"), 16)
+    assert ds.images.pixels.data_ptr() == torch.from_numpy(nhwc).data_ptr()  # no copy of the dataset
+    copy = dataclasses.replace(ds, images=Images(ds.images.pixels.contiguous(), ds.mean, ds.std))
+    idx = torch.tensor([5, 0, 47, 12])
+    batch = ds.images[idx]
+    assert batch.is_contiguous() and torch.equal(batch, copy.images[idx])
+    part = make_partition(labels, "pathological", 4, 0, k=2, public_fraction=0.0)
+    runs = {}
+    for name, data in (("view", ds), ("copy", copy)):
+        algo = get_algorithm("fedproto")(local_epochs=1, lr=0.01)
+        fed, _ = build_group_federation(data, part, MEMBERS, algo, feature_dim=16, batch_size=8)
+        Engine(fed, EngineConfig(rounds=2, seed=1, workers=1), tmp_path / name, progress=False,
+               observers=[RunReport(tmp_path / name)]).run()
+        runs[name] = (_history(tmp_path / name), _states(tmp_path / name))
+    assert runs["view"][0] == runs["copy"][0] and "model.acc_mean_over_clients" in runs["view"][0][-1]
+    _same_states(runs["view"][1], runs["copy"][1])
+
+
 def test_one_and_two_workers_agree_on_supernet_subnets(tmp_path):
     torch.manual_seed(0)
     space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
@@ -284,6 +316,32 @@ def test_workers_setting():
             resolve_workers(bad, 4, cpu)
     with pytest.raises(UserInputError, match="engine.workers.*allowed: 1"):
         resolve_workers(2, 4, cuda)
+
+
+def test_default_workers_are_the_cores_other_processes_leave_free(monkeypatch, tmp_path):
+    """``engine.workers: null``: the usable cores (affinity, cgroup quota) minus the load average's
+    other runnable processes (this run's own counted as 1), scaled to this process's share of the
+    machine, at least 1 and at most the clients sampled."""
+    from rafl.federation import workers as w
+
+    cpu, read_quota = torch.device("cpu"), w._cgroup_cores
+    monkeypatch.setattr(w, "cpu_cores", lambda: 4)
+    monkeypatch.setattr(w.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(w, "_cgroup_cores", lambda: None)
+    for load, expected in ((0.0, 4), (1.0, 4), (1.4, 4), (2.0, 3), (3.0, 2), (4.6, 1), (20.0, 1)):
+        monkeypatch.setattr(w.os, "getloadavg", lambda load=load: (load, load, load))
+        assert w.available_cores() == expected, load
+        assert resolve_workers(None, 10, cpu) == expected and resolve_workers(None, 2, cpu) == min(2, expected)
+        assert resolve_workers(3, 10, cpu) == 3  # an explicit count is kept whatever the load
+    monkeypatch.setattr(w.os, "cpu_count", lambda: 8)  # 4 of 8 cores usable: half the others' load lands on them
+    monkeypatch.setattr(w.os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    assert w.available_cores() == 2
+    monkeypatch.setattr(w, "_cgroup_cores", lambda: 1.5)  # a quota of 1.5 cores: 1
+    assert w.available_cores() == 1
+    for text, cores in (("max 100000\n", None), ("250000 100000\n", 2.5), ("50000 100000\n", 1.0), ("junk", None)):
+        (tmp_path / "cpu.max").write_text(text)
+        assert read_quota(str(tmp_path / "cpu.max")) == cores
+    assert read_quota(str(tmp_path / "missing")) is None
 
 
 def test_sigterm_while_waiting_for_workers_is_raised_after_the_wait_not_lost():

@@ -96,7 +96,8 @@ class Images:
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalized float32 copy of stored-form ``pixels`` ``(B, C, H, W)`` (on their device)."""
-        x = pixels.to(torch.float32, copy=True)
+        # contiguous (N, C, H, W) whatever the stored strides: the same values and layout either way
+        x = pixels.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         a, b = self._a.to(x.device), self._b.to(x.device)
         if self.pixels.dtype == torch.uint8:
             return x.mul_(a).add_(b)
@@ -114,7 +115,7 @@ class Images:
 
     def take(self, idx) -> Images:
         """The samples ``idx`` (first dimension) as another :class:`Images`, same storage form."""
-        return Images(self.pixels[idx], self.mean, self.std)
+        return Images(self.pixels[idx].contiguous(), self.mean, self.std)
 
     def __repr__(self) -> str:
         return f"Images({tuple(self.shape)}, stored {str(self.pixels.dtype).removeprefix('torch.')})"
@@ -183,14 +184,18 @@ def from_uint8(name: str, images_nhwc: np.ndarray, labels: np.ndarray, origin: n
                writers: np.ndarray | None = None) -> Dataset:
     """Build a :class:`Dataset` from uint8 (N, H, W, C) pixels, kept as uint8 (N, C, H, W).
 
-    At the source's own resolution the pixels are stored as they are; another ``resolution``
+    At the source's own resolution the pixels are stored as they are (the same memory, an
+    (N, C, H, W) view with channels-last strides); another ``resolution``
     resizes them (bilinear, antialiased when shrinking) and rounds back to uint8, in chunks.
     ``mean``/``std`` None = computed on the stored pixels (scale [0, 1]).
     """
     src = torch.from_numpy(np.ascontiguousarray(images_nhwc)).permute(0, 3, 1, 2)  # (N, C, H, W) uint8 view
     n, c = src.shape[:2]
     if src.shape[-1] == resolution and src.shape[-2] == resolution:
-        pix = src.contiguous()
+        # the source's own pixels, viewed (N, C, H, W) with channels-last strides: no second copy of the
+        # dataset (a contiguous copy doubled the peak memory of loading it); batches are made
+        # contiguous when normalized
+        pix = src
     else:
         pix = torch.empty((n, c, resolution, resolution), dtype=torch.uint8)
         chunk = 1024

@@ -73,9 +73,42 @@ def cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _cgroup_cores(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
+    """The CPU quota of this process's cgroup (v2 ``cpu.max``: ``"<quota> <period>"`` microseconds)
+    in cores, or None when there is none (``max``) or it cannot be read."""
+    try:
+        with open(path) as fh:
+            quota, period = fh.read().split()[:2]
+        return None if quota == "max" else max(1.0, int(quota) / int(period))
+    except (OSError, ValueError):
+        return None
+
+
+def available_cores() -> int:
+    """The CPU cores this run can expect to have to itself, >= 1: the cores it may run on
+    (:func:`cpu_cores`, capped by a cgroup CPU quota) minus the other processes that keep them busy,
+    i.e. the 1-minute load average less this run's own process (1), scaled to the share of the
+    machine's cores this process may use and rounded to whole cores.
+
+    The load average counts runnable processes over the whole machine; a worker beside a busy
+    core gets only a share of it, so on a loaded machine more workers buy little and pay their
+    start-up, copies-on-write and state I/O (``bench/round_speed.py``, beside a CPU hog)."""
+    cores = cpu_cores()
+    quota = _cgroup_cores()
+    if quota is not None:
+        cores = max(1, min(cores, int(quota)))
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: trust the cores
+        return cores
+    others = max(0.0, load - 1.0) * cores / max(cores, os.cpu_count() or cores)
+    return max(1, min(cores, cores - int(others + 0.5)))
+
+
 def resolve_workers(workers: int | None, n_sampled: int, device: torch.device) -> int:
-    """The number of worker processes of a run: ``workers``, or by default the CPU cores capped by
-    the clients sampled per round (1 on a CUDA device or where fork is unavailable).
+    """The number of worker processes of a run: ``workers``, or by default the CPU cores free for
+    it (:func:`available_cores`, read once when the run starts) capped by the clients sampled per
+    round (1 on a CUDA device or where fork is unavailable).
 
     Raises:
         UserInputError: ``workers`` is not an integer >= 1, or > 1 on a CUDA device (a forked
@@ -84,7 +117,7 @@ def resolve_workers(workers: int | None, n_sampled: int, device: torch.device) -
     if workers is None:
         if device.type != "cpu" or not fork_available():
             return 1
-        return max(1, min(cpu_cores(), n_sampled))
+        return max(1, min(available_cores(), n_sampled))
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise UserInputError(f"is {workers!r}; allowed: an integer >= 1, or null (the CPU cores)", field="engine.workers")
     if workers > 1 and device.type != "cpu":
@@ -456,4 +489,4 @@ class WorkerClients(ClientRunner):
         return [(groups[i], results[i]) for i in sorted(results)], lost
 
 
-__all__ = ["WorkerClients", "runner", "resolve_workers", "cpu_cores", "fork_available"]
+__all__ = ["WorkerClients", "runner", "resolve_workers", "cpu_cores", "available_cores", "fork_available"]

@@ -23,8 +23,8 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
-import networkx as nx
 import torch
 import torch.fx
 from torch import nn
@@ -62,7 +62,7 @@ class MemoryTrace:
     order: list[str] = field(default_factory=list)
     live_bytes: list[int] = field(default_factory=list)
     out_bytes: dict[str, int] = field(default_factory=dict)
-    graph: nx.DiGraph | None = None
+    graph: Any = None  # networkx.DiGraph
     peak_bytes_held: int = 0
     peak_bytes_freed: int = 0
 
@@ -127,6 +127,8 @@ def fx_peak_memory(model: nn.Module, input_shape: tuple[int, ...], *, hold_input
     gm.train(was_training)
 
     nodes = [n for n in gm.graph.nodes]
+    import networkx as nx  # networkx: ~10 MB resident, loaded only when a peak is estimated
+
     graph = nx.DiGraph()
     for step, n in enumerate(nodes):
         graph.add_node(n.name, step=step, bytes=_tensor_bytes(n), op=n.op)

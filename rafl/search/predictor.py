@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.stats import kendalltau
 from torch import nn
 
 from rafl.errors import UserInputError
@@ -165,6 +164,8 @@ class AccuracyPredictor(nn.Module):
 
 def kendall_tau(predicted: np.ndarray, measured: np.ndarray) -> float:
     """Kendall's tau-b rank correlation (scipy.stats.kendalltau); ``nan`` if undefined."""
+    from scipy.stats import kendalltau  # scipy.stats: heavy (~60 MB resident), loaded only when tau is computed
+
     if len(predicted) < 3 or np.ptp(measured) == 0:
         return float("nan")
     return float(kendalltau(predicted, measured).statistic)

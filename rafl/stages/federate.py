@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from rafl.config import RunConfig
-from rafl.stages.flower.simulation import simulate
 from rafl.stages.prepare import Prepared, prepare
 from rafl.stages.rundir import RunDir, default_name
 from rafl.stages.runs import run_prepared
@@ -27,6 +26,9 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
     """Run ``prep`` in ``run_dir`` on the runner its ``engine.backend`` names; returns the summary
     (:func:`rafl.stages.runs.run_prepared`)."""
     if prep.cfg.engine.backend == "flower":
+        # flwr (grpc, cryptography, protobuf: ~30 MB resident) is loaded only for the Flower backend
+        from rafl.stages.flower.simulation import simulate
+
         return simulate(prep, Path(run_dir), resume=resume, progress=progress)
     return run_prepared(prep, run_dir, resume=resume, progress=progress)
 
