@@ -48,10 +48,13 @@ def _check_out(out: Path, names: list[str]) -> None:
               help="Final candidates re-measured per profile; the best measured one that meets the "
                    "profile's budgets wins (any profile's finalists, when several are searched).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed (the search is deterministic).")
+@click.option("--remeasure", is_flag=True,
+              help="Measure the predictor's subnets on the supernet's server-val split even when measurements "
+                   "ship beside its weights (cifar10 ships 500: without this option it reads no data).")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
 def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, generations: int, population: int,
            time_budget_s: float | None, estimator: str, predictor_samples: int, top_k: int, seed: int,
-           quiet: bool) -> None:
+           remeasure: bool, quiet: bool) -> None:
     """Search, per device profile, the supernet's subnet with the best estimated accuracy that
     meets every budget of the profile (OFA's evolutionary search with several constraints).
 
@@ -81,11 +84,25 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     config = SearchConfig(population=population, generations=generations, time_budget_s=time_budget_s,
                           estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
                           progress=not quiet)  # the options' click ranges are SearchConfig's constraints
-    results = run_search(profs, out, config, supernet_dir=supernet_dir)
+    try:
+        results = run_search(profs, out, config, supernet_dir=supernet_dir, remeasure=remeasure,
+                             say=None if quiet else lambda line: click.echo(line, err=True))
+    except (KeyboardInterrupt, SystemExit) as err:
+        from rafl.cli import exit_interrupted
+        from rafl.search.estimators import measurement_cache_dir
+
+        click.echo(f"interrupted: rafl search stopped; no profile folder was half-written (finished ones are "
+                   f"complete), and the subnets measured so far are kept in {measurement_cache_dir()}, so the "
+                   "same command measures only the rest", err=True)
+        raise exit_interrupted(err) from None
     from rafl.search.evolution import binding_text
     from rafl.search.predictor import tau_meaning
     from rafl.stages.search import same_subnet_note
 
+    for name, res in results.items():
+        if res.accuracy_source != "measured":
+            click.echo(f"{name}: its pick was not measured (no data here): its accuracy is the predictor's; "
+                       "measure it with --remeasure and the dataset", err=True)
     fit = next(iter(results.values())).predictor_fit
     if fit:
         click.echo(f"predictor: Kendall tau {fit['kendall_tau']:.3f}, RMSE {fit['rmse']:.4f} ({fit['folds']}-fold "
@@ -93,7 +110,7 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     for name, res in results.items():
         c = res.cost
         where = "" if res.found_for == name else f", found for {res.found_for}"
-        click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} (measured{where})  "
+        click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} ({res.accuracy_source}{where})  "
                    f"{c.macs_m:.2f} M MACs  {c.latency_ms:.3g} ms  peak {c.peak_memory_mb:.3g} MiB  "
                    f"binds: {binding_text(res.budget_use)}  -> {out / name}")
     for line in same_subnet_note(results):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from rafl.supernet import extract_subnet, load_supernet, quickstart_supernet, re
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import load_meta
 from rafl.supernet.model import prepare_input
-from rafl.supernet.pretrained import resolve_supernet
+from rafl.supernet.pretrained import MEASUREMENTS_NAME, load_calibration, resolve_supernet, supernet_measurements
 from rafl.supernet.server_data import calibration_sample, server_split
 from rafl.threads import torch_threads
 
@@ -59,21 +59,10 @@ SUBNET_WEIGHTS = "subnet.safetensors"
 
 
 # ---------------------------------------------------------------------- server data
-def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True
-                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
-    """The server's validation split and BN-calibration images for the search.
+def server_dataset(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True):
+    """``(dataset, split, info)``: the supernet's dataset and its server split, rebuilt from the
+    dataset settings saved in its training config (see :func:`server_eval_data`).
 
-    Rebuilds the supernet's own server split (:func:`rafl.supernet.server_data.server_split`)
-    from the dataset settings saved in its training config (``dataset``, ``data_root``,
-    ``image_size``, ``limit_per_class``, ``public_fraction``, ``public_seed``, ``val_fraction`` of
-    :class:`rafl.supernet.train.TrainConfig`): accuracy is measured on server-val,
-    BN statistics are re-estimated on pool-train; no client data is touched. ``progress``: show
-    the bars of reading a dataset source (a cache miss).
-
-    Returns:
-        ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``; the
-        calibration images are all of pool-train in a fixed random order
-        (:func:`rafl.supernet.server_data.calibration_sample`), so any first batches mix the classes.
     Raises:
         UserInputError: an empty validation split, or a dataset whose classes do not match the
             supernet's ``n_classes``.
@@ -97,11 +86,33 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
         raise UserInputError(f"the server's validation split is empty (public_fraction="
                              f"{public_fraction}, val_fraction={val_fraction}); the search needs "
                              "labelled server data", field="val_fraction")
-    val = (ds.images[split.pool_val], ds.labels[split.pool_val])
     info = {"dataset": name, "public_fraction": public_fraction, "public_seed": public_seed,
             "val_fraction": val_fraction, "n_val": int(len(split.pool_val)),
             "n_calib": int(len(split.pool_train))}
+    return ds, split, info
 
+
+def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True
+                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
+    """The server's validation split and BN-calibration images for the search.
+
+    Rebuilds the supernet's own server split (:func:`rafl.supernet.server_data.server_split`)
+    from the dataset settings saved in its training config (``dataset``, ``data_root``,
+    ``image_size``, ``limit_per_class``, ``public_fraction``, ``public_seed``, ``val_fraction`` of
+    :class:`rafl.supernet.train.TrainConfig`): accuracy is measured on server-val,
+    BN statistics are re-estimated on pool-train; no client data is touched. ``progress``: show
+    the bars of reading a dataset source (a cache miss).
+
+    Returns:
+        ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``; the
+        calibration images are all of pool-train in a fixed random order
+        (:func:`rafl.supernet.server_data.calibration_sample`), so any first batches mix the classes.
+    Raises:
+        UserInputError: an empty validation split, or a dataset whose classes do not match the
+            supernet's ``n_classes``.
+    """
+    ds, split, info = server_dataset(meta_config, space, progress)
+    val = (ds.images[split.pool_val], ds.labels[split.pool_val])
     # all of pool-train in a fixed random order: the measurement and the written subnet recalibrate BN
     # on its first batches, which must mix the classes (a class-by-class source's first images are one class)
     calib = ds.images[torch.as_tensor(calibration_sample(split.pool_train, len(split.pool_train)))]
@@ -254,9 +265,16 @@ def load_search_supernet(supernet_dir: str | Path | None, progress: bool = True)
 
 
 def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchConfig | None = None, *,
-               supernet_dir: str | Path | None = None, supernet=None, meta: dict[str, Any] | None = None
-               ) -> dict[str, SearchResult]:
+               supernet_dir: str | Path | None = None, supernet=None, meta: dict[str, Any] | None = None,
+               remeasure: bool = False, say: Callable[[str], None] | None = None) -> dict[str, SearchResult]:
     """Search a subnet per device profile and write ``out/<profile>/`` (see the module docstring).
+
+    A supernet folder with measured subnets beside its weights (``measurements.json``, shipped
+    with ``cifar10``; :func:`rafl.supernet.pretrained.supernet_measurements`) is searched on them:
+    the predictor trains on the recorded accuracies and the finalists found there are not
+    measured again; the dataset is read only if a subnet still has to be measured (when it
+    cannot be read, such a finalist keeps its predicted accuracy and ``result.json`` says so),
+    and the picked subnets are BN-recalibrated on the calibration images shipped beside them.
 
     Args:
         profiles: shipped profile names or YAML paths (``--device-profile``).
@@ -264,11 +282,13 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         supernet_dir: a supernet directory (``rafl supernet train`` output); ``None`` with
             ``supernet=None`` uses :func:`rafl.supernet.quickstart_supernet`.
         supernet, meta: an in-memory supernet and its ``supernet.json`` content (tests, pipelines).
+        remeasure: ignore the measurements beside the supernet and measure on its server-val split.
+        say: called with a line for people (which measurements are used), e.g. ``click.echo`` to stderr.
 
     Raises:
         UserInputError: unknown or malformed profile, a supernet checkpoint that does not load or
-            does not match the space, an empty validation split, unreachable budgets. Raised
-            before anything is written.
+            does not match the space, an empty validation split, unreachable budgets, altered
+            shipped measurements. Raised before anything is written.
     """
     config = config or SearchConfig()
     if not profiles:
@@ -278,10 +298,44 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         supernet, meta = load_search_supernet(supernet_dir, progress=config.progress)
     meta = meta or {}
     space: SearchSpace = supernet.space
-    val, calib, data_info = server_eval_data(meta.get("config"), space, progress=config.progress)
+    table = None
+    if not remeasure and supernet_dir is not None:
+        table = supernet_measurements(resolve_supernet(supernet_dir))
+        if table is not None and table.get("measurement") != {"batch_size": config.batch_size,
+                                                                "calib_batches": config.calib_batches}:
+            table = None  # measured another way: not comparable with this search's measurements
+        if table is not None and say is not None:
+            n_table = int(table["predictor_samples"]["n"])
+            covered = table["predictor_samples"]["seed"] == config.seed and config.predictor_samples <= n_table
+            say(f"using the {len(table['accuracy'])} subnets measured on this supernet's server-val split and shipped "
+                f"beside it ({MEASUREMENTS_NAME}; predictor's Kendall tau {table['predictor_fit']['kendall_tau']:.2f}, "
+                f"split-half noise ceiling {table['noise_ceiling']['kendall_tau_halves']:.2f})"
+                + ("" if covered else f"; --predictor-samples {config.predictor_samples} / --seed {config.seed} "
+                   f"need subnets beyond them (it holds {n_table} for seed {table['predictor_samples']['seed']}), "
+                   "which are measured on the dataset")
+                + "; --remeasure measures again")
+    loaded: dict[str, Any] = {}
+
+    def load_data():
+        loaded["val"], loaded["calib"], loaded["info"] = server_eval_data(meta.get("config"), space,
+                                                                          progress=config.progress)
+        return loaded["val"], loaded["calib"]
 
     models = {p.name: CostModel(space, p) for p in profs}
-    results = search_subnets(supernet, profs, val, calib, config, cost_models=models)
+    if table is None:
+        load_data()
+        results = search_subnets(supernet, profs, loaded["val"], loaded["calib"], config, cost_models=models)
+    else:
+        results = search_subnets(supernet, profs, None, None, config, cost_models=models, known=table["accuracy"],
+                                 data_fn=load_data)
+    if "calib" in loaded:
+        calib, data_info = loaded["calib"], loaded["info"]
+    else:  # searched on the shipped measurements alone: their calibration images
+        calib, data_info = load_calibration(table["calibration_path"]), dict(table.get("data") or {})
+    if table is not None:
+        data_info["measurements"] = {"file": str(Path(table["calibration_path"]).with_name(MEASUREMENTS_NAME)),
+                                     "n": len(table["accuracy"]),
+                                     "measured_now": max(r.n_measured for r in results.values())}
 
     out = Path(out)
     run = {"supernet": meta.get("path"), "data": data_info, "config": config.model_dump()}
@@ -393,8 +447,11 @@ def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tens
                     title=f"{prof.name}: {len(out.archive_scores)} feasible archs evaluated")
     atomic_write_json(d / "result.json", {
         "profile": prof.name, "arch": res.arch.to_dict(), "arch_string": res.arch.to_string(),
-        "accuracy": res.accuracy, "accuracy_note": "measured top-1 (fraction) on the server's validation "
-                                                   "split after BN recalibration",
+        "accuracy": res.accuracy, "accuracy_source": res.accuracy_source,
+        "accuracy_note": ("measured top-1 (fraction) on the server's validation split after BN recalibration"
+                          if res.accuracy_source == "measured" else
+                          "the predictor's estimate (no data to measure this subnet on; measure it with "
+                          "--remeasure and the dataset)"),
         "predicted_accuracy": res.predicted_accuracy, "estimator": res.estimator,
         "predictor_fit": res.predictor_fit, "predictor_fit_note": _fit_note(res.predictor_fit),
         "cost": _cost_dict(res.cost), "budgets": res.budgets,
