@@ -41,20 +41,24 @@ def _check_out(out: Path, names: list[str]) -> None:
 @click.option("--estimator", type=click.Choice(["predictor", "measured"]), default="predictor",
               show_default=True, help="Accuracy during the evolution: an MLP predictor trained on "
                                       "measured subnets, or measuring every subnet (slow).")
-@click.option("--predictor-samples", type=click.IntRange(min=4), default=500, show_default=True,
+@click.option("--predictor-samples", type=click.IntRange(min=4), default=None,
               help="Subnets measured (on the server-val split, cached per supernet) to train the predictor "
-                   "(OFA: thousands; >= 500 for a predictor that ranks).")
+                   "(OFA: thousands; >= 500 for a predictor that ranks) [default: the subnets measured beside "
+                   "the supernet (cifar10: shipped), else 500]. Fewer measure faster.")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
               help="Final candidates re-measured per profile; the best measured one that meets the "
                    "profile's budgets wins (any profile's finalists, when several are searched).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed (the search is deterministic).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes measuring subnets (one torch thread each; the same accuracies for any count) "
+                   "[default: the CPU cores this process may use].")
 @click.option("--remeasure", is_flag=True,
               help="Measure the predictor's subnets on the supernet's server-val split even when measurements "
                    "ship beside its weights (cifar10 ships 500: without this option it reads no data).")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
 def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, generations: int, population: int,
-           time_budget_s: float | None, estimator: str, predictor_samples: int, top_k: int, seed: int,
-           remeasure: bool, quiet: bool) -> None:
+           time_budget_s: float | None, estimator: str, predictor_samples: int | None, top_k: int, seed: int,
+           workers: int | None, remeasure: bool, quiet: bool) -> None:
     """Search, per device profile, the supernet's subnet with the best estimated accuracy that
     meets every budget of the profile (OFA's evolutionary search with several constraints).
 
@@ -81,9 +85,10 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, out: Path, gene
     if supernet_dir is not None and not supernet_dir.exists():
         raise UserInputError("no such supernet folder (train one with `rafl supernet train`, or omit "
                              "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")
+    given = {} if predictor_samples is None else {"predictor_samples": predictor_samples}
     config = SearchConfig(population=population, generations=generations, time_budget_s=time_budget_s,
-                          estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
-                          progress=not quiet)  # the options' click ranges are SearchConfig's constraints
+                          estimator=estimator, top_k=top_k, seed=seed, progress=not quiet, workers=workers,
+                          **given)  # the options' click ranges are SearchConfig's constraints
     try:
         results = run_search(profs, out, config, supernet_dir=supernet_dir, remeasure=remeasure,
                              say=None if quiet else lambda line: click.echo(line, err=True))
