@@ -40,8 +40,10 @@ def measured_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("supernet")
     save_supernet(d, build_supernet(SPACE), DATA_CFG, {})
-    write_measurements(d, samples=8, seed=0, workers=1, profiles=["pi4", "mcu"], config=SearchConfig(**TINY),
-                       say=lambda line: None, progress=False)
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: before conftest's per-test cache dir
+        mp.setenv("RAFL_CACHE_DIR", str(tmp_path_factory.mktemp("rafl-cache")))
+        write_measurements(d, samples=8, seed=0, workers=1, profiles=["pi4", "mcu"], config=SearchConfig(**TINY),
+                           say=lambda line: None, progress=False)
     return d
 
 

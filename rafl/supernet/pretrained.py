@@ -41,7 +41,9 @@ PRETRAINED: dict[str, str] = {
 
 #: name -> SHA-256 of its ``measurements.json`` (made by ``bench/predictor_table.py``; it records
 #: the SHA-256 of the weights it was measured on and of its ``calibration.safetensors``).
-PRETRAINED_MEASUREMENTS: dict[str, str] = {}
+PRETRAINED_MEASUREMENTS: dict[str, str] = {
+    "cifar10": "ca225001f2f3cff1939194ffd9626f525e91eb933ad1e2b2ed31a519cf7cac6d",
+}
 
 
 def is_pretrained_name(value: object) -> bool:
