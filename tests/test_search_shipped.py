@@ -172,3 +172,34 @@ def test_ctrl_c_and_sigterm_stop_search_while_workers_measure(tmp_path, signum, 
     assert not out.exists()  # nothing half-written
     cache = list((Path(os.environ["RAFL_CACHE_DIR"]) / "search-measurements").glob("*.json"))
     assert len(cache) == 1 and len(json.loads(cache[0].read_text())["accuracy"]) >= 2  # what was measured is kept
+
+
+def test_shipped_cifar10_measurements_answer_a_search_without_data(tmp_path, monkeypatch):
+    """`rafl search --supernet cifar10 --device-profile pi4` with the default options: no dataset is
+    read and nothing is measured; the pick is a shipped finalist with its shipped accuracy."""
+    from click.testing import CliRunner
+
+    from rafl.cli import cli
+
+    folder = pt.pretrained_path("cifar10")
+    doc = pt.supernet_measurements(folder)
+    from rafl.supernet import load_supernet
+
+    space = load_supernet(folder).space
+    n, seed = doc["predictor_samples"]["n"], doc["predictor_samples"]["seed"]
+    assert doc["predictor_samples"]["archs"] == [a.to_string() for a in sample_across_space(space, n, seed)]
+    assert all(0.0 <= v <= 1.0 for v in doc["accuracy"].values()) and doc["data"]["n_val"] == 2500
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("a dataset was read")
+
+    monkeypatch.setattr(stage, "load_dataset", no_data)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["search", "--supernet", "cifar10", "--device-profile", "pi4", "--out", str(out),
+                                   "--quiet"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "pi4" / "result.json").read_text())
+    assert result["accuracy_source"] == "measured" and result["arch_string"] in doc["finalists"]["pi4"]
+    assert result["accuracy"] == doc["accuracy"][result["arch_string"]]
+    assert result["data"]["measurements"]["measured_now"] == 0
+    assert (out / "pi4" / "subnet.onnx").is_file()
