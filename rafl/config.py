@@ -67,6 +67,10 @@ class PartitionConfig(_Strict):
     min_samples: int = Field(10, ge=1, description="an integer >= 1")
     public_fraction: float = Field(0.3, ge=0, lt=1, description="a fraction in [0, 1)")
     public_seed: int = Field(0, ge=0, le=SEED_MAX, description=f"an integer in 0..{SEED_MAX} (seed of the public pool)")
+    global_test_per_class: int = Field(
+        0, ge=0, le=100_000, description="an integer in 0..100000: samples per class of the source's test split held "
+        "out as a balanced global test set (no client and no supernet sees it; every deployed model is also scored "
+        "on it, as model@global); 0 = none")
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description=f"an integer in 0..{SEED_MAX} or null (= the run seed)")
     split: tuple[float, float, float] = Field(
         (0.8, 0.1, 0.1), description="three fractions train > 0, val >= 0, test >= 0 summing to 1, e.g. [0.8, 0.1, 0.1]")
@@ -97,6 +101,8 @@ class ClientsConfig(_Strict):
     (homogeneous population, e.g. for FedAvg). ``budgets`` replaces some budgets of a profile for
     this run (same device, another application: e.g. ``{pi4: {latency_ms: 1.2}}``); none by
     default (the shipped profiles' own budgets bind on the shipped supernets' 12-32 px subnets).
+    ``subnets: weakest`` puts every client on the one subnet that fits every profile (what
+    ``uniform`` deploys) for any method: the ablation of tailoring a subnet to each device.
     ``models`` other than ``nas`` gives client ``i`` member ``i % len(members)`` of a model group
     (:func:`rafl.models.resolve_models`: the FedTGP paper's HtFE groups, zoo names, plug-ins), each
     with a feature extractor of width ``feature_dim`` and its own header; no supernet, profile or
@@ -118,6 +124,9 @@ class ClientsConfig(_Strict):
     feature_dim: int = Field(128, ge=1, le=4096,
                              description="an integer 1..4096 (the model group's common representation width D; "
                                          "nas keeps the supernet's; FedTGP's server network holds D x D weights)")
+    subnets: Literal["per-device", "weakest"] = Field(
+        "per-device", description="per-device (each profile's own searched subnet) or weakest (every client on the "
+        "subnet that fits every profile, the weakest device's: the tailoring ablation; nas only)")
 
 
 class SupernetConfig(_Strict):

@@ -35,13 +35,22 @@ from rafl.cli import exit_interrupted
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
               help="Continue an interrupted comparison in this folder with its own config.yaml: finished "
                    "methods are kept, an interrupted one continues from its last complete round.")
+@click.option("--tune", "tune", multiple=True, metavar="KEY=V1,V2,...",
+              help="Tune before comparing: every method's KEY (lr: each method that has it; fedgh.server_lr: one "
+                   "method's) from this grid, scored on the clients' validation splits (never test) with the same "
+                   "number of trials per method; trials in OUT/tune/, picks in OUT/tune.json. Repeat for a product "
+                   "grid. Interrupted: run the same command again.")
+@click.option("--no-finetune", is_flag=True,
+              help="No fine-tuned rows (<method>-ft: a global-model method's final model fine-tuned locally for "
+                   "its local_epochs on every client, then scored).")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
 def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...], data_root: Path | None, models: str,
-            feature_dim: int, out: Path | None, resume_dir: Path | None, quiet: bool) -> None:
+            feature_dim: int, out: Path | None, resume_dir: Path | None, tune: tuple[str, ...], no_finetune: bool,
+            quiet: bool) -> None:
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
-    from rafl.stages.compare import load_compare_config, load_compare_resume, run_compare
+    from rafl.stages.compare import load_compare_config, load_compare_resume, parse_grid, run_compare, run_tuning
     from rafl.io import check_output_dir
     from rafl.models import resolve_models
 
@@ -49,7 +58,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         ctx = click.get_current_context()
         flags = {"algorithms": "--algorithms", "config_path": "--config", "overrides": "--set",
                  "data_root": "--data-root", "models": "--models",
-                 "feature_dim": "--feature-dim", "out": "--out"}
+                 "feature_dim": "--feature-dim", "out": "--out", "tune": "--tune"}
         given = [flag for param, flag in flags.items() if _given(ctx, param)]
         if given:
             raise UserInputError(f"cannot be combined with {', '.join(given)} (the folder's config.yaml is used)",
@@ -57,7 +66,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         cfg, hparams, models, feature_dim = load_compare_resume(resume_dir)
         with _say_how_to_resume(resume_dir):
             rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim,
-                               progress=not quiet, resume=True)
+                               progress=not quiet, resume=True, finetune=not no_finetune)
         out = resume_dir
     else:
         if out is None:
@@ -84,8 +93,13 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         if not _given(ctx, "feature_dim") and "feature_dim" in cfg.clients.model_fields_set:
             feature_dim = cfg.clients.feature_dim
         _warn_ignored(cfg, models)
+        trials = parse_grid(tune, hparams) if tune else None
         with _say_how_to_resume(out), (contextlib.nullcontext() if from_config else _models_option()):
-            rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet)
+            if trials:
+                hparams = run_tuning(cfg, hparams, trials, out, models=models, feature_dim=feature_dim,
+                                     progress=not quiet)
+            rows = run_compare(cfg, hparams, out, models=models, feature_dim=feature_dim, progress=not quiet,
+                               finetune=not no_finetune)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} method{'s' if len(rows) != 1 else ''})")
 
@@ -121,6 +135,9 @@ def _say_how_to_resume(out: Path) -> Iterator[None]:
         if (out / "config.yaml").is_file():
             click.echo(f"interrupted: finished methods and complete rounds are kept in {out}; continue with: "
                        f"rafl compare --resume {shlex.quote(str(out))}", err=True)
+        elif (out / "tune").is_dir():
+            click.echo(f"interrupted while tuning: finished trials are kept in {out / 'tune'}; run the same command "
+                       "again to continue", err=True)
         else:
             click.echo("interrupted before any method completed a round: nothing was kept", err=True)
         raise exit_interrupted(err) from None

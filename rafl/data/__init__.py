@@ -12,6 +12,7 @@ from rafl.data.partition import (
     SCHEMES,
     ClientSplit,
     Partition,
+    carve_global_test,
     carve_public_pool,
     make_partition,
     split_client,
@@ -19,5 +20,5 @@ from rafl.data.partition import (
 
 __all__ = [
     "DATASETS", "SCHEMES", "Dataset", "Images", "load_dataset", "make_loader", "ClientSplit", "Partition",
-    "carve_public_pool", "make_partition", "split_client",
+    "carve_global_test", "carve_public_pool", "make_partition", "split_client",
 ]

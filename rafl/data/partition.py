@@ -104,6 +104,9 @@ class Partition:
     clients: list[ClientSplit]
     public: np.ndarray
     meta: dict = field(default_factory=dict)
+    #: sorted int64 indices of the held-out balanced global test set (:func:`carve_global_test`),
+    #: given to no client and never in the public pool; empty when the run has none
+    global_test: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def n_clients(self) -> int:
@@ -111,7 +114,7 @@ class Partition:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-ready dict of the documented ``partition.json`` format."""
-        return {
+        out: dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
             "meta": _jsonable(self.meta),
@@ -125,6 +128,9 @@ class Partition:
                 for cid, c in enumerate(self.clients)
             },
         }
+        if len(self.global_test):
+            out["global_test"] = [int(i) for i in self.global_test]
+        return out
 
     def save(self, path: str | Path) -> None:
         """Write ``partition.json`` (format in the module docstring) atomically to ``path``.
@@ -140,6 +146,7 @@ class Partition:
             f'  "version": {obj["version"]},',
             f'  "meta": {meta},',
             f'  "public": {json.dumps(obj["public"])},',
+            *([f'  "global_test": {json.dumps(obj["global_test"])},'] if "global_test" in obj else []),
             '  "clients": {',
         ]
         items = list(obj["clients"].items())
@@ -210,7 +217,8 @@ class Partition:
                                      source=path, field=f"clients.{cid}.train")
             clients.append(ClientSplit(**arrays))
         public = _index_array(obj.get("public", []), path, "public", n_samples)
-        part = cls(clients=clients, public=public, meta=dict(meta))
+        global_test = _index_array(obj.get("global_test", []), path, "global_test", n_samples)
+        part = cls(clients=clients, public=public, meta=dict(meta), global_test=global_test)
         _check_disjoint(part, path)
         part.meta.setdefault("n_clients", len(clients))
         return part
@@ -266,6 +274,14 @@ def _index_array(value: Any, path: Path, fieldname: str, n_samples: int | None) 
 
 
 def _check_disjoint(part: Partition, path: Path | str | None) -> None:
+    held = np.asarray(part.global_test, dtype=np.int64)
+    if len(held):
+        others = [part.public] + [a for c in part.clients for a in (c.train, c.val, c.test)]
+        overlap = int(np.isin(held, np.concatenate(others)).sum())
+        if overlap:
+            raise UserInputError(f"overlaps the public pool and client splits in {overlap} sample(s); allowed: a "
+                                 "global test set held out from every client and from the server's pool",
+                                 source=path, field="global_test")
     arrays = [part.public] + [a for c in part.clients for a in (c.train, c.val, c.test)]
     allidx = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
     uniq, counts = np.unique(allidx, return_counts=True)
@@ -273,6 +289,51 @@ def _check_disjoint(part: Partition, path: Path | str | None) -> None:
         dup = int(uniq[counts > 1][0])
         raise UserInputError(f"index {dup} appears more than once (client splits and the public pool "
                              "must be disjoint)", source=path, field="clients")
+
+
+def carve_global_test(labels: np.ndarray, per_class: int, seed: int = 0, origin: np.ndarray | None = None,
+                      exclude: np.ndarray | None = None) -> np.ndarray:
+    """A balanced global test set: ``per_class`` random samples of every class, held out from the
+    clients (the global-accuracy protocol of HeteroFL, Diao et al., ICLR 2021, Sec. 4, and
+    FedRolex, Alam et al., NeurIPS 2022, Sec. 5: every model scored on one balanced test set).
+
+    Drawn from the source's *test* split (``origin == "test"``: CIFAR's 10,000 test images), so
+    the supernet's public pool (train split only) never overlaps it; a source without a test split
+    (digits) draws from the samples outside ``exclude`` (the public pool). The draw uses its own
+    generator seeded by ``seed`` (the public seed), so every run seed scores on the same images.
+
+    Args:
+        labels: int (N,) class labels of the whole dataset.
+        per_class: samples per class (>= 0; 0 = no global test set).
+        seed: seed of the draw.
+        origin: (N,) ``"train"``/``"test"`` per sample, or None.
+        exclude: indices that may not be drawn (the public pool).
+
+    Returns:
+        sorted int64 (C * per_class,) indices (empty for ``per_class == 0``).
+
+    Raises:
+        UserInputError: a class has fewer than ``per_class`` candidate samples (names the class
+            and how many it has).
+    """
+    per_class = _check_int(per_class, "global_test_per_class", 0)
+    labels = np.asarray(labels)
+    if per_class == 0 or not len(labels):
+        return np.zeros(0, dtype=np.int64)
+    candidates = np.ones(len(labels), dtype=bool)
+    if origin is not None and (np.asarray(origin) == "test").any():
+        candidates &= np.asarray(origin) == "test"
+    if exclude is not None and len(exclude):
+        candidates[np.asarray(exclude, dtype=np.int64)] = False
+    rng = np.random.default_rng([int(seed), 5_0_0_5])
+    taken = []
+    for c in range(int(labels.max()) + 1):
+        idx = np.flatnonzero(candidates & (labels == c))
+        if len(idx) < per_class:
+            raise UserInputError(f"is {per_class}, but class {c} has only {len(idx)} samples to hold out; allowed: "
+                                 f"0..{len(idx)}", field="global_test_per_class")
+        taken.append(rng.choice(idx, size=per_class, replace=False))
+    return np.sort(np.concatenate(taken)).astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -514,7 +575,7 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
                    alpha: float | None = None, min_samples: int = 10, public_fraction: float = 0.0,
                    public_seed: int = 0, writers: np.ndarray | None = None,
                    split: tuple[float, float, float] = (0.8, 0.1, 0.1), dataset: str | None = None,
-                   origin: np.ndarray | None = None) -> Partition:
+                   origin: np.ndarray | None = None, global_test_per_class: int = 0) -> Partition:
     """Partition a dataset over ``n_clients`` federated clients (scheme details: module docstring).
 
     Args:
@@ -533,6 +594,8 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         dataset: dataset name recorded in ``meta``.
         origin: (N,) ``"train"``/``"test"`` of every sample: the public pool is drawn from the train
             split only (:func:`carve_public_pool`); None = from every sample.
+        global_test_per_class: samples per class held out SECOND (after the pool) as the balanced
+            global test set (:func:`carve_global_test`, seeded by ``public_seed``); 0 = none.
 
     Returns:
         :class:`Partition`; disjoint client index sets, complete over the non-public indices for
@@ -565,8 +628,10 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
     n_classes = int(labels.max()) + 1 if n_total else 0
 
     public = carve_public_pool(labels, public_fraction, public_seed, origin)
+    global_test = carve_global_test(labels, global_test_per_class, public_seed, origin, exclude=public)
     mask = np.ones(n_total, dtype=bool)
     mask[public] = False
+    mask[global_test] = False
     pool = np.flatnonzero(mask).astype(np.int64)
     if n_clients is not None and n_clients > len(pool):
         raise UserInputError(f"is {n_clients}, but only {len(pool)} samples are left to partition "
@@ -614,7 +679,8 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         "dataset": dataset, "scheme": scheme, "params": params, "seed": seed,
         "n_samples": n_total, "n_classes": n_classes, "n_clients": n_clients,
         "public_fraction": float(public_fraction), "public_seed": public_seed, "split": list(split),
+        **({"global_test_per_class": int(global_test_per_class)} if len(global_test) else {}),
         **extra,
     }
     meta.setdefault("unassigned", int(len(pool) - sum(len(s) for s in shares)))
-    return Partition(clients=clients, public=public, meta=meta)
+    return Partition(clients=clients, public=public, meta=meta, global_test=global_test)

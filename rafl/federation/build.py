@@ -19,10 +19,20 @@ from rafl.supernet.bank import ModelBank
 from rafl.supernet.server_data import calibration_sample
 
 
+#: batch size of the global test set's loader (evaluation only: BN in eval mode, so it changes no number)
+GLOBAL_BATCH = 256
+
+
 def client_loaders(dataset, partition, batch_size: int):
     """The federation's ``loaders(cid, split, seed)``: a DataLoader over client ``cid``'s ``split``
-    (train shuffled with ``seed``; no ``drop_last``), or ``None`` for an empty ``val`` split."""
+    (train shuffled with ``seed``; no ``drop_last``), or ``None`` for an empty ``val`` split. Split
+    ``"global"`` is the partition's held-out balanced global test set, the same for every client
+    (``None`` when the partition has none)."""
+    held = np.asarray(getattr(partition, "global_test", ()), dtype=np.int64)
+
     def loaders(cid: int, split: str, seed: int):
+        if split == "global":
+            return make_loader(dataset, held, GLOBAL_BATCH, shuffle=False, seed=0) if len(held) else None
         idx = getattr(partition.clients[cid], split)
         if split == "val" and len(idx) == 0:
             return None

@@ -32,6 +32,7 @@ def check_disjoint(partition) -> None:
     for i, c in enumerate(partition.clients):
         for split in ("train", "val", "test"):
             sets.append((f"client {i} {split}", np.asarray(getattr(c, split), dtype=np.int64)))
+    check_global_test(partition, sets[0][1])
     allidx = np.concatenate([s for _, s in sets]) if sets else np.zeros(0, np.int64)
     if len(np.unique(allidx)) == len(allidx):
         return
@@ -41,6 +42,27 @@ def check_disjoint(partition) -> None:
             if v in owner:
                 raise UserInputError(f"index {v} is in both {owner[v]} and {name} (leakage)", field="partition")
             owner[v] = name
+
+
+def check_global_test(partition, pool: np.ndarray | None = None) -> None:
+    """Refuse a global test set (``partition.global_test``) that shares samples with any client's
+    train/val/test split or with ``pool`` (the public pool the supernet trained on; default the
+    partition's own).
+
+    Raises:
+        UserInputError: one line naming how many samples overlap and with what.
+    """
+    held = np.asarray(getattr(partition, "global_test", ()), dtype=np.int64)
+    if not len(held):
+        return
+    pool = np.asarray(partition.public if pool is None else pool, dtype=np.int64)
+    clients = [np.asarray(getattr(c, s), dtype=np.int64) for c in partition.clients for s in ("train", "val", "test")]
+    in_clients = int(np.isin(held, np.concatenate(clients)).sum()) if clients else 0
+    in_pool = int(np.isin(held, pool).sum())
+    if in_clients or in_pool:
+        raise UserInputError(f"the global test set overlaps client data in {in_clients} sample(s) and the supernet's "
+                             f"public pool in {in_pool}; allowed: no overlap (leakage)",
+                             field="partition.global_test_per_class")
 
 
 def check_public_pool(algorithm, hparams: dict[str, Any], partition) -> None:
@@ -88,6 +110,7 @@ def check_clients_avoid_pool(partition, labels: np.ndarray, pool: tuple[float, i
     trained = carve_public_pool(labels, pool[0], pool[1], origin)
     held = np.concatenate([np.asarray(getattr(c, s), dtype=np.int64) for c in partition.clients
                            for s in ("train", "val", "test")] or [np.zeros(0, np.int64)])
+    check_global_test(partition, trained)
     leaked = np.intersect1d(held, trained)
     if len(leaked):
         raise UserInputError(f"its clients hold {len(leaked)} samples (e.g. index {int(leaked[0])}) of the public pool "
@@ -219,6 +242,6 @@ def check_same_clients(run_dir: str | Path, table: list[dict[str, Any]], partiti
                                  source=path)
 
 
-__all__ = ["check_disjoint", "check_public_pool", "check_same_data", "check_clients_avoid_pool", "completed_rounds",
+__all__ = ["check_disjoint", "check_global_test", "check_public_pool", "check_same_data", "check_clients_avoid_pool", "completed_rounds",
            "check_resume_rounds", "SAME_CLIENT_KEYS", "check_same_clients", "DEPLOYMENT", "deployment_of",
            "check_resumable_here"]

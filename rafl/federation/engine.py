@@ -484,7 +484,10 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         clients[str(cid)] = {k[:-len(".correct")] + ".acc": (r[k] / r[k[:-len(".correct")] + ".total"]
                                                               if r[k[:-len(".correct")] + ".total"] else None)
                              for k in r if k.endswith(".correct")}
-        clients[str(cid)]["test_samples"] = next((v for k, v in r.items() if k.endswith(".total")), 0)
+        clients[str(cid)]["test_samples"] = next((v for k, v in r.items() if k.endswith(".total") and "@" not in k), 0)
+        held = next((v for k, v in r.items() if k.endswith("@global.total")), None)
+        if held is not None:  # the held-out global test set's size (the same images for every client)
+            clients[str(cid)]["global_test_samples"] = held
     part = [r["participated"] for r in history]
     tot = sum(r["time_s"] for r in history)
     eng = sum(r["time_engine_s"] for r in history)

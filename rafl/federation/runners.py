@@ -138,9 +138,32 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
     return upload, seconds
 
 
+#: the suffix of a model's name in the evaluation contract when it is scored on the held-out
+#: global test set (``model@global.correct``): the global-accuracy protocol beside the
+#: personalized one (the client's own test split, ``model.correct``)
+GLOBAL_SUFFIX = "@global"
+
+
+def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str, float]:
+    """``evaluate`` of a prepared client state on the client's own test split, and, when the
+    federation has a held-out global test set (``fed.loaders(cid, "global", seed)``), on it too,
+    its models renamed ``m@global`` (:data:`GLOBAL_SUFFIX`)."""
+    algo = fed.algorithm
+    out = dict(algo.evaluate(state, ctx))
+    held = fed.loaders(ctx.client_id, "global", ctx.seed)
+    if held is not None:
+        counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
+        for key, value in counts.items():
+            model, dot, stat = key.rpartition(".")
+            if dot and stat in ("correct", "total"):
+                out[f"{model}{GLOBAL_SUFFIX}.{stat}"] = value
+    return out
+
+
 def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
     """Evaluate the client's committed state (``prepare_evaluation`` with its view of
-    ``broadcast``, then ``evaluate``): the evaluation contract's ``m.correct``/``m.total``.
+    ``broadcast``, then ``evaluate``, :func:`evaluate_state`): the evaluation contract's
+    ``m.correct``/``m.total`` (and ``m@global.*`` with a global test set).
 
     Raises:
         UserInputError: from the method (e.g. a stored state that does not fit the model), naming
@@ -150,7 +173,7 @@ def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, bro
     with naming_client(ctx):
         state = load_or_init(fed, store, ctx)
         state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
-        return algo.evaluate(state, ctx)
+        return evaluate_state(fed, state, ctx)
 
 
 class InProcessClients:
@@ -238,7 +261,9 @@ def evaluate_group(fed, store: ClientStore, seed: int, rnd: int, group: list[int
     contract's summed ``m.correct``/``m.total``."""
     ctx = client_context(fed, seed, group[0], rnd)
     loaders = [ctx.test_loader] + [fed.loaders(cid, "test", seed) for cid in group[1:]]
-    return evaluate_client(fed, store, dataclasses.replace(ctx, test_loader=PooledLoader(loaders)), broadcast)
+    counts = evaluate_client(fed, store, dataclasses.replace(ctx, test_loader=PooledLoader(loaders)), broadcast)
+    # one model for the whole group: its global-test counts stand for each of the group's clients
+    return {k: v * len(group) if GLOBAL_SUFFIX in k else v for k, v in counts.items()}
 
 
 def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[int], broadcast: Payload
@@ -250,4 +275,4 @@ def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[i
 
 __all__ = ["Federation", "LoaderFactory", "ClientModelFactory", "seed_of", "client_context", "naming_client",
            "load_or_init", "train_client", "evaluate_client", "InProcessClients", "PooledLoader", "initial_groups",
-           "evaluate_group", "evaluate_untrained", "POOLED_BATCH"]
+           "evaluate_group", "evaluate_untrained", "POOLED_BATCH", "GLOBAL_SUFFIX", "evaluate_state"]

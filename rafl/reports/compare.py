@@ -17,7 +17,11 @@ import numpy as np
 
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from rafl.federation.runners import GLOBAL_SUFFIX
 from rafl.reports.tables import binomial_se
+
+#: evaluated rounds averaged in the ``acc_mean_last3`` columns
+LAST_EVALS = 3
 
 
 def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]], model: str = "model"
@@ -52,6 +56,38 @@ def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]
     return out
 
 
+def tier_global_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]],
+                         model: str = "model") -> dict[str, dict[str, float]]:
+    """Final-round accuracy on the held-out global test set per device tier and ``"all"``.
+
+    Args:
+        clients: the engine summary's ``clients`` (``{id: {"model@global.acc", "global_test_samples"}}``).
+        table: the clients table (``"client"``, ``"profile"`` per row; without profiles only ``"all"``).
+        model: which model (``model`` = the deployed client model).
+
+    Returns:
+        ``{tier: {"clients", "test_samples", "acc_mean", "se"}}``: ``acc_mean`` the mean over the
+        tier's clients of their accuracy on the same ``test_samples`` images, ``se`` the binomial
+        standard error ``sqrt(p (1 - p) / n)`` of one model scored on them (the images are shared,
+        so they are not pooled over clients); ``{}`` when no client was scored on a global test set.
+    """
+    by: dict[str, list[float]] = {}
+    n = 0
+    for row in table:
+        rec = clients.get(str(row["client"]), {})
+        acc = rec.get(f"{model}{GLOBAL_SUFFIX}.acc")
+        if acc is None:
+            continue
+        n = int(rec.get("global_test_samples", 0) or 0)
+        for tier in {str(row.get("profile", "all")), "all"}:
+            by.setdefault(tier, []).append(float(acc))
+    out = {}
+    for tier, accs in by.items():
+        mean = float(np.mean(accs))
+        out[tier] = {"clients": len(accs), "test_samples": n, "acc_mean": mean, "se": binomial_se(mean, n)}
+    return out
+
+
 def common_client_tiers(rows: list[dict[str, Any]], out: Path, table: list[dict[str, Any]]) -> None:
     """Restrict every row's per-tier figures to the clients that every method evaluated one by one.
 
@@ -64,7 +100,8 @@ def common_client_tiers(rows: list[dict[str, Any]], out: Path, table: list[dict[
     """
     summaries = {}
     for r in rows:
-        path = out / r["algorithm"] / "summary.json"
+        base = r.get("finetuned_from")
+        path = out / base / FINETUNED if base else out / r["algorithm"] / "summary.json"
         if r.get("tiers") and path.is_file():
             summaries[r["algorithm"]] = json.loads(path.read_text()).get("clients", {})
     if not summaries:
@@ -77,6 +114,9 @@ def common_client_tiers(rows: list[dict[str, Any]], out: Path, table: list[dict[
             continue
         kept = {cid: clients[cid] for cid in common}
         r["tiers"] = tier_accuracy(kept, table)
+        held = tier_global_accuracy(kept, table)
+        if held:
+            r["tiers_global"] = held
         r["tiers_overall"] = tier_accuracy(kept, [{**row, "profile": "all"} for row in table]).get("all", {})
         r["tier_clients"] = len(common)
         r["clients_left_out"] = sorted(everyone - common, key=int)
@@ -91,14 +131,21 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     subnets and budgets): ``subnets``. ``mb_up_per_client_round`` / ``mb_down_per_client_round``:
     payload MB per participating client per round (mean over rounds).
     """
-    last = next((r for r in reversed(history) if "model.acc_mean_over_clients" in r), {})
+    evals = [r for r in history if "model.acc_mean_over_clients" in r]
+    last = evals[-1] if evals else {}
     row: dict[str, Any] = {"algorithm": name}
-    for model in ("model", "proto", "prior", "local", "global", "knowledge"):
-        if f"{model}.acc_mean_over_clients" in last:
-            row[f"{model}.acc_mean"] = float(last[f"{model}.acc_mean_over_clients"])
-            row[f"{model}.acc_std"] = float(last.get(f"{model}.acc_std_over_clients", float("nan")))
-            # all clients' test samples together (HtFLlib's / PFLlib's "Averaged Test Accuracy")
-            row[f"{model}.acc_pooled"] = float(last.get(f"{model}.acc_sample_weighted", float("nan")))
+    for base in ("model", "proto", "prior", "local", "global", "knowledge"):
+        for model in (base, f"{base}{GLOBAL_SUFFIX}"):
+            if f"{model}.acc_mean_over_clients" in last:
+                row[f"{model}.acc_mean"] = float(last[f"{model}.acc_mean_over_clients"])
+                row[f"{model}.acc_std"] = float(last.get(f"{model}.acc_std_over_clients", float("nan")))
+                # all clients' test samples together (HtFLlib's / PFLlib's "Averaged Test Accuracy")
+                row[f"{model}.acc_pooled"] = float(last.get(f"{model}.acc_sample_weighted", float("nan")))
+                # the mean of the last LAST_EVALS evaluated rounds: one round's figure swings with the
+                # round's sampled clients (global models move by +-3 points between rounds)
+                tail = [r[f"{model}.acc_mean_over_clients"] for r in evals[-LAST_EVALS:]
+                        if f"{model}.acc_mean_over_clients" in r]
+                row[f"{model}.acc_mean_last{LAST_EVALS}"] = float(np.mean(tail))
     up = sum(r["bytes_up"] for r in history)
     down = sum(r["bytes_down"] for r in history)
     row.update({"mb_up": up / 1e6, "mb_down": down / 1e6, "mb_total": (up + down) / 1e6,
@@ -114,8 +161,64 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     tiers = tier_accuracy(summary.get("clients", {}), table or [])
     if tiers:
         row["tiers"] = tiers
+    held = tier_global_accuracy(summary.get("clients", {}), table or [])
+    if held:
+        row["tiers_global"] = held
     if subnets:
         row["subnets"] = {prof: {k: v[k] for k in ("arch", "source", "budgets") if k in v} for prof, v in subnets.items()}
+    return row
+
+
+#: a global-model method's run dir keeps its fine-tuned variant's per-client results here
+FINETUNED = "finetuned.json"
+
+
+def finetuned_clients(per_client: dict[int, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Per-client accuracies of a fine-tuned variant in the format of ``summary.json``'s
+    ``clients`` (``{"0": {"model.acc", "test_samples", "model@global.acc", "global_test_samples"}}``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for cid, r in sorted(per_client.items()):
+        rec: dict[str, Any] = {k[:-len(".correct")] + ".acc": (r[k] / r[k[:-len(".correct")] + ".total"]
+                                                             if r[k[:-len(".correct")] + ".total"] else None)
+                               for k in r if k.endswith(".correct")}
+        rec["test_samples"] = r.get("model.total", 0)
+        if "model@global.total" in r:
+            rec["global_test_samples"] = r["model@global.total"]
+        out[str(cid)] = rec
+    return out
+
+
+def summarize_finetuned(base_row: dict[str, Any], clients: dict[str, dict[str, Any]], seconds: float,
+                        table: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The row of a global-model method's fine-tuned variant (``<method>-ft``): its accuracies
+    from ``clients`` (:func:`finetuned_clients`, all clients, after the last round), its
+    communication that of the base method (fine-tuning sends nothing), its wall time the base
+    method's plus ``seconds`` of fine-tuning."""
+    name = base_row["algorithm"]
+    row: dict[str, Any] = {"algorithm": f"{name}-ft", "finetuned_from": name}
+    for model in ("model", f"model{GLOBAL_SUFFIX}"):
+        accs = [c[f"{model}.acc"] for c in clients.values() if c.get(f"{model}.acc") is not None]
+        if not accs:
+            continue
+        row[f"{model}.acc_mean"] = float(np.mean(accs))
+        row[f"{model}.acc_std"] = float(np.std(accs))
+        key = "test_samples" if model == "model" else "global_test_samples"
+        n = [int(c.get(key, 0) or 0) for c in clients.values() if c.get(f"{model}.acc") is not None]
+        row[f"{model}.acc_pooled"] = float(np.dot(accs, n) / sum(n)) if sum(n) else float("nan")
+    for key in ("mb_up", "mb_down", "mb_total", "bytes_up_last_round", "rounds", "mb_up_per_client_round",
+                "mb_down_per_client_round", "subnets"):
+        if key in base_row:
+            row[key] = base_row[key]
+    row["wall_s"] = float(base_row.get("wall_s", 0.0)) + float(seconds)
+    if "model.acc_pooled" in row:
+        n = sum(int(c.get("test_samples", 0) or 0) for c in clients.values())
+        row["model.acc_pooled_se"] = binomial_se(row["model.acc_pooled"], n)
+    tiers = tier_accuracy(clients, table or [])
+    if tiers:
+        row["tiers"] = tiers
+    held = tier_global_accuracy(clients, table or [])
+    if held:
+        row["tiers_global"] = held
     return row
 
 
@@ -144,8 +247,11 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
 
 
 _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
-         ("model.acc_pooled", "pooled acc"),
-         ("proto.acc_mean", "proto acc"), ("prior.acc_mean", "+prior acc"), ("local.acc_mean", "local-header acc"),
+         ("model.acc_pooled", "pooled acc"), (f"model.acc_mean_last{LAST_EVALS}", f"acc mean, last {LAST_EVALS} evals"),
+         (f"model{GLOBAL_SUFFIX}.acc_mean", "global acc mean"),
+         (f"model{GLOBAL_SUFFIX}.acc_mean_last{LAST_EVALS}", f"global acc mean, last {LAST_EVALS} evals"),
+         ("proto.acc_mean", "proto acc"), (f"proto{GLOBAL_SUFFIX}.acc_mean", "global proto acc"),
+         ("prior.acc_mean", "+prior acc"), ("local.acc_mean", "local-header acc"),
          ("global.acc_mean", "shared acc"), ("knowledge.acc_mean", "knowledge acc"),
          ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
          ("settings", "non-default settings")]
@@ -171,7 +277,10 @@ def _fmt(v: Any, key: str = "") -> str:
 def _flat_row(row: dict[str, Any]) -> dict[str, Any]:
     """A table row for the CSV: ``tiers`` as ``tier.<profile>.<key>`` columns, ``subnets`` as
     ``subnet.<profile>`` (the arch string)."""
-    flat = {k: v for k, v in row.items() if k not in ("tiers", "subnets", "tiers_overall", "clients_left_out")}
+    flat = {k: v for k, v in row.items() if k not in ("tiers", "subnets", "tiers_overall", "clients_left_out",
+                                                      "tiers_global")}
+    for prof, t in (row.get("tiers_global") or {}).items():
+        flat.update({f"tier_global.{prof}.{k}": v for k, v in t.items()})
     for k, v in (row.get("tiers_overall") or {}).items():
         flat[f"tier.all.{k}"] = v
     for prof, t in (row.get("tiers") or {}).items():
@@ -213,6 +322,17 @@ def tier_tables(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {r['algorithm']} | " + " | ".join(cells) + f" | {acc(overall)} | "
                      f"{_fmt(r.get('mb_up_per_client_round'), 'mb_up')} | {_fmt(r.get('mb_down_per_client_round'), 'mb_down')} | "
                      f"{_fmt(r.get('wall_s'), 'wall_s')} |")
+    held = [r for r in tiered if r.get("tiers_global")]
+    if held:
+        n = next(iter(held[0]["tiers_global"].values()))["test_samples"]
+        lines += ["", f"Global protocol: the same deployed models scored on the held-out balanced global test set "
+                  f"({n} images no client and no supernet saw; mean over the tier's clients ± binomial standard "
+                  "error of one model on those images).", "",
+                  "| method | " + " | ".join(profs) + " | overall |", "|" + "---|" * (len(profs) + 2)]
+        for r in held:
+            g = r["tiers_global"]
+            cells = [f"{g[p]['acc_mean']:.4f} ± {g[p]['se']:.4f}" if p in g else "-" for p in [*profs, "all"]]
+            lines.append(f"| {r['algorithm']} | " + " | ".join(cells) + " |")
     seen: dict[tuple[str, str], list[str]] = {}
     info: dict[tuple[str, str], dict[str, Any]] = {}
     for r in tiered:
@@ -273,8 +393,11 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
     cols = [c for c in _COLS if any(r.get(c[0]) not in (None, "") for r in rows)]
     measured = any("model.acc_mean" in r for r in rows)
-    lines = [("Client test accuracy after the last round (mean/std over clients; pooled = correct / test samples "
-              f"of all clients together, where a client counts by its test samples), models: {models}; "
+    protocols = ("Two protocols: personalized = each client's deployed model on its own (label-skewed) test split "
+                 "(acc); global = the same models on the held-out balanced global test set (global acc). "
+                 if any(f"model{GLOBAL_SUFFIX}.acc_mean" in r for r in rows) else "")
+    lines = [(protocols + "Client test accuracy after the last round (mean/std over clients; pooled = correct / test "
+              f"samples of all clients together, where a client counts by its test samples), models: {models}; "
               if measured else "No accuracy: no client holds test data (partition.split has no test share, or the "
               f"clients are too small to get a test sample); models: {models}; ")
              + "MB = payload bytes up + down / 1e6.", "",
@@ -353,4 +476,5 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 __all__ = ["common_client_tiers", "plot_accuracy_vs_mb", "plot_compare", "read_history", "summarize_run",
-           "tier_accuracy", "tier_tables", "write_table"]
+           "tier_accuracy", "tier_global_accuracy", "tier_tables", "write_table", "LAST_EVALS", "FINETUNED",
+           "finetuned_clients", "summarize_finetuned"]

@@ -36,12 +36,15 @@ from rafl.federation.algorithms._common import LOCAL_DEFAULTS, with_group_lr
 from rafl.federation.build import build_group_federation
 from rafl.federation.checks import check_public_pool, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Federation, participation
+from rafl.federation.finetune import finetune_evaluate
+from rafl.federation.payload import Payload
+from rafl.federation.store import load_state
 from rafl.federation.run_config import load_run_config, without_unused_pool
 from rafl.io import atomic_write_json, atomic_write_yaml, claim_file
 from rafl.models import resolve_models
 from rafl.models.plugin import is_plugin_spec, load_factory
-from rafl.reports.compare import (common_client_tiers, plot_accuracy_vs_mb, plot_compare, read_history, summarize_run,
-                                  write_table)
+from rafl.reports.compare import (FINETUNED, common_client_tiers, finetuned_clients, plot_accuracy_vs_mb, plot_compare,
+                                  read_history, summarize_finetuned, summarize_run, write_table)
 from rafl.stages.prepare import engine_config, load_data_and_partition, prepare
 from rafl.stages.runs import export_federated_supernet, run_engine
 
@@ -198,11 +201,16 @@ def with_settings(rows: list[dict[str, Any]], hparams: dict[str, dict[str, Any]]
     values, so a row kept by ``--resume`` after another method's value was edited in config.yaml
     gets the column a fresh comparison with that config would write. (Each method's run dir keeps
     the settings it started with, :data:`STARTED_WITH`.)"""
-    return [r | {"settings": method_settings(r["algorithm"], hparams[r["algorithm"]], hparams)} for r in rows]
+    def settings(r: dict[str, Any]) -> str:
+        name = r.get("finetuned_from") or r["algorithm"]  # a fine-tuned row: its base method's settings
+        return method_settings(name, hparams[name], hparams)
+
+    return [r | {"settings": settings(r)} for r in rows]
 
 
 def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | Path, *, models: str = "htfe-tiny",
-                feature_dim: int = 128, progress: bool = True, resume: bool = False) -> list[dict[str, Any]]:
+                feature_dim: int = 128, progress: bool = True, resume: bool = False,
+                finetune: bool = True, validation: bool = False) -> list[dict[str, Any]]:
     """Run every method of ``hparams`` (in order) on one partition and seed; write the table and plot.
 
     Args:
@@ -219,6 +227,12 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             method's wall time adds the per-round times of the rounds it had completed before.
             Every row's "non-default settings" is computed from the final hyperparameters of all
             methods (:func:`with_settings`), also for a kept row.
+        finetune: after each global-model method (``Algorithm.global_model``: fedavg, fedprox,
+            uniform, heterofl, fedrolex) add its fine-tuned variant's row ``<method>-ft``
+            (:mod:`rafl.federation.finetune`).
+        validation: score every method on its clients' validation splits instead of their test
+            splits, and not on the global test set (:func:`validation_loaders`): the runs of
+            ``--tune``, which never see test data.
 
     Returns:
         the table rows (also in ``compare.json``).
@@ -233,7 +247,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         if not (out / "config.yaml").is_file():
             raise UserInputError("does not exist" if not out.exists() else "is not a rafl compare output (no config.yaml)",
                                  source=out, field="--resume")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+    elif out.exists() and (not out.is_dir() or any(p.name not in ("tune", TUNE_RECORD) for p in out.iterdir())):
+        # (a folder holding only the --tune trials is this comparison's own)
         raise UserInputError("already exists and is not empty; choose another --out (or --resume it)", source=out)
     members = resolve_models(models)
     cfg = cfg.model_copy(deep=True)  # the record (config.yaml) says in clients.models which models ran
@@ -267,6 +282,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                                                 hparams=hp)
     for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
         fed.algorithm.init_server(fed.server)
+        if validation:
+            fed.loaders = validation_loaders(fed.loaders)
     if cfg.engine.backend != "in-process":
         raise UserInputError(f"is {cfg.engine.backend!r}; rafl compare runs its methods in-process (allowed: "
                              "in-process); run one method on Flower with rafl federate", field="engine.backend")
@@ -302,6 +319,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                                      f"an integer >= {completed}", source=out / "config.yaml", field="engine.rounds")
         if done is not None and done.get("rounds") == ecfg.rounds:
             rows.append(done)
+            if finetune and fed.algorithm.global_model:
+                rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, done, table))
             continue
         earlier_s = sum(r.get("time_s", 0.0) for r in read_history(run_dir)) if continuing else 0.0
         if not continuing:
@@ -323,6 +342,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         if name in preps:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
             export_federated_supernet(preps[name], run_dir, summary)
         rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
+        if finetune and fed.algorithm.global_model:
+            rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, rows[-1], table))
         write_table(out, with_settings(rows, hparams), models)
     rows = with_settings(rows, hparams)
     if members == ["nas"]:
@@ -331,6 +352,154 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     plot_compare(out / "compare.png", rows)
     plot_accuracy_vs_mb(out / "compare_curve.png", {r["algorithm"]: read_history(out / r["algorithm"]) for r in rows})
     return rows
+
+
+def validation_loaders(loaders):
+    """A federation's loader factory whose ``"test"`` split is the client's validation split and
+    whose global test set is absent: what hyperparameter tuning scores on (never test data).
+
+    Raises:
+        UserInputError: (when called) a client without a validation split
+            (``partition.split`` with a val share of 0).
+    """
+    def swapped(cid: int, split: str, seed: int):
+        if split == "global":
+            return None
+        if split == "test":
+            val = loaders(cid, "val", seed)
+            if val is None:
+                raise UserInputError(f"client {cid} has no validation split to tune on; allowed: partition.split "
+                                     "with a val share > 0, e.g. [0.8, 0.1, 0.1]", field="partition.split")
+            return val
+        return loaders(cid, split, seed)
+
+    return swapped
+
+
+def parse_grid(specs: list[str] | tuple[str, ...], hparams: dict[str, dict[str, Any]]
+               ) -> dict[str, list[dict[str, Any]]]:
+    """The tuning trials of every method from ``--tune KEY=V1,V2,...`` specs.
+
+    ``KEY`` is a hyperparameter shared by several methods (``lr``: every method that has it) or one
+    method's own (``fedgh.server_lr``). A method's trials are the product of the grids that apply to
+    it, each value checked by the method's hyperparameter model. Every tuned method gets the same
+    number of trials (the same budget); a method that has none of the keys (``pretrained``) is
+    not tuned.
+
+    Returns:
+        ``{method: [hyperparameters of trial 0, trial 1, ...]}`` for the tuned methods.
+
+    Raises:
+        UserInputError: a spec without ``=`` or with no value, a key no method has, a value out of
+            a method's range, or methods whose grids differ in size (naming the counts).
+    """
+    import itertools
+
+    grids: list[tuple[str | None, str, list[Any]]] = []
+    for spec in specs:
+        key, eq, values = spec.partition("=")
+        key = key.strip().removeprefix("algorithm.")
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        if not eq or not key or not items:
+            raise UserInputError(f"is {spec!r}; allowed: KEY=V1,V2,... with at least one value, e.g. lr=0.01,0.03,0.1",
+                                 field="--tune")
+        method, _, name = key.rpartition(".")
+        if method and get_algorithm(method).name not in hparams:
+            raise UserInputError(f"is {spec!r}, but {method} is not compared (selected: {', '.join(hparams)})",
+                                 field="--tune")
+        grids.append((get_algorithm(method).name if method else None, name, [yaml.safe_load(v) for v in items]))
+    trials: dict[str, list[dict[str, Any]]] = {}
+    for m, hp in hparams.items():
+        cls = get_algorithm(m)
+        mine = [(k, vals) for owner, k, vals in grids if (owner == m or owner is None) and k in cls.defaults]
+        for owner, k, _ in grids:
+            if owner == m and k not in cls.defaults:
+                raise UserInputError(f"{m} has no hyperparameter {k!r}; allowed: {sorted(cls.defaults)}", field="--tune")
+        if not mine:
+            continue
+        out = []
+        for combo in itertools.product(*(vals for _, vals in mine)):
+            trial = {**hp, **dict(zip((k for k, _ in mine), combo))}
+            try:
+                out.append(cls.check_hparams(trial))
+            except UserInputError as err:
+                key = (err.field or "").removeprefix("algorithm.")
+                raise UserInputError(f"{key + ' ' if key else ''}{err.message} (for {m})", field="--tune") from None
+        trials[m] = out
+    if not trials:
+        raise UserInputError(f"no compared method has the hyperparameter(s) {sorted({k for _, k, _ in grids})}",
+                             field="--tune")
+    sizes = {m: len(t) for m, t in trials.items()}
+    if len(set(sizes.values())) > 1:
+        raise UserInputError(f"gives the methods different budgets ({', '.join(f'{m}: {n}' for m, n in sizes.items())} "
+                             "trials); allowed: the same number of trials for every tuned method", field="--tune")
+    return trials
+
+
+#: tuning's record in the comparison's folder: every trial's validation score and the pick
+TUNE_RECORD = "tune.json"
+
+
+def run_tuning(cfg: RunConfig, hparams: dict[str, dict[str, Any]], trials: dict[str, list[dict[str, Any]]],
+               out: str | Path, *, models: str = "htfe-tiny", feature_dim: int = 128,
+               progress: bool = True) -> dict[str, dict[str, Any]]:
+    """Pick each tuned method's hyperparameters on validation data, with the same budget for all.
+
+    Trial ``i`` runs every method (its ``i``-th grid point; untuned methods are left out) through
+    :func:`run_compare` with ``validation=True`` in ``OUT/tune/trial<i>/`` (same data, partition,
+    clients, seed and rounds as the comparison); a method's score is the pooled accuracy over all
+    clients' validation splits, averaged over the last 3 evaluated rounds. The best trial per method
+    wins (ties: the earlier trial). An interrupted tuning continues: a finished trial folder is kept.
+
+    Returns:
+        ``hparams`` with each tuned method's pick; the record ``OUT/tune.json`` lists every trial.
+    """
+    out = Path(out)
+    n = len(next(iter(trials.values())))
+    record: dict[str, Any] = {"criterion": "pooled accuracy over all clients' validation splits, mean of the last 3 "
+                                           "evaluated rounds", "trials": {m: [] for m in trials}}
+    for i in range(n):
+        folder = out / "tune" / f"trial{i}"
+        hp_i = {m: trials[m][i] for m in trials}
+        resume = (folder / "config.yaml").is_file()
+        rows = run_compare(cfg, hp_i, folder, models=models, feature_dim=feature_dim, progress=progress,
+                           resume=resume, finetune=False, validation=True)
+        for r in rows:
+            hist = read_history(folder / r["algorithm"])
+            vals = [h["model.acc_sample_weighted"] for h in hist if "model.acc_sample_weighted" in h][-3:]
+            record["trials"][r["algorithm"]].append({"hparams": hp_i[r["algorithm"]],
+                                                     "val_acc": float(sum(vals) / len(vals)) if vals else None})
+    picked = dict(hparams)
+    for m, rec in record["trials"].items():
+        best = max(range(len(rec)), key=lambda j: (rec[j]["val_acc"] if rec[j]["val_acc"] is not None else -1, -j))
+        picked[m] = rec[best]["hparams"]
+        record.setdefault("picked", {})[m] = {"trial": best, **{k: v for k, v in rec[best]["hparams"].items()
+                                                                  if any(t["hparams"].get(k) != rec[best]["hparams"].get(k)
+                                                                         for t in rec)}}
+    atomic_write_json(out / TUNE_RECORD, record)
+    return picked
+
+
+def _finetuned_row(fed: Federation, seed: int, rounds: int, run_dir: Path, base_row: dict[str, Any],
+                   table: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``<method>-ft`` row of a finished global-model method: the final broadcast (its
+    checkpoint) fine-tuned and scored on every client (:func:`rafl.federation.finetune.finetune_evaluate`),
+    kept in ``run_dir/finetuned.json`` so a resumed comparison reuses it."""
+    path = run_dir / FINETUNED
+    if path.is_file():
+        try:
+            kept = json.loads(path.read_text())
+            if kept.get("rounds") == rounds:
+                return summarize_finetuned(base_row, kept["clients"], float(kept["seconds"]), table)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # damaged: fine-tune again
+    ck = load_state(run_dir / CHECKPOINT)
+    broadcast = Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"]))
+    t0 = time.perf_counter()
+    clients = finetuned_clients(finetune_evaluate(fed, seed, rounds + 1, broadcast))
+    seconds = time.perf_counter() - t0
+    atomic_write_json(path, {"rounds": rounds, "seconds": seconds, "clients": clients})
+    return summarize_finetuned(base_row, clients, seconds, table)
 
 
 def _method_error(err: UserInputError, name: str, hp: dict[str, Any], out: Path) -> UserInputError:
@@ -455,4 +624,4 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
 
 
 __all__ = ["DEFAULT_ALGORITHMS", "DEFAULT_MODELS", "load_compare_config", "load_compare_resume", "method_settings",
-           "run_compare", "with_settings"]
+           "run_compare", "with_settings", "parse_grid", "run_tuning", "validation_loaders", "TUNE_RECORD"]

@@ -105,7 +105,8 @@ def load_data_and_partition(cfg: RunConfig, progress: bool = True):
         part = make_partition(labels, p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
                               k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
                               public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
-                              split=tuple(p.split), dataset=ds.name, origin=ds.origin)
+                              split=tuple(p.split), dataset=ds.name, origin=ds.origin,
+                              global_test_per_class=p.global_test_per_class)
     except UserInputError as err:
         mapped = partition_error(err)
         if mapped.source is not None:  # a partition file that is missing or malformed: not an impossible split
@@ -133,7 +134,8 @@ def _group_members(cfg: RunConfig) -> list[str] | None:
                  "clients.models: nas keep the supernet's representation width")
         return None
     for key, value in (("clients.arch", cfg.clients.arch), ("clients.archs", cfg.clients.archs),
-                       ("supernet.path", cfg.supernet.path)):
+                       ("supernet.path", cfg.supernet.path),
+                       ("clients.subnets", cfg.clients.subnets if cfg.clients.subnets != "per-device" else None)):
         if value:
             warn(f"{key} applies to clients.models: nas (supernet subnets) only; ignored with clients.models: "
                  f"{cfg.clients.models}")
@@ -218,7 +220,8 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
     names = [pr.name for pr in profiles]
     prof_of = [names[cid % len(names)] if len(names) != cfg.clients.n else names[cid]
                for cid in range(len(part.clients))]
-    if getattr(algo_cls, "one_model_for_all", False):  # uniform: the weakest device's subnet for everyone
+    if getattr(algo_cls, "one_model_for_all", False) or cfg.clients.subnets == "weakest":
+        # uniform, or the tailoring ablation: the weakest device's subnet for everyone
         one = uniform_arch(supernet.space, arch_of, [p for p in profiles if p.name in set(prof_of)])
         arch_of = {name: {**v, "arch": one["arch"], "source": one["source"]} for name, v in arch_of.items()}
     fed, table = build_federation(ds, part, supernet, [arch_of[pr]["arch"] for pr in prof_of], algorithm,

@@ -184,6 +184,10 @@ class Algorithm(ABC):
             an initial state depend on the client only through its model (``model_key``) and its
             test split; the engine then evaluates the clients that have not trained yet together,
             one evaluation per model (:mod:`rafl.federation.workers`). False: one by one.
+        global_model: True when every client deploys the server's global model (or its slice)
+            and keeps no client state; the fine-tuned variant (``<name>-ft``,
+            :func:`rafl.federation.finetune.finetune_evaluate`) is then one more local step from
+            the final broadcast, its upload evaluated as a broadcast.
     """
 
     name: ClassVar[str] = ""
@@ -192,6 +196,7 @@ class Algorithm(ABC):
     requires_homogeneous: ClassVar[bool] = False
     uses_public_pool: ClassVar[bool] = False
     shared_initial_evaluation: ClassVar[bool] = True
+    global_model: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -39,6 +39,7 @@ class FedAvg(Algorithm):
     name: ClassVar[str] = "fedavg"
     hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
     requires_homogeneous: ClassVar[bool] = True
+    global_model: ClassVar[bool] = True
 
     def init_server(self, server: ServerContext):
         first = server.clients[0].client_id if server.clients else 0
@@ -111,6 +112,8 @@ class FedNova(FedAvg):
     """FedNova (Wang et al. 2020): normalized averaging of the clients' updates (see module doc)."""
 
     name: ClassVar[str] = "fednova"
+    #: its upload is a normalized update, not a model: no fine-tuned variant from it
+    global_model: ClassVar[bool] = False
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         start = broadcast.state_dict()

@@ -126,6 +126,7 @@ class HeteroFL(Algorithm):
     hparams_model: ClassVar[type[Hyperparameters]] = HeteroFLHparams
     #: FedRolex's rolling window instead of HeteroFL's fixed prefix
     rolling: ClassVar[bool] = False
+    global_model: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ layout
     def layout(self, server: ServerContext) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -1,0 +1,144 @@
+"""The fair benchmark's parts: the held-out global test set, both protocols in `rafl compare`, the
+no-training floor, the fine-tuned variants, tuning on validation data, the tailoring ablation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from rafl.cli import cli
+from rafl.data import Partition, carve_global_test, carve_public_pool, make_partition
+from rafl.errors import UserInputError
+from rafl.federation.checks import check_clients_avoid_pool, check_disjoint, check_global_test
+from rafl.stages.compare import parse_grid, validation_loaders
+
+LABELS = np.repeat(np.arange(4), 30)                       # 4 classes x 30 samples
+ORIGIN = np.array((["train"] * 20 + ["test"] * 10) * 4)    # per class: 20 train, 10 test
+
+
+def test_global_test_set_is_balanced_held_out_and_the_same_for_every_run_seed():
+    part = make_partition(LABELS, "dirichlet", 3, seed=0, alpha=0.5, min_samples=5, public_fraction=0.25,
+                          origin=ORIGIN, global_test_per_class=5)
+    held = part.global_test
+    assert np.bincount(LABELS[held]).tolist() == [5, 5, 5, 5]
+    assert (ORIGIN[held] == "test").all()                   # the test split only: never the supernet's pool
+    clients = np.concatenate([c.all() for c in part.clients])
+    assert not np.isin(held, clients).any() and not np.isin(held, part.public).any()
+    assert len(clients) + len(part.public) + len(held) == len(LABELS)   # nothing else is lost
+    other = make_partition(LABELS, "dirichlet", 3, seed=7, alpha=0.5, min_samples=5, public_fraction=0.25,
+                           origin=ORIGIN, global_test_per_class=5)
+    np.testing.assert_array_equal(other.global_test, held)   # another run seed scores on the same images
+    check_disjoint(part)
+
+
+def test_global_test_set_survives_a_partition_file_and_an_overlap_is_refused_with_its_count(tmp_path):
+    part = make_partition(LABELS, "iid", 2, seed=0, public_fraction=0.25, origin=ORIGIN, global_test_per_class=3)
+    path = tmp_path / "partition.json"
+    part.save(path)
+    back = Partition.load(path, n_samples=len(LABELS))
+    np.testing.assert_array_equal(back.global_test, part.global_test)
+    obj = json.loads(path.read_text())
+    obj["global_test"] = obj["global_test"][:-2] + obj["clients"]["0"]["train"][:2]   # 2 client samples
+    path.write_text(json.dumps(obj))
+    with pytest.raises(UserInputError, match=r"overlaps the public pool and client splits in 2 sample"):
+        Partition.load(path, n_samples=len(LABELS))
+
+
+def test_a_global_test_set_inside_the_supernets_pool_is_refused_naming_the_count():
+    part = make_partition(LABELS, "iid", 2, seed=0, public_fraction=0.25, origin=ORIGIN, global_test_per_class=3)
+    pool = carve_public_pool(LABELS, 0.25, 0, ORIGIN)
+    check_global_test(part, pool)                            # disjoint: fine
+    part.global_test = np.sort(np.concatenate([part.global_test[:-1], pool[:1]]))
+    with pytest.raises(UserInputError, match=r"overlaps client data in 0 sample\(s\) and the supernet's public pool "
+                                             r"in 1"):
+        check_global_test(part, pool)
+    with pytest.raises(UserInputError, match="public pool in 1"):
+        check_clients_avoid_pool(part, LABELS, (0.25, 0), "partition.json", ORIGIN)
+
+
+def test_global_test_set_larger_than_a_class_is_refused():
+    with pytest.raises(UserInputError, match=r"class 0 has only 10 samples to hold out; allowed: 0..10"):
+        carve_global_test(LABELS, 11, 0, ORIGIN)
+    assert len(carve_global_test(LABELS, 0, 0, ORIGIN)) == 0
+
+
+def test_validation_loaders_score_on_val_and_hide_the_global_test_set():
+    calls = []
+
+    def loaders(cid, split, seed):
+        calls.append(split)
+        return None if split == "global" else f"{split}-{cid}"
+
+    swapped = validation_loaders(loaders)
+    assert swapped(1, "test", 0) == "val-1" and swapped(1, "train", 0) == "train-1"
+    assert swapped(1, "global", 0) is None and "global" not in calls
+    with pytest.raises(UserInputError, match="no validation split"):
+        validation_loaders(lambda cid, split, seed: None)(0, "test", 0)
+
+
+def test_tuning_grid_gives_every_method_the_same_budget_and_checks_each_value():
+    hp = {"standalone": {"lr": 0.05, "local_epochs": 1}, "fedgh": {"lr": 0.05, "local_epochs": 1},
+          "pretrained": {}}
+    trials = parse_grid(["lr=0.01,0.1"], hp)
+    assert set(trials) == {"standalone", "fedgh"}           # the floor has nothing to tune
+    assert [t["lr"] for t in trials["fedgh"]] == [0.01, 0.1] and trials["fedgh"][0]["local_epochs"] == 1
+    with pytest.raises(UserInputError, match="different budgets"):
+        parse_grid(["lr=0.01,0.1", "fedgh.server_lr=0.1,1"], hp)
+    for bad in ("lr=", "lr", "=0.1"):
+        with pytest.raises(UserInputError, match="KEY=V1,V2"):
+            parse_grid([bad], hp)
+    with pytest.raises(UserInputError, match=r"lr is -1; allowed: a number > 0 \(for standalone\)"):
+        parse_grid(["lr=-1,0.1"], hp)
+    with pytest.raises(UserInputError, match="no compared method has"):
+        parse_grid(["nosuch=1,2"], hp)
+
+
+@pytest.mark.parametrize("tune", ["--tune=lr=", "--tune=lr=-0.5,0.1"])
+def test_compare_refuses_a_bad_tuning_grid_with_one_line_and_exit_2(tmp_path, tune):
+    res = CliRunner().invoke(cli, ["compare", "--no-progress", "--models", "cnn4-small", "--out", str(tmp_path / "o"),
+                                   "--algorithms", "standalone,fedavg", tune])
+    assert res.exit_code == 2, res.output
+    assert "--tune" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_scores_both_protocols_with_a_floor_and_a_finetuned_row(tmp_path):
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--no-progress", "--models", "cnn4-small", "--out", str(out),
+                                   "--algorithms", "pretrained,fedavg", "--set", "data.limit_per_class=20",
+                                   "--set", "clients.n=3", "--set", "partition.global_test_per_class=4",
+                                   "--set", "partition.min_samples=5", "--set", "algorithm.local_epochs=1",
+                                   "--set", "engine.rounds=2", "--tune", "lr=0.01,0.05"])
+    assert res.exit_code == 0, res.output
+    rows = {r["algorithm"]: r for r in json.loads((out / "compare.json").read_text())["rows"]}
+    assert list(rows) == ["pretrained", "fedavg", "fedavg-ft"]
+    assert rows["pretrained"]["mb_total"] == 0 and rows["fedavg-ft"]["mb_total"] == rows["fedavg"]["mb_total"]
+    for r in rows.values():
+        assert 0 <= r["model.acc_mean"] <= 1 and 0 <= r["model@global.acc_mean"] <= 1
+    summary = json.loads((out / "fedavg" / "summary.json").read_text())["clients"]
+    assert {c["global_test_samples"] for c in summary.values()} == {40}      # 10 classes x 4
+    assert len({c["model@global.acc"] for c in summary.values()}) == 1        # one global model for all
+    tuned = json.loads((out / "tune.json").read_text())
+    assert set(tuned["trials"]) == {"fedavg"} and len(tuned["trials"]["fedavg"]) == 2
+    assert rows["fedavg"]["settings"] in ("lr=0.01", "")     # the pick is the run's lr (0.05 is the default)
+    assert "global acc" in (out / "compare.md").read_text()
+
+
+def test_weakest_subnets_put_every_client_on_the_uniform_subnet(tmp_path, tiny_supernet):
+    path, _ = tiny_supernet
+    out = tmp_path / "cmp"
+    base = ["compare", "--no-progress", "--models", "nas", "--algorithms", "standalone", "--set",
+            f"supernet.path={path}", "--set", "data.limit_per_class=10", "--set", "clients.n=4",
+            "--set", "clients.profiles=[pi4, phone]", "--set", "algorithm.local_epochs=1", "--set", "engine.rounds=1",
+            "--set", "search.method=largest-feasible", "--set", "search.samples=30"]
+    tailored = CliRunner().invoke(cli, [*base, "--out", str(out / "a")])
+    pinned = CliRunner().invoke(cli, [*base, "--out", str(out / "b"), "--set", "clients.subnets=weakest"])
+    assert tailored.exit_code == 0 and pinned.exit_code == 0, tailored.output + pinned.output
+    a = json.loads((out / "a" / "standalone" / "clients.json").read_text())["clients"]
+    b = json.loads((out / "b" / "standalone" / "clients.json").read_text())["clients"]
+    assert len({r["arch"] for r in b}) == 1
+    pi4 = {r["arch"] for r in a if r["profile"] == "pi4"}
+    assert {r["arch"] for r in b} <= pi4 | {r["arch"] for r in a}
