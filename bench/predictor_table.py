@@ -57,6 +57,28 @@ def main() -> None:
     print(f"wrote {path} ({len(doc['accuracy'])} subnets, {doc['made_by']['seconds']:.0f} s); SHA-256 "
           f"{hashlib.sha256(Path(path).read_bytes()).hexdigest()}")
     print("register it in rafl/supernet/pretrained.py (PRETRAINED_MEASUREMENTS) when it ships")
+    fit, ceiling = doc["predictor_fit"], doc["noise_ceiling"]
+    acc = doc["accuracy"]
+    lines = [f"# Measured subnets of `{args.supernet}` (bench/predictor_table.py)", "",
+             f"`{command}`", "",
+             f"torch {doc['made_by']['torch']}, {doc['made_by']['machine']}; {doc['made_by']['seconds']:.0f} s "
+             "(measurements already in the cache are not measured again)", "",
+             f"- server-val: {doc['data']['n_val']} images (`val_fraction` {doc['data']['val_fraction']}, from the "
+             "supernet's recorded config); BN recalibrated on "
+             f"{doc['calibration']['n']} pool-train images",
+             f"- predictor subnets: {doc['predictor_samples']['n']} (seed {doc['predictor_samples']['seed']}); "
+             f"accuracy {min(acc.values()):.4f} .. {max(acc.values()):.4f}",
+             f"- predictor: Kendall tau **{fit['kendall_tau']:.3f}**, RMSE {fit['rmse']:.4f} ({fit['folds']}-fold "
+             "cross-validation)",
+             f"- noise ceiling: the same subnets on two halves of server-val ({ceiling['half_sizes'][0]} / "
+             f"{ceiling['half_sizes'][1]} images) rank with Kendall tau **{ceiling['kendall_tau_halves']:.3f}** "
+             "against each other", "",
+             "| profile | finalists (searched alone, default options) | best measured |", "|---|---|---|"]
+    lines += [f"| {name} | {len(ks)} | `{max(ks, key=lambda k: acc[k])}` {max(acc[k] for k in ks):.4f} |"
+              for name, ks in doc["finalists"].items()]
+    results = ROOT / "bench" / "results" / f"predictor_table_{Path(args.supernet).name}.md"
+    results.write_text("\n".join(lines) + "\n")
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":
