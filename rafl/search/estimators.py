@@ -229,7 +229,6 @@ class MeasuredAccuracy:
             return np.asarray([self.cache[k] for k in keys], dtype=np.float64)
         n_before = self.n_measured
         try:
-            workers = self._worker_count(len(items))
             if progress and len(items) > 1:
                 t0 = time.perf_counter()
                 self._store(*self._measured_item(items[0]))
