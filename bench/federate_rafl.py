@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 
 from rafl.federation.run_config import load_run_config
-from rafl.stages import federate
 from rafl.io import atomic_write_json, atomic_write_text
+from rafl.stages import federate
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"

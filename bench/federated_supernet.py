@@ -24,12 +24,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from weight_sharing import _test_accuracy  # noqa: E402
-
 from rafl.config import AlgorithmConfig  # noqa: E402
+from rafl.io import atomic_write_json, atomic_write_text  # noqa: E402
 from rafl.stages.compare import load_compare_resume  # noqa: E402
 from rafl.stages.prepare import prepare  # noqa: E402
-from rafl.io import atomic_write_json, atomic_write_text  # noqa: E402
+
+from weight_sharing import _test_accuracy  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,10 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-import htfl_bench as hb
 import torch
 
 from rafl.stages.compare import load_compare_config
+
+import htfl_bench as hb
 
 RULES = (("global header", "model.acc_tail"), ("+ label prior", "prior.acc_tail"), ("local header", "local.acc_tail"))
 

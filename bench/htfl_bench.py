@@ -47,13 +47,13 @@ from pathlib import Path
 
 import torch
 
-from rafl.reports.compare import read_history
-from rafl.stages.compare import load_compare_config, run_compare
-from rafl.federation.payload import Payload
-from rafl.stages.prepare import load_data_and_partition
 from rafl.errors import UserInputError
+from rafl.federation.payload import Payload
 from rafl.federation.prototypes import to_payload_tensors
 from rafl.io import atomic_write_json, atomic_write_text
+from rafl.reports.compare import read_history
+from rafl.stages.compare import load_compare_config, run_compare
+from rafl.stages.prepare import load_data_and_partition
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"

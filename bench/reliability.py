@@ -63,23 +63,21 @@ def tiny_supernet(folder: Path) -> Path:
 
 def honest_round(method: str, supernet: Path):
     """``(fed, server_state, server ctx, [(cid, upload)], policy)`` of round 1."""
-    from rafl.federation.run_config import load_run_config
-    from rafl.stages import federate
     from rafl.federation.aggregation import AggregationRule
-    from rafl.federation.runners import client_context, seed_of
+    from rafl.federation.run_config import load_run_config
+    from rafl.federation.runners import client_context
     from rafl.federation.screening import UploadPolicy
+    from rafl.federation.seeds import SeedTree
+    from rafl.stages import federate
 
     sets = [f"supernet.path={supernet}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=1",
             f"algorithm.name={method}", "algorithm.local_epochs=1",
             *(SAME_MODEL if method in ("fedavg", "fedprox", "fednova") else THREE_MODELS)]
     prep = federate.prepare(load_run_config(None, sets), progress=False)
     fed, algo = prep.federation, prep.federation.algorithm
-    torch.manual_seed(seed_of(0, 0, 7))
+    torch.manual_seed(SeedTree(0).server(0))  # as the engine seeds init_server
     server = fed.server
-    server.round, server.seed, server.hparams = 0, 0, dict(fed.hparams)
-    import numpy as np
-
-    server.rng = np.random.default_rng(seed_of(0, 0, 7))
+    server.round, server.seed = 0, SeedTree(0).server(0)
     state, broadcast = algo.init_server(server)
     uploads = []
     for cid in range(3):
@@ -140,12 +138,11 @@ def attacks(up, limit: int) -> dict:
 
 
 def aggregate(algo, accepted, state, server):
-    from rafl.federation.runners import seed_of
+    from rafl.federation.seeds import SeedTree
 
-    torch.manual_seed(seed_of(0, 1, 7))
-    import numpy as np
+    torch.manual_seed(SeedTree(0).server(1))  # as the engine seeds round 1's server step
+    server.round, server.seed = 1, SeedTree(0).server(1)
 
-    server.rng = np.random.default_rng(seed_of(0, 1, 7))
     _, broadcast = algo.server_aggregate(accepted, state, server)
     return broadcast
 

@@ -80,11 +80,11 @@ def run_bare(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from rafl.federation.run_config import load_run_config
     from rafl.data import make_loader
-    from rafl.stages import federate
+    from rafl.federation.run_config import load_run_config
     from rafl.federation.training import no_singleton_batches
     from rafl.models import make_member
+    from rafl.stages import federate
 
     torch.set_num_threads(1)
     cfg = load_run_config(None, overrides(args, args.clients, args.limit_per_class, 1, args.rounds))

@@ -34,8 +34,7 @@ from rafl.errors import UserInputError
 from rafl.io import atomic_write_json, atomic_write_text
 from rafl.search.cost import CostModel
 from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy
-from rafl.search.evolution import (SearchConfig, check_satisfiable, cost_fn_for, evolve, profile_limits,
-                                   search_subnets)
+from rafl.search.evolution import SearchConfig, check_satisfiable, cost_fn_for, evolve, profile_limits, search_subnets
 from rafl.search.profile import list_profiles, load_profile
 from rafl.stages.search import load_search_supernet, server_eval_data
 from rafl.supernet import extract_subnet, recalibrate_bn

@@ -40,11 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rafl.federation.run_config import load_run_config
 from rafl.federation.build import client_loaders
-from rafl.stages.federate import prepare, run
+from rafl.federation.run_config import load_run_config
 from rafl.federation.training import evaluate_accuracy
 from rafl.io import atomic_write_json, atomic_write_text
+from rafl.stages.federate import prepare, run
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["heterofl", "fedrolex", "uniform", "rafl", "fedgh", "fedtgp", "fedproto", "standalone"]

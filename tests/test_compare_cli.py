@@ -10,7 +10,6 @@ from click.testing import CliRunner
 
 from rafl.cli import cli
 
-
 TINY = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "partition.scheme=pathological",
         "--set", "partition.k=2", "--set", "partition.public_fraction=0.0", "--set", "engine.rounds=1",
         "--set", "train.threads=1", "--set", "train.batch_size=16",
@@ -64,8 +63,8 @@ def test_compare_smoke(tmp_path):
 def test_compare_row_pools_the_clients_test_samples():
     """``pooled acc`` = all clients' correct / all their test samples (HtFLlib's Averaged Test
     Accuracy), not the mean over clients: a client of 2 test images counts 2/102."""
-    from rafl.reports.compare import summarize_run
     from rafl.federation.engine import summarize_eval
+    from rafl.reports.compare import summarize_run
 
     per_client = {0: {"model.correct": 0.0, "model.total": 2.0}, 1: {"model.correct": 90.0, "model.total": 100.0}}
     history = [{**summarize_eval(per_client), "bytes_up": 10, "bytes_down": 20}]

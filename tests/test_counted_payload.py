@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rafl.federation.algorithms.fedavg import FedAvg
+from rafl.federation.build import build_federation
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig
 from rafl.federation.payload import CountedPayload, Payload
-from rafl.federation.build import build_federation
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.reports.run import RunReport
 

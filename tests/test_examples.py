@@ -8,9 +8,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from conftest import REPO
 from rafl.cli import cli
 from rafl.federation.run_config import load_run_config
+
+from conftest import REPO
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from rafl.config import parse_overrides
-from rafl.federation.run_config import load_run_config
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
-from rafl.federation.payload import Payload
 from rafl.federation.losses import train_mutual as train_dml
+from rafl.federation.payload import Payload
+from rafl.federation.run_config import load_run_config
 from rafl.federation.training import dml_losses, kl_soft
 
 
@@ -380,8 +380,8 @@ def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path
     """NAS subnets fine-tune at LOCAL_DEFAULTS' lr; a model group (trained from scratch, cnn3-small
     without BatchNorm) at GROUP_LR, which it did not diverge at; an lr the user gives always wins
     (rafl federate and rafl compare alike)."""
-    from rafl.federation.run_config import load_run_config
     from rafl.federation.algorithms._common import GROUP_LR, LOCAL_DEFAULTS
+    from rafl.federation.run_config import load_run_config
     from rafl.stages.compare import load_compare_config
 
     assert load_run_config(None, ["algorithm.name=fd"]).algorithm.hparams()["lr"] == LOCAL_DEFAULTS["lr"]

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from rafl.cli import cli
 from rafl.errors import UserInputError
 from rafl.federation import flower_runner, flower_wire
+from rafl.federation.payload import Payload
 from rafl.stages.flower import app as flower_app
 from rafl.stages.flower import fleet as flower_fleet
 from rafl.stages.flower import node as flower_node
-from rafl.federation.payload import Payload
 
 ARGS = ["--set", "data.limit_per_class=10", "--set", "clients.n=3", "--set", "engine.rounds=2",
         "--set", "algorithm.name=fedgh"]
@@ -374,9 +374,9 @@ ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", 
 def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, supernet_dir, task_identity, method):
     """Each registered method, its broadcasts, uploads and client states carried by Flower
     messages to ClientApps on two nodes (three clients), ends with the in-process numbers."""
+    from rafl.federation.algorithms.base import ALGORITHMS
     from rafl.federation.run_config import load_run_config
     from rafl.stages import federate
-    from rafl.federation.algorithms.base import ALGORITHMS
 
     assert sorted(ALL_METHODS) == sorted(ALGORITHMS)  # a new method joins this test
     same_model = ["clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"]
@@ -517,8 +517,8 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     (a deployed SuperNode starts a process per message), each carrying the node's clients in job
     order, and the run computes the in-process numbers. A client step failing on its node with an
     unexpected error (not a UserInputError) loses that client for the round, not its node-mates."""
-    from rafl.federation.run_config import load_run_config
     from rafl.federation import runners
+    from rafl.federation.run_config import load_run_config
     from rafl.stages import federate
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=2)]
@@ -604,8 +604,8 @@ def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_
     step, not by the machine's load) against a 1 s round timeout: after two steps (0.8 s, mean
     0.4 s) a third would end past 0.9 s, so client 4 is not started and is lost alone, named with
     the reason; clients 0 and 2 count (a node used to lose its whole batch to the timeout)."""
-    from rafl.federation.run_config import load_run_config
     from rafl.federation import runners
+    from rafl.federation.run_config import load_run_config
     from rafl.stages import federate
 
     sets = [s.replace("clients.n=3", "clients.n=5") for s in _tiny_sets(supernet_dir, rounds=1)]

@@ -196,8 +196,8 @@ def _supernet_dir(out: Path) -> Path:
 def loader_cases(folder: Path) -> dict:
     """``name -> (seed text, parsed seed, dump, file name, load(path))`` of every text loader, with
     what they need written under ``folder`` (also used by ``bench/reliability.py``)."""
-    from rafl.federation.run_config import load_run_config
     from rafl.data import Partition
+    from rafl.federation.run_config import load_run_config
     from rafl.search.latency import load_latency_lut
     from rafl.search.profile import load_profile
     from rafl.supernet import ArchConfig

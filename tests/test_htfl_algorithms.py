@@ -17,7 +17,6 @@ from rafl.federation.payload import Payload
 from rafl.federation.runners import Federation
 from rafl.reports.run import RunReport
 
-
 MODELS = ["cnn4-small", "cnn3-small"]
 D = 16
 FAST = {"fedtgp": {"server_epochs": 3}}

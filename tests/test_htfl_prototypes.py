@@ -15,10 +15,19 @@ from rafl.federation.algorithms.fedtgp import margin_contrastive_loss
 from rafl.federation.headers import load_head
 from rafl.federation.losses import prototype_regularizer
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (adaptive_margin, class_averages, class_sums, from_payload,
-                                        local_class_averages, nearest_prototype, pairwise_distances,
-                                        payload_tensor_bits, safe_distance, to_payload_tensors,
-                                        weighted_class_average)
+from rafl.federation.prototypes import (
+    adaptive_margin,
+    class_averages,
+    class_sums,
+    from_payload,
+    local_class_averages,
+    nearest_prototype,
+    pairwise_distances,
+    payload_tensor_bits,
+    safe_distance,
+    to_payload_tensors,
+    weighted_class_average,
+)
 
 
 def test_lar_exact_on_hand_made_tensors():

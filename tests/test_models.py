@@ -8,7 +8,6 @@ import torch
 from rafl.errors import UserInputError
 from rafl.models import GROUPS, HeteroModel, build_model, build_plugin_model, make_member, resolve_models
 
-
 CHEAP = ["cnn4", "cnn4-small", "cnn3-small", "mobilenet_v2-0.25", "shufflenet_v2-0.5", "resnet18"]
 
 

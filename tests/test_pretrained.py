@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from rafl.cli import cli
-from rafl.federation.run_config import load_run_config
 from rafl.data import load_dataset
 from rafl.errors import UserInputError
+from rafl.federation.run_config import load_run_config
 from rafl.supernet import load_supernet
 from rafl.supernet import pretrained as pt
 from rafl.supernet.presets import preset_path

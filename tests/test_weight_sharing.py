@@ -16,15 +16,20 @@ from rafl.errors import UserInputError
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms import ServerContext, get_algorithm
 from rafl.federation.algorithms.heterofl import index_map
+from rafl.federation.build import build_federation, build_group_federation
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig
 from rafl.federation.payload import Payload
-from rafl.federation.build import build_federation, build_group_federation
-from rafl.search.federation_search import uniform_arch
 from rafl.federation.store import load_state
-from rafl.federation.weight_sharing import (extract, fold_kernel_transforms, masked_average, nas_index_map,
-                                            prefix_index_map)
+from rafl.federation.weight_sharing import (
+    extract,
+    fold_kernel_transforms,
+    masked_average,
+    nas_index_map,
+    prefix_index_map,
+)
 from rafl.models import make_member, resolve_models
 from rafl.reports.run import RunReport
+from rafl.search.federation_search import uniform_arch
 from rafl.search.profile import load_profile
 from rafl.supernet import SearchSpace, build_supernet, extract_subnet
 

@@ -50,9 +50,9 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
-    from rafl.stages.compare import load_compare_config, load_compare_resume, parse_grid, run_compare, run_tuning
     from rafl.io import check_output_dir
     from rafl.models import resolve_models
+    from rafl.stages.compare import load_compare_config, load_compare_resume, parse_grid, run_compare, run_tuning
 
     if resume_dir is not None:
         ctx = click.get_current_context()

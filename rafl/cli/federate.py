@@ -10,18 +10,6 @@ from rafl.cli import exit_interrupted
 from rafl.errors import UserInputError
 
 
-#: the accuracies a method reports besides its deployed model's (``model.acc``), in table order:
-#: metric prefix -> (column label, what it measures), named as in every table and plot
-#: (:data:`rafl.reports.tables.ACCURACY_NAMES`); the same rules as ``rafl compare``'s table
-EXTRA_ACCURACIES = {
-    "knowledge": ("acc knowledge network", "knowledge network accuracy"),                  # RaFL
-    "proto": ("acc nearest prototype", "nearest-prototype accuracy"),                     # FedTGP, FedProto
-    "prior": ("acc +prior", "global header + local label prior accuracy"),                # FedGH
-    "local": ("acc local header", "locally fine-tuned header accuracy"),                  # FedGH
-    "global": ("acc shared model", "shared model accuracy"),                              # FML, FedKD
-}
-
-
 def print_table(summary: dict, run_dir: Path) -> None:
     """The per-client table (profile, subnet MACs/params, test images, the deployed model's accuracy
     with its binomial standard error, and every other accuracy the method reports, e.g. FedTGP's
@@ -29,19 +17,22 @@ def print_table(summary: dict, run_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from rafl.federation.algorithms import DEPLOYED, get_algorithm
     from rafl.reports.tables import binomial_se, fmt_bytes
 
     rows = summary["table"]
     group = any("model" in r for r in rows)  # clients.models: a model group (no profiles, no subnets)
-    extra = [k for k in EXTRA_ACCURACIES if any(r.get(f"{k}.acc") is not None for r in rows)]
+    # the other accuracies the method reports (e.g. FedTGP's nearest prototype), in its order
+    extra = [a for a in get_algorithm(summary["algorithm"]).accuracies
+             if a != DEPLOYED and any(r.get(f"{a.prefix}.acc") is not None for r in rows)]
     t = Table(title=f"{summary['algorithm']}: final round {summary['rounds']}, accuracy on each client's own test split")
     for col in ("client", "model", "params (M)", "train", "test") if group else \
             ("client", "profile", "MACs (M)", "params (M)", "train", "test"):
         t.add_column(col, justify="left" if col in ("profile", "model") else "right")
     t.add_column("acc deployed model", justify="right")
     t.add_column("± se", justify="right")
-    for k in extra:
-        t.add_column(EXTRA_ACCURACIES[k][0], justify="right")
+    for a in extra:
+        t.add_column(f"acc {a.name}", justify="right")
 
     def f(v, d=2):
         return "-" if v is None else f"{v:.{d}f}"
@@ -54,12 +45,12 @@ def print_table(summary: dict, run_dir: Path) -> None:
         if se is not None:
             var_sum, n_acc = var_sum + se ** 2, n_acc + 1
         t.add_row(str(r["client"]), *who, f(r["params_m"], 3), str(r["n_train"]), str(r["n_test"]),
-                  f(acc, 3), f(se, 3), *(f(r.get(f"{k}.acc"), 3) for k in extra))
+                  f(acc, 3), f(se, 3), *(f(r.get(f"{a.prefix}.acc"), 3) for a in extra))
     m = summary["means"]
     mean_se = (var_sum ** 0.5) / n_acc if n_acc else None  # of the mean over clients (independent clients)
     t.add_row("mean", *([""] if group else ["", f(m.get("macs_m"))]), f(m.get("params_m"), 3), "",
               str(sum(int(r["n_test"]) for r in rows)), f(m.get("model.acc"), 3), f(mean_se, 3),
-              *(f(m.get(f"{k}.acc"), 3) for k in extra), style="bold")
+              *(f(m.get(f"{a.prefix}.acc"), 3) for a in extra), style="bold")
     con = Console(width=max(120, Console().width))  # every column header on one line
     con.print(t)
     fin = summary["final"]
@@ -68,7 +59,7 @@ def print_table(summary: dict, run_dir: Path) -> None:
         con.print(f"se = sqrt(p (1 - p) / test), the binomial standard error of an accuracy p over a client's "
                   f"test images ({min(tests)}..{max(tests)} here; one image moves it by 1/test, and 1.000 on 4 "
                   "images is 4 of 4, se 0); the mean's se is over all clients")
-    for prefix, label in (("model", "deployed model accuracy"), *((k, EXTRA_ACCURACIES[k][1]) for k in extra)):
+    for prefix, label in ((a.prefix, a.meaning) for a in (DEPLOYED, *extra)):
         if f"{prefix}.acc_sample_weighted" in fin:
             con.print(f"{label}: mean over clients {fin[f'{prefix}.acc_mean_over_clients']:.3f}, "
                       f"sample-weighted {fin[f'{prefix}.acc_sample_weighted']:.3f}, std over clients "

@@ -23,15 +23,14 @@ def flower_app(folder: Path, config: Path | None, runs: Path) -> None:
     metrics) on the SuperLink's machine and its ClientApp runs each client's step on the SuperNode
     that hosts it (node config partition-id=I num-partitions=P hosts clients I, I+P, ...).
     """
-    from rafl.federation.run_config import load_run_config
-    from rafl.stages.flower.app import write_app
-
     # the run config is read on the SuperLink only when `flwr run` starts it, and `flwr run`
     # exits 0 whatever happens there: check what can be checked here (schema, algorithm and its
     # hyperparameters, model names; not the data, the supernet or plug-in modules, which live on the
     # SuperLink's and the nodes' machines)
     from rafl.errors import UserInputError
+    from rafl.federation.run_config import load_run_config
     from rafl.models import resolve_models
+    from rafl.stages.flower.app import write_app
 
     models = load_run_config(config).clients.models
     try:

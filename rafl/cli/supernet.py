@@ -163,7 +163,7 @@ def _train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, 
                                     check_memory=check_training_memory)
     except UserInputError as err:
         if fresh and rank == 0 and (err.field or "").startswith("lr_"):  # diverged: its checkpoints cannot be resumed
-            import shutil                                     # with another lr, so leave nothing behind
+            import shutil  # with another lr, so leave nothing behind
 
             if existed:
                 for child in out.iterdir():
@@ -204,9 +204,7 @@ def info(path: Path) -> None:
 
     from rafl.supernet.arch import SearchSpace, log10_num_subnets
     from rafl.supernet.checkpoint import load_meta, load_supernet
-
     from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
-
     from rafl.supernet.quickstart import supernet_path
 
     if is_pretrained_name(str(path)):

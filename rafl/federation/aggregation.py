@@ -25,7 +25,6 @@ import torch
 from rafl.errors import UserInputError
 from rafl.federation.payload import Payload
 
-
 #: the largest ``n_samples`` a weight may come from (2**53: every count up to it is exact as a float);
 #: a larger value is refused, never rounded or overflowed
 MAX_SAMPLES = 2**53

@@ -18,7 +18,6 @@ from rafl.supernet.arch import ArchConfig
 from rafl.supernet.bank import ModelBank
 from rafl.supernet.server_data import calibration_sample
 
-
 #: batch size of the global test set's loader (evaluation only: BN in eval mode, so it changes no number)
 GLOBAL_BATCH = 256
 
@@ -44,7 +43,7 @@ def client_loaders(dataset, partition, batch_size: int):
 def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algorithm, *,
                      profiles: list[str] | None = None, batch_size: int = 32,
                      device: torch.device | str = "cpu", seed: int = 0,
-                     calib_images: torch.Tensor | None = None, hparams: dict[str, Any] | None = None,
+                     calib_images: torch.Tensor | None = None,
                      count_macs: bool = True) -> tuple[Federation, list[dict[str, Any]]]:
     """A :class:`Federation` from a dataset, a partition, a supernet and one arch per client.
 
@@ -61,7 +60,6 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
         seed: run seed (server context).
         calib_images: public-pool images for BN recalibration of extracted subnets (default: the
             first 512 public images; None/empty = keep the supernet's statistics).
-        hparams: the algorithm's hyperparameters (default ``algorithm.hparams``).
         count_macs: fill ``macs_m``/``params_m`` of the table with fvcore (one count per arch).
 
     Returns:
@@ -106,20 +104,19 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
             arch = infos[0 if client_id is None else client_id].arch
         return bank.make(arch)
 
-    hp = dict(algorithm.hparams if hparams is None else hparams)
     server = ServerContext(clients=infos, make_model=server_model, public_images=pub_images,
                            n_classes=dataset.num_classes, space=supernet.space, supernet=supernet, device=device,
-                           seed=seed, hparams=hp)
+                           seed=seed)
     fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
-                     n_classes=dataset.num_classes, hparams=hp, device=device)
+                     n_classes=dataset.num_classes, device=device)
     algorithm.check_models(server)
     return fed, table
 
 
 def build_group_federation(dataset, partition, members: list[str], algorithm, *, feature_dim: int = 128,
                            knowledge_model: str | None = None, batch_size: int = 32,
-                           device: torch.device | str = "cpu", seed: int = 0,
-                           hparams: dict[str, Any] | None = None) -> tuple[Federation, list[dict[str, Any]]]:
+                           device: torch.device | str = "cpu", seed: int = 0
+                           ) -> tuple[Federation, list[dict[str, Any]]]:
     """A :class:`Federation` whose clients use models of a heterogeneous group (round-robin).
 
     Args:
@@ -134,7 +131,6 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
             default :data:`rafl.models.KNOWLEDGE_MODEL`.
         batch_size: local mini-batch size (no drop_last).
         device, seed: as named.
-        hparams: the algorithm's hyperparameters (default ``algorithm.hparams``).
 
     Returns:
         ``(federation, table)``: one row per client (client, model, params_m, n_train, n_test).
@@ -192,11 +188,10 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
 
     public = np.asarray(partition.public, dtype=np.int64)
     pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
-    hp = dict(algorithm.hparams if hparams is None else hparams)
     server = ServerContext(clients=infos, make_model=server_model, public_images=pub_images, n_classes=n_classes,
-                           space=None, supernet=None, device=device, seed=seed, hparams=hp)
+                           space=None, supernet=None, device=device, seed=seed)
     fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
-                     n_classes=n_classes, hparams=hp, device=device)
+                     n_classes=n_classes, device=device)
     algorithm.check_models(server)
     return fed, table
 

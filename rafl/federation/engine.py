@@ -6,11 +6,12 @@ server steps and knows no algorithm by name. One round ``t``:
 1. *Sporadic participation* (RaFL's sporadic setting): a share ``sporadic_rate`` of the currently
    available clients leaves and is replaced by clients drawn from the rest of the population.
 2. *Sampling*: ``clients_per_round`` clients (a count, or a fraction of the available ones) are
-   drawn without replacement, seeded by ``(seed, t)``.
+   drawn without replacement, seeded by round ``t``'s sampling node of the run's seed tree
+   (:mod:`rafl.federation.seeds`: run -> round -> sampling / server / client).
 3. *Dropout*: each sampled client fails with probability ``dropout`` after downloading; it uploads
    nothing and its state is not updated. The round completes with the rest (failures counted).
 4. Every surviving client: its committed state is loaded from disk (or ``init_client`` on first
-   use), ``client_update`` runs with loaders and torch RNG seeded by ``(seed, client, t)``, the
+   use), ``client_update`` runs with loaders and torch RNG seeded by the tree's ``(t, client)`` node, the
    new state is written to disk, the upload is screened (:mod:`rafl.federation.screening`: size,
    dtypes, finite values in range, shapes vs ``upload_spec``, the method's ``check_upload``); a
    rejected upload is logged and counted and its client's new state discarded; below
@@ -42,8 +43,8 @@ server steps and knows no algorithm by name. One round ``t``:
    the observers get the history and the summary (:func:`make_summary`). The engine itself writes
    only ``clients/`` and the checkpoint.
 
-``resume`` continues from the last complete round; because every random draw is seeded by
-``(seed, round[, client])`` and client states are versioned (:mod:`rafl.federation.store`), a
+``resume`` continues from the last complete round; because every random draw is seeded by its
+node of the seed tree (round, then sampling / server / client) and client states are versioned (:mod:`rafl.federation.store`), a
 resumed run ends with the same metrics as an uninterrupted one. That holds bit for bit on CPU (what
 the tests check); on CUDA, cuDNN's default convolution algorithms are not deterministic, so runs
 (resumed or not) agree up to floating-point noise unless the caller sets
@@ -55,7 +56,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,8 +71,9 @@ from rafl.federation.aggregation import AggregationRule
 from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.progress import report
-from rafl.federation.runners import Federation, seed_of
+from rafl.federation.runners import Federation, RunnerFactory
 from rafl.federation.screening import UploadPolicy, screen_uploads
+from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
 from rafl.io import remove_orphaned_tmp
@@ -141,6 +143,30 @@ class RoundTimes:
         return max(0.0, self.total - self.client_update - self.aggregate - self.evaluate)
 
 
+@dataclass
+class RunState:
+    """What carries a run from one round to the next (what the checkpoint holds besides the
+    client-state versions): the server state, the last broadcast, the available clients, every
+    round's record so far and the running counters (bytes, failures, CO to target)."""
+
+    server_state: Any
+    broadcast: Payload
+    available: list[int]
+    history: list[dict[str, Any]]
+    counters: dict[str, Any]
+
+
+@dataclass
+class RoundResult:
+    """One round as :meth:`Engine._round` returns it: its record (one line of ``metrics.jsonl``,
+    timing still to add), its :class:`RoundTimes` and, in an evaluated round, the evaluation's
+    ``(summary, per-client counts)``."""
+
+    row: dict[str, Any]
+    times: RoundTimes
+    evaluation: tuple[dict[str, Any], dict[int, dict[str, float]]] | None = None
+
+
 class RunObserver(Protocol):
     """Who records a run: the engine hands it every round's record and the summary
     (:class:`rafl.reports.run.RunReport` writes the run dir's metrics files, summary and plots).
@@ -178,7 +204,7 @@ class Engine:
     """
 
     def __init__(self, fed: Federation, config: EngineConfig, run_dir: str | Path, progress: bool = True,
-                 clients: Callable[[Federation, ClientStore, int], Any] | None = None,
+                 clients: RunnerFactory | None = None,
                  observers: Sequence[RunObserver] = ()):
         self.fed = fed
         self.observers = tuple(observers)
@@ -195,6 +221,7 @@ class Engine:
         self.policy = UploadPolicy(config.max_upload_mb, config.max_abs_value, config.min_valid_uploads)
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
+        self.seeds = SeedTree(config.seed)  # every random stream of the run (rafl.federation.seeds)
         if clients is None:
             clients = runner(config.workers, self.n_sampled, fed.device)
         self.clients = clients(fed, self.store, config.seed)
@@ -204,9 +231,7 @@ class Engine:
     def _server_ctx(self, rnd: int) -> ServerContext:
         s = self.fed.server
         s.round = rnd
-        s.seed = self.cfg.seed
-        s.rng = np.random.default_rng(seed_of(self.cfg.seed, rnd, 7))
-        s.hparams = dict(self.fed.hparams)
+        s.seed = self.seeds.server(rnd)
         s.aggregation = self.rule
         return s
 
@@ -245,7 +270,8 @@ class Engine:
     def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
         ids = list(range(len(self.fed.clients))) if self.cfg.eval_clients == "all" else sorted(self.store.committed)
         untrained = [cid for cid in ids if not self.store.has(cid)]
-        shared = bool(untrained) and self.fed.algorithm.shared_initial_evaluation and hasattr(self.clients, "evaluate_untrained")
+        shared = (bool(untrained) and self.fed.algorithm.shared_initial_evaluation
+                  and self.clients.shares_initial_evaluation)
         if shared:  # clients that never trained: one evaluation per architecture, not one each
             ids = [cid for cid in ids if self.store.has(cid)]
         per_client, lost = self.clients.evaluate(rnd, ids, broadcast)
@@ -264,10 +290,9 @@ class Engine:
         a node share counted once per node) and ``wire_bytes_eval_down`` (evaluation), and
         ``cum_wire_mb`` (training, down + up); beside the per-client payload bytes
         (``bytes_down`` / ``bytes_up``, the papers' communication cost, every client's copy)."""
-        take = getattr(self.clients, "take_traffic", None)
-        if take is None:
+        sent = self.clients.take_traffic()
+        if sent is None:
             return
-        sent = take()
         for key in ("down", "up", "eval_down"):
             row[f"wire_bytes_{key}"] = int(sent[key])
             counters[f"cum_wire_bytes_{key}"] = counters.get(f"cum_wire_bytes_{key}", 0) + int(sent[key])
@@ -280,132 +305,52 @@ class Engine:
         try:
             return self._run(resume)
         finally:
-            close = getattr(self.clients, "close", None)  # a runner's worker processes
-            if close is not None:
-                close()
+            self.clients.close()  # a runner's worker processes
 
-    def _run(self, resume: bool) -> dict[str, Any]:
-        fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
-        n = len(fed.clients)
+    def _start(self, resume: bool) -> tuple[RunState, int]:
+        """The run's state before its first round to run, and that round: from the checkpoint
+        (``resume``), else the algorithm's initial server state and the initial available set."""
+        fed, algo = self.fed, self.fed.algorithm
         if resume:
             for folder in (self.run_dir, self.run_dir / "clients"):  # what a kill -9 mid-write left behind
                 remove_orphaned_tmp(folder)
             ck = self._load_checkpoint()
-            start = int(ck["round"]) + 1
-            server_state = ck["server_state"]
-            broadcast = Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"]))
-            available = [int(v) for v in ck["available"]]
             self.store.committed = {int(k): int(v) for k, v in ck["committed"].items()}
             self.store.cleanup()
-            history = json.loads(ck["history"])
-            counters = json.loads(ck["counters"])
-        else:
-            torch.manual_seed(seed_of(cfg.seed, 0, 7))
-            server_state, broadcast = algo.init_server(self._server_ctx(0))
-            rng0 = np.random.default_rng(seed_of(cfg.seed, 0, 3))
-            available = sorted(int(v) for v in rng0.choice(n, size=self.n_available, replace=False))
-            history, counters = [], {"cum_bytes_up": 0, "cum_bytes_down": 0, "failures": 0,
-                                     "co_mb_to_target": None, "co_round": None}
-        bar = tqdm(range(start if resume else 1, cfg.rounds + 1), desc=f"{algo.name} rounds",
-                   disable=not self.progress, initial=(start - 1) if resume else 0, total=cfg.rounds)
+            return RunState(server_state=ck["server_state"],
+                            broadcast=Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"])),
+                            available=[int(v) for v in ck["available"]], history=json.loads(ck["history"]),
+                            counters=json.loads(ck["counters"])), int(ck["round"]) + 1
+        torch.manual_seed(self.seeds.server(0))
+        server_state, broadcast = algo.init_server(self._server_ctx(0))
+        rng0 = np.random.default_rng(self.seeds.sampling(0))
+        available = sorted(int(v) for v in rng0.choice(len(fed.clients), size=self.n_available, replace=False))
+        return RunState(server_state=server_state, broadcast=broadcast, available=available, history=[],
+                        counters={"cum_bytes_up": 0, "cum_bytes_down": 0, "failures": 0, "co_mb_to_target": None,
+                                  "co_round": None}), 1
+
+    def _run(self, resume: bool) -> dict[str, Any]:
+        cfg, algo = self.cfg, self.fed.algorithm
+        st, start = self._start(resume)
+        bar = tqdm(range(start, cfg.rounds + 1), desc=f"{algo.name} rounds", disable=not self.progress,
+                   initial=start - 1, total=cfg.rounds)
         last_eval: tuple[dict, dict] | None = None
         for rnd in bar:
             t0 = time.perf_counter()
-            times = RoundTimes()
-            rng = np.random.default_rng(seed_of(cfg.seed, rnd, 1))
-            if cfg.sporadic_rate > 0 and rnd > 1:
-                available = sporadic_update(available, n, cfg.sporadic_rate, rng)
-            sampled = sample_clients(available, self.n_sampled, rng)
-            failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
-            bytes_up = bytes_down = 0
-            uploads: list[Payload] = []
-            # id(download) -> (download, its counted copy): a payload sent to several clients (the
-            # common broadcast) is counted once and stays one object (a runner sends it once per node)
-            counted: dict[int, tuple[Payload, CountedPayload]] = {}
-            jobs: list[tuple[int, CountedPayload]] = []
-            limits: dict[int, int] = {}  # the largest upload the server accepts, per client
-            for cid in sampled:
-                down = algo.client_broadcast(broadcast, fed.clients[cid])
-                if id(down) not in counted:
-                    counted[id(down)] = (down, down.count())
-                sent = counted[id(down)][1]
-                down_bytes = sent.nbytes()
-                bytes_down += down_bytes
-                if cid not in failed:
-                    jobs.append((cid, sent))
-                    limits[cid] = self.policy.byte_limit(algo.upload_spec(server_state, fed.clients[cid]), down_bytes)
-            if hasattr(self.clients, "upload_limits"):  # a runner that receives wire bytes checks them unparsed
-                self.clients.upload_limits = limits
-            report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
-            results, lost, times.client_update = self.clients.train(rnd, jobs)
-            report("trained", done=len(results))
-            del counted
-            failed = failed + sorted(lost)
-            # the sender names the client's model: a NaN upload usually means that model diverged
-            screened = screen_uploads(
-                results, algo, server_state, fed.clients, fed.server.n_classes, self.policy, limits=limits,
-                sender=lambda c: f"client {c} (model {fed.clients[c].model_key}){self.clients.where(c)}",
-                nonfinite_hint=DIVERGED_UPLOAD)
-            uploads, bytes_up = screened.accepted, screened.bytes_up
-            for cid, why in screened.rejected.items():
-                self.store.pending.pop(cid, None)  # a rejected client's new state is not committed
-                warn(f"round {rnd}: rejected the upload of {why}")
-            round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
-            if round_failed:  # too few valid uploads: the round changes no server or client state
-                self.store.pending.clear()
-                warn(f"round {rnd} failed: {len(uploads)} valid upload(s), engine.min_valid_uploads is "
-                     f"{self.policy.min_valid_uploads}; the server state is unchanged")
-            else:
-                torch.manual_seed(seed_of(cfg.seed, rnd, 7))
-                ta = time.perf_counter()
-                server_state, broadcast = algo.server_aggregate(uploads, server_state, self._server_ctx(rnd))
-                times.aggregate = time.perf_counter() - ta
-            del uploads
-            counters["rejected"] = counters.get("rejected", 0) + len(screened.rejected)
-            counters["failed_rounds"] = counters.get("failed_rounds", 0) + int(round_failed)
-            counters["cum_bytes_up"] += bytes_up
-            counters["cum_bytes_down"] += bytes_down
-            counters["failures"] += len(failed)
-            row: dict[str, Any] = {
-                "round": rnd, "sampled": len(sampled), "failed": len(failed),
-                "participated": len(sampled) - len(failed),
-                "bytes_up": bytes_up, "bytes_down": bytes_down,
-                "cum_bytes_up": counters["cum_bytes_up"], "cum_bytes_down": counters["cum_bytes_down"],
-                "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
-                "bytes_up_per_client": bytes_up / max(1, len(sampled) - len(failed)),
-                "rejected": len(screened.rejected),
-            }
-            if screened.rejected:  # uploads the server refused, with the reason (rafl.federation.screening)
-                row["rejected_reasons"] = {str(cid): why for cid, why in sorted(screened.rejected.items())}
-                row["bytes_rejected"] = screened.bytes_rejected
-            if screened.claims_overridden:  # clients whose own n_samples claim the registered count replaced
-                row["n_samples_overridden"] = screened.claims_overridden
-            if round_failed:
-                row["round_failed"] = True
-            if lost:  # clients a runner lost (a Flower node's error or timeout), with the reason
-                row["lost"] = {str(cid): why for cid, why in sorted(lost.items())}
-            if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
-                self.store.commit()  # evaluation reads this round's states
-                te = time.perf_counter()
-                report("evaluate", clients=len(fed.clients) if cfg.eval_clients == "all" else len(self.store.committed))
-                last_eval = self._evaluate(rnd, broadcast)
-                times.evaluate = time.perf_counter() - te
-                row.update(last_eval[0])
-                acc = last_eval[0].get("model.acc_mean_over_clients")
-                if (cfg.target_accuracy is not None and counters["co_mb_to_target"] is None
-                        and acc is not None and acc >= cfg.target_accuracy):
-                    counters["co_mb_to_target"] = row["cum_mb"]
-                    counters["co_round"] = rnd
-            self._count_wire(row, counters)
+            done = self._round(rnd, st)
+            times, row = done.times, done.row
+            if done.evaluation is not None:
+                last_eval = done.evaluation
+            self._count_wire(row, st.counters)
             times.total = time.perf_counter() - t0
             row.update({"time_s": times.total, "time_client_update_s": times.client_update,
                         "time_aggregate_s": times.aggregate, "time_evaluate_s": times.evaluate,
                         "time_engine_s": times.engine})
-            history.append(row)
+            st.history.append(row)
             tw = time.perf_counter()
             for observer in self.observers:  # e.g. metrics.jsonl: on disk before the round's checkpoint
-                observer.round_done(history)
-            self._checkpoint(rnd, server_state, broadcast, available, history, counters)
+                observer.round_done(st.history)
+            self._checkpoint(rnd, st.server_state, st.broadcast, st.available, st.history, st.counters)
             times.total += time.perf_counter() - tw
             row["time_s"], row["time_engine_s"] = times.total, times.engine
             self.times.append(times)
@@ -415,11 +360,110 @@ class Engine:
                                 comm=tqdm.format_sizeof(row["cum_mb"] * 1e6, "B", 1000))
         bar.close()
         if last_eval is None:  # resumed after the final round: re-evaluate from the checkpoint
-            last_eval = self._evaluate(cfg.rounds, broadcast)
-        summary = make_summary(algo.name, history, counters, last_eval[1], cfg)
+            last_eval = self._evaluate(cfg.rounds, st.broadcast)
+        summary = make_summary(algo.name, st.history, st.counters, last_eval[1], cfg)
         for observer in self.observers:
-            observer.run_done(history, summary)
+            observer.run_done(st.history, summary)
         return summary
+
+    def _downloads(self, sampled: list[int], failed: list[int], st: RunState
+                   ) -> tuple[list[tuple[int, CountedPayload]], dict[int, int], int]:
+        """What every sampled client downloads, counted: the jobs of the clients that did not drop
+        out, the largest upload the server accepts from each, and the bytes sent down."""
+        fed, algo = self.fed, self.fed.algorithm
+        bytes_down = 0
+        # id(download) -> (download, its counted copy): a payload sent to several clients (the
+        # common broadcast) is counted once and stays one object (a runner sends it once per node)
+        counted: dict[int, tuple[Payload, CountedPayload]] = {}
+        jobs: list[tuple[int, CountedPayload]] = []
+        limits: dict[int, int] = {}  # the largest upload the server accepts, per client
+        for cid in sampled:
+            down = algo.client_broadcast(st.broadcast, fed.clients[cid])
+            if id(down) not in counted:
+                counted[id(down)] = (down, down.count())
+            sent = counted[id(down)][1]
+            down_bytes = sent.nbytes()
+            bytes_down += down_bytes
+            if cid not in failed:
+                jobs.append((cid, sent))
+                limits[cid] = self.policy.byte_limit(algo.upload_spec(st.server_state, fed.clients[cid]), down_bytes)
+        return jobs, limits, bytes_down
+
+    def _round(self, rnd: int, st: RunState) -> RoundResult:
+        """Round ``rnd`` (module docstring, steps 1-7) on the run's state ``st``, which it advances
+        (available set, server state, broadcast, counters); the record's timing is the caller's."""
+        fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
+        times = RoundTimes()
+        rng = np.random.default_rng(self.seeds.sampling(rnd))
+        if cfg.sporadic_rate > 0 and rnd > 1:
+            st.available = sporadic_update(st.available, len(fed.clients), cfg.sporadic_rate, rng)
+        sampled = sample_clients(st.available, self.n_sampled, rng)
+        failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
+        jobs, limits, bytes_down = self._downloads(sampled, failed, st)
+        self.clients.upload_limits = limits  # a runner that receives wire bytes checks them unparsed
+        report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
+        results, lost, times.client_update = self.clients.train(rnd, jobs)
+        report("trained", done=len(results))
+        del jobs
+        failed = failed + sorted(lost)
+        # the sender names the client's model: a NaN upload usually means that model diverged
+        screened = screen_uploads(
+            results, algo, st.server_state, fed.clients, fed.server.n_classes, self.policy, limits=limits,
+            sender=lambda c: f"client {c} (model {fed.clients[c].model_key}){self.clients.where(c)}",
+            nonfinite_hint=DIVERGED_UPLOAD)
+        uploads, bytes_up = screened.accepted, screened.bytes_up
+        for cid, why in screened.rejected.items():
+            self.store.pending.pop(cid, None)  # a rejected client's new state is not committed
+            warn(f"round {rnd}: rejected the upload of {why}")
+        round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
+        if round_failed:  # too few valid uploads: the round changes no server or client state
+            self.store.pending.clear()
+            warn(f"round {rnd} failed: {len(uploads)} valid upload(s), engine.min_valid_uploads is "
+                 f"{self.policy.min_valid_uploads}; the server state is unchanged")
+        else:
+            torch.manual_seed(self.seeds.server(rnd))
+            ta = time.perf_counter()
+            st.server_state, st.broadcast = algo.server_aggregate(uploads, st.server_state, self._server_ctx(rnd))
+            times.aggregate = time.perf_counter() - ta
+        del uploads
+        counters = st.counters
+        counters["rejected"] = counters.get("rejected", 0) + len(screened.rejected)
+        counters["failed_rounds"] = counters.get("failed_rounds", 0) + int(round_failed)
+        counters["cum_bytes_up"] += bytes_up
+        counters["cum_bytes_down"] += bytes_down
+        counters["failures"] += len(failed)
+        row: dict[str, Any] = {
+            "round": rnd, "sampled": len(sampled), "failed": len(failed),
+            "participated": len(sampled) - len(failed),
+            "bytes_up": bytes_up, "bytes_down": bytes_down,
+            "cum_bytes_up": counters["cum_bytes_up"], "cum_bytes_down": counters["cum_bytes_down"],
+            "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
+            "bytes_up_per_client": bytes_up / max(1, len(sampled) - len(failed)),
+            "rejected": len(screened.rejected),
+        }
+        if screened.rejected:  # uploads the server refused, with the reason (rafl.federation.screening)
+            row["rejected_reasons"] = {str(cid): why for cid, why in sorted(screened.rejected.items())}
+            row["bytes_rejected"] = screened.bytes_rejected
+        if screened.claims_overridden:  # clients whose own n_samples claim the registered count replaced
+            row["n_samples_overridden"] = screened.claims_overridden
+        if round_failed:
+            row["round_failed"] = True
+        if lost:  # clients a runner lost (a Flower node's error or timeout), with the reason
+            row["lost"] = {str(cid): why for cid, why in sorted(lost.items())}
+        evaluation = None
+        if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+            self.store.commit()  # evaluation reads this round's states
+            te = time.perf_counter()
+            report("evaluate", clients=len(fed.clients) if cfg.eval_clients == "all" else len(self.store.committed))
+            evaluation = self._evaluate(rnd, st.broadcast)
+            times.evaluate = time.perf_counter() - te
+            row.update(evaluation[0])
+            acc = evaluation[0].get("model.acc_mean_over_clients")
+            if (cfg.target_accuracy is not None and counters["co_mb_to_target"] is None
+                    and acc is not None and acc >= cfg.target_accuracy):
+                counters["co_mb_to_target"] = row["cum_mb"]
+                counters["co_round"] = rnd
+        return RoundResult(row=row, times=times, evaluation=evaluation)
 
 
 # ---------------------------------------------------------------------- metrics
@@ -531,5 +575,6 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
-__all__ = ["Engine", "EngineConfig", "eval_coverage", "participation", "RoundTimes", "summarize_eval", "summarize_untrained",
+__all__ = ["Engine", "EngineConfig", "eval_coverage", "participation", "RoundResult", "RoundTimes", "RunState",
+           "summarize_eval", "summarize_untrained",
            "make_summary", "RunObserver", "sample_clients", "sporadic_update"]

@@ -55,9 +55,19 @@ from typing import Any
 
 from rafl.errors import UserInputError, warn
 from rafl.federation.engine import Federation
-from rafl.federation.flower_wire import (CONTROL, EVALUATE, QUERY, TRAIN, _blob_records, _blob_size,
-                                         _flwr, one_line, records_to_payload)
+from rafl.federation.flower_wire import (
+    CONTROL,
+    EVALUATE,
+    QUERY,
+    TRAIN,
+    _blob_records,
+    _blob_size,
+    _flwr,
+    one_line,
+    records_to_payload,
+)
 from rafl.federation.payload import Payload
+from rafl.federation.runners import ClientRunner
 from rafl.federation.screening import RejectedUpload
 from rafl.federation.store import ClientStore
 
@@ -209,7 +219,7 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: boo
 MAX_REPLY_BYTES = 256 * 2**20
 
 
-class FlowerClients:
+class FlowerClients(ClientRunner):
     """The engine's client runner over a Flower :class:`~flwr.serverapp.Grid`.
 
     Args:

@@ -31,8 +31,15 @@ from torch import nn
 
 from rafl.federation.progress import report
 from rafl.federation.prototypes import safe_distance, stack_targets, target_bank
-from rafl.federation.training import (TrainStats, check_finite_loss, kl_soft, no_singleton_batches,
-                                      recalibrate_local_bn, train_ce, train_mode)
+from rafl.federation.training import (
+    TrainStats,
+    check_finite_loss,
+    kl_soft,
+    no_singleton_batches,
+    recalibrate_local_bn,
+    train_ce,
+    train_mode,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: ``extra(features (B, r), logits (B, K), labels (B,)) -> scalar`` added to the CE loss.
@@ -117,7 +124,9 @@ def logit_regularizer(class_logits: Mapping[int, torch.Tensor], gamma: float) ->
 def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.Optimizer,
                       extra: Regularizer | None = None, *, epochs: int = 1,
                       device: torch.device | str = "cpu",
-                      diverged: tuple[str, str | None] = ("algorithm.lr", None)) -> TrainStats:
+                      diverged: tuple[str, str | None] = ("algorithm.lr", None),
+                      last_epoch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+                      ) -> TrainStats:
     """``epochs`` passes of ``CE(head(f(x)), y) + extra(f(x), logits, y)``.
 
     Args:
@@ -128,6 +137,7 @@ def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torc
         epochs: passes over the loader.
         device: where to compute.
         diverged: the keys a diverged loss names (:func:`~rafl.federation.training.check_finite_loss`).
+        last_epoch: sees every batch of the last epoch (:func:`~rafl.federation.training.train_ce`).
 
     Returns:
         :class:`~rafl.federation.training.TrainStats` (``loss`` = mean total loss).
@@ -138,7 +148,8 @@ def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torc
     if extra is None:  # still run the model as head(features(x)): it may have no forward()
         def extra(feats, logits, labels):
             return logits.new_zeros(())
-    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra, diverged=diverged)
+    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra, diverged=diverged,
+                    last_epoch=last_epoch)
 
 
 def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch],

@@ -93,6 +93,32 @@ def class_averages(features: torch.Tensor, labels: torch.Tensor, n_classes: int)
     return averages_from_sums(*class_sums(features, labels, n_classes))
 
 
+class RunningClassMeans:
+    """Per-class means of vectors seen a batch at a time (:func:`class_sums` in float64), e.g. the
+    representations of the batches a training epoch runs anyway.
+
+    Args:
+        n_classes: K.
+
+    ``add(vectors (B, r), labels (B,))`` adds one batch; :meth:`result` gives ``(averages
+    {class: (r,) float32}, counts {class: n})`` of the classes seen (both empty before any batch).
+    """
+
+    def __init__(self, n_classes: int):
+        self.n_classes = int(n_classes)
+        self.sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def add(self, vectors: torch.Tensor, labels: torch.Tensor) -> None:
+        self.sums, self.counts = class_sums(vectors, labels, self.n_classes, self.sums, self.counts)
+
+    def result(self) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+        if self.sums is None or self.counts is None:
+            return {}, {}
+        counts = self.counts
+        return averages_from_sums(self.sums, counts), {int(c): int(counts[c]) for c in torch.nonzero(counts).flatten()}
+
+
 @torch.no_grad()
 def local_class_averages(model: nn.Module, loader: Iterable[Batch], n_classes: int, *,
                          output: str = "features", device: torch.device | str = "cpu"
@@ -112,15 +138,12 @@ def local_class_averages(model: nn.Module, loader: Iterable[Batch], n_classes: i
     """
     was = model.training
     model.eval()
-    sums = counts = None
+    means = RunningClassMeans(n_classes)
     for images, labels in loader:
         x = images.to(device)
-        out = model.features(x) if output == "features" else model(x)
-        sums, counts = class_sums(out, labels, n_classes, sums, counts)
+        means.add(model.features(x) if output == "features" else model(x), labels)
     model.train(was)
-    if sums is None:
-        return {}, {}
-    return averages_from_sums(sums, counts), {int(c): int(counts[c]) for c in torch.nonzero(counts).flatten()}
+    return means.result()
 
 
 # ---------------------------------------------------------------------- wire format
@@ -377,7 +400,8 @@ def weighted_class_average(items: Iterable[tuple[Mapping[int, torch.Tensor], Map
     return {k: (sums[k] / weights[k]).to(torch.float32) for k in sorted(sums) if weights[k] > 0}
 
 
-__all__ = ["check_class_upload", "class_sums", "averages_from_sums", "class_averages", "local_class_averages", "to_payload_tensors",
+__all__ = ["check_class_upload", "class_sums", "RunningClassMeans",
+           "averages_from_sums", "class_averages", "local_class_averages", "to_payload_tensors",
            "from_payload", "payload_tensor_bits", "safe_distance", "pairwise_distances", "adaptive_margin",
            "nearest_prototype", "evaluate_prototype_accuracy", "evaluate_head_and_prototypes", "forward_is_head_of_features",
            "target_bank", "stack_targets", "weighted_class_average",

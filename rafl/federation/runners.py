@@ -8,10 +8,11 @@ here (one client after the other, in this process), :class:`rafl.federation.work
 and :func:`evaluate_client`, and for clients that never trained the shared evaluation per
 architecture (:func:`evaluate_untrained`). So the backends draw the same numbers.
 
-A runner has the interface of :class:`InProcessClients`: ``train(rnd, jobs)``, ``evaluate(rnd,
-ids, broadcast)``, ``where(cid)``, optionally ``evaluate_untrained(rnd, ids, broadcast)``,
-``close()``, ``take_traffic()`` (a runner that sends messages) and ``upload_limits`` (a runner that
-checks wire bytes unparsed).
+Every runner is a :class:`ClientRunner`: ``train(rnd, jobs)`` and ``evaluate(rnd, ids,
+broadcast)``, plus hooks with defaults: ``evaluate_untrained`` (where
+:attr:`ClientRunner.shares_initial_evaluation`), ``where(cid)``, ``take_traffic()`` (a runner
+that sends messages), ``upload_limits`` (a runner that checks wire bytes unparsed) and ``close()``.
+The engine gets one from a :data:`RunnerFactory`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.payload import Payload
 from rafl.federation.progress import report
+from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore
 
 #: Test samples per batch of the shared evaluation of never-trained clients.
@@ -56,9 +59,8 @@ class Federation:
         clients: the population's :class:`ClientInfo` (ids 0..n-1, in order).
         loaders: :data:`LoaderFactory`.
         client_model: :data:`ClientModelFactory`.
-        server: the :class:`ServerContext` (its ``round``/``rng`` are set by the engine).
+        server: the :class:`ServerContext` (its ``round`` and ``seed`` are set by the engine).
         n_classes: number of classes.
-        hparams: the algorithm's hyperparameters (copied into every context).
         device: torch device of local computation.
     """
 
@@ -68,15 +70,15 @@ class Federation:
     client_model: ClientModelFactory
     server: ServerContext
     n_classes: int
-    hparams: dict[str, Any] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
     """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
-    loaders and ``rng`` seeded by ``seed_of(seed, cid, rnd)``. Every runner (in this process, or a
+    loaders and ``seed`` from the run's seed tree (:meth:`~rafl.federation.seeds.SeedTree.client`). Every runner (in this process, or a
     Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
-    cseed = seed_of(seed, cid, rnd)
+    tree = SeedTree(seed)
+    cseed = tree.client(rnd, cid)
     info = fed.clients[cid]
     return ClientContext(
         info=info,
@@ -84,8 +86,8 @@ def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientCont
         train_loader=fed.loaders(cid, "train", cseed),
         val_loader=fed.loaders(cid, "val", cseed),
         test_loader=fed.loaders(cid, "test", cseed),
-        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=seed_of(seed, cid, 1),
-        rng=np.random.default_rng(cseed), round=rnd, hparams=dict(fed.hparams), space=fed.server.space)
+        n_classes=fed.n_classes, device=fed.device, seed=cseed, init_seed=tree.client_init(cid),
+        round=rnd, space=fed.server.space)
 
 
 @contextlib.contextmanager
@@ -176,14 +178,78 @@ def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, bro
         return evaluate_state(fed, state, ctx)
 
 
-class InProcessClients:
+#: ``(client id, upload)`` pairs in job order, the clients lost with the reason, and the seconds of
+#: client computation: what :meth:`ClientRunner.train` returns
+Trained = tuple[list[tuple[int, Payload]], dict[int, str], float]
+#: per-client evaluation counts (the evaluation contract) and the clients lost with the reason
+Evaluated = tuple[dict[int, dict[str, float]], dict[int, str]]
+
+
+class ClientRunner(ABC):
+    """Whoever runs a round's client steps for the :class:`~rafl.federation.engine.Engine`: in this
+    process (:class:`InProcessClients`), in forked processes
+    (:class:`rafl.federation.workers.WorkerClients`) or as Flower ClientApps
+    (:class:`rafl.federation.flower_runner.FlowerClients`). Each runs :func:`train_client` and
+    :func:`evaluate_client` on :func:`client_context`, so every runner draws the same numbers.
+
+    Class attributes:
+        shares_initial_evaluation: :meth:`evaluate_untrained` evaluates clients that never trained
+            together, one evaluation per model (else the engine evaluates them one by one).
+
+    Attributes:
+        upload_limits: ``client id -> largest upload in bytes`` the server accepts this round (set
+            by the engine before :meth:`train`; a runner receiving wire bytes checks them unparsed).
+    """
+
+    shares_initial_evaluation: ClassVar[bool] = False
+    upload_limits: dict[int, int]
+
+    @abstractmethod
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> Trained:
+        """``client_update`` of every ``(client_id, download)`` in ``jobs``; the new states are
+        pending versions of round ``rnd`` in the store."""
+
+    @abstractmethod
+    def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> Evaluated:
+        """The evaluation contract's counts of every client in ``ids`` (committed states)."""
+
+    def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload
+                           ) -> tuple[list[tuple[list[int], dict[str, float]]], dict[int, str]]:
+        """The shared evaluation of clients without a state (:func:`evaluate_untrained`); only
+        called where :attr:`shares_initial_evaluation`.
+
+        Raises:
+            NotImplementedError: a runner that does not share it."""
+        raise NotImplementedError(f"{type(self).__name__} evaluates untrained clients one by one")
+
+    def where(self, cid: int) -> str:
+        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
+        return ""
+
+    def take_traffic(self) -> dict[str, int] | None:
+        """The payload bytes this runner's messages carried since the last call (``down``, ``up``,
+        ``eval_down``), or None for a runner that sends no messages."""
+        return None
+
+    def close(self) -> None:
+        """Release what the runner holds (worker processes); idempotent."""
+
+
+#: ``factory(fed, store, seed) -> ClientRunner``: how the engine gets its runner
+RunnerFactory = Callable[[Federation, ClientStore, int], ClientRunner]
+
+
+class InProcessClients(ClientRunner):
     """Runs the client steps in this process, one client after the other (the default runner).
 
     Client states live in the engine's :class:`ClientStore` (``run_dir/clients``), written in the
     background while the next client computes (on disk before the round's commit)."""
 
+    shares_initial_evaluation: ClassVar[bool] = True
+
     def __init__(self, fed: Federation, store: ClientStore, seed: int):
         self.fed, self.store, self.seed = fed, store, seed
+        self.upload_limits = {}
         store.background = True
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
@@ -199,10 +265,6 @@ class InProcessClients:
             uploads.append((cid, upload))
             seconds += sec
         return uploads, {}, seconds
-
-    def where(self, cid: int) -> str:
-        """Where client ``cid`` computes, as errors append it ("" here; Flower: " on node ...")."""
-        return ""
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
         """The evaluation contract's counts of every client in ``ids`` (committed states), and the

@@ -238,7 +238,8 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
              max_steps: int | None = None,
              extra: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              bn_recalibration: bool = True,
-             diverged: tuple[str, str | None] = ("algorithm.lr", None)) -> TrainStats:
+             diverged: tuple[str, str | None] = ("algorithm.lr", None),
+             last_epoch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None) -> TrainStats:
     """Cross-entropy training for ``epochs`` passes over ``loader``, plus optional terms.
 
     With ``prox_mu > 0`` adds FedProx's proximal term ``mu/2 * ||w - w_global||^2`` (Li et al.,
@@ -260,6 +261,9 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
         extra: a regularizer on (features, logits, labels), or None.
         bn_recalibration: end with :func:`recalibrate_local_bn` on ``loader`` (after at least one step).
         diverged: ``(field, also)`` of :func:`check_finite_loss` when the loss turns NaN/Inf.
+        last_epoch: called with ``(features (B, D), logits (B, K), labels (B,))`` of every batch
+            of the last epoch, detached, before that batch's step (needs ``extra``): what the
+            training pass saw, e.g. to average per class without another pass over the data.
 
     Returns:
         :class:`TrainStats` (``steps`` is FedNova's local step count tau; ``loss`` the mean total loss).
@@ -269,6 +273,8 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
     """
     if prox_mu > 0 and prox_reference is None:
         raise ValueError("prox_mu > 0 needs prox_reference")
+    if last_epoch is not None and extra is None:
+        raise ValueError("last_epoch needs extra (the model run as head(features(x)))")
     train_mode(model, loader)
     stats = TrainStats()
     loss_sum = 0.0
@@ -285,6 +291,8 @@ def train_ce(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.O
                 feats = model.features(images)
                 logits = model.head(feats)
                 loss = F.cross_entropy(logits, labels) + extra(feats, logits, labels)
+                if last_epoch is not None and epoch == int(epochs) - 1:
+                    last_epoch(feats.detach(), logits.detach(), labels)
             if prox_mu > 0:
                 loss = loss + 0.5 * prox_mu * _proximal(model, prox_reference)
             check_finite_loss(loss, field=diverged[0], also=diverged[1])

@@ -39,7 +39,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,7 +47,9 @@ from rafl.errors import UserInputError
 from rafl.federation import progress
 from rafl.federation.payload import Payload
 from rafl.federation.runners import (
+    ClientRunner,
     InProcessClients,
+    RunnerFactory,
     client_context,
     evaluate_client,
     evaluate_group,
@@ -93,7 +95,7 @@ def resolve_workers(workers: int | None, n_sampled: int, device: torch.device) -
     return workers
 
 
-def runner(workers: int | None, n_sampled: int, device: torch.device):
+def runner(workers: int | None, n_sampled: int, device: torch.device) -> RunnerFactory:
     """The engine's default client runner factory ``(fed, store, seed) -> runner``:
     :class:`~rafl.federation.runners.InProcessClients` for one worker (:func:`resolve_workers`),
     else :class:`WorkerClients`."""
@@ -231,7 +233,7 @@ def _stop(workers: list[_Worker], kill: bool) -> None:
         w.conn.close()
 
 
-class WorkerClients:
+class WorkerClients(ClientRunner):
     """Runs the client steps in ``workers`` forked processes (see the module docstring).
 
     Args:
@@ -241,8 +243,11 @@ class WorkerClients:
         workers: number of processes (>= 1).
     """
 
+    shares_initial_evaluation: ClassVar[bool] = True
+
     def __init__(self, fed, store: ClientStore, seed: int, workers: int):
         self.fed, self.store, self.seed, self.n = fed, store, seed, int(workers)
+        self.upload_limits = {}
         self._ctx = multiprocessing.get_context("fork")
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop, self._workers, True)

@@ -17,8 +17,7 @@ from rafl.errors import UserInputError
 from rafl.models.plugin import build_plugin_model, is_plugin_spec, load_factory
 from rafl.models.sliced import GROUPS as SLICED_GROUPS
 from rafl.models.sliced import SlicedNet, parse_sliced
-from rafl.models.zoo import (BACKBONES, DEFAULT_FEATURE_DIM, GROUPS, KNOWLEDGE_MODEL, HeteroModel, SmallCNN,
-                             build_model)
+from rafl.models.zoo import BACKBONES, DEFAULT_FEATURE_DIM, GROUPS, KNOWLEDGE_MODEL, HeteroModel, SmallCNN, build_model
 
 
 def resolve_models(spec: str) -> list[str]:

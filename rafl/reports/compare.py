@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from rafl.errors import UserInputError
-from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from rafl.federation.algorithms import ALGORITHMS, DEPLOYED, Accuracy, reported_accuracies
 from rafl.federation.runners import GLOBAL_SUFFIX
+from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from rafl.reports.tables import binomial_se
 
 #: evaluated rounds averaged in the ``acc_mean_last3`` columns
@@ -134,7 +135,7 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     evals = [r for r in history if "model.acc_mean_over_clients" in r]
     last = evals[-1] if evals else {}
     row: dict[str, Any] = {"algorithm": name}
-    for base in ("model", "proto", "prior", "local", "global", "knowledge"):
+    for base in reported_accuracies():  # every accuracy a method may report: the deployed model's first
         for model in (base, f"{base}{GLOBAL_SUFFIX}"):
             if f"{model}.acc_mean_over_clients" in last:
                 row[f"{model}.acc_mean"] = float(last[f"{model}.acc_mean_over_clients"])
@@ -249,11 +250,8 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
 _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
          ("model.acc_pooled", "pooled acc"), (f"model.acc_mean_last{LAST_EVALS}", f"acc mean, last {LAST_EVALS} evals"),
          (f"model{GLOBAL_SUFFIX}.acc_mean", "global acc mean"),
-         (f"model{GLOBAL_SUFFIX}.acc_mean_last{LAST_EVALS}", f"global acc mean, last {LAST_EVALS} evals"),
-         ("proto.acc_mean", "proto acc"), (f"proto{GLOBAL_SUFFIX}.acc_mean", "global proto acc"),
-         ("prior.acc_mean", "+prior acc"), ("local.acc_mean", "local-header acc"),
-         ("global.acc_mean", "shared acc"), ("knowledge.acc_mean", "knowledge acc"),
-         ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
+         (f"model{GLOBAL_SUFFIX}.acc_mean_last{LAST_EVALS}", f"global acc mean, last {LAST_EVALS} evals")]
+_COLS_AFTER = [("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
          ("settings", "non-default settings")]
 
 
@@ -389,9 +387,24 @@ def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) 
     atomic_write_bytes(path, buf.getvalue())
 
 
+def extra_accuracies(rows: list[dict[str, Any]]) -> list[Accuracy]:
+    """The accuracies besides the deployed model's that the rows' methods declare
+    (:attr:`rafl.federation.algorithms.Algorithm.accuracies`), in the rows' order, once each."""
+    found: dict[str, Accuracy] = {}
+    for r in rows:
+        method = ALGORITHMS.get(r.get("finetuned_from") or r["algorithm"])  # "<name>-ft": its base method's
+        for acc in method.accuracies if method is not None else ():
+            if acc != DEPLOYED:
+                found.setdefault(acc.prefix, acc)
+    return list(found.values())
+
+
 def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
-    cols = [c for c in _COLS if any(r.get(c[0]) not in (None, "") for r in rows)]
+    extra = [col for a in extra_accuracies(rows)
+             for col in ((f"{a.prefix}.acc_mean", a.column), (f"{a.prefix}{GLOBAL_SUFFIX}.acc_mean", f"global {a.column}"))]
+    every = [*_COLS, *extra, *_COLS_AFTER]
+    cols = [c for c in every if any(r.get(c[0]) not in (None, "") for r in rows)]
     measured = any("model.acc_mean" in r for r in rows)
     protocols = ("Two protocols: personalized = each client's deployed model on its own (label-skewed) test split "
                  "(acc); global = the same models on the held-out balanced global test set (global acc). "
@@ -418,7 +431,7 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
 
 def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     """Bar charts of the table's columns per method (PNG, atomic): accuracy (mean +- std over
-    clients, with the nearest-prototype accuracy as a marker where a method reports it; its legend
+    clients, with each other accuracy a method reports as a marker, e.g. the nearest prototype; its legend
     below the plot, outside the axes), MB communicated, and wall time."""
     import matplotlib
 
@@ -433,9 +446,12 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     std = np.array([r.get("model.acc_std", 0) for r in rows], dtype=float)
     # error bars clipped to the [0, 1] an accuracy lives in
     ax1.bar(x, mean, yerr=np.stack([np.minimum(std, mean), np.minimum(std, 1 - mean)]), capsize=3, color="tab:blue")
-    proto = [(xi, r["proto.acc_mean"]) for xi, r in zip(x, rows) if r.get("proto.acc_mean") is not None]
-    if proto:  # FedProto / FedTGP: the papers' nearest-prototype accuracy beside the head's
-        ax1.scatter(*zip(*proto), marker="D", color="black", zorder=3, s=18, label="nearest prototype")
+    for acc, marker in zip(extra_accuracies(rows), "D^sv<>p*"):  # e.g. FedProto's nearest-prototype accuracy
+        points = [(xi, r[f"{acc.prefix}.acc_mean"]) for xi, r in zip(x, rows)
+                  if r.get(f"{acc.prefix}.acc_mean") is not None]
+        if points:
+            ax1.scatter(*zip(*points), marker=marker, color="black", zorder=3, s=18, label=acc.name)
+    if ax1.get_legend_handles_labels()[0]:
         # below the plot, never over a bar (inside the axes it covered whichever bar stood there)
         fig.legend(fontsize=7, loc="outside lower left")
     ax1.set_xticks(x, names, rotation=30, ha="right")

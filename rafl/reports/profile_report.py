@@ -29,8 +29,8 @@ from torch import nn
 from rafl.io import atomic_write_json, atomic_write_text
 from rafl.reports.plots import new_figure, save_figure
 from rafl.reports.tables import fmt, markdown_table
-from rafl.search.counting import count_fvcore, count_thop
 from rafl.search.cost import CostModel, check_budgets, energy_per_epoch_j
+from rafl.search.counting import count_fvcore, count_thop
 from rafl.search.latency import measure_latency_ms
 from rafl.search.profile import DeviceProfile, load_profile
 from rafl.supernet import extract_subnet, subnet_from_arch

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from rafl.federation.algorithms import reported_accuracies
 from rafl.io import atomic_write_json, atomic_write_text
 from rafl.reports.plots import new_figure, save_figure
-from rafl.reports.tables import accuracy_name
 
 __all__ = ["RunReport", "write_metrics", "plot_metrics"]
 
@@ -73,6 +73,7 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
         return
     models = sorted({k.split(".acc_mean_over_clients")[0] for r in evals for k in r
                      if k.endswith(".acc_mean_over_clients")})
+    names = {p: a.name for p, a in reported_accuracies().items()}  # "deployed model", "knowledge network", ...
     for xkey, fname, xlabel in (("round", "accuracy_vs_round.png", "round"),
                                 ("cum_mb", "accuracy_vs_mb.png", "cumulative communication (MB, up + down)")):
         fig, (ax,) = new_figure(1, width=5.5, height=3.6)
@@ -80,8 +81,7 @@ def plot_metrics(run_dir: Path, history: list[dict]) -> None:
             pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
                    if f"{m}.acc_mean_over_clients" in r]
             x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
-            name = accuracy_name(m)  # the tables' name ("deployed model", "knowledge network", ...)
-            ax.plot(x, y, marker="o", ms=3, label=f"{name} (mean over clients, band = std)")
+            ax.plot(x, y, marker="o", ms=3, label=f"{names.get(m, m)} (mean over clients, band = std)")
             ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]
         ax.set_xlabel(xlabel)
         if xkey == "round":  # rounds are whole numbers: no 1.5 (or 0.96 for one round) ticks on short runs

@@ -6,26 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ACCURACY_NAMES", "accuracy_name", "binomial_se", "markdown_table", "fmt", "fmt_bytes"]
-
-#: the metric prefix of each accuracy a method reports -> its one name in every table, plot and
-#: line rafl prints: ``model`` is what the client deploys (RaFL's specialized subnet, FedGH's
-#: extractor + global header, ...), the rest are the extra models or rules some methods report
-ACCURACY_NAMES = {
-    "model": "deployed model",
-    "knowledge": "knowledge network",   # RaFL
-    "proto": "nearest prototype",       # FedTGP, FedProto
-    "prior": "+prior",                  # FedGH: global header + local label prior
-    "local": "local header",            # FedGH: the header fine-tuned in local training
-    "global": "shared model",           # FML's meme model, FedKD's mentee
-}
-
-
-def accuracy_name(prefix: str) -> str:
-    """The printed name of the accuracy with metric prefix ``prefix`` (:data:`ACCURACY_NAMES`;
-    an unknown prefix as it is)."""
-    return ACCURACY_NAMES.get(prefix, prefix)
-
+__all__ = ["binomial_se", "markdown_table", "fmt", "fmt_bytes"]
 
 def binomial_se(p: float, n: int) -> float:
     """Binomial standard error ``sqrt(p (1 - p) / n)`` of an accuracy ``p`` measured on ``n`` test

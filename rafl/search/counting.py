@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+
 def count_fvcore(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """fvcore's counts (fvcore "flops" = MACs for conv/linear) per module and per operator.
 

@@ -28,8 +28,15 @@ from typing import Any
 import torch
 import yaml
 
-from rafl.config import (AlgorithmConfig, RunConfig, blame, parse_overrides, read_config_file, reject_compare_record,
-                         section_keys_that_apply)
+from rafl.config import (
+    AlgorithmConfig,
+    RunConfig,
+    blame,
+    parse_overrides,
+    read_config_file,
+    reject_compare_record,
+    section_keys_that_apply,
+)
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, with_group_lr
@@ -38,13 +45,22 @@ from rafl.federation.checks import check_public_pool, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Federation, participation
 from rafl.federation.finetune import finetune_evaluate
 from rafl.federation.payload import Payload
-from rafl.federation.store import load_state
 from rafl.federation.run_config import load_run_config, without_unused_pool
+from rafl.federation.store import load_state
 from rafl.io import atomic_write_json, atomic_write_yaml, claim_file
 from rafl.models import resolve_models
 from rafl.models.plugin import is_plugin_spec, load_factory
-from rafl.reports.compare import (FINETUNED, common_client_tiers, finetuned_clients, plot_accuracy_vs_mb, plot_compare,
-                                  read_history, summarize_finetuned, summarize_run, write_table)
+from rafl.reports.compare import (
+    FINETUNED,
+    common_client_tiers,
+    finetuned_clients,
+    plot_accuracy_vs_mb,
+    plot_compare,
+    read_history,
+    summarize_finetuned,
+    summarize_run,
+    write_table,
+)
 from rafl.stages.prepare import engine_config, load_data_and_partition, prepare
 from rafl.stages.runs import export_federated_supernet, run_engine
 
@@ -278,8 +294,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             algo = get_algorithm(name)(**hp)
             check_public_pool(algo, hp, part)
             feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
-                                                batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
-                                                hparams=hp)
+                                                batch_size=cfg.train.batch_size, device=device, seed=cfg.seed)
     for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
         fed.algorithm.init_server(fed.server)
         if validation:

@@ -145,8 +145,7 @@ def _group_members(cfg: RunConfig) -> list[str] | None:
 def _prepare_group(cfg: RunConfig, ds, part, members: list[str], algorithm, device: torch.device) -> Prepared:
     """:func:`prepare` for a model group: client ``i`` gets ``members[i % len(members)]``."""
     fed, table = build_group_federation(ds, part, members, algorithm, feature_dim=cfg.clients.feature_dim,
-                                        batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
-                                        hparams=cfg.algorithm.hparams())
+                                        batch_size=cfg.train.batch_size, device=device, seed=cfg.seed)
     ecfg = engine_config(cfg)
     participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
     return Prepared(cfg, fed, ecfg, table, part, {"models": cfg.clients.models, "feature_dim": cfg.clients.feature_dim})
@@ -226,7 +225,7 @@ def prepare(cfg: RunConfig, progress: bool = True) -> Prepared:
         arch_of = {name: {**v, "arch": one["arch"], "source": one["source"]} for name, v in arch_of.items()}
     fed, table = build_federation(ds, part, supernet, [arch_of[pr]["arch"] for pr in prof_of], algorithm,
                                   profiles=prof_of, batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
-                                  calib_images=calib, hparams=cfg.algorithm.hparams())
+                                  calib_images=calib)
     for row in table:
         row["subnet_source"] = arch_of[row["profile"]]["source"]
     used = {pr.name: pr for pr in profiles if pr.name in set(prof_of)}

@@ -23,8 +23,12 @@ import yaml
 
 from rafl.config import RunConfig, is_compare_record, parse_overrides
 from rafl.errors import UserInputError, shown, warn
-from rafl.federation.checks import (check_checkpoint_readable, check_resumable_here, check_resume_rounds,
-                                    completed_rounds)
+from rafl.federation.checks import (
+    check_checkpoint_readable,
+    check_resumable_here,
+    check_resume_rounds,
+    completed_rounds,
+)
 from rafl.federation.engine import CHECKPOINT
 from rafl.federation.run_config import load_run_config
 from rafl.io import atomic_write_yaml, check_output_dir, load_yaml, lock_dir, read_text_file

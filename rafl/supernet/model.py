@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from ofa.imagenet_classification.elastic_nn.modules.dynamic_layers import DynamicMBConvLayer
 from ofa.imagenet_classification.elastic_nn.networks import OFAMobileNetV3
 from ofa.imagenet_classification.networks import MobileNetV3
-from ofa.utils.my_modules import init_models
 from ofa.utils.layers import ConvLayer, IdentityLayer, LinearLayer, MBConvLayer, ResidualBlock
+from ofa.utils.my_modules import init_models
 from torch import Tensor, nn
 
 from rafl.errors import UserInputError

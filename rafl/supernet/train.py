@@ -45,8 +45,14 @@ from rafl.errors import UserInputError, load_error_detail
 from rafl.io import atomic_write_bytes, atomic_write_json, claim_file
 from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN, ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
-from rafl.supernet.distributed import (DistContext, all_reduce_gradients, all_reduce_sum, init_distributed, shard,
-                                       synced_batch_norm)
+from rafl.supernet.distributed import (
+    DistContext,
+    all_reduce_gradients,
+    all_reduce_sum,
+    init_distributed,
+    shard,
+    synced_batch_norm,
+)
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
 from rafl.supernet.server_data import calibration_sample, random_crop_flip, server_split
 

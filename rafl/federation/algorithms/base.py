@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -48,6 +47,36 @@ Loader = Iterable[tuple[torch.Tensor, torch.Tensor]]
 ModelFactory = Callable[..., nn.Module]
 #: Weights-only-serializable nested container (see the module docstring).
 State = Any
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """An accuracy a method reports: its metric prefix (``<prefix>.correct`` / ``<prefix>.total``
+    in :meth:`Algorithm.evaluate`, ``<prefix>.acc_*`` in the metrics), its one name in every table,
+    plot and line rafl prints, and what it measures in a sentence's words.
+
+    Attributes:
+        prefix: e.g. ``"proto"``.
+        name: e.g. ``"nearest prototype"`` (a table's column ``acc nearest prototype``).
+        meaning: e.g. ``"nearest-prototype accuracy"``.
+        short: the stem of its column in ``rafl compare``'s table (``"proto"``: ``proto acc``;
+            empty: the prefix).
+    """
+
+    prefix: str
+    name: str
+    meaning: str
+    short: str = ""
+
+    @property
+    def column(self) -> str:
+        """Its column in ``rafl compare``'s table, e.g. ``"proto acc"``."""
+        return f"{self.short or self.prefix} acc"
+
+
+#: the accuracy of the model a client deploys (RaFL's specialized subnet, FedGH's extractor +
+#: global header, ...): every method reports it, and a run's headline numbers are its.
+DEPLOYED = Accuracy("model", "deployed model", "deployed model accuracy")
 
 
 @dataclass(frozen=True)
@@ -82,14 +111,13 @@ class ClientContext:
             test split is used only by :meth:`Algorithm.evaluate`.
         n_classes: number of classes.
         device: torch device for local computation.
-        seed: per-(run, client, round) seed; ``rng`` and ``torch_generator`` are seeded from it.
+        seed: per-(run, client, round) seed (torch's global RNG is seeded with it before
+            :meth:`Algorithm.client_update`; the train loader shuffles with it).
         init_seed: per-(run, client) seed of the client's initial state (torch is seeded with it
             before :meth:`Algorithm.init_client`): the same in every round, so a client that has
             not trained yet (not sampled, or failed) keeps one initial model, whichever round
             first builds it. It equals round 1's ``seed``.
-        rng: numpy Generator for this client and round.
         round: current round (1-based).
-        hparams: the algorithm's hyperparameters (the validated config's ``algorithm`` section).
         space: the supernet's search space (to resolve archs such as RaFL's knowledge network),
             or None when the models are not supernet subnets.
     """
@@ -103,9 +131,7 @@ class ClientContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
     init_seed: int = 0
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
-    hparams: dict[str, Any] = field(default_factory=dict)
     space: SearchSpace | None = None
 
     @property
@@ -124,10 +150,6 @@ class ClientContext:
     def profile(self) -> str:
         return self.info.profile
 
-    def torch_generator(self) -> torch.Generator:
-        """A CPU torch Generator seeded with :attr:`seed` (for dropout masks, sampling...)."""
-        return torch.Generator().manual_seed(int(self.seed))
-
 
 @dataclass
 class ServerContext:
@@ -143,10 +165,10 @@ class ServerContext:
         space: the supernet's search space, or None.
         supernet: the supernet (read-only for algorithms), or None.
         device: torch device for server computation.
-        seed: run seed; ``rng`` is seeded from it and the round.
-        rng: numpy Generator for this server step.
+        seed: this round's server seed (:meth:`rafl.federation.seeds.SeedTree.server`: run ->
+            round -> server); torch's global RNG is seeded with it before the server step, and a
+            method's own generators (shuffles, distillation batches) start from it.
         round: the round whose uploads are being aggregated (0 during ``init_server``).
-        hparams: the algorithm's hyperparameters.
         aggregation: the run's rule for merging weights (``engine.aggregation``: the mean or a
             robust rule), used through :func:`rafl.federation.aggregation.server_average`.
     """
@@ -159,9 +181,7 @@ class ServerContext:
     supernet: nn.Module | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
-    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     round: int = 0
-    hparams: dict[str, Any] = field(default_factory=dict)
     aggregation: AggregationRule = field(default_factory=AggregationRule)
 
 
@@ -180,6 +200,8 @@ class Algorithm(ABC):
         requires_homogeneous: True for methods that average whole models (FedAvg/FedProx/FedNova);
             :meth:`check_population` then rejects clients with different ``model_key``.
         uses_public_pool: True when :meth:`server_aggregate` needs ``ServerContext.public_images``.
+        accuracies: the :class:`Accuracy` s :meth:`evaluate` may report, :data:`DEPLOYED` first
+            (tables, plots and ``rafl federate``'s per-client table read them here).
         shared_initial_evaluation: True when :meth:`prepare_evaluation` and :meth:`evaluate` of
             an initial state depend on the client only through its model (``model_key``) and its
             test split; the engine then evaluates the clients that have not trained yet together,
@@ -196,6 +218,7 @@ class Algorithm(ABC):
     requires_homogeneous: ClassVar[bool] = False
     uses_public_pool: ClassVar[bool] = False
     shared_initial_evaluation: ClassVar[bool] = True
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
     global_model: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -324,5 +347,15 @@ def get_algorithm(name: str) -> type[Algorithm]:
     return ALGORITHMS[key]
 
 
-__all__ = ["Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State", "Loader",
+def reported_accuracies() -> dict[str, Accuracy]:
+    """``prefix -> Accuracy`` over every registered method (:data:`DEPLOYED` first, then in
+    registration order): the names tables and plots print for a metric prefix."""
+    out = {DEPLOYED.prefix: DEPLOYED}
+    for cls in ALGORITHMS.values():
+        for acc in cls.accuracies:
+            out.setdefault(acc.prefix, acc)
+    return out
+
+
+__all__ = ["Accuracy", "DEPLOYED", "reported_accuracies", "Algorithm", "ClientContext", "ClientInfo", "ServerContext", "State", "Loader",
            "ModelFactory", "ALGORITHMS", "register", "get_algorithm"]

@@ -32,6 +32,7 @@ from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTrai
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
 
+
 @register
 class FedAvg(Algorithm):
     """FedAvg (McMahan et al. 2017, Alg. 1). Server state ``{"global": state_dict}``."""

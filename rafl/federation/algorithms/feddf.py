@@ -102,7 +102,7 @@ class FedDF(Algorithm):
             student.load_state_dict(groups[g])
             student.to(server.device)
             opt = make_optimizer(student, "adam", lr=float(hp["distill_lr"]))
-            gen = torch.Generator().manual_seed(int(server.seed) * 1000 + int(server.round))
+            gen = torch.Generator().manual_seed(int(server.seed))  # the round's server seed
             distill_kl(student, images, targets, opt, temperature=float(hp["distill_temperature"]),
                        epochs=int(hp["distill_epochs"]), batch_size=int(hp["distill_batch_size"]),
                        generator=gen, device=server.device)

@@ -58,7 +58,7 @@ from torch import nn
 
 from rafl.errors import UserInputError, shown
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded, choice
 from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.losses import NoSingletonBatches
@@ -168,6 +168,9 @@ class FedGH(Algorithm):
     ``{"head": header state_dict}``."""
 
     name: ClassVar[str] = "fedgh"
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (
+        DEPLOYED, Accuracy("prior", "+prior", "global header + local label prior accuracy", "+prior"),
+        Accuracy("local", "local header", "locally fine-tuned header accuracy", "local-header"))
     # evaluate() applies each client's own label prior (its training split's label counts)
     shared_initial_evaluation: ClassVar[bool] = False
     hparams_model: ClassVar[type[Hyperparameters]] = FedGHHparams

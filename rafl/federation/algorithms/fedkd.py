@@ -33,9 +33,9 @@ import torch
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import build, cpu_state, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.base import ClientContext, ServerContext, register
+from rafl.federation.algorithms.fml import PrivateAndSharedModel, shared_model
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
-from rafl.federation.algorithms.fml import FML, shared_model
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
 
@@ -104,7 +104,7 @@ class FedKDHparams(LocalTraining):
 
 
 @register
-class FedKD(Algorithm):
+class FedKD(PrivateAndSharedModel):
     """FedKD (Wu et al., 2022). Client state ``{"local": state_dict}``; server ``{"global": state_dict}``."""
 
     name: ClassVar[str] = "fedkd"
@@ -114,10 +114,6 @@ class FedKD(Algorithm):
         hp = self.hparams
         frac = min(1.0, max(0.0, (rnd - 1) / max(1, int(hp["energy_rounds"]) - 1)))
         return float(hp["energy_start"]) + frac * (float(hp["energy_end"]) - float(hp["energy_start"]))
-
-    # the same start as FML: the shared mentee from the server, each client's own private model
-    init_server = FML.init_server
-    init_client = FML.init_client
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         hp = self.hparams
@@ -175,7 +171,3 @@ class FedKD(Algorithm):
         if extra:
             raise UserInputError(f"unexpected tensor(s) {[UPD + k for k in extra[:5]]}; allowed: the mentee's "
                                  "tensors or their SVD factors", field=UPD + extra[0])
-
-    # the same evaluation as FML: the private model ("model") and the shared mentee ("global")
-    prepare_evaluation = FML.prepare_evaluation
-    evaluate = FML.evaluate

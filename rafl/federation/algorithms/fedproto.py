@@ -22,25 +22,20 @@ from typing import ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.algorithms._common import (build, cpu_state, divergence_keys, eval_counts,
-                                               optimizer_for)
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
-from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded, choice
-from rafl.federation.headers import feature_dim
-from rafl.federation.losses import prototype_regularizer, train_regularized
-from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (check_class_upload, evaluate_head_and_prototypes, from_payload, local_class_averages,
-                                        to_payload_tensors, weighted_class_average)
+from rafl.federation.algorithms.base import DEPLOYED, Accuracy, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, bounded, choice
+from rafl.federation.algorithms.prototype_family import PROTOTYPE, ClassMeansHparams, PrototypeFamily
+from rafl.federation.losses import prototype_regularizer
+from rafl.federation.prototypes import check_class_upload, from_payload
 
 PROTO = "proto."
-GLOBAL = "global."
 
 
 #: the prototype distance of the client loss
 Distance = choice("mse", "squared", "euclidean")
 
 
-class FedProtoHparams(LocalTraining):
+class FedProtoHparams(ClassMeansHparams):
     """FedProto's hyperparameters (Tan et al., AAAI 2022, Eq. 8)."""
 
     lambda_: Float = bounded(1.0, ge=0, alias="lambda")  # weight of the prototype term (official code: 1)
@@ -48,45 +43,27 @@ class FedProtoHparams(LocalTraining):
 
 
 @register
-class FedProto(Algorithm):
+class FedProto(PrototypeFamily):
     """FedProto (Tan et al., AAAI 2022). Client state ``{"model": state_dict}``; server state
     ``{"values": (G, D), "labels": (G,)}`` (the global prototypes so far)."""
 
     name: ClassVar[str] = "fedproto"
     hparams_model: ClassVar[type[Hyperparameters]] = FedProtoHparams
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED, PROTOTYPE)
+    upload_prefix: ClassVar[str] = PROTO
+    upload_counts: ClassVar[bool] = True
 
-    def init_server(self, server: ServerContext):
-        # (0, D): the prototype width D every upload must have, from round 1 on (D of client 0's model)
-        width = feature_dim(server.make_model(client_id=server.clients[0].client_id)) if server.clients else 0
-        return {"values": torch.zeros(0, width), "labels": torch.zeros(0, dtype=torch.int32)}, Payload()
-
-    def init_client(self, client: ClientContext):
-        return {"model": cpu_state(client.make_model())}
-
-    def client_update(self, state, broadcast: Payload, client: ClientContext):
+    def regularizer(self, targets):
+        """``lambda * d(f(x), bar C^y)`` (Eq. 5), d the chosen ``distance``."""
         hp = self.hparams
-        model = build(client, state["model"])
-        protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
-        reg = prototype_regularizer(protos, float(hp["lambda"]), str(hp["distance"]))
-        train_regularized(model, client.train_loader, optimizer_for(model, hp), reg, epochs=hp["local_epochs"],
-                          device=client.device, diverged=divergence_keys(hp, self.defaults, "lambda"))
-        local, counts = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
-        tensors = to_payload_tensors(local, PROTO)
-        tensors[PROTO + "counts"] = torch.tensor([counts[c] for c in sorted(local)], dtype=torch.int32)
-        return {"model": cpu_state(model)}, Payload(tensors)
+        return prototype_regularizer(targets, float(hp["lambda"]), str(hp["distance"])), "lambda"
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         items = []
         for u in uploads:
-            protos = from_payload(u.tensors, PROTO)
             counts = dict(zip(u.tensors[PROTO + "labels"].tolist(), u.tensors[PROTO + "counts"].tolist()))
-            items.append((protos, counts))
-        merged = from_payload({GLOBAL + "values": server_state["values"], GLOBAL + "labels": server_state["labels"]},
-                              GLOBAL) if len(server_state["labels"]) else {}
-        merged.update(weighted_class_average(items))  # Eq. 6 for the classes held this round
-        tensors = to_payload_tensors(merged, GLOBAL)
-        state = {"values": tensors[GLOBAL + "values"], "labels": tensors[GLOBAL + "labels"]}
-        return state, Payload(tensors) if merged else Payload()
+            items.append((from_payload(u.tensors, PROTO), counts))
+        return self.merge(server_state, items)  # Eq. 6 for the classes held this round
 
     def check_upload(self, upload, server_state, client, n_classes):
         """Prototypes ``proto.values (S, D)`` (D that of the global prototypes once there are any),
@@ -98,13 +75,3 @@ class FedProto(Algorithm):
         if total > client.n_samples:  # the Eq. 6 weights: no more samples than the client registered
             raise UserInputError(f"sums to {total} samples; allowed: at most the client's {client.n_samples} training "
                                  "samples", field=PROTO + "counts")
-
-    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
-        return {**state, "global": dict(broadcast.tensors)}
-
-    def evaluate(self, state, client: ClientContext):
-        model = build(client, state["model"])
-        glob = state.get("global") or {}
-        protos = from_payload(glob, GLOBAL) if glob else {}
-        head, proto = evaluate_head_and_prototypes(model, client.test_loader, protos, device=client.device)
-        return {**eval_counts("model", *head), **eval_counts("proto", *proto)}

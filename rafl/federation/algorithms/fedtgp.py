@@ -35,20 +35,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import warn
-from rafl.federation.algorithms._common import build, cpu_state, divergence_keys, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
-from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded, choice, width
-from rafl.federation.algorithms.fedproto import FedProto
+from rafl.federation.algorithms._common import cpu_state
+from rafl.federation.algorithms.base import DEPLOYED, Accuracy, ServerContext, register
+from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, bounded, choice, width
+from rafl.federation.algorithms.prototype_family import GLOBAL, PROTOTYPE, ClassMeansHparams, PrototypeFamily
 from rafl.federation.headers import check_split_model, feature_dim
-from rafl.federation.losses import prototype_regularizer, train_regularized
+from rafl.federation.losses import prototype_regularizer
 from rafl.federation.payload import Payload
-from rafl.federation.prototypes import (adaptive_margin, check_class_upload, from_payload,
-                                        local_class_averages, pairwise_distances, to_payload_tensors,
-                                        weighted_class_average)
+from rafl.federation.prototypes import (
+    adaptive_margin,
+    check_class_upload,
+    from_payload,
+    pairwise_distances,
+    to_payload_tensors,
+    weighted_class_average,
+)
 from rafl.federation.training import train_sgd
 
 PROTO = "proto."
-GLOBAL = "global."
 
 
 class TrainablePrototypes(nn.Module):
@@ -96,7 +100,7 @@ def margin_contrastive_loss(client_protos: torch.Tensor, labels: torch.Tensor, g
 Distance = choice("euclidean", "mse")
 
 
-class FedTGPHparams(LocalTraining):
+class FedTGPHparams(ClassMeansHparams):
     """FedTGP's hyperparameters (Zhang et al., AAAI 2024): the client's prototype distance (Eq. 4)
     and the server's trainable prototypes with their adaptive margin (Eqs. 5-7)."""
 
@@ -111,13 +115,15 @@ class FedTGPHparams(LocalTraining):
 
 
 @register
-class FedTGP(Algorithm):
+class FedTGP(PrototypeFamily):
     """FedTGP (Zhang et al., AAAI 2024). Client state ``{"model": state_dict}``; server state
     ``{"net": TrainablePrototypes state_dict, "seen": [class ids], "margin": float, "server_loss":
     float}`` (the margin and the mean contrastive loss of the last server epoch of the round)."""
 
     name: ClassVar[str] = "fedtgp"
     hparams_model: ClassVar[type[Hyperparameters]] = FedTGPHparams
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED, PROTOTYPE)
+    upload_prefix: ClassVar[str] = PROTO
 
     @classmethod
     def check_hparams(cls, hparams):
@@ -142,19 +148,11 @@ class FedTGP(Algorithm):
         net = self._net(server.n_classes, feature_dim(model))
         return {"net": cpu_state(net), "seen": [], "margin": 0.0}, Payload()
 
-    def init_client(self, client: ClientContext):
-        return {"model": cpu_state(client.make_model())}
-
-    def client_update(self, state, broadcast: Payload, client: ClientContext):
+    def regularizer(self, targets):
+        """``lambda * ||f(x) - hat P^y||_2`` (the paper), or ``lambda_mse * MSE`` with ``distance: mse``."""
         hp = self.hparams
-        model = build(client, state["model"])
-        protos = from_payload(broadcast.tensors, GLOBAL) if broadcast.tensors else {}
         weight = "lambda" if hp["distance"] == "euclidean" else "lambda_mse"
-        reg = prototype_regularizer(protos, float(hp[weight]), str(hp["distance"]))  # euclidean or mse
-        train_regularized(model, client.train_loader, optimizer_for(model, hp), reg, epochs=hp["local_epochs"],
-                          device=client.device, diverged=divergence_keys(hp, self.defaults, weight))
-        local, _ = local_class_averages(model, client.train_loader, client.n_classes, device=client.device)
-        return {"model": cpu_state(model)}, Payload(to_payload_tensors(local, PROTO))
+        return prototype_regularizer(targets, float(hp[weight]), str(hp["distance"])), weight
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         hp = self.hparams
@@ -173,7 +171,7 @@ class FedTGP(Algorithm):
             x = torch.stack([v for v, _ in pairs]).to(server.device)
             y = torch.tensor([c for _, c in pairs], dtype=torch.long, device=server.device)
             all_classes = torch.arange(server.n_classes, device=server.device)
-            gen = torch.Generator().manual_seed(int(server.seed) * 100003 + int(server.round))
+            gen = torch.Generator().manual_seed(int(server.seed))  # the round's server seed
             bs = int(hp["server_batch_size"])
 
             def batches():  # a fresh shuffle of the uploaded prototypes every epoch
@@ -203,7 +201,3 @@ class FedTGP(Algorithm):
         with torch.no_grad():
             protos = net(torch.tensor(seen, dtype=torch.long, device=device)).cpu()
         return Payload(to_payload_tensors({c: protos[i] for i, c in enumerate(seen)}, GLOBAL))
-
-    # the same evaluation as FedProto: head accuracy ("model") and nearest-prototype accuracy ("proto")
-    prepare_evaluation = FedProto.prepare_evaluation
-    evaluate = FedProto.evaluate

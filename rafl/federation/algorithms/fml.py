@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, Text, bounded
 from rafl.federation.algorithms.rafl import resolve_knowledge_arch
 from rafl.federation.losses import train_mutual
@@ -27,6 +27,8 @@ from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy
 
 PREFIX = "global."
+#: the shared model's accuracy (FML's meme model, FedKD's mentee)
+SHARED_MODEL = Accuracy("global", "shared model", "shared model accuracy", "shared")
 
 
 def shared_model(make_model, space, spec: str):
@@ -49,12 +51,15 @@ class FMLHparams(LocalTraining):
     knowledge_arch: Text = "smallest"  # the meme model (NAS: smallest | middle | largest | arch string)
 
 
-@register
-class FML(Algorithm):
-    """FML (Shen et al., 2020). Client state ``{"local": state_dict}``; server ``{"global": state_dict}``."""
+class PrivateAndSharedModel(Algorithm):
+    """The mutual-learning pair of FML (Shen et al., 2020) and FedKD (Wu et al., 2022): each client
+    keeps a private model of its own architecture (client state ``{"local": state_dict}``) and
+    learns with a copy of one shared model (``knowledge_arch``) that the server holds (server state
+    ``{"global": state_dict}``) and broadcasts as ``global.<state_dict key>``. Evaluated: the
+    private model (``model``) and, once broadcast, the shared one (``global``). Subclasses add the
+    local step (:meth:`client_update`) and the merge (:meth:`server_aggregate`)."""
 
-    name: ClassVar[str] = "fml"
-    hparams_model: ClassVar[type[Hyperparameters]] = FMLHparams
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED, SHARED_MODEL)
 
     def init_server(self, server: ServerContext):
         glob = cpu_state(shared_model(server.make_model, server.space, self.hparams["knowledge_arch"]))
@@ -62,6 +67,27 @@ class FML(Algorithm):
 
     def init_client(self, client: ClientContext):
         return {"local": cpu_state(client.make_model())}
+
+    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
+        return {**state, "global": broadcast.state_dict(PREFIX)}
+
+    def evaluate(self, state, client: ClientContext):
+        out = eval_counts("model", *evaluate_accuracy(build(client, state["local"]), client.test_loader,
+                                                      device=client.device))
+        if state.get("global"):
+            meme = shared_model(client.make_model, client.space, self.hparams["knowledge_arch"])
+            meme.load_state_dict(state["global"], strict=True)
+            out.update(eval_counts("global", *evaluate_accuracy(meme.to(client.device), client.test_loader,
+                                                                device=client.device)))
+        return out
+
+
+@register
+class FML(PrivateAndSharedModel):
+    """FML (Shen et al., 2020). Client state ``{"local": state_dict}``; server ``{"global": state_dict}``."""
+
+    name: ClassVar[str] = "fml"
+    hparams_model: ClassVar[type[Hyperparameters]] = FMLHparams
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         hp = self.hparams
@@ -83,16 +109,3 @@ class FML(Algorithm):
 
     def upload_spec(self, server_state, client):
         return {PREFIX + k: tuple(v.shape) for k, v in server_state["global"].items()}
-
-    def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
-        return {**state, "global": broadcast.state_dict(PREFIX)}
-
-    def evaluate(self, state, client: ClientContext):
-        out = eval_counts("model", *evaluate_accuracy(build(client, state["local"]), client.test_loader,
-                                                      device=client.device))
-        if state.get("global"):
-            meme = shared_model(client.make_model, client.space, self.hparams["knowledge_arch"])
-            meme.load_state_dict(state["global"], strict=True)
-            out.update(eval_counts("global", *evaluate_accuracy(meme.to(client.device), client.test_loader,
-                                                                device=client.device)))
-        return out

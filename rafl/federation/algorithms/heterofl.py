@@ -67,8 +67,17 @@ from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo
 from rafl.federation.algorithms.hparams import Bool, Hyperparameters, LocalTraining, choice
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, recalibrate_local_bn, train_ce
-from rafl.federation.weight_sharing import (IndexMap, extract, fold_kernel_transforms, is_kernel_matrix, masked_average,
-                                            middle_channels, nas_index_map, prefix_index_map, smallest_kernels)
+from rafl.federation.weight_sharing import (
+    IndexMap,
+    extract,
+    fold_kernel_transforms,
+    is_kernel_matrix,
+    masked_average,
+    middle_channels,
+    nas_index_map,
+    prefix_index_map,
+    smallest_kernels,
+)
 from rafl.models.sliced import set_scalers
 from rafl.supernet.arch import SearchSpace
 from rafl.supernet.model import Subnet, build_supernet

@@ -38,9 +38,16 @@ import torch
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
-from rafl.federation.algorithms.hparams import (Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded,
-                                                fraction)
+from rafl.federation.algorithms.base import (
+    DEPLOYED,
+    Accuracy,
+    Algorithm,
+    ClientContext,
+    ClientInfo,
+    ServerContext,
+    register,
+)
+from rafl.federation.algorithms.hparams import Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
 from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
 from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits
@@ -95,6 +102,8 @@ class RaFL(Algorithm):
     """RaFL (Yu et al.): deep mutual learning with a shared, averaged knowledge network."""
 
     name: ClassVar[str] = "rafl"
+    accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED, Accuracy("knowledge", "knowledge network",
+                                                                "knowledge network accuracy"))
     hparams_model: ClassVar[type[Hyperparameters]] = RaFLHparams
     uses_public_pool: ClassVar[bool] = False
 
@@ -156,7 +165,7 @@ class RaFL(Algorithm):
         student.load_state_dict(merged)
         student.to(server.device)
         opt = make_optimizer(student, "adam", lr=float(hp["distill_lr"]))
-        gen = torch.Generator().manual_seed(int(server.seed) * 1000 + int(server.round))
+        gen = torch.Generator().manual_seed(int(server.seed))  # the round's server seed
         distill_kl(student, images, targets, opt, temperature=float(hp["distill_temperature"]),
                    epochs=int(hp["distill_epochs"]), batch_size=int(hp["distill_batch_size"]),
                    generator=gen, device=server.device)  # Eq. 9

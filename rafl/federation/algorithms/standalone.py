@@ -16,9 +16,6 @@ from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
 
 
-
-
-
 @register
 class Standalone(Algorithm):
     """Local training only. Client state: ``{"model": state_dict}``."""

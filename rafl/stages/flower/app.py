@@ -22,17 +22,18 @@ import yaml
 
 from rafl import __version__
 from rafl.errors import UserInputError
+from rafl.federation.checks import deployment_of
 from rafl.federation.engine import Federation
 from rafl.federation.flower_runner import FlowerClients, Stopped, discover_nodes
 from rafl.federation.flower_wire import one_line, whole_number
-from rafl.federation.store import ClientStore
-from rafl.federation.checks import deployment_of
 from rafl.federation.run_config import load_run_config
+from rafl.federation.store import ClientStore
 from rafl.io import atomic_write_text, check_output_dir
 from rafl.stages.flower.node import _make_client_app
 from rafl.stages.prepare import prepare
 from rafl.stages.rundir import RunDir, default_name, resumed_config
 from rafl.stages.runs import run_prepared
+
 
 def run_key_of(run_dir: Path, resolved: dict[str, Any]) -> str:
     """A short stable key naming a run's client-state folder on the nodes: the run dir and its
