@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rafl.search.profile import profiles_dir  # noqa: E402
-from rafl.supernet.pretrained import MEASUREMENTS_NAME, resolve_supernet  # noqa: E402
 from rafl.stages.search import write_measurements  # noqa: E402
+from rafl.supernet.pretrained import MEASUREMENTS_NAME, resolve_supernet  # noqa: E402
 
 
 def main() -> None:

@@ -46,8 +46,8 @@ from rafl.errors import UserInputError
 from rafl.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text, safetensors_damage
 from rafl.reports.profile_report import write_profile_report
 from rafl.search.cost import CostModel
-from rafl.search.evolution import BINDING_USE, SearchConfig, SearchResult, binding_text, search_subnets
 from rafl.search.estimators import MeasuredAccuracy, measurement_cache_dir, sample_across_space, supernet_fingerprint
+from rafl.search.evolution import BINDING_USE, SearchConfig, SearchResult, binding_text, search_subnets
 from rafl.search.genome import Population
 from rafl.search.pareto import save_fronts, save_picks_plot
 from rafl.search.predictor import kendall_tau, tau_meaning, train_predictor
@@ -56,8 +56,14 @@ from rafl.supernet import extract_subnet, load_supernet, quickstart_supernet, re
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import load_meta
 from rafl.supernet.model import prepare_input
-from rafl.supernet.pretrained import (CALIBRATION_NAME, MEASUREMENTS_NAME, load_calibration, resolve_supernet,
-                                      save_calibration, supernet_measurements)
+from rafl.supernet.pretrained import (
+    CALIBRATION_NAME,
+    MEASUREMENTS_NAME,
+    load_calibration,
+    resolve_supernet,
+    save_calibration,
+    supernet_measurements,
+)
 from rafl.supernet.server_data import calibration_sample, server_split
 from rafl.threads import torch_threads
 
