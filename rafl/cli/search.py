@@ -66,17 +66,24 @@ def _check_data(supernet_dir: Path, data_root: Path | None) -> None:
 @click.option("--estimator", type=click.Choice(["predictor", "measured"]), default="predictor",
               show_default=True, help="Accuracy during the evolution: an MLP predictor trained on "
                                       "measured subnets, or measuring every subnet (slow).")
-@click.option("--predictor-samples", type=click.IntRange(min=4), default=500, show_default=True,
+@click.option("--predictor-samples", type=click.IntRange(min=4), default=None,
               help="Subnets measured (on the server-val split, cached per supernet) to train the predictor "
-                   "(OFA: thousands; >= 500 for a predictor that ranks).")
+                   "(OFA: thousands; >= 500 for a predictor that ranks) [default: the subnets measured beside "
+                   "the supernet (cifar10: shipped), else 500]. Fewer measure faster.")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
               help="Final candidates re-measured per profile; the best measured one that meets the "
                    "profile's budgets wins (any profile's finalists, when several are searched).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed (the search is deterministic).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes measuring subnets (one torch thread each; the same accuracies for any count) "
+                   "[default: the CPU cores this process may use].")
+@click.option("--remeasure", is_flag=True,
+              help="Measure the predictor's subnets on the supernet's server-val split even when measurements "
+                   "ship beside its weights (cifar10 ships 336: without this option it reads no data).")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
-def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path | None, out: Path, generations: int, population: int,
-           time_budget_s: float | None, estimator: str, predictor_samples: int, top_k: int, seed: int,
-           quiet: bool) -> None:
+def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path | None, out: Path, generations: int,
+           population: int, time_budget_s: float | None, estimator: str, predictor_samples: int | None, top_k: int,
+           seed: int, workers: int | None, remeasure: bool, quiet: bool) -> None:
     """Search, per device profile, the supernet's subnet with the best estimated accuracy that
     meets every budget of the profile (OFA's evolutionary search with several constraints).
 
@@ -107,24 +114,40 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path
     if supernet_dir is not None and not supernet_dir.exists():
         raise UserInputError("no such supernet folder (train one with `rafl supernet train`, or omit "
                              "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")
-    if supernet_dir is not None:
-        _check_data(supernet_dir, data_root)
+    from rafl.supernet.pretrained import MEASUREMENTS_NAME
+
+    if supernet_dir is not None and (remeasure or not (supernet_dir / MEASUREMENTS_NAME).is_file()):
+        _check_data(supernet_dir, data_root)  # measurements beside the supernet: no data is read
     from rafl.search.evolution import SearchConfig
     from rafl.stages.search import run_search
 
+    given = {} if predictor_samples is None else {"predictor_samples": predictor_samples}
     config = SearchConfig(population=population, generations=generations, time_budget_s=time_budget_s,
-                          estimator=estimator, predictor_samples=predictor_samples, top_k=top_k, seed=seed,
-                          progress=not quiet)  # the options' click ranges are SearchConfig's constraints
+                          estimator=estimator, top_k=top_k, seed=seed, progress=not quiet, workers=workers,
+                          **given)  # the options' click ranges are SearchConfig's constraints
     try:
-        results = run_search(profs, out, config, supernet_dir=supernet_dir, data_root=data_root)
+        results = run_search(profs, out, config, supernet_dir=supernet_dir, data_root=data_root, remeasure=remeasure,
+                             say=None if quiet else lambda line: click.echo(line, err=True))
     except UserInputError as err:  # the library's argument name -> the option
         if err.field != "data_root":
             raise
         raise UserInputError(err.message, source=err.source, field="--data-root") from None
+    except (KeyboardInterrupt, SystemExit) as err:
+        from rafl.cli import exit_interrupted
+        from rafl.search.estimators import measurement_cache_dir
+
+        click.echo(f"interrupted: rafl search stopped; no profile folder was half-written (finished ones are "
+                   f"complete), and the subnets measured so far are kept in {measurement_cache_dir()}, so the "
+                   "same command measures only the rest", err=True)
+        raise exit_interrupted(err) from None
     from rafl.search.evolution import binding_text
     from rafl.search.predictor import tau_meaning
     from rafl.stages.search import same_subnet_note
 
+    for name, res in results.items():
+        if res.accuracy_source != "measured":
+            click.echo(f"{name}: its pick was not measured (no data here): its accuracy is the predictor's; "
+                       "measure it with --remeasure and the dataset", err=True)
     fit = next(iter(results.values())).predictor_fit
     if fit:
         click.echo(f"predictor: Kendall tau {fit['kendall_tau']:.3f}, RMSE {fit['rmse']:.4f} ({fit['folds']}-fold "
@@ -132,7 +155,7 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path
     for name, res in results.items():
         c = res.cost
         where = "" if res.found_for == name else f", found for {res.found_for}"
-        click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} (measured{where})  "
+        click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} ({res.accuracy_source}{where})  "
                    f"{c.macs_m:.2f} M MACs  {c.latency_ms:.3g} ms  peak {c.peak_memory_mb:.3g} MiB  "
                    f"binds: {binding_text(res.budget_use)}  -> {out / name}")
     for line in same_subnet_note(results):

@@ -8,7 +8,13 @@ server's pool-train part, accuracy on the server's validation split.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import sys
+import time
 from collections.abc import Sequence
+from multiprocessing import connection as mp_connection
 from pathlib import Path
 
 import numpy as np
@@ -80,8 +86,6 @@ def supernet_fingerprint(supernet) -> str:
 
 def measurement_cache_dir() -> Path:
     """``$RAFL_CACHE_DIR/search-measurements`` (default ``~/.cache/rafl``)."""
-    import os
-
     return Path(os.environ.get("RAFL_CACHE_DIR") or Path.home() / ".cache" / "rafl") / "search-measurements"
 
 
@@ -125,6 +129,13 @@ class MeasuredAccuracy:
         self.batch_size = batch_size
         self.workers = workers
         self.cache: dict[str, float] = {}
+        #: canonical arch -> (accuracy on half A, on half B) of the validation split (:attr:`half_a`)
+        self.halves: dict[str, tuple[float, float]] = {}
+        # the split-half noise ceiling's halves: a fixed random half of the validation images
+        # (seed 0) and the rest; from the same predictions as the accuracy (no extra pass)
+        n_val = self.images.shape[0]
+        self.half_a = torch.zeros(n_val, dtype=torch.bool)
+        self.half_a[torch.as_tensor(np.random.default_rng(0).permutation(n_val)[: n_val // 2])] = True
         self.cache_path: Path | None = None
         self.n_measured = 0  # archs measured by this object (cache hits excluded)
         self._resized: dict[int, tuple[Tensor, list[Tensor]]] = {}
@@ -143,6 +154,7 @@ class MeasuredAccuracy:
             data = json.loads(self.cache_path.read_text())
             acc = data["accuracy"]
             self.cache.update({str(k): float(v) for k, v in acc.items()})
+            self.halves.update({str(k): (float(v[0]), float(v[1])) for k, v in data.get("halves", {}).items()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return  # no cache yet, or a damaged one: measure again
 
@@ -153,7 +165,7 @@ class MeasuredAccuracy:
             atomic_write_json(self.cache_path, {
                 "format": "rafl-measured-accuracy/1", "n_val": int(self.images.shape[0]),
                 "note": "top-1 (fraction) on the server-val split after BN recalibration, per canonical arch",
-                "accuracy": self.cache})
+                "accuracy": self.cache, "halves": {k: list(v) for k, v in self.halves.items()}})
         except OSError:
             self.cache_path = None  # read-only cache folder: keep measuring in memory
 
@@ -169,7 +181,8 @@ class MeasuredAccuracy:
             self._resized = {r: (val, cal)}  # one resolution at a time (archs come grouped by r)
         return self._resized[r]
 
-    def _measure_one(self, arch: ArchConfig) -> float:
+    def _measure_one(self, arch: ArchConfig) -> tuple[float, float, float]:
+        """``(accuracy, accuracy on half A, accuracy on half B)`` of one arch (fractions 0..1)."""
         was_training = self.supernet.training
         self.supernet.eval()
         try:
@@ -180,41 +193,72 @@ class MeasuredAccuracy:
         sub = sub.to(memory_format=torch.channels_last)
         recalibrate_bn(sub, cal, n_batches=self.calib_batches)
         sub.eval()
-        correct = 0
+        hits = torch.empty(val.shape[0], dtype=torch.bool)
         with torch.inference_mode():
             for i in range(0, val.shape[0], self.batch_size):
                 logits = sub(val[i:i + self.batch_size])
-                correct += int((logits.argmax(1) == self.labels[i:i + self.batch_size]).sum())
-        return correct / val.shape[0]
+                hits[i:i + self.batch_size] = logits.argmax(1) == self.labels[i:i + self.batch_size]
+        a, b = hits[self.half_a], hits[~self.half_a]
+        return (int(hits.sum()) / hits.numel(), int(a.sum()) / max(1, a.numel()), int(b.sum()) / max(1, b.numel()))
+
+    def _store(self, key: str, got: tuple[float, float, float]) -> None:
+        self.cache[key] = got[0]
+        self.halves[key] = (got[1], got[2])
+        self.n_measured += 1
 
     def measure(self, archs: Sequence[ArchConfig], progress: bool = False, desc: str = "measuring subnets",
-                save_every: int = 25) -> np.ndarray:
+                save_every: float = 5.0, hint: str | None = None) -> np.ndarray:
         """``(len(archs),)`` float64 accuracies (fraction 0..1); cached per canonical arch.
 
-        The archs not in the cache are measured grouped by resolution; the disk cache (if any)
-        is rewritten every ``save_every`` measurements and at the end.
+        The archs not in the cache are measured grouped by resolution (in :attr:`workers`
+        processes when there are enough of them), with a progress bar advanced per subnet (counts
+        and an ETA) when ``progress``; when more than one is to be measured, a first line on
+        stderr says how many, on how many images, and about how long it will take (the first
+        subnet, measured here, timed), followed by ``hint`` (how to make it shorter). The disk
+        cache (if any) is rewritten at most every ``save_every`` seconds, at the end, and when
+        the measuring is interrupted (Ctrl-C, SIGTERM: the workers are stopped at once), so
+        every subnet measured is kept.
         """
         keys = [a.canonical(self.space).to_string() for a in archs]
         todo: dict[str, ArchConfig] = {}
         for a, k in zip(archs, keys):
             if k not in self.cache:
                 todo.setdefault(k, a.canonical(self.space))
-        bar = tqdm(total=len(todo), desc=desc, disable=not progress or not todo, leave=False)
         items = sorted(todo.items(), key=lambda kv: kv[1].r)
-        workers = self._worker_count(len(items))
-        if workers > 1:
-            self._measure_forked(items, workers, bar, save_every)
-        else:
-            for done, (key, arch) in enumerate(items, start=1):
-                self.cache[key] = self._measure_one(arch)
-                self.n_measured += 1
-                bar.update(1)
-                if done % save_every == 0:
-                    self._save_cache()
-        bar.close()
-        if todo:
-            self._save_cache()
+        if not items:
+            return np.asarray([self.cache[k] for k in keys], dtype=np.float64)
+        n_before = self.n_measured
+        try:
+            if progress and len(items) > 1:
+                t0 = time.perf_counter()
+                self._store(*self._measured_item(items[0]))
+                items = items[1:]
+                each = time.perf_counter() - t0
+                eta = each * len(items) / max(1, self._worker_count(len(items)))
+                tqdm.write(f"{desc}: {len(items) + 1} subnets on {self.images.shape[0]:,} images "
+                           f"(+ BN recalibration on {self.calib_batches * self.batch_size:,}), "
+                           f"{max(1, self._worker_count(len(items)))} process(es): about {_duration(eta)} "
+                           f"({each:.2g} s for the first)" + (f"; {hint}" if hint else ""), file=sys.stderr)
+            bar = tqdm(total=len(items), desc=desc, disable=not progress, leave=False, file=sys.stderr)
+            with bar:
+                workers = self._worker_count(len(items))
+                if workers > 1:
+                    self._measure_forked(items, workers, bar, save_every)
+                else:
+                    last = time.monotonic()
+                    for item in items:
+                        self._store(*self._measured_item(item))
+                        bar.update(1)
+                        if time.monotonic() - last >= save_every:
+                            self._save_cache()
+                            last = time.monotonic()
+        finally:
+            if self.n_measured > n_before:
+                self._save_cache()  # also when interrupted: what was measured is kept
         return np.asarray([self.cache[k] for k in keys], dtype=np.float64)
+
+    def _measured_item(self, item: tuple[str, ArchConfig]) -> tuple[str, tuple[float, float, float]]:
+        return item[0], self._measure_one(item[1])
 
     def __call__(self, pop: Population) -> np.ndarray:
         """Accuracy of every member of a :class:`Population` (the evolution's score function)."""
@@ -224,9 +268,6 @@ class MeasuredAccuracy:
     MIN_PER_WORKER = 8
 
     def _worker_count(self, n_todo: int) -> int:
-        import multiprocessing
-        import os
-
         workers = self.workers
         if workers is None:
             try:
@@ -238,38 +279,95 @@ class MeasuredAccuracy:
             return 1
         return max(1, min(int(workers), n_todo // self.MIN_PER_WORKER))
 
-    def _measure_forked(self, items: list[tuple[str, ArchConfig]], workers: int, bar, save_every: int) -> None:
-        """Measure ``items`` in ``workers`` forked processes, in chunks of at most ``save_every``
-        archs (the cache is saved as chunks come back); the supernet and images are shared with
-        the children by fork (copy-on-write), only arch keys and accuracies cross the pipes."""
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+    def _measure_forked(self, items: list[tuple[str, ArchConfig]], workers: int, bar, save_every: float) -> None:
+        """Measure ``items`` in ``workers`` forked processes (an interleaved share each, one torch
+        thread each); every accuracy comes back through a pipe as soon as it is measured (the bar
+        advances per subnet). The supernet and images are shared with the children by fork
+        (copy-on-write); only arch keys and accuracies cross the pipes. On any exception here
+        (Ctrl-C, SIGTERM's ``SystemExit``) the workers are terminated at once (SIGTERM, then
+        SIGKILL after 1 s) before it propagates.
 
+        Raises:
+            RuntimeError: a worker failed (its error) or died (its exit code).
+        """
         global _FORKED
-        size = max(1, min(save_every, -(-len(items) // workers)))
-        chunks = [items[i:i + size] for i in range(0, len(items), size)]
+        ctx = multiprocessing.get_context("fork")
+        procs, conns = [], []
         _FORKED = self
         try:
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                     initializer=torch.set_num_threads, initargs=(1,)) as pool:
-                futures = [pool.submit(_measure_chunk, chunk) for chunk in chunks]
-                for fut in as_completed(futures):
-                    got = fut.result()
-                    self.cache.update(got)
-                    self.n_measured += len(got)
-                    bar.update(len(got))
+            for w in range(workers):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_measure_share, args=(items[w::workers], send), daemon=True)
+                proc.start()
+                send.close()
+                procs.append(proc)
+                conns.append(recv)
+            waiting = dict(zip(conns, procs))
+            last = time.monotonic()
+            while waiting:
+                for conn in mp_connection.wait(list(waiting), timeout=1.0):
+                    try:
+                        msg = conn.recv()
+                    except EOFError:
+                        proc = waiting.pop(conn)
+                        proc.join(1.0)
+                        raise RuntimeError(f"a process measuring subnets died (exit code {proc.exitcode})") from None
+                    if msg is None:  # this worker is done
+                        waiting.pop(conn)
+                    elif msg[0] == "error":
+                        raise RuntimeError(f"a process measuring subnets failed: {msg[1]}")
+                    else:
+                        self._store(msg[1], msg[2])
+                        bar.update(1)
+                if time.monotonic() - last >= save_every:
                     self._save_cache()
+                    last = time.monotonic()
         finally:
             _FORKED = None
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in procs:
+                proc.join(1.0)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            for conn in conns:
+                conn.close()
 
 
 #: the estimator a forked measuring process works for (set by the parent just before the fork)
 _FORKED: MeasuredAccuracy | None = None
 
 
-def _measure_chunk(items: list[tuple[str, ArchConfig]]) -> dict[str, float]:
-    """In a forked worker: the accuracy of each ``(key, arch)`` (:meth:`MeasuredAccuracy._measure_one`)."""
-    return {key: _FORKED._measure_one(arch) for key, arch in items}
+def _measure_share(items: list[tuple[str, ArchConfig]], conn) -> None:
+    """In a forked worker: send ``("ok", key, (accuracy, half A, half B))`` per arch, then None
+    (``("error", text)`` on a failure). Ctrl-C is the parent's to handle (it stops us with
+    SIGTERM, which ends this process at once: the default action)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    torch.set_num_threads(1)
+    try:
+        for key, arch in items:
+            conn.send(("ok", key, _FORKED._measure_one(arch)))
+        conn.send(None)
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"{err.__class__.__name__}: {err}"))
+    finally:
+        conn.close()
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` for people: ``45 s``, ``3.5 min``, ``1.2 h``."""
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.2g} min"
+    return f"{seconds / 3600:.2g} h"
+
+
+#: archs drawn per block by :func:`sample_across_space` (its draws do not depend on ``n``)
+SAMPLE_BLOCK = 16
 
 
 def sample_across_space(space: SearchSpace, n: int, seed: int = 0) -> list[ArchConfig]:
@@ -277,19 +375,24 @@ def sample_across_space(space: SearchSpace, n: int, seed: int = 0) -> list[ArchC
 
     The smallest and the largest arch, then uniformly random archs (OFA samples its predictor's
     training set uniformly, Cai et al. 2020, Sec. 3.4) with the resolution stratified (every
-    resolution equally often) so that no resolution is under-represented by chance. Fewer than
-    ``n`` only if the space has fewer distinct archs.
+    resolution equally often) so that no resolution is under-represented by chance. The random
+    archs are drawn in blocks of :data:`SAMPLE_BLOCK` from one generator, so the list for ``n`` is
+    the first ``n`` of the list for any larger count (a search with more predictor samples
+    measures only the archs a smaller one did not: the quickstart's 16 are the first 16 of 500).
+    Fewer than ``n`` only if the space has fewer distinct archs.
     """
     rng = np.random.default_rng(seed)
     archs: dict[str, ArchConfig] = {}
     for a in (space.smallest(), space.largest()):
         archs[a.canonical(space).to_string()] = a.canonical(space)
     n_r = len(space.resolutions)
-    for _ in range(50):
+    drawn = 0
+    for _ in range(50 + 4 * (n // SAMPLE_BLOCK)):
         if len(archs) >= n:
             break
-        pop = Population.sample(space, n, rng)
-        pop.r[:] = (np.arange(len(pop)) + len(archs)) % n_r  # stratified resolution
+        pop = Population.sample(space, SAMPLE_BLOCK, rng)
+        pop.r[:] = (np.arange(len(pop)) + drawn) % n_r  # stratified resolution
+        drawn += len(pop)
         for a in pop.canonical().archs():
             if len(archs) < n:
                 archs.setdefault(a.to_string(), a)
@@ -308,11 +411,13 @@ class PredictedAccuracy:
         return self.predictor.predict(pop.encode())
 
     @classmethod
-    def from_measurements(cls, measured: MeasuredAccuracy, n_samples: int, seed: int = 0, *,
+    def from_measurements(cls, measured, n_samples: int, seed: int = 0, *,
                           folds: int = 4, hidden: int = 128, epochs: int = 400,
                           progress: bool = True) -> PredictedAccuracy:
         """Measure ``n_samples`` distinct archs spread over the space (:func:`sample_across_space`)
         and train the predictor on them (OFA Sec. 3.4); Kendall tau and RMSE by ``folds``-fold CV.
+        ``measured``: a :class:`MeasuredAccuracy`, or any object with its ``space`` and
+        ``measure(archs, progress=, desc=)`` (the search's known-or-measured accuracies).
 
         Raises:
             UserInputError: ``n_samples < 4``.
@@ -321,7 +426,9 @@ class PredictedAccuracy:
             raise UserInputError(f"must be >= 4, got {n_samples}", field="search.predictor_samples")
         space = measured.space
         arch_list = sample_across_space(space, n_samples, seed)
-        acc = measured.measure(arch_list, progress=progress, desc="measuring subnets for the predictor")
+        acc = measured.measure(arch_list, progress=progress, desc="measuring subnets for the predictor",
+                               hint=f"fewer with --predictor-samples (now {n_samples}; the predictor ranks worse "
+                                    "below ~200)")
         x = Population.from_archs(space, arch_list).encode()
         model, fit = train_predictor(x, acc, folds=folds, hidden=hidden, epochs=epochs, seed=seed)
         return cls(model, fit)

@@ -464,6 +464,9 @@ class SearchResult:
             (``violates``: the budget keys of this profile it exceeds).
         budget_use: :func:`budget_use` of ``arch`` on this profile (most used budget first).
         binding: the budget that binds the pick (:func:`binding_budget`: used to >= 90%), or None.
+        accuracy_source: ``"measured"``, or ``"predicted"`` when ``accuracy`` is the predictor's
+            (a search on known measurements with no data to measure a finalist on).
+        n_measured: subnets this search measured (known and cached accuracies excluded).
     """
 
     arch: ArchConfig
@@ -481,6 +484,8 @@ class SearchResult:
     shared_candidates: list[dict[str, Any]] = field(default_factory=list)
     budget_use: list[dict[str, Any]] = field(default_factory=list)
     binding: dict[str, Any] | None = None
+    accuracy_source: str = "measured"
+    n_measured: int = 0
 
     def __post_init__(self) -> None:
         if not self.found_for:
@@ -666,7 +671,8 @@ def _scores(score_fn: ScoreFn, pop: Population) -> np.ndarray:
 
 
 def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: SearchConfig | None = None,
-                   *, cost_models: dict[str, Any] | None = None) -> dict[str, SearchResult]:
+                   *, cost_models: dict[str, Any] | None = None, known: dict[str, float] | None = None,
+                   data_fn: Callable[[], tuple[Any, Any]] | None = None) -> dict[str, SearchResult]:
     """Find, for every device profile, the subnet of ``supernet`` with the best estimated accuracy
     that meets every budget of the profile (Once-for-All's specialization step, Cai et al. 2020,
     Sec. 3.4, with several constraints at once).
@@ -681,32 +687,98 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
     Args:
         supernet: a trained :class:`rafl.supernet.Supernet`.
         profiles: :class:`rafl.search.profile.DeviceProfile` objects (or names / paths).
-        val_data: ``(images (N, C, H, W) float32, labels (N,) int64)``, the server's validation split.
-        calib_data: ``(M, C, H, W)`` float32 server images for BN recalibration.
+        val_data: ``(images (N, C, H, W) float32, labels (N,) int64)``, the server's validation
+            split; None with ``data_fn``: loaded only when an arch is not in ``known``.
+        calib_data: ``(M, C, H, W)`` float32 server images for BN recalibration (None with ``val_data``).
         config: :class:`SearchConfig` (defaults: OFA's evolution, population 100 x 500 generations).
         cost_models: optional prebuilt ``{profile name: CostModel}``.
+        known: accuracies measured before on the same validation split with the same measurement
+            (canonical arch string -> fraction; e.g. the measurements shipped with a pretrained
+            supernet); these archs are not measured again.
+        data_fn: ``() -> (val_data, calib_data)`` for ``val_data=None``; when it raises
+            :class:`UserInputError` (no dataset here), finalists not in ``known`` keep their
+            predicted accuracy (``SearchResult.accuracy_source`` says which).
 
     Returns:
         ``{profile name: SearchResult}`` in the order of ``profiles``.
 
     Raises:
-        UserInputError: empty validation split or calibration set, duplicate profile names, or a
+        UserInputError: empty validation split or calibration set, duplicate profile names, a
             profile whose budgets no subnet of the space meets (naming each violated budget and
-            the smallest value reachable).
+            the smallest value reachable), or predictor samples to measure with no data.
     """
     import torch
 
     config = config or SearchConfig()
-    # numpy arrays are as good as tensors here ("float32 arrays"): they crashed in .numel()
-    val_data = tuple(torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for v in val_data)
-    if not isinstance(calib_data, torch.Tensor):
-        calib_data = torch.as_tensor(np.asarray(calib_data, dtype=np.float32))
+    if val_data is None and data_fn is None:
+        raise ValueError("search_subnets needs val_data and calib_data, or data_fn")
+    if val_data is not None:
+        # numpy arrays are as good as tensors here ("float32 arrays"): they crashed in .numel()
+        val_data = tuple(torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for v in val_data)
+        if not isinstance(calib_data, torch.Tensor):
+            calib_data = torch.as_tensor(np.asarray(calib_data, dtype=np.float32))
     with torch_threads(config.threads):
-        return _search_subnets(supernet, profiles, val_data, calib_data, config, cost_models)
+        return _search_subnets(supernet, profiles, val_data, calib_data, config, cost_models, known or {}, data_fn)
 
 
-def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConfig, cost_models
-                    ) -> dict[str, SearchResult]:
+class _Measurements:
+    """The accuracies a search knows (``known``) and a :class:`MeasuredAccuracy` built on first
+    need (its data loaded then by ``data_fn``)."""
+
+    def __init__(self, supernet, val_data, calib_data, config: SearchConfig, known: dict[str, float], data_fn):
+        self.supernet, self.config, self.known, self.data_fn = supernet, config, known, data_fn
+        self.space = supernet.space
+        self.data = None if val_data is None else (val_data, calib_data)
+        self._measured: MeasuredAccuracy | None = None
+        self.no_data: UserInputError | None = None  # why there is nothing to measure on
+        self.n_measured_before = 0
+
+    def measured(self) -> MeasuredAccuracy | None:
+        if self._measured is None and self.no_data is None:
+            if self.data is None:
+                try:
+                    self.data = self.data_fn()
+                except UserInputError as err:
+                    self.no_data = err
+                    return None
+            cfg = self.config
+            self._measured = MeasuredAccuracy(
+                self.supernet, self.data[0], self.data[1], batch_size=cfg.batch_size, calib_batches=cfg.calib_batches,
+                cache_dir=measurement_cache_dir() if cfg.cache_measurements else None, workers=cfg.workers)
+            for k, v in self.known.items():
+                self._measured.cache.setdefault(k, float(v))
+        return self._measured
+
+    def lookup(self, archs: Sequence[ArchConfig]) -> tuple[np.ndarray, list[bool]]:
+        """``(accuracy (len(archs),) with nan for unknown, known flags)`` without measuring."""
+        keys = [a.canonical(self.space).to_string() for a in archs]
+        cache = self._measured.cache if self._measured is not None else {}
+        acc = [self.known.get(k, cache.get(k, math.nan)) for k in keys]
+        return np.asarray(acc, dtype=np.float64), [not math.isnan(a) for a in acc]
+
+    def measure_available(self, archs: Sequence[ArchConfig], **kw) -> tuple[np.ndarray, list[bool]]:
+        """``(accuracy (len(archs),), measured flags)``: known ones looked up, the others measured
+        when there is data (else nan, flag False)."""
+        acc, have = self.lookup(archs)
+        if all(have):
+            return acc, have
+        m = self.measured()
+        if m is None:
+            return acc, have
+        return m.measure(archs, **kw), [True] * len(archs)
+
+    def measure(self, archs: Sequence[ArchConfig], **kw) -> np.ndarray:
+        """:meth:`measure_available`, raising :class:`UserInputError` when some arch cannot be measured."""
+        acc, have = self.measure_available(archs, **kw)
+        if not all(have):
+            raise UserInputError(f"{sum(not h for h in have)} subnets have to be measured and there is no data "
+                                 f"to measure them on: {self.no_data.message}", source=self.no_data.source,
+                                 field=self.no_data.field)
+        return acc
+
+
+def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConfig, cost_models,
+                    known: dict[str, float], data_fn) -> dict[str, SearchResult]:
     profs = [load_profile(p) for p in profiles]
     if not profs:
         raise UserInputError("give at least one device profile", field="device_profile")
@@ -715,10 +787,9 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
         raise UserInputError(f"duplicate profile names {names}", field="device_profile")
     space: SearchSpace = supernet.space
 
-    measured = MeasuredAccuracy(supernet, val_data, calib_data, batch_size=config.batch_size,
-                                calib_batches=config.calib_batches,
-                                cache_dir=measurement_cache_dir() if config.cache_measurements else None,
-                                workers=config.workers)
+    measurements = _Measurements(supernet, val_data, calib_data, config, known, data_fn)
+    if val_data is not None:
+        measurements.measured()  # checks the data at once
     models = dict(cost_models or {})
     for p in profs:
         if p.name not in models:
@@ -742,15 +813,21 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     fit = None
     if config.estimator == "predictor":
         est = PredictedAccuracy.from_measurements(
-            measured, config.predictor_samples, seed=config.seed, folds=config.predictor_folds,
+            measurements, config.predictor_samples, seed=config.seed, folds=config.predictor_folds,
             hidden=config.predictor_hidden, epochs=config.predictor_epochs, progress=config.progress)
         score_fn: ScoreFn = est
         fit = est.fit.to_dict() if est.fit is not None else None
     else:
-        score_fn = measured
+        m = measurements.measured()
+        if m is None:
+            raise UserInputError(f"estimator 'measured' measures every subnet and there is no data: "
+                                 f"{measurements.no_data.message}", source=measurements.no_data.source,
+                                 field=measurements.no_data.field)
+        score_fn = m
 
     evolved: dict[str, EvolutionOutcome] = {}
     finalists: dict[str, list[Finalist]] = {}
+    unmeasured: set[ArchConfig] = set()  # finalists with only a predicted accuracy (no data to measure them)
     limits = {p.name: profile_limits(p) for p in profs}
     for p in profs:
         out = evolve(space, score_fn, cost_fns[p.name], limits[p.name], config, profile_name=p.name)
@@ -763,7 +840,10 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
             if len(idx) >= config.top_k:
                 break
         archs = [out.population.arch(i) for i in idx]
-        acc = measured.measure(archs, progress=config.progress, desc=f"re-measuring top-{len(archs)} for {p.name}")
+        acc, have = measurements.measure_available(archs, progress=config.progress,
+                                         desc=f"re-measuring top-{len(archs)} for {p.name}")
+        acc = np.where(have, acc, out.scores[idx])
+        unmeasured.update(a for a, h in zip(archs, have) if not h)
         evolved[p.name] = out
         finalists[p.name] = [Finalist(a, float(m), float(out.scores[i]), p.name)
                              for a, i, m in zip(archs, idx, acc)]
@@ -781,10 +861,13 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
             arch=pick.arch, accuracy=pick.accuracy, cost=models[p.name].cost(pick.arch), profile=p.name,
             predicted_accuracy=pick.predicted_accuracy, estimator=config.estimator,
             predictor_fit=fit,
-            top_k=[{"arch": f.arch.to_string(), "predicted_accuracy": f.predicted_accuracy, "accuracy": f.accuracy}
+            top_k=[{"arch": f.arch.to_string(), "predicted_accuracy": f.predicted_accuracy, "accuracy": f.accuracy,
+                    "measured": f.arch not in unmeasured}
                    for f in finalists[p.name]],
             history=out.history, outcome=out, budgets=limits[p.name], found_for=pick.found_for,
-            shared_candidates=picks[p.name].considered, budget_use=use, binding=binding_budget(use))
+            shared_candidates=picks[p.name].considered, budget_use=use, binding=binding_budget(use),
+            accuracy_source="predicted" if pick.arch in unmeasured else "measured",
+            n_measured=measurements._measured.n_measured if measurements._measured is not None else 0)
     return results
 
 

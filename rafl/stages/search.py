@@ -28,10 +28,13 @@ the supernet, data and config of the latest run.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import platform
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +46,24 @@ from rafl.errors import UserInputError
 from rafl.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text, safetensors_damage
 from rafl.reports.profile_report import write_profile_report
 from rafl.search.cost import CostModel
+from rafl.search.estimators import MeasuredAccuracy, measurement_cache_dir, sample_across_space, supernet_fingerprint
 from rafl.search.evolution import BINDING_USE, SearchConfig, SearchResult, binding_text, search_subnets
+from rafl.search.genome import Population
 from rafl.search.pareto import save_fronts, save_picks_plot
-from rafl.search.predictor import tau_meaning
+from rafl.search.predictor import kendall_tau, tau_meaning, train_predictor
 from rafl.search.profile import load_profile
 from rafl.supernet import extract_subnet, load_supernet, quickstart_supernet, recalibrate_bn, subnet_from_arch
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import load_meta
 from rafl.supernet.model import prepare_input
-from rafl.supernet.pretrained import resolve_supernet
+from rafl.supernet.pretrained import (
+    CALIBRATION_NAME,
+    MEASUREMENTS_NAME,
+    load_calibration,
+    resolve_supernet,
+    save_calibration,
+    supernet_measurements,
+)
 from rafl.supernet.server_data import calibration_sample, server_split
 from rafl.threads import torch_threads
 
@@ -59,22 +71,12 @@ SUBNET_WEIGHTS = "subnet.safetensors"
 
 
 # ---------------------------------------------------------------------- server data
-def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True,
-                     data_root: str | Path | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
-    """The server's validation split and BN-calibration images for the search.
+def server_dataset(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True,
+                   data_root: str | Path | None = None):
+    """``(dataset, split, info)``: the supernet's dataset and its server split, rebuilt from the
+    dataset settings saved in its training config (see :func:`server_eval_data`); ``data_root``:
+    where the dataset is (``--data-root``), instead of the root the training config recorded.
 
-    Rebuilds the supernet's own server split (:func:`rafl.supernet.server_data.server_split`)
-    from the dataset settings saved in its training config (``dataset``, ``data_root``,
-    ``image_size``, ``limit_per_class``, ``public_fraction``, ``public_seed``, ``val_fraction`` of
-    :class:`rafl.supernet.train.TrainConfig`): accuracy is measured on server-val,
-    BN statistics are re-estimated on pool-train; no client data is touched. ``progress``: show
-    the bars of reading a dataset source (a cache miss). ``data_root``: where the dataset is
-    (``--data-root``), instead of the root the training config recorded.
-
-    Returns:
-        ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``; the
-        calibration images are all of pool-train in a fixed random order
-        (:func:`rafl.supernet.server_data.calibration_sample`), so any first batches mix the classes.
     Raises:
         UserInputError: an empty validation split, or a dataset whose classes do not match the
             supernet's ``n_classes``.
@@ -98,11 +100,35 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
         raise UserInputError(f"the server's validation split is empty (public_fraction="
                              f"{public_fraction}, val_fraction={val_fraction}); the search needs "
                              "labelled server data", field="val_fraction")
-    val = (ds.images[split.pool_val], ds.labels[split.pool_val])
     info = {"dataset": name, "public_fraction": public_fraction, "public_seed": public_seed,
             "val_fraction": val_fraction, "n_val": int(len(split.pool_val)),
             "n_calib": int(len(split.pool_train))}
+    return ds, split, info
 
+
+def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, progress: bool = True,
+                     data_root: str | Path | None = None
+                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, dict[str, Any]]:
+    """The server's validation split and BN-calibration images for the search.
+
+    Rebuilds the supernet's own server split (:func:`rafl.supernet.server_data.server_split`)
+    from the dataset settings saved in its training config (``dataset``, ``data_root``,
+    ``image_size``, ``limit_per_class``, ``public_fraction``, ``public_seed``, ``val_fraction`` of
+    :class:`rafl.supernet.train.TrainConfig`): accuracy is measured on server-val,
+    BN statistics are re-estimated on pool-train; no client data is touched. ``progress``: show
+    the bars of reading a dataset source (a cache miss). ``data_root``: where the dataset is
+    (``--data-root``), instead of the root the training config recorded.
+
+    Returns:
+        ``((val_images (N, C, H, W), val_labels (N,)), calib_images (M, C, H, W), info)``; the
+        calibration images are all of pool-train in a fixed random order
+        (:func:`rafl.supernet.server_data.calibration_sample`), so any first batches mix the classes.
+    Raises:
+        UserInputError: an empty validation split, or a dataset whose classes do not match the
+            supernet's ``n_classes``.
+    """
+    ds, split, info = server_dataset(meta_config, space, progress, data_root)
+    val = (ds.images[split.pool_val], ds.labels[split.pool_val])
     # all of pool-train in a fixed random order: the measurement and the written subnet recalibrate BN
     # on its first batches, which must mix the classes (a class-by-class source's first images are one class)
     calib = ds.images[torch.as_tensor(calibration_sample(split.pool_train, len(split.pool_train)))]
@@ -256,8 +282,16 @@ def load_search_supernet(supernet_dir: str | Path | None, progress: bool = True)
 
 def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchConfig | None = None, *,
                supernet_dir: str | Path | None = None, supernet=None, meta: dict[str, Any] | None = None,
-               data_root: str | Path | None = None) -> dict[str, SearchResult]:
+               data_root: str | Path | None = None, remeasure: bool = False,
+               say: Callable[[str], None] | None = None) -> dict[str, SearchResult]:
     """Search a subnet per device profile and write ``out/<profile>/`` (see the module docstring).
+
+    A supernet folder with measured subnets beside its weights (``measurements.json``, shipped
+    with ``cifar10``; :func:`rafl.supernet.pretrained.supernet_measurements`) is searched on them:
+    the predictor trains on the recorded accuracies and the finalists found there are not
+    measured again; the dataset is read only if a subnet still has to be measured (when it
+    cannot be read, such a finalist keeps its predicted accuracy and ``result.json`` says so),
+    and the picked subnets are BN-recalibrated on the calibration images shipped beside them.
 
     Args:
         profiles: shipped profile names or YAML paths (``--device-profile``).
@@ -267,11 +301,15 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         supernet, meta: an in-memory supernet and its ``supernet.json`` content (tests, pipelines).
         data_root: where the supernet's dataset is (``--data-root``); None: the root its training
             config recorded, else ``$RAFL_DATA_ROOT`` or ``~/.cache/rafl-data``.
+        remeasure: ignore the measurements beside the supernet and measure on its server-val split.
+            Without it, a ``config`` that does not set ``predictor_samples`` trains the predictor on
+            every subnet measured beside the supernet.
+        say: called with a line for people (which measurements are used), e.g. ``click.echo`` to stderr.
 
     Raises:
         UserInputError: unknown or malformed profile, a supernet checkpoint that does not load or
-            does not match the space, an empty validation split, unreachable budgets. Raised
-            before anything is written.
+            does not match the space, an empty validation split, unreachable budgets, altered
+            shipped measurements. Raised before anything is written.
     """
     config = config or SearchConfig()
     if not profiles:
@@ -281,11 +319,48 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
         supernet, meta = load_search_supernet(supernet_dir, progress=config.progress)
     meta = meta or {}
     space: SearchSpace = supernet.space
-    val, calib, data_info = server_eval_data(meta.get("config"), space, progress=config.progress,
-                                             data_root=data_root)
+    table = None
+    if not remeasure and supernet_dir is not None:
+        table = supernet_measurements(resolve_supernet(supernet_dir))
+        if table is not None and table.get("measurement") != {"batch_size": config.batch_size,
+                                                                "calib_batches": config.calib_batches}:
+            table = None  # measured another way: not comparable with this search's measurements
+        if table is not None and "predictor_samples" not in config.model_fields_set:
+            # not chosen: the predictor trains on every subnet measured beside the supernet
+            config = config.model_copy(update={"predictor_samples": max(4, int(table["predictor_samples"]["n"]))})
+        if table is not None and say is not None:
+            n_table = int(table["predictor_samples"]["n"])
+            covered = table["predictor_samples"]["seed"] == config.seed and config.predictor_samples <= n_table
+            say(f"using the {len(table['accuracy'])} subnets measured on this supernet's server-val split and shipped "
+                f"beside it ({MEASUREMENTS_NAME}; predictor's Kendall tau {table['predictor_fit']['kendall_tau']:.2f}, "
+                f"split-half noise ceiling {table['noise_ceiling']['kendall_tau_halves']:.2f})"
+                + ("" if covered else f"; --predictor-samples {config.predictor_samples} / --seed {config.seed} "
+                   f"need subnets beyond them (it holds {n_table} for seed {table['predictor_samples']['seed']}), "
+                   "which are measured on the dataset")
+                + "; --remeasure measures again")
+    loaded: dict[str, Any] = {}
+
+    def load_data():
+        loaded["val"], loaded["calib"], loaded["info"] = server_eval_data(meta.get("config"), space,
+                                                                          progress=config.progress,
+                                                                          data_root=data_root)
+        return loaded["val"], loaded["calib"]
 
     models = {p.name: CostModel(space, p) for p in profs}
-    results = search_subnets(supernet, profs, val, calib, config, cost_models=models)
+    if table is None:
+        load_data()
+        results = search_subnets(supernet, profs, loaded["val"], loaded["calib"], config, cost_models=models)
+    else:
+        results = search_subnets(supernet, profs, None, None, config, cost_models=models, known=table["accuracy"],
+                                 data_fn=load_data)
+    if "calib" in loaded:
+        calib, data_info = loaded["calib"], loaded["info"]
+    else:  # searched on the shipped measurements alone: their calibration images
+        calib, data_info = load_calibration(table["calibration_path"]), dict(table.get("data") or {})
+    if table is not None:
+        data_info["measurements"] = {"file": str(Path(table["calibration_path"]).with_name(MEASUREMENTS_NAME)),
+                                     "n": len(table["accuracy"]),
+                                     "measured_now": max(r.n_measured for r in results.values())}
 
     out = Path(out)
     run = {"supernet": meta.get("path"), "data": data_info, "config": config.model_dump()}
@@ -302,6 +377,125 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
                "latency_budget_ms": r.budgets.get("latency_ms"), "arch": r.arch.to_string()}
         for name, r in results.items()}, title=f"{', '.join(names)}: the picks and their latency budgets")
     return results
+
+
+def write_measurements(supernet_dir: str | Path, *, data_root: str | Path | None = None, samples: int = 500,
+                       seed: int = 0, workers: int | None = None, profiles: Sequence[str] = (),
+                       out: str | Path | None = None, command: str = "", say: Callable[[str], None] = print,
+                       progress: bool = True, config: SearchConfig | None = None) -> dict[str, Any]:
+    """Measure what ``rafl search`` needs of a supernet and write it beside the weights
+    (``measurements.json`` + ``calibration.safetensors``; read by
+    :func:`rafl.supernet.pretrained.supernet_measurements`).
+
+    The server-val split is the supernet's own, rebuilt from its recorded training config
+    (:func:`server_dataset`: ``dataset``, ``public_fraction``, ``public_seed``, ``val_fraction``;
+    ``data_root`` replaces the recorded data root). Measures the ``samples`` subnets of
+    :func:`rafl.search.estimators.sample_across_space` (seed ``seed``: what ``rafl search
+    --predictor-samples N --seed S`` trains on, for any ``N <= samples``) with the search's
+    measurement (BN recalibrated on the first ``calib_batches x batch_size`` pool-train images, top-1
+    on server-val; :class:`SearchConfig` defaults), in order, through the search's disk cache (an
+    interrupted run resumes); then runs the search of every profile of ``profiles`` alone with the
+    predictor trained on them and measures its top-k finalists too (a profile's finalists do not
+    depend on the other profiles searched with it). ``config``: the search of the finalists and the
+    measurement's ``batch_size`` / ``calib_batches`` (default: :class:`SearchConfig`'s, what
+    ``rafl search`` uses); its ``predictor_samples``, ``seed``, ``workers`` and ``progress`` are
+    replaced by the arguments.
+
+    Returns the document written: ``accuracy`` (canonical arch -> fraction), ``halves`` (the
+    accuracy on two fixed random halves of server-val, from the same predictions),
+    ``predictor_fit`` (4-fold cross-validated Kendall tau and RMSE of the predictor on the
+    samples), ``noise_ceiling`` (Kendall tau between the two halves' accuracies of the samples),
+    ``supernet_sha256`` (the weights measured), ``calibration`` (file and SHA-256), ``data``,
+    ``measurement``, ``predictor_samples`` (``n``, ``seed``, ``archs``), ``finalists``, ``made_by``.
+
+    Raises:
+        UserInputError: no dataset at ``data_root``, an empty server-val split, a profile name that
+            is not shipped (a profile no subnet fits is reported through ``say`` and skipped).
+    """
+    t0 = time.perf_counter()
+    folder = resolve_supernet(supernet_dir)
+    out = Path(out) if out is not None else folder / MEASUREMENTS_NAME
+    supernet, meta = load_search_supernet(folder, progress=False)
+    space = supernet.space
+    search = config
+    config = dict(meta.get("config") or {})  # the supernet's training config: its server split
+    if data_root is not None:
+        config["data_root"] = str(data_root)
+    val, calib, data_info = server_eval_data(config, space, progress=progress)
+    say(f"server-val: {data_info['n_val']} images (val_fraction {data_info['val_fraction']} of the "
+        f"{data_info['dataset']} public pool, as recorded in {folder / 'supernet.json'})")
+    scfg = (search or SearchConfig()).model_copy(update={"seed": seed, "workers": workers, "progress": progress,
+                                                         "predictor_samples": max(4, samples)})
+    measured = MeasuredAccuracy(supernet, val, calib, batch_size=scfg.batch_size, calib_batches=scfg.calib_batches,
+                                cache_dir=measurement_cache_dir(), workers=scfg.workers)
+    for key in [k for k in measured.cache if k not in measured.halves]:  # cached before halves were recorded
+        del measured.cache[key]
+    archs = sample_across_space(space, samples, seed)
+    t1 = time.perf_counter()
+    # in blocks, in the sample's order: a run stopped early leaves a prefix of the sample measured,
+    # which is the sample of a smaller count (sample_across_space is prefix-stable)
+    for start in range(0, len(archs), 24):
+        measured.measure(archs[: start + 24], progress=progress,
+                         desc=f"measuring the predictor's subnets {start + 1}-{min(start + 24, len(archs))}")
+    acc = measured.measure(archs)
+    t_measure = time.perf_counter() - t1
+    _, fit = train_predictor(Population.from_archs(space, archs).encode(), acc, folds=scfg.predictor_folds,
+                             hidden=scfg.predictor_hidden, epochs=scfg.predictor_epochs, seed=seed)
+    keys = [a.canonical(space).to_string() for a in archs]
+    halves = np.asarray([measured.halves[k] for k in keys])
+    ceiling = kendall_tau(halves[:, 0], halves[:, 1])
+    sizes = [int(measured.half_a.sum()), int((~measured.half_a).sum())]
+    say(f"predictor: Kendall tau {fit.kendall_tau:.3f} ({fit.folds}-fold CV over {len(archs)} subnets); split-half "
+        f"noise ceiling: tau {ceiling:.3f} between two halves of server-val ({sizes[0]} / {sizes[1]} images)")
+
+    finalists: dict[str, list[str]] = {}
+    for name in profiles:
+        try:
+            res = search_subnets(supernet, [load_profile(name)], val, calib, scfg)
+        except UserInputError as err:
+            if "budgets" not in (err.field or ""):
+                raise
+            say(f"{name}: no finalists ({err.message})")
+            continue
+        finalists[name] = [t["arch"] for t in res[name].top_k]
+        say(f"{name}: {res[name].arch.to_string()} acc {res[name].accuracy:.4f}")
+    measured._load_cache()  # the searches' measurements (the same cache file)
+
+    table = {k: measured.cache[k] for k in keys}
+    for ks in finalists.values():
+        for k in ks:
+            table.setdefault(k, measured.cache[k])
+    n_cal = scfg.calib_batches * scfg.batch_size
+    ds, split, _ = server_dataset(config, space, progress=False)
+    images = ds.images.take(calibration_sample(split.pool_train, len(split.pool_train))[:n_cal])
+    if not torch.equal(images[...], calib[: len(images)]):
+        raise RuntimeError("the stored calibration pixels do not reproduce the calibration images")
+    cal_path = out.parent / CALIBRATION_NAME
+    save_calibration(cal_path, images.pixels, images.mean, images.std)
+    weights = folder / "supernet.safetensors"
+    doc = {
+        "format": "rafl-measurements/1",
+        "note": "top-1 (fraction) on the supernet's server-val split after BN recalibration on pool-train "
+                "(rafl search's measurement), per canonical arch",
+        "supernet_sha256": hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None,
+        "supernet_fingerprint": supernet_fingerprint(supernet),
+        "data": data_info,
+        "measurement": {"batch_size": scfg.batch_size, "calib_batches": scfg.calib_batches},
+        "calibration": {"file": CALIBRATION_NAME, "sha256": hashlib.sha256(cal_path.read_bytes()).hexdigest(),
+                        "n": len(images)},
+        "predictor_samples": {"n": len(archs), "seed": seed, "archs": keys},
+        "finalists": finalists,
+        "predictor_fit": fit.to_dict(),
+        "noise_ceiling": {"kendall_tau_halves": ceiling, "half_sizes": sizes,
+                          "note": "Kendall tau between the accuracies of the predictor's subnets on two fixed "
+                                  "random halves of server-val (the same predictions split in two)"},
+        "accuracy": table,
+        "halves": {k: list(measured.halves[k]) for k in table},
+        "made_by": {"command": command, "torch": torch.__version__, "machine": platform.machine(),
+                    "seconds": round(time.perf_counter() - t0, 1), "measure_seconds": round(t_measure, 1)},
+    }
+    atomic_write_json(out, doc)
+    return doc
 
 
 def write_search_index(out: str | Path, run: dict[str, Any], run_profiles: Sequence[str]) -> dict[str, Any]:
@@ -397,8 +591,11 @@ def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tens
                     title=f"{prof.name}: {len(out.archive_scores)} feasible archs evaluated")
     atomic_write_json(d / "result.json", {
         "profile": prof.name, "arch": res.arch.to_dict(), "arch_string": res.arch.to_string(),
-        "accuracy": res.accuracy, "accuracy_note": "measured top-1 (fraction) on the server's validation "
-                                                   "split after BN recalibration",
+        "accuracy": res.accuracy, "accuracy_source": res.accuracy_source,
+        "accuracy_note": ("measured top-1 (fraction) on the server's validation split after BN recalibration"
+                          if res.accuracy_source == "measured" else
+                          "the predictor's estimate (no data to measure this subnet on; measure it with "
+                          "--remeasure and the dataset)"),
         "predicted_accuracy": res.predicted_accuracy, "estimator": res.estimator,
         "predictor_fit": res.predictor_fit, "predictor_fit_note": _fit_note(res.predictor_fit),
         "cost": _cost_dict(res.cost), "budgets": res.budgets,
@@ -411,5 +608,6 @@ def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tens
         "search_space": space.to_dict()})
 
 
-__all__ = ["run_search", "server_eval_data", "load_searched_subnet", "save_subnet_weights", "export_onnx",
-           "write_cost_report", "load_search_supernet", "write_search_index", "write_subnet_yaml", "same_subnet_note"]
+__all__ = ["run_search", "server_eval_data", "server_dataset", "load_searched_subnet", "save_subnet_weights",
+           "export_onnx", "write_cost_report", "load_search_supernet", "write_search_index", "write_measurements",
+           "write_subnet_yaml", "same_subnet_note"]

@@ -15,19 +15,34 @@ truncated file is refused even when its ``supernet.json`` was edited to match.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the shipped-name checks run before torch loads
     import torch
 
+from rafl.data.datasets import Images
 from rafl.errors import UserInputError, allowed
+from rafl.io import atomic_write_bytes
 
 PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "pretrained"
+
+#: the file of a shipped supernet's measured subnets (arch -> server-val accuracy), beside its weights
+MEASUREMENTS_NAME = "measurements.json"
+
+#: the BN-calibration images of those measurements (stored uint8 pixels), beside them
+CALIBRATION_NAME = "calibration.safetensors"
 
 #: name -> SHA-256 of its ``supernet.safetensors`` (the shipped bytes).
 PRETRAINED: dict[str, str] = {
     "cifar10": "47c364b3e2aefd679e4bf4d39704be1eafc014791c22bb235c5434b22932d5f7",
+}
+
+#: name -> SHA-256 of its ``measurements.json`` (made by ``bench/predictor_table.py``; it records
+#: the SHA-256 of the weights it was measured on and of its ``calibration.safetensors``).
+PRETRAINED_MEASUREMENTS: dict[str, str] = {
+    "cifar10": "336230bbcc3b15b4e4bed9a1eddd6125702344d56644e3cc2115f02c9df39dc7",
 }
 
 
@@ -64,6 +79,80 @@ def resolve_supernet(value: str | Path) -> Path:
     return pretrained_path(value) if is_pretrained_name(value) else Path(value)
 
 
+def save_calibration(path: str | Path, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    """Write BN-calibration images as stored pixels ``(M, C, H, W)`` uint8 (or float32 in [0, 1])
+    with their normalization (``mean``, ``std`` per channel) in the metadata; read by
+    :func:`load_calibration`."""
+    from safetensors.torch import save  # torch loads here, not when a shipped name is checked
+
+    atomic_write_bytes(path, save({"pixels": pixels.contiguous()},
+                                  metadata={"format": "rafl-calibration/1", "mean": json.dumps(list(mean)),
+                                            "std": json.dumps(list(std))}))
+
+
+def load_calibration(path: str | Path) -> torch.Tensor:
+    """The normalized float32 images ``(M, C, H, W)`` of a :func:`save_calibration` file (normalized
+    as :class:`rafl.data.Images` does: bit for bit the images the measurements used).
+
+    Raises:
+        UserInputError: a missing or malformed file.
+    """
+    from safetensors import SafetensorError, safe_open  # torch loads here, not when a shipped name is checked
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            pixels = fh.get_tensor("pixels")
+        images = Images(pixels, tuple(json.loads(meta["mean"])), tuple(json.loads(meta["std"])))
+    except (OSError, KeyError, ValueError, SafetensorError) as err:
+        raise UserInputError(f"not a rafl calibration file ({err.__class__.__name__}: {err})", source=path) from None
+    return images[...]
+
+
+def supernet_measurements(folder: str | Path) -> dict | None:
+    """The measured subnets beside a supernet's weights (``measurements.json``, written by
+    ``bench/predictor_table.py``), checked; None when the folder has none.
+
+    Returns the parsed document: ``accuracy`` (canonical arch string -> top-1 fraction on the
+    supernet's server-val split after BN recalibration), ``predictor_samples`` (``n``, ``seed``,
+    ``archs`` in :func:`rafl.search.estimators.sample_across_space` order), ``measurement``
+    (``batch_size``, ``calib_batches``), ``data``, ``predictor_fit``, ``noise_ceiling``, and
+    ``calibration_path``: the checked calibration images beside it.
+
+    Raises:
+        UserInputError: a shipped supernet's file whose SHA-256 is not the registered one, a file
+            measured on other weights (``supernet_sha256``), a calibration file that is missing or
+            altered, or a malformed file.
+    """
+    folder = Path(folder)
+    path = folder / MEASUREMENTS_NAME
+    if not path.is_file():
+        return None
+    raw = path.read_bytes()
+    shipped = [n for n in PRETRAINED if (PRETRAINED_DIR / n).resolve() == folder.resolve()]
+    if shipped and hashlib.sha256(raw).hexdigest() != PRETRAINED_MEASUREMENTS.get(shipped[0]):
+        raise UserInputError(f"the shipped measurements of {shipped[0]!r} have been altered (SHA-256 not the "
+                             "registered one); reinstall rafl, or measure again with --remeasure", source=path)
+    regen = "; make it again with bench/predictor_table.py, or measure with --remeasure"
+    try:
+        doc = json.loads(raw)
+        acc = {str(k): float(v) for k, v in doc["accuracy"].items()}
+        want_weights, cal = doc["supernet_sha256"], doc["calibration"]
+        doc["predictor_samples"]["n"], doc["predictor_samples"]["seed"]  # noqa: B018 - required keys
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UserInputError(f"not a rafl measurements file ({err.__class__.__name__}: {err}){regen}",
+                             source=path) from None
+    weights = folder / "supernet.safetensors"
+    if weights.is_file() and hashlib.sha256(weights.read_bytes()).hexdigest() != want_weights:
+        raise UserInputError(f"was measured on other weights than {weights.name} beside it{regen}", source=path)
+    cal_path = folder / str(cal.get("file", CALIBRATION_NAME))
+    if not cal_path.is_file() or hashlib.sha256(cal_path.read_bytes()).hexdigest() != cal.get("sha256"):
+        raise UserInputError(f"is missing or not the one {MEASUREMENTS_NAME} was made with{regen}", source=cal_path)
+    doc["accuracy"] = acc
+    doc["calibration_path"] = str(cal_path)
+    return doc
+
+
 def half_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with floating-point weights as float16 and BatchNorm running statistics (and
     integer buffers) unchanged: the storage form of shipped supernets."""
@@ -71,5 +160,6 @@ def half_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (v.half() if v.is_floating_point() and not k.endswith(keep) else v) for k, v in state.items()}
 
 
-__all__ = ["PRETRAINED", "PRETRAINED_DIR", "is_pretrained_name", "pretrained_path", "resolve_supernet",
-           "half_state"]
+__all__ = ["CALIBRATION_NAME", "MEASUREMENTS_NAME", "PRETRAINED", "PRETRAINED_DIR", "PRETRAINED_MEASUREMENTS",
+           "half_state", "is_pretrained_name", "load_calibration", "pretrained_path", "resolve_supernet",
+           "save_calibration", "supernet_measurements"]
