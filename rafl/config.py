@@ -281,6 +281,8 @@ class RunConfig(_Strict):
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any, source: str) -> None:
     parts = key.split(".")
+    if len(parts) > 1 and parts[0] == "supernet" and isinstance(data.get("supernet"), str):
+        data["supernet"] = {"path": data["supernet"]}  # the shorthand `supernet: cifar10` is its section
     node = data
     for p in parts[:-1]:
         nxt = node.get(p)

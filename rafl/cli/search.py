@@ -116,8 +116,9 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path
                              "--supernet to use the quickstart supernet)", source=supernet_dir, field="--supernet")
     from rafl.supernet.pretrained import MEASUREMENTS_NAME
 
-    if supernet_dir is not None and (remeasure or not (supernet_dir / MEASUREMENTS_NAME).is_file()):
-        _check_data(supernet_dir, data_root)  # measurements beside the supernet: no data is read
+    if supernet_dir is not None and (data_root is not None or remeasure
+                                     or not (supernet_dir / MEASUREMENTS_NAME).is_file()):
+        _check_data(supernet_dir, data_root)  # (measurements beside the supernet: no data is read)
     from rafl.search.evolution import SearchConfig
     from rafl.stages.search import run_search
 

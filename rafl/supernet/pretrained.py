@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the shipped-name checks run before torch loads
     import torch
 
-from rafl.data.datasets import Images
 from rafl.errors import UserInputError, allowed
 from rafl.io import atomic_write_bytes
 
@@ -98,6 +97,8 @@ def load_calibration(path: str | Path) -> torch.Tensor:
         UserInputError: a missing or malformed file.
     """
     from safetensors import SafetensorError, safe_open  # torch loads here, not when a shipped name is checked
+
+    from rafl.data.datasets import Images
 
     try:
         with safe_open(str(path), framework="pt") as fh:
