@@ -44,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 METHODS = ["fedavg", "fedprox", "fednova", "rafl", "fml", "lg-fedavg", "fedkd", "feddf", "fedproto", "fedtgp",
-           "fedgh", "fd"]
+           "fedgh", "fd", "heterofl", "fedrolex", "uniform"]
 SAME_MODEL = ["clients.arch=r16_k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3|k3e3.k3e3"]
 THREE_MODELS = ["clients.archs={pi4: r16_k7e6.k3e4|k7e4.k5e6|k7e4.k3e3|k5e3.k7e4|k3e3.k3e4, "
                 "jetson-nano: r16_k7e4.k7e4.k3e6|k7e4.k5e3.k7e3|k7e3.k5e3|k5e3.k7e4|k5e3.k7e6.k5e3, "
@@ -593,7 +593,8 @@ def fmt(x) -> str:
 
 def report(data: dict) -> str:
     lines = ["# Reliability: hostile uploads, hostile files, kill -9", "",
-             f"`python bench/reliability.py --fuzz-examples {data['fuzz_examples']}` on {data['machine']}, "
+             f"`{data.get('command', 'python bench/reliability.py --fuzz-examples ' + str(data['fuzz_examples']))}` "
+             f"on {data['machine']}, "
              f"{data['date']} ({data['wall_s']:.0f} s).", ""]
     hu = data["hostile"]
     names = list(next(iter(hu["table"].values())))
@@ -609,12 +610,13 @@ def report(data: dict) -> str:
                 r["outcome"], "X server step failed" if "server_step_error" in r else f"X {fmt(r.get('max_abs_delta'))}"))
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     tried = sum(len(v) for v in hu["table"].values())
+    first = "fedavg" if "fedavg" in hu["table"] else next(iter(hu["table"]))
     rej = sum(r["outcome"] == "rejected" for v in hu["table"].values() for r in v.values())
     harmless = sum(r["outcome"] == "accepted-harmless" for v in hu["table"].values() for r in v.values())
     lines += ["", f"{tried} hostile uploads tried: {rej} rejected, {harmless} accepted-harmless, "
               f"{tried - rej - harmless} accepted-harmful (the in-range boosted update: a valid-looking model, "
-              "which only a robust rule bounds, below).", "", "Reasons (FedAvg):", ""]
-    for n, r in hu["table"]["fedavg"].items():
+              "which only a robust rule bounds, below).", "", f"Reasons ({first}):", ""]
+    for n, r in hu["table"][first].items():
         if r["outcome"] == "rejected":
             lines.append(f"- {n}: `{r['reason']}`")
     if hu.get("influence"):
@@ -683,21 +685,23 @@ def report(data: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fuzz-examples", type=int, default=200)
+    ap.add_argument("--fuzz-examples", type=int, default=200, help="0: no fuzzing")
     ap.add_argument("--skip-kill", action="store_true")
     ap.add_argument("--skip-rounds", action="store_true", help="without the 6-round boosted runs (about 12 minutes)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated (fedavg and rafl are measured)")
+    ap.add_argument("--out", default="reliability", help="bench/results/OUT.md and OUT.json (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("RAFL_CACHE_DIR", tempfile.mkdtemp(prefix="rafl-bench-cache-"))
     t0 = time.time()
-    data = {"fuzz_examples": args.fuzz_examples, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+    data = {"fuzz_examples": args.fuzz_examples, "command": " ".join(["python", "bench/reliability.py", *sys.argv[1:]]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}", "date": time.strftime("%Y-%m-%d")}
     def save():  # after every section: a run stopped later keeps what it measured
         data["wall_s"] = time.time() - t0
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "reliability.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-        (RESULTS / "reliability.md").write_text(report(data))
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        (RESULTS / f"{args.out}.md").write_text(report(data))
 
     with tempfile.TemporaryDirectory() as tmp:
         supernet = tiny_supernet(Path(tmp) / "supernet")
@@ -706,8 +710,9 @@ def main() -> None:
         if not args.skip_rounds:
             data["rounds"] = boosted_rounds(supernet, args.methods.split(","))
             save()
-    data["fuzz"] = fuzz(args.fuzz_examples)
-    save()
+    if args.fuzz_examples > 0:
+        data["fuzz"] = fuzz(args.fuzz_examples)
+        save()
     if not args.skip_kill:
         data["kill"] = kill_cases()
         print(json.dumps(data["kill"], indent=1), flush=True)

@@ -38,6 +38,13 @@ class UserInputError(RaflError, ValueError):
         return " ".join(text.split("\n"))
 
 
+class DivergedError(UserInputError):
+    """Training whose loss or weights became NaN/Inf (:func:`rafl.federation.training.check_finite_loss`):
+    the field named is the learning rate (or regularizer) to lower. Raised by a server step (FedDF's
+    distillation, FedTGP's prototypes, FedGH's header) the engine records it as a failed round
+    instead of ending the run, since the uploads it trained on may be what diverged."""
+
+
 class DuplicateKeyError(UserInputError):
     """A YAML mapping holds a key twice (:func:`rafl.io.load_yaml`); PyYAML would keep the last value.
 

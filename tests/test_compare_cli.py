@@ -701,3 +701,19 @@ def test_data_root_option_is_short_for_set_data_root(tmp_path):
     assert shown.exit_code == 0 and f"root: {missing}" in shown.output
     both = CliRunner().invoke(cli, ["compare", "--resume", str(tmp_path), "--data-root", str(missing)])
     assert both.exit_code == 2 and "--data-root" in both.output
+
+
+def test_compare_with_failed_rounds_exits_non_zero_naming_the_method(tmp_path):
+    """Every upload over an upload limit far below a model's size: every round of fedgh fails (no
+    state changes), standalone (no uploads) is clean; the table says so and the exit status is 3."""
+    from rafl.cli.federate import FAILED_ROUNDS_EXIT
+
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedgh,standalone", *TINY,
+                                   "--set", "engine.max_upload_mb=0.0001", "--out", str(out)])
+    assert res.exit_code == FAILED_ROUNDS_EXIT, res.output
+    assert "error: fedgh: 1 of 1 round(s) failed; round 1 failed" in res.output
+    assert "error: standalone" not in res.output
+    rows = {r["algorithm"]: r for r in json.loads((out / "compare.json").read_text())["rows"]}
+    assert rows["fedgh"]["failed_rounds"] == 1 and "failed_rounds" not in rows["standalone"]
+    assert "- fedgh: 1 of 1 round(s) failed" in (out / "compare.md").read_text()

@@ -241,6 +241,27 @@ def test_a_round_whose_every_upload_is_refused_fails_without_blaming_a_client(ti
     assert "rejected the upload of" not in err and "round 2 failed" in err  # no client singled out
 
 
+def test_a_diverged_server_step_is_a_failed_round_not_a_run_error(tiny, tmp_path, capsys):
+    """FedTGP's server training with a learning rate that overflows: every round fails with the
+    reason naming algorithm.server_lr, the run completes with its rounds recorded and no new state."""
+    from rafl.federation.algorithms import get_algorithm
+    from rafl.federation.build import build_federation
+    from rafl.federation.engine import Engine
+    from rafl.reports.run import RunReport
+
+    space, supernet, ds, part = tiny
+    algo = get_algorithm("fedtgp")(local_epochs=1, server_epochs=20, server_lr=1e12)
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, algo, batch_size=16, count_macs=False)
+    summary = Engine(fed, EngineConfig(rounds=2), tmp_path, progress=False, observers=[RunReport(tmp_path)]).run()
+    assert summary["rounds"] == 2 and summary["failed_rounds"] == 2 and summary["rejected_uploads"] == 0
+    for rnd, why in enumerate(summary["failed_round_reasons"], 1):
+        assert why.startswith(f"round {rnd} failed: the server step diverged on the round's 3 accepted upload(s): "
+                              "algorithm.server_lr: server training of the global prototypes diverged"), why
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("round_failed") for r in rows] == [True, True]
+    assert "the server state is unchanged" in capsys.readouterr().err
+
+
 def test_rafl_federate_exits_non_zero_when_rounds_failed(tmp_path):
     from click.testing import CliRunner
 

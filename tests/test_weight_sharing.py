@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from rafl.cli import cli
 from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError
-from rafl.federation.aggregation import payload_weights, weighted_average
+from rafl.federation.aggregation import AggregationRule, payload_weights, robust_average, weighted_average
 from rafl.federation.algorithms import ServerContext, get_algorithm
 from rafl.federation.algorithms.heterofl import index_map
 from rafl.federation.build import build_federation, build_group_federation
@@ -21,6 +21,7 @@ from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig
 from rafl.federation.payload import Payload
 from rafl.federation.store import load_state
 from rafl.federation.weight_sharing import (
+    _clipped_uploads,
     extract,
     fold_kernel_transforms,
     masked_average,
@@ -75,8 +76,62 @@ def test_masked_average_averages_each_element_over_its_holders():
     assert masked_average(glob, [a, b])["w"].tolist() == [1.0, (2.0 + 9.0) / 4, 9.0, 9.0]
 
 
-@pytest.mark.parametrize("kind", ["nas", "sliced"])
-def test_heterofl_with_every_client_holding_the_full_model_is_fedavg_bit_for_bit(kind, tiny, tmp_path):
+def test_masked_norm_clip_with_full_cover_is_fedavgs_norm_clip():
+    g = torch.Generator().manual_seed(0)
+    glob = {"w": torch.randn(5, 3, generator=g), "n": torch.tensor(2)}
+    states = [{"w": glob["w"] + (100.0 if i == 2 else 1.0) * torch.randn(5, 3, generator=g), "n": torch.tensor(3 + i)}
+              for i in range(4)]
+    counts = (7, 11, 13, 5)
+    rule = AggregationRule("norm_clip")
+    ref = robust_average(states, [float(c) for c in counts], rule, reference=glob)
+    index = {k: (k, torch.arange(v.numel()).reshape(v.shape)) for k, v in glob.items()}
+    got = masked_average(glob, [(s, index, c) for s, c in zip(states, counts)], rule)
+    assert torch.allclose(got["w"], ref["w"], atol=1e-6) and torch.equal(got["n"], ref["n"])
+    assert not torch.allclose(got["w"], masked_average(glob, [(s, index, c) for s, c in zip(states, counts)])["w"])
+
+
+def _slices(sizes, total):
+    return [{"w": ("w", torch.arange(k))} for k in sizes], {"w": torch.zeros(total)}
+
+
+def test_masked_norm_clip_bounds_a_boosted_slice_by_the_largest_honest_one():
+    """Three honest clients of different widths and one boosted x100: the boosted client moves the
+    global model no further than the largest honest client (the influence bound); honest updates of
+    equal per-element size are not clipped, however wide or narrow their slice."""
+    g = torch.Generator().manual_seed(3)
+    index, glob = _slices((8, 4, 2, 8), 8)
+    deltas = [torch.randn(k, generator=g).sign() for k in (8, 4, 2, 8)]  # RMS 1 each
+    deltas[3] = deltas[3] * 100
+    rule = AggregationRule("norm_clip")
+    ups = [({"w": d}, ix, 1.0) for d, ix in zip(deltas, index)]
+
+    def influence(i):  # how far upload i moves the global model: with it against without it
+        rest = [u for j, u in enumerate(ups) if j != i]
+        return float((masked_average(glob, ups, rule)["w"] - masked_average(glob, rest, rule)["w"]).norm())
+
+    honest = max(influence(i) for i in range(3))
+    assert influence(3) <= honest * 1.0001
+    clipped = _clipped_uploads(glob, ups, rule)
+    assert [torch.equal(c[0]["w"], u[0]["w"]) for c, u in zip(clipped, ups)] == [True, True, True, False]
+    unclipped = float((masked_average(glob, ups)["w"] - masked_average(glob, ups[:3])["w"]).norm())
+    assert unclipped > 10 * honest  # under plain Eq. 3 the boosted client dominates
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean"])
+def test_masked_coordinatewise_rules_use_the_holders_of_each_element(name):
+    index, glob = _slices((3, 3, 3, 1), 4)
+    vals = [torch.tensor([1.0, 5.0, 2.0]), torch.tensor([2.0, 6.0, 3.0]), torch.tensor([1000.0, 7.0, 4.0]),
+            torch.tensor([-1000.0])]
+    got = masked_average(glob, [({"w": v}, ix, 1.0) for v, ix in zip(vals, index)],
+                         AggregationRule(name, trim_fraction=0.25))
+    # element 0: 4 holders {1, 2, 1000, -1000}; elements 1, 2: 3 holders; element 3: held by none
+    first = (1.0 + 2.0) / 2
+    assert got["w"].tolist() == [first, 6.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize("kind,aggregation", [("nas", "mean"), ("sliced", "mean"), ("nas", "norm_clip")])
+def test_heterofl_with_every_client_holding_the_full_model_is_fedavg(kind, aggregation, tiny, tmp_path):
+    """Bit for bit under plain averaging; under the default norm_clip up to float32 rounding."""
     space, supernet, ds, part = tiny
     runs = {}
     for name in ("fedavg", "heterofl"):
@@ -86,16 +141,19 @@ def test_heterofl_with_every_client_holding_the_full_model_is_fedavg_bit_for_bit
             fed, _ = build_federation(ds, part, supernet, [space.largest()] * 3, algo, batch_size=16, count_macs=False)
         else:
             fed, _ = build_group_federation(ds, part, ["cnn4@0.125"], algo, feature_dim=16, batch_size=16)
-        # plain averaging: the default norm_clip bounds FedAvg's uploads, HeteroFL's slices are not bounded
-        runs[name] = (fed, *_engine(fed, tmp_path / name, aggregation="mean"))
-    keys = ("model.acc_mean_over_clients", "model.acc_sample_weighted", "bytes_up")
-    assert [[r[k] for k in keys] for r in runs["fedavg"][2]] == [[r[k] for k in keys] for r in runs["heterofl"][2]]
+        runs[name] = (fed, *_engine(fed, tmp_path / name, aggregation=aggregation))
     fedavg_global = runs["fedavg"][3]["server_state"]["global"]
     fed_h, ck_h = runs["heterofl"][0], runs["heterofl"][3]
     index = index_map(ck_h["server_state"]["layout"], fed_h.clients[0], 3, False)
     mine = extract(ck_h["server_state"]["global"], index)
     assert set(mine) == set(fedavg_global)
-    assert all(torch.equal(mine[k], fedavg_global[k]) for k in mine)
+    keys = ("model.acc_mean_over_clients", "model.acc_sample_weighted", "bytes_up")
+    if aggregation == "mean":
+        assert [[r[k] for k in keys] for r in runs["fedavg"][2]] == [[r[k] for k in keys] for r in runs["heterofl"][2]]
+        assert all(torch.equal(mine[k], fedavg_global[k]) for k in mine)
+    else:
+        assert [r["bytes_up"] for r in runs["fedavg"][2]] == [r["bytes_up"] for r in runs["heterofl"][2]]
+        assert all(torch.allclose(mine[k].double(), fedavg_global[k].double(), atol=1e-5) for k in mine)
 
 
 def test_a_weight_no_client_holds_never_changes(tiny, tmp_path):

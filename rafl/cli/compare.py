@@ -11,6 +11,7 @@ import click
 
 from rafl.cli import exit_interrupted
 from rafl.cli._types import data_root_option
+from rafl.cli.federate import FAILED_ROUNDS_EXIT
 
 
 @click.command("compare")
@@ -118,6 +119,13 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
                                finetune=not no_finetune)
     click.echo((out / "compare.md").read_text().rstrip())
     click.echo(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'} ({len(rows)} method{'s' if len(rows) != 1 else ''})")
+    failed = [r for r in rows if r.get("failed_rounds")]
+    if failed:  # as rafl federate: a comparison with failed rounds is not a clean result
+        for r in failed:
+            why = (r.get("failed_round_reasons") or ["no reason recorded"])[0]
+            click.echo(f"error: {r['algorithm']}: {r['failed_rounds']} of {r['rounds']} round(s) failed; {why}",
+                       err=True)
+        raise click.exceptions.Exit(FAILED_ROUNDS_EXIT)
 
 
 def _precheck_config(config_path: Path | None, overrides: tuple[str, ...]) -> None:

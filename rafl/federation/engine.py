@@ -22,7 +22,11 @@ server steps and knows no algorithm by name. One round ``t``:
    :class:`rafl.federation.workers.WorkerClients` in ``engine.workers`` forked processes, or
    :class:`rafl.federation.flower_runner.FlowerClients` as Flower ClientApps on SuperNodes
    (a node that fails or times out loses its clients for the round: counted as failed).
-5. ``server_aggregate`` produces the next broadcast.
+5. ``server_aggregate`` produces the next broadcast. A server step whose own training diverges on
+   the accepted uploads (:class:`~rafl.errors.DivergedError`: FedDF's distillation, FedTGP's
+   prototypes, FedGH's header) fails the round instead of the run: no new state, the reason in
+   ``failed_round_reasons`` (the uploads may be what diverged; a learning rate too large fails
+   every round, and ``rafl federate`` then exits 3 naming it).
 6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
    (``prepare_evaluation`` + ``evaluate``); reported per model ``m``: ``m.acc_mean_over_clients``,
    ``m.acc_sample_weighted`` (sum correct / sum samples), ``m.acc_std_over_clients``.
@@ -66,7 +70,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rafl.config import EngineConfig
-from rafl.errors import UserInputError, shown, warn
+from rafl.errors import DivergedError, UserInputError, shown, warn
 from rafl.federation.aggregation import AggregationRule
 from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.payload import CountedPayload, Payload
@@ -429,7 +433,15 @@ class Engine:
         else:
             torch.manual_seed(self.seeds.server(rnd))
             ta = time.perf_counter()
-            st.server_state, st.broadcast = algo.server_aggregate(uploads, st.server_state, self._server_ctx(rnd))
+            try:
+                st.server_state, st.broadcast = algo.server_aggregate(uploads, st.server_state, self._server_ctx(rnd))
+            except DivergedError as err:  # the server's own training on these uploads: a failed round, no new state
+                round_failed = True
+                self.store.pending.clear()
+                why = (f"round {rnd} failed: the server step diverged on the round's {len(uploads)} accepted "
+                       f"upload(s): {err}")
+                st.counters.setdefault("failed_round_reasons", []).append(why)
+                warn(f"{why}; the server state is unchanged")
             times.aggregate = time.perf_counter() - ta
         del uploads
         counters = st.counters

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rafl.errors import UserInputError
+from rafl.errors import DivergedError
 from rafl.federation.progress import report
 from rafl.supernet.model import recalibrate_bn
 
@@ -107,11 +107,11 @@ def check_finite_loss(loss: torch.Tensor, *, what: str = "local training", field
             is ``field``).
 
     Raises:
-        UserInputError: naming ``field`` (the usual cause) and what to try.
+        DivergedError: (a UserInputError) naming ``field`` (the usual cause) and what to try.
     """
     if not bool(torch.isfinite(loss.detach()).all()):
         smaller = "learning rate" if also is None else f"value of it or of {also}"
-        raise UserInputError(f"{what} diverged (loss {float(loss.detach().sum())}); allowed: a smaller "
+        raise DivergedError(f"{what} diverged (loss {float(loss.detach().sum())}); allowed: a smaller "
                              f"{smaller}, or a model whose features stay finite", field=field)
 
 
@@ -120,10 +120,10 @@ def check_finite_params(model: nn.Module, *, what: str, field: str) -> None:
     learning rate so large that one step overflows the weights).
 
     Raises:
-        UserInputError: naming ``field`` (the learning rate to lower).
+        DivergedError: (a UserInputError) naming ``field`` (the learning rate to lower).
     """
     if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-        raise UserInputError(f"{what} diverged (NaN/Inf weights); allowed: a smaller learning rate", field=field)
+        raise DivergedError(f"{what} diverged (NaN/Inf weights); allowed: a smaller learning rate", field=field)
 
 
 def train_sgd(model: nn.Module, batches: Callable[[], Iterable[Any]], loss_of: Callable[[Any], torch.Tensor], *,

@@ -30,12 +30,14 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from rafl.errors import UserInputError
+from rafl.federation.aggregation import AggregationRule, clip_scales, update_norms
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.model import build_supernet, extract_subnet
 
@@ -59,23 +61,39 @@ def _flat_shape(entry: tuple[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[in
 
 
 def masked_average(global_state: Mapping[str, torch.Tensor],
-                   uploads: Sequence[tuple[Mapping[str, torch.Tensor], IndexMap, float]]) -> dict[str, torch.Tensor]:
+                   uploads: Sequence[tuple[Mapping[str, torch.Tensor], IndexMap, float]],
+                   rule: AggregationRule | None = None) -> dict[str, torch.Tensor]:
     """Average every global element over the uploads that hold it; elements no upload holds keep
     their value (HeteroFL, Diao et al. 2021, Eq. 3: ``W[e] = sum_{l holds e} w_l W_l[e] /
-    sum_{l holds e} w_l``).
+    sum_{l holds e} w_l``), merged by the run's rule (``engine.aggregation``).
+
+    * ``mean`` (or ``rule`` None): Eq. 3 as written.
+    * ``norm_clip``: every upload's update ``Delta_l = W_l - W[slice_l]`` (its floating tensors,
+      one global L2 norm) is scaled by ``s_l = min(1, M / ||Delta_l||_2)`` for ``M = rule.clip_norm``
+      (Sun et al. 2019, Sec. 4) before Eq. 3. With no ``clip_norm`` the bound is relative:
+      ``s_l = min(1, T / t_l)`` with ``t_l = w_l ||Delta_l||_2 / sqrt(n_l)`` (the weighted RMS of
+      the update over the ``n_l`` elements the client holds, so a narrow slice is not clipped for
+      being narrow) and ``T`` the lower median of the round's ``t_l``; where every upload holds every
+      element this is :func:`rafl.federation.aggregation.robust_average`'s ``norm_clip``.
+    * ``median`` / ``trimmed_mean``: per element, the coordinate-wise median or ``beta``-trimmed
+      mean over the uploads holding it (Yin et al. 2018, Defs. 1 and 2); weights are not used.
 
     Args:
         global_state: the global model (not modified).
         uploads: ``(client tensors, their IndexMap, weight)`` per upload, in a fixed order; a
             client tensor absent from the upload (e.g. static-BN statistics) is simply not held.
             Weights are the clients' sample counts (sample weighting) or 1 (count weighting).
+        rule: the run's :class:`~rafl.federation.aggregation.AggregationRule`, or None (``mean``).
 
     Returns:
-        a new global state. The arithmetic is :func:`rafl.federation.aggregation.weighted_average`'s
-        (float64, weights ``(c_l / S) / sum(c / S)`` over the holders, summed in upload order from
-        zero; integer tensors rounded), so where every upload holds every element the result
-        equals FedAvg's bit for bit.
+        a new global state. Under ``mean`` the arithmetic is
+        :func:`rafl.federation.aggregation.weighted_average`'s (float64, weights ``(c_l / S) /
+        sum(c / S)`` over the holders, summed in upload order from zero; integer tensors rounded),
+        so where every upload holds every element the result equals FedAvg's bit for bit.
     """
+    name = "mean" if rule is None else rule.name
+    if name == "norm_clip":
+        uploads = _clipped_uploads(global_state, uploads, rule)
     out: dict[str, torch.Tensor] = {}
     by_key: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for i, (tensors, index, _w) in enumerate(uploads):
@@ -104,6 +122,9 @@ def masked_average(global_state: Mapping[str, torch.Tensor],
             if not rows:
                 continue  # held by no upload: unchanged
             where = (inverse == p).nonzero().reshape(-1)
+            if name in ("median", "trimmed_mean") and ref.is_floating_point():
+                result[where] = _coordinatewise(torch.stack([dense[r][where] for r in rows]), rule)
+                continue
             counts = [weights[held[r][0]] for r in rows]
             total = sum(counts)
             norm = [c / total for c in counts]  # payload_weights
@@ -113,6 +134,42 @@ def masked_average(global_state: Mapping[str, torch.Tensor],
                 acc += (float(wr) / s) * dense[r][where]  # weighted_average
             result[where] = acc
         out[gkey] = (result.to(ref.dtype) if ref.is_floating_point() else result.round().to(ref.dtype)).reshape(ref.shape)
+    return out
+
+
+def _coordinatewise(rows: torch.Tensor, rule: AggregationRule) -> torch.Tensor:
+    """Median or trimmed mean over dim 0 of ``rows`` ``(m, n)`` float64 (Yin et al. 2018, Defs. 1, 2)."""
+    m = rows.shape[0]
+    ordered = rows.sort(dim=0).values
+    if rule.name == "median":
+        return ordered[(m - 1) // 2] if m % 2 else (ordered[m // 2 - 1] + ordered[m // 2]) / 2
+    b = int(math.floor(rule.trim_fraction * m))
+    return ordered[b:m - b].mean(dim=0)
+
+
+def _clipped_uploads(global_state: Mapping[str, torch.Tensor],
+                     uploads: Sequence[tuple[Mapping[str, torch.Tensor], IndexMap, float]],
+                     rule: AggregationRule) -> list[tuple[dict[str, torch.Tensor], IndexMap, float]]:
+    """``norm_clip`` of :func:`masked_average`: every upload's floating tensors moved to
+    ``ref + s_l (W_l - ref)``, ``ref`` the global slice it was cut from."""
+    refs, norms, sizes = [], [], []
+    for tensors, index, _w in uploads:
+        ref = {k: extract(global_state, index, [k])[k].to(torch.float64)
+               for k, v in tensors.items() if v.is_floating_point()}
+        refs.append(ref)
+        norms.append(update_norms([tensors], ref)[0])
+        sizes.append(max(1, sum(r.numel() for r in ref.values())))
+    if rule.clip_norm is not None:
+        scales = clip_scales(norms, rule.clip_norm)
+    else:
+        total = float(sum(float(w) for _t, _m, w in uploads)) or 1.0
+        scales = clip_scales([float(w) / total * n / math.sqrt(k) for (_t, _m, w), n, k in zip(uploads, norms, sizes)])
+    out = []
+    for (tensors, index, w), ref, sc in zip(uploads, refs, scales):
+        if sc < 1:
+            tensors = {k: (ref[k] + sc * (v.to(torch.float64) - ref[k])).to(v.dtype) if k in ref else v
+                       for k, v in tensors.items()}
+        out.append((dict(tensors), index, w))
     return out
 
 

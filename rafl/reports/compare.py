@@ -152,6 +152,10 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     row.update({"mb_up": up / 1e6, "mb_down": down / 1e6, "mb_total": (up + down) / 1e6,
                 "bytes_up_last_round": history[-1]["bytes_up"] if history else 0,
                 "rounds": len(history), "wall_s": float(wall_s)})
+    failed = int(summary.get("failed_rounds", 0) or 0)
+    if failed:  # rounds whose uploads were all refused: the row is not a clean run of the method
+        row["failed_rounds"] = failed
+        row["failed_round_reasons"] = list(summary.get("failed_round_reasons", []))[:5]
     part = sum(r.get("participated", 0) for r in history)
     row["mb_up_per_client_round"] = up / part / 1e6 if part else 0.0
     row["mb_down_per_client_round"] = down / part / 1e6 if part else 0.0
@@ -400,6 +404,19 @@ def extra_accuracies(rows: list[dict[str, Any]]) -> list[Accuracy]:
     return list(found.values())
 
 
+def failed_round_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines naming every method with failed rounds (``failed_rounds`` of its row: rounds
+    whose uploads were refused, which changed no state) and the first reason; empty when none."""
+    bad = [r for r in rows if r.get("failed_rounds")]
+    if not bad:
+        return []
+    lines = ["", "Failed rounds (the method's rows above are not clean runs):", ""]
+    for r in bad:
+        why = (r.get("failed_round_reasons") or ["no reason recorded"])[0]
+        lines.append(f"- {r['algorithm']}: {r['failed_rounds']} of {r['rounds']} round(s) failed; {why}")
+    return lines
+
+
 def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
     extra = [col for a in extra_accuracies(rows)
@@ -418,6 +435,7 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
              "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(k), k) for k, _ in cols) + " |" for r in rows]
     lines += tier_tables(rows)
+    lines += failed_round_notes(rows)
     atomic_write_text(out / "compare.md", "\n".join(lines) + "\n")
     flat = [_flat_row(r) for r in rows]
     keys = sorted({k for r in flat for k in r}, key=lambda k: (k != "algorithm", k))

@@ -33,9 +33,15 @@ samples as the server knows it (``ClientInfo.n_samples``; an upload's own claim 
 ``n_l / n`` restricted to the holders of each element; ``count`` weights every holder equally (the
 paper's Eq. 3 is the plain mean over holders).
 
+Robust aggregation (``engine.aggregation``, default ``norm_clip``): every upload's update of its
+slice is clipped before Eq. 3 (to ``engine.clip_norm``, or relative to the round's lower-median
+weighted RMS update, so no client outweighs the largest honest one); ``median`` and
+``trimmed_mean`` replace Eq. 3's mean by the coordinate-wise rule over the holders of each element
+(:func:`~rafl.federation.weight_sharing.masked_average`). Under ``mean`` a federation whose clients
+all hold the whole model is FedAvg bit for bit; under ``norm_clip`` it equals FedAvg's ``norm_clip``.
+
 BatchNorm statistics: by default (``static_bn: false``) the running statistics are averaged like
-every other weight (FedAvg's rule), so a federation whose clients all hold the whole model is
-FedAvg, bit for bit. ``static_bn: true`` is the paper's static BN (sBN, Sec. 3.2): running
+every other weight (FedAvg's rule). ``static_bn: true`` is the paper's static BN (sBN, Sec. 3.2): running
 statistics are never sent or averaged, training normalizes by batch statistics, and the model a
 client evaluates (its slice of the latest global model) gets statistics measured on the client's
 own training data (one pass, :func:`rafl.federation.training.recalibrate_local_bn`); the paper instead
@@ -233,7 +239,8 @@ class HeteroFL(Algorithm):
             if weight <= 0:
                 continue  # a client without training samples trains nothing
             held.append((u.tensors, index_map(server_state["layout"], info, rnd, self.rolling), weight))
-        new = masked_average(server_state["global"], held) if held else server_state["global"]
+        new = masked_average(server_state["global"], held, getattr(server, "aggregation", None)) if held \
+            else server_state["global"]
         state = {"global": new, "layout": server_state["layout"]}
         return state, self._broadcast(state, rnd + 1)
 
