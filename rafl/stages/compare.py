@@ -298,11 +298,13 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     subnets: dict[str, dict[str, Any]] = {}  # nas: {method: {profile: arch, source, budgets}}
     preps: dict[str, Any] = {}  # nas: the pipeline's preparation per method
     if members == ["nas"]:
+        data = None  # one copy of the images and the partition for every method (same data, partition, seed)
         for name, hp in hparams.items():
             c = cfg.model_copy(deep=True)
             c.algorithm = AlgorithmConfig(name=name, **hp)
             try:
-                prep = prepare(c, progress=progress)
+                prep = prepare(c, progress=progress, data=data)
+                data = (prep.dataset, prep.partition)
             except UserInputError as err:
                 if err.field != "algorithm.name":
                     raise
