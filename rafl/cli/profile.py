@@ -21,7 +21,8 @@ from rafl.supernet.arch import N_CLASSES_MAX, N_CLASSES_MIN, WIDTH_MULT_MAX, WID
               help="Subnet weights: subnet.safetensors from `rafl search` (arch and space inside), or a "
                    ".pt state dict together with --arch.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
-              help="Supernet folder (or `quickstart`, the cached quickstart supernet): its search space (and "
+              help="Supernet folder, `quickstart` (the cached quickstart supernet) or a shipped one by name: "
+                   "cifar10. Its search space (and "
                    "weights) are used. --build-lut without it (and without --width-mult/--n-classes) measures "
                    "the quickstart supernet's space.")
 @click.option("--width-mult", type=FiniteFloatRange(min=WIDTH_MULT_MIN, max=WIDTH_MULT_MAX), default=1.0,

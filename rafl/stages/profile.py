@@ -1,7 +1,8 @@
 """``rafl profile``: the cost report of one subnet on a device (:func:`profile_subnet`), or a
 measured per-layer latency LUT of a search space (:func:`build_lut`).
 
-The search space comes from ``--supernet`` (a folder or ``quickstart``), from the space an arch file records (``rafl
+The search space comes from ``--supernet`` (a folder, ``quickstart`` or a shipped name such as
+``cifar10``, as ``rafl search`` takes them), from the space an arch file records (``rafl
 search``'s ``subnet.yaml``), or from ``--width-mult``/``--n-classes``. Errors name the command's
 options (``--out``, ``--supernet``, ...). torch-heavy names are imported inside the functions, as
 the command did, so ``rafl`` itself stays light to import.
@@ -56,18 +57,24 @@ def space_note(space) -> str:
 
 def load_space(supernet_dir: str | Path | None, width_mult: float | None = None, n_classes: int | None = None):
     """``(space, supernet or None)``: the space (and weights) of ``supernet_dir`` -- a folder from
-    ``rafl supernet train`` or ``quickstart`` (the cached quickstart supernet) -- else the space of
-    ``width_mult``/``n_classes`` (None: their defaults).
+    ``rafl supernet train``, ``quickstart`` (the cached quickstart supernet) or a shipped name
+    (``cifar10``) -- else the space of ``width_mult``/``n_classes`` (None: their defaults).
 
     Raises:
-        UserInputError: (field ``--supernet``) an unknown folder, or weights
-            :func:`rafl.supernet.load_supernet` refuses.
+        UserInputError: (field ``--supernet``) an unknown folder, a broken or altered shipped
+            supernet, or weights :func:`rafl.supernet.load_supernet` refuses.
     """
     from rafl.supernet.arch import SearchSpace
 
     if supernet_dir is not None:
+        from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
         from rafl.supernet.quickstart import supernet_path
 
+        if is_pretrained_name(str(supernet_dir)):  # a shipped supernet (cifar10), checksum-checked
+            try:
+                supernet_dir = pretrained_path(str(supernet_dir))
+            except UserInputError as err:
+                raise UserInputError(err.message, source=err.source, field="--supernet") from None
         supernet_dir = supernet_path(supernet_dir, "--supernet")  # `quickstart`: the cached quickstart supernet
         if not supernet_dir.exists():
             raise UserInputError("no such supernet folder (from `rafl supernet train`)", source=supernet_dir,
