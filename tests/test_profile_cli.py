@@ -185,6 +185,25 @@ def test_supernet_folder_gives_the_space(tmp_path):
     assert res.exit_code == 2 and "--supernet" in res.output and not (tmp_path / "x").exists()
 
 
+def test_shipped_supernet_by_name_gives_its_space(tmp_path):
+    """`rafl profile --supernet cifar10` takes the shipped supernet by name, as `rafl search` does
+    (its space: width x0.35), not as a folder named cifar10 here."""
+    from rafl.supernet.pretrained import pretrained_path
+
+    space = SearchSpace.from_dict(json.loads((pretrained_path("cifar10") / "supernet.json").read_text())["search_space"])
+    res = _run(["profile", "--supernet", "cifar10", "--arch", ARCH, "--device-profile", "pi4",
+                "--out", str(tmp_path / "r"), "--no-measure"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "r" / "cost_report.json").read_text())
+    assert doc["search_space"]["width_mult"] == space.width_mult == 0.35
+    assert doc["search_space"]["n_classes"] == space.n_classes
+    # --build-lut measures the same space (stages.profile.load_space resolves the name for both)
+    from rafl.stages.profile import load_space
+
+    got, supernet = load_space("cifar10")
+    assert got == space and supernet is not None
+
+
 def test_nan_width_is_a_usage_error_not_a_traceback(tmp_path):
     res = CliRunner().invoke(cli, ["profile", "--arch", ARCH, "--device-profile", "pi4", "--width-mult", "nan",
                                    "--out", str(tmp_path / "out"), "--no-measure"])

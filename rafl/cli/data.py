@@ -2,41 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import click
 
 from rafl.cli._types import data_root_option
-from rafl.errors import UserInputError, allowed
-
-OUT_FILES = ("partition.json", "class_heatmap.png")
-
-
-#: :func:`rafl.data.make_partition`'s argument names -> this command's options, for its errors
-PARTITION_OPTIONS = {"k": "--k", "alpha": "--alpha", "min_samples": "--min-samples", "n_clients": "--clients",
-                     "public_fraction": "--public-fraction", "split": "--split", "partition": "--partition"}
-
-
-def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if out.is_dir() and any(out.iterdir()) and not (out / "partition.json").is_file():
-        raise UserInputError("is a non-empty folder that is not a previous `rafl data` output; "
-                             "choose a new or empty folder", source=out, field="--out")
-
-
-def _parse_split(text: str) -> tuple[float, float, float]:
-    try:
-        vals = tuple(float(v) for v in text.replace(":", ",").split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 3 or any(v < 0 or math.isnan(v) for v in vals) or vals[0] <= 0 or sum(vals) <= 0:
-        raise UserInputError(f"is {text!r}, allowed: three non-negative numbers train:val:test with train > 0, "
-                             "like 8:1:1 or 0.8,0.1,0.1",
-                             field="--split")
-    total = sum(vals)
-    return tuple(v / total for v in vals)  # type: ignore[return-value]
 
 
 @click.command("data")
@@ -73,87 +43,25 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
     (client id -> train/val/test index lists, the public pool, meta) and OUT/class_heatmap.png
     (clients x classes sample counts). Reuse the split anywhere with --partition file:OUT/partition.json.
     """
-    from rafl.data import DATASETS, SCHEMES
+    from rafl.stages import data as stage
 
     # ---- validate every option before touching data or disk
-    if dataset not in DATASETS:
-        raise UserInputError(f"is {dataset!r}, allowed: {allowed(DATASETS)}", field="--dataset")
-    if not (scheme in SCHEMES or scheme.startswith("file:")):
-        raise UserInputError(f"is {scheme!r}, allowed: {allowed([*SCHEMES, 'file:PATH'])}", field="--partition")
-    if scheme.startswith("file:") and not Path(scheme[5:]).is_file():
-        raise UserInputError("partition file not found", source=scheme[5:], field="--partition")
-    if scheme.startswith("file:"):  # a saved split is used as saved: an option that would shape one is a slip
-        ctx = click.get_current_context()
-        shaping = {"clients": "--clients", "k": "--k", "alpha": "--alpha", "min_samples": "--min-samples",
-                   "public_fraction": "--public-fraction", "public_seed": "--public-seed", "split_text": "--split",
-                   "seed": "--seed"}
-        given = [flag for param, flag in shaping.items()
-                 if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE]
-        if given:
-            raise UserInputError(f"is only used to make a partition; --partition {scheme} is used as saved (its "
-                                 "clients, pool and splits)", field=given[0])
-    if clients is None and scheme != "natural":
-        clients = 20
-    if clients is not None and clients <= 0:
-        raise UserInputError(f"is {clients}, allowed: an integer >= 1", field="--clients")
-    if k is not None and scheme != "pathological":
-        raise UserInputError(f"is only used with --partition pathological (got --partition {scheme})", field="--k")
-    if scheme == "pathological":
-        if k is None:
-            raise UserInputError("is required with --partition pathological (classes per client, 1..C)", field="--k")
-        if k <= 0:
-            raise UserInputError(f"is {k}, allowed: an integer 1..C (number of classes)", field="--k")
-    if scheme == "dirichlet" and not (alpha > 0 and math.isfinite(alpha)):
-        raise UserInputError(f"is {alpha}, allowed: a finite number > 0", field="--alpha")
-    if min_samples < 1:
-        raise UserInputError(f"is {min_samples}, allowed: an integer >= 1", field="--min-samples")
-    if not 0.0 <= public_fraction < 1.0:
-        raise UserInputError(f"is {public_fraction}, allowed: 0 <= fraction < 1", field="--public-fraction")
-    if seed < 0 or public_seed < 0:
-        raise UserInputError("seeds must be integers >= 0", field="--seed")
-    split = _parse_split(split_text)
-    if dataset != "digits" and data_root is None:
-        from rafl.data.sources import EXPECTED, default_data_root
-
-        if not default_data_root().exists():
-            raise UserInputError(f"is required for {dataset} (or set $RAFL_DATA_ROOT; {default_data_root()} "
-                                 f"does not exist); expected there: {EXPECTED[dataset]}", field="--data-root")
-    if scheme == "natural" and dataset != "femnist":
-        raise UserInputError(f"natural needs writer ids; allowed with --dataset femnist, not {dataset}",
-                             field="--partition")
-    _check_out(out)
+    ctx = click.get_current_context()
+    given = [param for param in stage.SHAPING_OPTIONS
+             if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE]
+    clients, split = stage.check_options(dataset, scheme, data_root=data_root, clients=clients, k=k, alpha=alpha,
+                                         min_samples=min_samples, public_fraction=public_fraction,
+                                         public_seed=public_seed, split_text=split_text, seed=seed, out=out,
+                                         given=given)
 
     # ---- load and partition (raise UserInputError on bad data; nothing is written yet)
-    from rafl.data import load_dataset, make_partition
-    from rafl.data.report import plot_class_heatmap, print_partition_table
+    made = stage.partition_dataset(dataset, scheme, clients, seed, split, data_root=data_root, k=k, alpha=alpha,
+                                   min_samples=min_samples, public_fraction=public_fraction, public_seed=public_seed,
+                                   resolution=resolution, limit_per_class=limit_per_class, progress=not quiet)
+    from rafl.data.report import print_partition_table
 
-    try:
-        ds = load_dataset(dataset, data_root, resolution=resolution, limit_per_class=limit_per_class,
-                          progress=not quiet)
-    except UserInputError as err:  # the library's argument name -> the option
-        if err.field != "data_root":
-            raise
-        raise UserInputError(err.message, source=err.source, field="--data-root") from None
-    labels = ds.labels.numpy()
-    try:
-        part = make_partition(labels, scheme, clients, seed, k=k, alpha=alpha, min_samples=min_samples,
-                              public_fraction=public_fraction, public_seed=public_seed, writers=ds.writers,
-                              split=split, dataset=dataset, origin=ds.origin)
-    except UserInputError as err:  # the library names its arguments (k, min_samples): say the options
-        if err.source is not None or err.field not in PARTITION_OPTIONS:
-            raise
-        raise UserInputError(err.message, field=PARTITION_OPTIONS[err.field]) from None
-    if limit_per_class is not None:
-        part.meta["limit_per_class"] = limit_per_class
-    counts = part.class_counts(labels, ds.num_classes)
-    print_partition_table(part, labels, ds.classes)
+    print_partition_table(made.partition, made.labels, made.ds.classes)
 
     # ---- write atomically: everything lands under OUT at once, or nothing does
-    from rafl.io import atomic_dir
-
-    params = ", ".join(f"{k_}={v}" for k_, v in part.meta.get("params", {}).items())
-    title = f"{dataset}: {part.meta.get('scheme')}{f' ({params})' if params else ''}, {part.n_clients} clients"
-    with atomic_dir(out, overwrite=True) as tmp:
-        part.save(tmp / "partition.json")
-        plot_class_heatmap(counts, ds.classes, tmp / "class_heatmap.png", title=title)
+    stage.write_partition(out, made)
     click.echo(f"wrote {out / 'partition.json'} and {out / 'class_heatmap.png'}")

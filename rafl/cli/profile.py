@@ -7,138 +7,8 @@ from pathlib import Path
 import click
 
 from rafl.cli._types import FiniteFloatRange
-from rafl.errors import UserInputError, load_error_detail
+from rafl.errors import UserInputError
 from rafl.supernet.arch import N_CLASSES_MAX, N_CLASSES_MIN, WIDTH_MULT_MAX, WIDTH_MULT_MIN
-
-REPORT_FILES = ("cost_report.md", "cost_report.json", "cost_report.png")
-
-
-def _space(width_mult: float, n_classes: int, supernet_dir: Path | None):
-    """``(space, supernet or None)`` from --supernet or --width-mult/--n-classes."""
-    from rafl.supernet.arch import SearchSpace
-
-    if supernet_dir is not None:
-        from rafl.supernet.quickstart import supernet_path
-
-        supernet_dir = supernet_path(supernet_dir, "--supernet")  # `quickstart`: the cached quickstart supernet
-        if not supernet_dir.exists():
-            raise UserInputError("no such supernet folder (from `rafl supernet train`)", source=supernet_dir,
-                                 field="--supernet")
-        from rafl.supernet import load_supernet
-
-        supernet = load_supernet(supernet_dir).eval()
-        return supernet.space, supernet
-    return SearchSpace(width_mult=width_mult, n_classes=n_classes), None
-
-
-def _load_arch(text: str, space, hint: str | None = None):
-    """The arch of ``text`` (a file or an arch string), validated against ``space``; ``hint``
-    is appended to the error of an arch outside the space."""
-    from rafl.supernet.arch import ArchConfig
-
-    path = Path(text)
-    try:
-        if path.is_file() or path.suffix in (".yaml", ".yml", ".json"):
-            return ArchConfig.load(path, space)
-        return ArchConfig.from_string(text, space)
-    except UserInputError as err:
-        outside = (err.field or "").split("[")[0] in ("ks", "e", "d", "r")  # ArchConfig.validate's fields
-        if hint is None or not outside:
-            raise
-        raise UserInputError(f"{err.message}; {hint}", source=err.source, field=err.field) from None
-
-
-def _recorded_space(text: str | None):
-    """``(SearchSpace, supernet path or None, file)`` recorded with an arch file, or None.
-
-    ``rafl search`` writes ``search_space`` and ``supernet`` into its ``subnet.yaml``; for a
-    ``subnet.yaml`` written before it did, the ``result.json`` beside it (same arch) records them.
-    """
-
-    import yaml
-
-    from rafl.io import load_yaml, read_json_file, read_text_file
-    from rafl.supernet.arch import SearchSpace
-
-    if text is None:
-        return None
-    path = Path(text)
-    if not path.is_file():
-        return None
-    try:
-        data = load_yaml(read_text_file(path), path)
-    except (yaml.YAMLError, UnicodeDecodeError, OSError, UserInputError):
-        return None  # ArchConfig.load reports it
-    if not isinstance(data, dict):
-        return None
-    source, rec = path, data
-    if not isinstance(rec.get("search_space"), dict):
-        beside = path.parent / "result.json"
-        try:
-            rec = read_json_file(beside) if beside.is_file() else None
-        except (OSError, ValueError):
-            rec = None
-        if not (isinstance(rec, dict) and isinstance(rec.get("search_space"), dict)
-                and rec.get("arch") == data.get("arch", data)):
-            return None
-        source = beside
-    try:
-        space = SearchSpace.from_dict(rec["search_space"], source=source)
-    except (UserInputError, TypeError, ValueError) as err:
-        raise UserInputError(f"search_space is malformed ({err})", source=source, field="search_space") from None
-    supernet = rec.get("supernet")
-    return space, (str(supernet) if supernet else None), source
-
-
-def _space_note(space) -> str:
-    return (f"width x{space.width_mult:g}, {space.n_classes} classes, "
-            f"{'/'.join(str(r) for r in space.resolutions)} px")
-
-
-def _load_model(path: Path, arch_text: str | None, space, hint: str | None = None):
-    """``(subnet, arch, space)`` from a subnet.safetensors (arch + space in its metadata) or a
-    ``.pt`` state dict (needs --arch; loaded with ``weights_only=True``)."""
-    if not path.exists():
-        raise UserInputError("no such file", source=path, field="--model")
-    if path.suffix in (".pt", ".pth"):
-        import torch
-
-        from rafl.supernet import subnet_from_arch
-
-        if arch_text is None:
-            raise UserInputError("a .pt state dict needs --arch (the subnet's arch file or string)", source=path,
-                                 field="--model")
-        arch = _load_arch(arch_text, space, hint)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unpickling/format problem is bad input
-            raise UserInputError(f"not a loadable state dict ({err.__class__.__name__})", source=path,
-                                 field="--model") from None
-        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-            state = state["state_dict"]
-        sub = subnet_from_arch(space, arch)
-        try:
-            sub.load_state_dict(state)
-        except (RuntimeError, TypeError, AttributeError) as err:
-            raise UserInputError(f"state dict does not fit arch {arch.to_string(space)} at width "
-                                 f"x{space.width_mult}: {load_error_detail(err)}", source=path,
-                                 field="--model") from None
-        return sub.eval(), arch, space
-    from rafl.stages.search import load_searched_subnet
-
-    sub = load_searched_subnet(path)
-    return sub.eval(), sub.arch, sub.space
-
-
-
-def _is_latency_lut(path: Path) -> bool:
-    """Whether ``path`` is a file that :func:`rafl.search.latency.load_latency_lut` reads."""
-    from rafl.search.latency import load_latency_lut
-
-    try:
-        return path.is_file() and isinstance(load_latency_lut(path), dict)
-    except UserInputError:
-        return False
 
 
 @click.command("profile")
@@ -151,7 +21,8 @@ def _is_latency_lut(path: Path) -> bool:
               help="Subnet weights: subnet.safetensors from `rafl search` (arch and space inside), or a "
                    ".pt state dict together with --arch.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
-              help="Supernet folder (or `quickstart`, the cached quickstart supernet): its search space (and "
+              help="Supernet folder, `quickstart` (the cached quickstart supernet) or a shipped one by name: "
+                   "cifar10. Its search space (and "
                    "weights) are used. --build-lut without it (and without --width-mult/--n-classes) measures "
                    "the quickstart supernet's space.")
 @click.option("--width-mult", type=FiniteFloatRange(min=WIDTH_MULT_MIN, max=WIDTH_MULT_MAX), default=1.0,
@@ -197,110 +68,37 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
     rafl profile --model runs/search/pi4/subnet.safetensors --device-profile pi4 --out report/
     rafl profile --build-lut --device-profile pi4 --out pi4-lut.yaml
     """
-    import torch
-
     from rafl.search.profile import load_profile
+    from rafl.stages import profile as stage
 
     prof = load_profile(device_profile)  # bad profile: exit 2 before any work
+    ctx = click.get_current_context()
+    given = {name: value for name, value in (("width_mult", width_mult), ("n_classes", n_classes))
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
     if build_lut:
         if arch_text or model_path:
             raise UserInputError("--build-lut measures every layer of the space; drop --arch/--model",
                                  field="--build-lut")
-        if out.suffix not in (".yaml", ".yml"):
-            raise UserInputError("with --build-lut, --out is the LUT file and must end in .yaml/.yml",
-                                 source=out, field="--out")
-        if out.exists() and not _is_latency_lut(out):  # a rebuilt LUT replaces the old one, nothing else
-            raise UserInputError("exists and is not a latency LUT (--build-lut replaces only an earlier LUT); "
-                                 "choose another --out", source=out, field="--out")
-        ctx = click.get_current_context()
-        given = [opt for name, opt in (("width_mult", "--width-mult"), ("n_classes", "--n-classes"))
-                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-        if supernet_dir is None and not given:  # the space `rafl search` / `rafl federate` use without --supernet
-            from rafl.supernet.quickstart import quickstart_space
-
-            space = quickstart_space()
-            click.echo(f"no --supernet: measuring the quickstart supernet's space ({_space_note(space)}), the one "
-                       "rafl search and rafl federate use by default; pass --supernet DIR for another", err=True)
-        else:
-            space, _ = _space(width_mult, n_classes, supernet_dir)
-        from rafl.search.latency import build_latency_lut
-        from rafl.search.units import fixed_units, slot_units
-
-        specs = []
-        for r in space.resolutions:
-            head, tail = fixed_units(space, r)
-            specs += [s for _, s in head + tail]
-            specs += [s for row in slot_units(space, r) for col in row for s in col]
-        entries = build_latency_lut(specs, out, threads=threads, warmup=warmup, repeats=repeats,
-                                    progress=not quiet, clock=clock, statistic=statistic, space=space,
-                                    calibrate=calibrate,
-                                    meta={"device_profile": prof.name, "search_space": space.to_dict()})
-        from rafl.search.latency import latency_lut_correction
-
-        a, b = latency_lut_correction(out)
+        res = stage.build_lut(prof, out, supernet_dir=supernet_dir, threads=threads, warmup=warmup, repeats=repeats,
+                              clock=clock, statistic=statistic, calibrate=calibrate, progress=not quiet,
+                              say=lambda line: click.echo(line, err=True), **given)
+        a, b = res.correction
         corr = (f"; whole-network correction a = {a:.3f}, b = {b:+.3f} ms from {calibrate} random subnets"
                 if calibrate else "")
-        click.echo(f"wrote {out}: {len(entries)} layer configurations, {statistic} of {repeats} runs each "
+        click.echo(f"wrote {out}: {res.entries} layer configurations, {statistic} of {repeats} runs each "
                    f"({threads} thread(s), {clock} clock){corr}; reference it from a profile with "
                    f"`latency_lut: {out}`")
-        from rafl.io import load_yaml
-
-        method = (load_yaml(out.read_text(), out).get("network_correction") or {}).get("method", "")
-        if "two-term fit gave" in method:
-            click.echo(f"warning: network_correction: {method}", err=True)
+        if res.warning:
+            click.echo(f"warning: network_correction: {res.warning}", err=True)
         return
 
-    if arch_text is None and model_path is None:
-        raise UserInputError("give --arch ARCH (file or string) or --model SUBNET", field="--arch/--model")
-    if arch_text is not None and model_path is not None and model_path.suffix not in (".pt", ".pth"):
-        raise UserInputError("a subnet.safetensors carries its own arch; drop --arch (only a .pt state dict "
-                             "takes --arch)", field="--arch/--model")
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if out.is_dir():
-        foreign = [p.name for p in out.iterdir() if p.name not in REPORT_FILES]
-        if foreign:
-            raise UserInputError(f"folder holds other files ({', '.join(sorted(foreign)[:3])}); choose a new "
-                                 "or empty folder", source=out, field="--out")
-    space, supernet = _space(width_mult, n_classes, supernet_dir)
-    recorded = _recorded_space(arch_text)
-    hint = None
-    if recorded is not None:
-        rec_space, rec_supernet, rec_file = recorded
-        origin = f"supernet {rec_supernet}" if rec_supernet else "its supernet"
-        if supernet_dir is not None and supernet.space != rec_space:
-            raise UserInputError(f"--supernet has another search space ({_space_note(supernet.space)}) than "
-                                 f"{rec_file} records for this arch ({_space_note(rec_space)}, from {origin}); "
-                                 "pass the supernet it was searched in, or drop --supernet",
-                                 source=supernet_dir, field="--supernet")
-        if supernet_dir is None:
-            ctx = click.get_current_context()
-            for name, opt, value in (("width_mult", "--width-mult", width_mult), ("n_classes", "--n-classes", n_classes)):
-                if (ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
-                        and value != getattr(rec_space, name)):
-                    raise UserInputError(f"is {value:g}, but {rec_file} records a search space with {name} "
-                                         f"{getattr(rec_space, name):g} (from {origin}); drop {opt}", field=opt)
-            space = rec_space  # the arch file's own space (as `rafl search` wrote it)
-    elif supernet_dir is None:
-        hint = (f"the arch is not in the search space used ({_space_note(space)}: --width-mult/--n-classes or their defaults); "
-                "pass --supernet DIR (the supernet it was searched in)")
-    model = None
-    if model_path is not None:
-        model, arch, space = _load_model(model_path, arch_text, space, hint)
-        supernet = None
-    else:
-        arch = _load_arch(arch_text, space, hint)
-    from rafl.io import atomic_dir
-    from rafl.reports.profile_report import fmt_cost, write_profile_report
+    res = stage.profile_subnet(prof, out, arch_text=arch_text, model_path=model_path, supernet_dir=supernet_dir,
+                               batch_size=batch_size, threads=threads, warmup=warmup, repeats=repeats,
+                               measure=not no_measure, **given)
+    from rafl.reports.profile_report import fmt_cost
 
-    torch.set_num_threads(threads)
-    with atomic_dir(out, overwrite=True) as tmp:
-        doc = write_profile_report(arch, prof, tmp, space=space, model=model, supernet=supernet,
-                                   batch_size=batch_size, measure=not no_measure, warmup=warmup, repeats=repeats)
-    from rafl.search.cost import Cost
-
-    cost = Cost(**{k: doc["cost"][k] if doc["cost"][k] is not None else float("nan") for k in Cost.__dataclass_fields__})
+    doc = res.doc
     verdict = "feasible" if doc["feasible"] else "INFEASIBLE: " + "; ".join(
         f"{b['budget']} {b['value']:.4g} > {b['limit']:.4g}" for b in doc["budgets"] if not b["passed"])
-    click.echo(f"{arch.to_string(space)} on {prof.name}: {fmt_cost(cost)} -> {verdict}")
+    click.echo(f"{res.arch.to_string(res.space)} on {prof.name}: {fmt_cost(res.cost)} -> {verdict}")
     click.echo(f"wrote {out}/cost_report.md, .json, .png")

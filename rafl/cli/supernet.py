@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -10,21 +9,6 @@ import click
 from rafl.cli._types import data_root_option
 from rafl.errors import UserInputError
 from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN
-
-
-def _parse_ints(text: str | None, option: str) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    from rafl.supernet.train import MAX_RESOLUTION
-
-    try:
-        values = tuple(int(v) for v in text.replace(" ", "").split(","))  # an empty item ("12,,14") is an error
-    except ValueError:
-        values = ()
-    if not values or any(not 4 <= v <= MAX_RESOLUTION for v in values):
-        raise UserInputError(f"is {text!r}, allowed: comma-separated integers in 4..{MAX_RESOLUTION} like 16,20,24",
-                             field=option)
-    return values
 
 
 @click.group("supernet")
@@ -70,109 +54,20 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
     import os
 
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0  # torchrun's rank
+    from rafl.stages import supernet as stage
+
     try:
-        _train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, resolutions, batch_size,
-               limit_per_class, config_file, preset, resume, no_progress, rank)
+        run_dir, metrics = stage.train(
+            out, dataset=dataset, data_root=data_root, epochs_per_phase=epochs_per_phase, device=device, seed=seed,
+            width_mult=width_mult, resolutions=stage.parse_resolutions(resolutions, "--resolutions"),
+            batch_size=batch_size, limit_per_class=limit_per_class, config_file=config_file, preset=preset,
+            resume=resume, progress=not no_progress, rank=rank)
     except UserInputError:
         if rank > 0:  # every rank meets the same error: rank 0 alone says it
             raise SystemExit(2) from None
         raise
-
-
-def _train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, resolutions, batch_size,
-           limit_per_class, config_file, preset, resume, no_progress, rank: int) -> None:
-    import yaml
-
-    from rafl.io import load_yaml
-    from rafl.search.cost import check_training_memory
-    from rafl.supernet.train import CONFIG_NAME, TrainConfig, holds_supernet_run, train_supernet
-
-    # paths are recorded absolute (config.json), so --resume works from any folder: --data-root
-    # against the current folder, a config file's data_root against the file's folder
-    options = {"dataset": dataset, "data_root": None if data_root is None else str(data_root.expanduser().resolve()),
-               "epochs_per_phase": epochs_per_phase, "device": device, "seed": seed, "width_mult": width_mult,
-               "resolutions": _parse_ints(resolutions, "--resolutions"), "batch_size": batch_size,
-               "limit_per_class": limit_per_class}
-    given = {k: v for k, v in options.items() if v is not None}
-    if resume is not None and config_file is not None:
-        raise UserInputError("cannot be combined with --resume (the run folder's config.json is used)",
-                             field="--config")
-    if preset is not None:
-        from rafl.supernet.presets import preset_path
-
-        if resume is not None:
-            raise UserInputError("cannot be combined with --resume (the run folder's config.json is used)",
-                                 field="--preset")
-        if config_file is not None:
-            raise UserInputError("cannot be combined with --config (a preset is a config file: copy it from "
-                                 f"{preset_path(preset)} and edit it)", field="--preset")
-        config_file = preset_path(preset)
-    base: dict = {}
-    source: Path | None = None
-    if config_file is not None:
-        if not config_file.is_file():
-            raise UserInputError("no such file", source=config_file, field="--config")
-        try:
-            base = load_yaml(config_file.read_text(), config_file) or {}
-        except (yaml.YAMLError, UnicodeDecodeError):
-            raise UserInputError("not valid YAML/JSON", source=config_file, field="--config") from None
-        if not isinstance(base, dict):
-            raise UserInputError("expected a mapping of TrainConfig fields", source=config_file, field="--config")
-        if isinstance(base.get("data_root"), str) and base["data_root"]:
-            base["data_root"] = str((config_file.parent / Path(base["data_root"]).expanduser()).resolve())
-        source = config_file
-    if resume is not None:
-        if not resume.exists():
-            raise UserInputError("does not exist", source=resume, field="--resume")
-        if out is not None and out.resolve() != resume.resolve():
-            raise UserInputError(f"is {out}, but --resume continues the run in {resume}; omit --out",
-                                 field="--out")
-        out = resume
-        saved = resume / CONFIG_NAME
-        if not saved.is_file():
-            raise UserInputError(f"has no {CONFIG_NAME}: not a `rafl supernet train` run folder",
-                                 source=resume, field="--resume")
-        if not holds_supernet_run(resume):  # another tool's config.json: --resume would start a run there
-            raise UserInputError(f"its {CONFIG_NAME} was not written by `rafl supernet train` (no ks_choices, "
-                                 "epochs_full, ...): not a supernet run folder", source=saved, field="--resume")
-        try:
-            base = json.loads(saved.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserInputError("not valid JSON (truncated or corrupted?)", source=saved, field="--resume") from None
-        source = saved
-        per_phase = given.pop("epochs_per_phase", None)
-        if per_phase is not None:
-            given.update({f"epochs_{p}": per_phase for p in ("full", "kernel", "depth", "expand")})
-        changed = [k for k, v in given.items() if k != "device" and base.get(k) != (list(v) if isinstance(v, tuple) else v)]
-        if changed:
-            raise UserInputError(f"option(s) {changed} differ from the saved run's config; --resume continues "
-                                 "with the saved config (only --device may change)", source=saved, field="--resume")
-    if out is None:
-        raise UserInputError("is required (the run folder to write)", field="--out")
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if resume is None and out.is_dir() and any(out.iterdir()) and not holds_supernet_run(out):
-        raise UserInputError("is not empty; allowed: a new or empty folder (or --resume a supernet run)",
-                             source=out, field="--out")
-    config = TrainConfig.from_options(source=source, **{**base, **given})
-
-    fresh = resume is None and (not out.exists() or not any(out.iterdir()))
-    existed = out.exists()
-    try:
-        _, metrics = train_supernet(config, out, resume=resume is not None, progress=not no_progress,
-                                    check_memory=check_training_memory)
-    except UserInputError as err:
-        if fresh and rank == 0 and (err.field or "").startswith("lr_"):  # diverged: its checkpoints cannot be resumed
-            import shutil  # with another lr, so leave nothing behind
-
-            if existed:
-                for child in out.iterdir():
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
-            else:
-                shutil.rmtree(out, ignore_errors=True)
-        raise
     if rank == 0:
-        _print_table(metrics, out)
+        _print_table(metrics, run_dir)
 
 
 def _print_table(metrics: dict, out: Path) -> None:
@@ -202,20 +97,11 @@ def info(path: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from rafl.supernet.arch import SearchSpace, log10_num_subnets
-    from rafl.supernet.checkpoint import load_meta, load_supernet
-    from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
-    from rafl.supernet.quickstart import supernet_path
+    from rafl.stages.supernet import describe
+    from rafl.supernet.arch import log10_num_subnets
 
-    if is_pretrained_name(str(path)):
-        path = pretrained_path(str(path))
-    path = supernet_path(path, "PATH")  # `quickstart`: the cached quickstart supernet's folder
-    meta = load_meta(path)
-    if not isinstance(meta, dict) or "search_space" not in meta:
-        raise UserInputError("is not a supernet.json written by `rafl supernet train`", source=path)
-    space = SearchSpace.from_dict(meta["search_space"], source=path)
-    folder = path if path.is_dir() else path.parent
-    load_supernet(folder)  # verifies the weights (checksum, every tensor's shape, finite values)
+    found = describe(path, "PATH")
+    path, space, meta = found.path, found.space, found.meta
     console = Console()
     console.print(f"search space: ks {list(space.ks_choices)}, e {list(space.e_choices)}, d {list(space.d_choices)}, "
                   f"r {list(space.resolutions)} px; width_mult {space.width_mult}; {space.n_classes} classes; "

@@ -8,6 +8,9 @@
 - :mod:`rafl.stages.federate`: ``rafl federate`` (new run or ``--resume``; it picks the runner);
 - :mod:`rafl.stages.compare`: ``rafl compare``, the methods on one partition;
 - :mod:`rafl.stages.search`: ``rafl search``'s output folders;
+- :mod:`rafl.stages.data`: ``rafl data``, a dataset's partition over the clients;
+- :mod:`rafl.stages.supernet`: ``rafl supernet train`` and ``rafl supernet info``;
+- :mod:`rafl.stages.profile`: ``rafl profile``, a subnet's cost report or a measured latency LUT;
 - :mod:`rafl.stages.flower`: the Flower App, its node side, the Simulation Runtime, a local fleet,
   the forking SuperExec and the SuperNode with a shorter idle poll.
 """
