@@ -294,36 +294,18 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     cfg.clients.models, cfg.clients.feature_dim = models, feature_dim
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    feds: dict[str, tuple[Federation, list]] = {}
+    build = _method_builder(cfg, hparams, members, feature_dim, progress, validation)
+    tables: dict[str, list] = {}
     subnets: dict[str, dict[str, Any]] = {}  # nas: {method: {profile: arch, source, budgets}}
-    preps: dict[str, Any] = {}  # nas: the pipeline's preparation per method
-    if members == ["nas"]:
-        data = None  # one copy of the images and the partition for every method (same data, partition, seed)
-        for name, hp in hparams.items():
-            c = cfg.model_copy(deep=True)
-            c.algorithm = AlgorithmConfig(name=name, **hp)
-            try:
-                prep = prepare(c, progress=progress, data=data)
-                data = (prep.dataset, prep.partition)
-            except UserInputError as err:
-                if err.field != "algorithm.name":
-                    raise
-                raise UserInputError(err.message, source=err.source, field="--algorithms") from None
-            feds[name] = (prep.federation, prep.clients_table)
-            subnets[name] = prep.extra.get("profiles", {})
-            preps[name] = prep
-    else:
-        ds, part = load_data_and_partition(cfg, progress)
-        device = torch.device(cfg.train.device)
-        for name, hp in hparams.items():
-            algo = get_algorithm(name)(**hp)
-            check_public_pool(algo, hp, part)
-            feds[name] = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
-                                                batch_size=cfg.train.batch_size, device=device, seed=cfg.seed)
-    for name, (fed, _) in feds.items():  # every method's own checks (e.g. header shapes) before writing
+    built: dict[str, tuple[Federation, list, Any]] = {}  # the first method's, kept for its run
+    for name in hparams:  # every method built and checked (e.g. header shapes) before anything is written
+        fed, tables[name], prep = build(name)
         fed.algorithm.init_server(fed.server)
-        if validation:
-            fed.loaders, fed.global_test = validation_loaders(fed.loaders), None
+        if prep is not None:
+            subnets[name] = prep.extra.get("profiles", {})
+        if not built:
+            built[name] = (fed, tables[name], prep)
+        del fed, prep  # one method's models in memory at a time (it is built again for its run)
     if cfg.engine.backend != "in-process":
         raise UserInputError(f"is {cfg.engine.backend!r}; rafl compare runs its methods in-process (allowed: "
                              "in-process); run one method on Flower with rafl federate", field="engine.backend")
@@ -337,7 +319,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         claim_file(out / "config.yaml")  # a compare started together into the same --out: one error, not a mix
         atomic_write_yaml(out / "config.yaml", {**shared, "algorithms": hparams})
     rows = []
-    for name, (fed, table) in feds.items():
+    for name, table in tables.items():
+        fed, _, prep = built.pop(name) if name in built else build(name)
         run_dir = out / name
         if run_dir.exists() and not run_dir.is_dir():
             raise UserInputError("is not a folder (a method's run dir); remove it to rerun the method", source=run_dir)
@@ -379,19 +362,62 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                 raise _method_error(err, name, hparams[name], out) from None
             raise
         wall = time.perf_counter() - t0 + earlier_s
-        if name in preps:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
-            export_federated_supernet(preps[name], run_dir, summary)
+        if prep is not None:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
+            export_federated_supernet(prep, run_dir, summary)
         rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
         if finetune and fed.algorithm.global_model:
             rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, rows[-1], table))
         write_table(out, with_settings(rows, hparams), models)
     rows = with_settings(rows, hparams)
     if members == ["nas"]:
-        common_client_tiers(rows, out, next(iter(feds.values()))[1])
+        common_client_tiers(rows, out, next(iter(tables.values())))
     write_table(out, rows, models)  # also when every method was already finished (resume)
     plot_compare(out / "compare.png", rows)
     plot_accuracy_vs_mb(out / "compare_curve.png", {r["algorithm"]: read_history(out / r["algorithm"]) for r in rows})
     return rows
+
+
+def _method_builder(cfg: RunConfig, hparams: dict[str, dict[str, Any]], members: list[str], feature_dim: int,
+                    progress: bool, validation: bool):
+    """``build(name) -> (federation, clients table, Prepared or None)`` of one method of a comparison:
+    :func:`prepare` for NAS subnets, :func:`build_group_federation` for a model group. Every method
+    shares one copy of the images and the partition (loaded by the first build); with ``validation``
+    the clients' test splits are their validation splits and there is no global test set.
+
+    Raises:
+        UserInputError: (when called) what :func:`prepare` raises, an unknown method named as
+            ``--algorithms``, a method that needs a public pool the partition lacks.
+    """
+    data: list = []  # [(dataset, partition)] once loaded
+    device = torch.device(cfg.train.device)
+
+    def build(name: str):
+        hp = hparams[name]
+        prep = None
+        if members == ["nas"]:
+            c = cfg.model_copy(deep=True)
+            c.algorithm = AlgorithmConfig(name=name, **hp)
+            try:
+                prep = prepare(c, progress=progress, data=data[0] if data else None)
+            except UserInputError as err:
+                if err.field != "algorithm.name":
+                    raise
+                raise UserInputError(err.message, source=err.source, field="--algorithms") from None
+            data[:] = [(prep.dataset, prep.partition)]
+            fed, table = prep.federation, prep.clients_table
+        else:
+            if not data:
+                data.append(load_data_and_partition(cfg, progress))
+            ds, part = data[0]
+            algo = get_algorithm(name)(**hp)
+            check_public_pool(algo, hp, part)
+            fed, table = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
+                                                batch_size=cfg.train.batch_size, device=device, seed=cfg.seed)
+        if validation:
+            fed.loaders, fed.global_test = validation_loaders(fed.loaders), None
+        return fed, table, prep
+
+    return build
 
 
 def validation_loaders(loaders):
