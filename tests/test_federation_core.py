@@ -12,10 +12,10 @@ from rafl.config import parse_overrides
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import payload_weights, weighted_average
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
-from rafl.federation.losses import train_mutual as train_dml
+from rafl.federation.losses import dml_losses, kl_soft
 from rafl.federation.payload import Payload
 from rafl.federation.run_config import load_run_config
-from rafl.federation.training import dml_losses, kl_soft
+from rafl.federation.training import train_mutual as train_dml
 
 
 # ---------------------------------------------------------------------- payload
@@ -310,8 +310,8 @@ class _FeatHead(torch.nn.Module):
 def test_dml_recalibrates_the_private_model_only(trainer):
     """RaFL's knowledge network / FML's meme model are averaged with their BN statistics on the
     server: only the specialized (private) model is recalibrated after local training."""
-    from rafl.federation.losses import train_mutual
-    from rafl.federation.losses import train_mutual as train_dml
+    from rafl.federation.training import train_mutual
+    from rafl.federation.training import train_mutual as train_dml
 
     torch.manual_seed(0)
     a, b = _FeatHead(), _FeatHead()
@@ -326,7 +326,8 @@ def test_dml_recalibrates_the_private_model_only(trainer):
 
 def test_distill_kl_moves_the_student_toward_the_teacher():
     """Server-side distillation (RaFL Eq. 9, FedDF) runs end to end and lowers the KL."""
-    from rafl.federation.training import distill_kl, kl_soft
+    from rafl.federation.losses import kl_soft
+    from rafl.federation.training import distill_kl
     torch.manual_seed(0)
     student = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
     images = torch.randn(40, 6)

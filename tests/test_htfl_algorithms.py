@@ -435,7 +435,7 @@ def test_train_mode_freezes_batchnorm_only_for_a_single_sample():
     one = DataLoader(TensorDataset(torch.randn(1, 1, 4, 4), torch.zeros(1, dtype=torch.long)), batch_size=8)
     assert recalibrate_bn(model, one) == 0 and torch.equal(model[1].running_var, before)
     # also through the wrapper FedGH and LG-FedAvg train with (a BN1d plug-in's running variance was 0)
-    from rafl.federation.losses import NoSingletonBatches
+    from rafl.federation.training import NoSingletonBatches
 
     assert recalibrate_bn(model, NoSingletonBatches(one)) == 0 and torch.equal(model[1].running_var, before)
     assert not train_mode(model, NoSingletonBatches(one))[1].training
@@ -481,7 +481,7 @@ def test_train_mutual_loss_terms_and_kl_directions(adaptive, hidden):
     the shared one KL(p_private || p_shared), with the adaptive scale 1/(CE_a + CE_b) and the hidden MSE."""
     from torch.nn import functional as F
 
-    from rafl.federation.losses import train_mutual
+    from rafl.federation.training import train_mutual
 
     x, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 3, 4, 0])
     a, b = _Tiny(0), _Tiny(1)

@@ -207,7 +207,7 @@ def test_fedkd_svd_compression_roundtrip():
 
 
 def test_singleton_batches_are_merged_and_bn_models_train():
-    from rafl.federation.losses import NoSingletonBatches, no_singleton_batches, train_regularized
+    from rafl.federation.training import NoSingletonBatches, no_singleton_batches, train_regularized
 
     x, y = torch.randn(9, 3), torch.arange(9) % 2
     batches = [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])]        # n % B == 1

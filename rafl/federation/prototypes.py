@@ -12,8 +12,8 @@ Building blocks of FedGH (Yi et al., ACM MM 2023), FedProto (Tan et al., AAAI 20
   float32`` + ``<prefix>labels (S,) int32``: exactly ``(S + S*r) x 32`` bits of tensor data for
   S classes held and r-dimensional vectors (FedGH Sec. 4.3); :func:`check_class_upload` checks a
   received one (the server's side of the wire);
-* :func:`safe_distance` / :func:`pairwise_distances` -- Euclidean distances whose gradient is
-  finite at zero distance;
+* :func:`safe_distance` / :func:`pairwise_distances` (defined in :mod:`rafl.federation.losses`,
+  re-exported here) -- Euclidean distances whose gradient is finite at zero distance;
 * :func:`adaptive_margin` -- FedTGP's adaptive margin delta(t) (Zhang et al., server side);
 * :func:`nearest_prototype` -- prototype-based inference (FedProto Sec. 4.3; FedTGP).
 
@@ -28,15 +28,13 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError
+from rafl.federation.losses import DIST_EPS, pairwise_distances, safe_distance, stack_targets, target_bank
 from rafl.federation.training import evaluate_accuracy
 from rafl.models.split import features_then_head
 from rafl.models.zoo import HeteroModel
 from rafl.supernet.model import Subnet
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-#: Squared distances below this are clamped before the square root (value ~1e-6, gradient 0).
-DIST_EPS = 1e-12
 
 
 # ---------------------------------------------------------------------- per-class averages
@@ -234,26 +232,6 @@ def payload_tensor_bits(n_classes_held: int, dim: int) -> int:
 
 
 # ---------------------------------------------------------------------- distances
-def safe_distance(a: torch.Tensor, b: torch.Tensor, eps: float = DIST_EPS) -> torch.Tensor:
-    """Row-wise Euclidean distance ``||a - b||_2`` with a finite gradient at zero distance.
-
-    ``sqrt`` has an infinite derivative at 0 (and ``x/||x||`` is 0/0), so the squared distance
-    is clamped at ``eps`` first: the value at zero is ``sqrt(eps)`` (1e-6) and the gradient 0.
-
-    Args:
-        a, b: (N, r) (or broadcastable) tensors.
-
-    Returns:
-        (N,) distances.
-    """
-    sq = (a - b).pow(2).sum(-1)
-    return sq.clamp_min(eps).sqrt()
-
-
-def pairwise_distances(x: torch.Tensor, y: torch.Tensor, eps: float = DIST_EPS) -> torch.Tensor:
-    """Euclidean distance matrix ``D[i, j] = ||x_i - y_j||_2`` ((N, r), (M, r) -> (N, M)),
-    computed from explicit differences (exact, no cancellation) and NaN-free at zero."""
-    return safe_distance(x.unsqueeze(1), y.unsqueeze(0), eps)
 
 
 def adaptive_margin(protos: Mapping[int, torch.Tensor], tau: float = 100.0) -> float:
@@ -347,39 +325,6 @@ def evaluate_head_and_prototypes(model: nn.Module, loader: Iterable[Batch], prot
         total += int(labels.numel())
     model.train(was)
     return (head, total), ((proto, total) if protos else (0, 0))
-
-
-def target_bank(protos: Mapping[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(bank (C, r) float32, has (C,) bool)`` with ``C = max class id + 1``: row ``k`` holds the
-    prototype of class ``k`` (zeros and ``has[k] = False`` for a class without one). Build it once
-    per round and look targets up per batch (:func:`stack_targets`)."""
-    if not protos:
-        return torch.zeros(0, 0), torch.zeros(0, dtype=torch.bool)
-    dim = next(iter(protos.values())).numel()
-    n_cls = max(protos) + 1
-    bank = torch.zeros(n_cls, dim)
-    has = torch.zeros(n_cls, dtype=torch.bool)
-    for k, v in protos.items():
-        bank[int(k)] = v.detach().to("cpu", torch.float32).reshape(-1)
-        has[int(k)] = True
-    return bank, has
-
-
-def stack_targets(protos: Mapping[int, torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
-                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prototype of each sample's class: ``(targets (B, r), mask (B,) bool)``; samples whose
-    class has no prototype get a zero row and ``mask=False`` (they add no prototype loss).
-    ``protos``: ``{class id: (r,)}``, or the :func:`target_bank` of such a mapping."""
-    bank, has = protos if isinstance(protos, tuple) else target_bank(protos)
-    if not len(has):
-        return torch.zeros(len(labels), 0), torch.zeros(len(labels), dtype=torch.bool)
-    lab = labels.cpu()
-    inside = lab < len(has)  # a class id beyond every prototype's: a zero row, no prototype
-    if not bool(inside.all()):
-        lab = torch.where(inside, lab, torch.zeros_like(lab))
-        targets = torch.where(inside.unsqueeze(1), bank[lab], torch.zeros(()))
-        return targets.to(labels.device), (has[lab] & inside).to(labels.device)
-    return bank[lab].to(labels.device), has[lab].to(labels.device)
 
 
 def weighted_class_average(items: Iterable[tuple[Mapping[int, torch.Tensor], Mapping[int, int] | None]]

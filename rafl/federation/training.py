@@ -1,8 +1,12 @@
 """Shared local-training building blocks, written once and used by every FL method.
 
 * :func:`train_ce` -- cross-entropy epochs (optionally FedProx's proximal term);
-* :func:`dml_losses` -- the deep mutual learning losses of RaFL (Eqs. 3-6; the training loop is
-  :func:`rafl.federation.losses.train_mutual`);
+* :func:`train_regularized` -- cross-entropy plus a method's term (FedProto, FedTGP, FD: the terms
+  are in :mod:`rafl.federation.losses`);
+* :func:`train_mutual` -- the two-model loop of RaFL (Yu et al., Eqs. 3-6: deep mutual learning with
+  KL weight alpha), FML (Shen et al., 2020, Eqs. 1-2) and FedKD (Wu et al., Nature Communications
+  2022, Eqs. 1-4): a private and a shared model learn from each other with per-model CE/KL weights,
+  optional adaptive (loss-normalised) distillation and a hidden representation loss;
 * :func:`recalibrate_local_bn` -- BN statistics re-estimated on a client's data after local training;
 * :func:`train_sgd` -- plain SGD epochs on server-held data (FedGH's header, FedTGP's prototypes);
 * :func:`distill_kl` -- KL distillation of a student into given soft targets (RaFL Eq. 9, FedDF);
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import DivergedError
+from rafl.federation.losses import Regularizer, kl_soft
 from rafl.federation.progress import report
 from rafl.supernet.model import recalibrate_bn
 
@@ -64,7 +69,6 @@ def no_singleton_batches(loader: Iterable[Batch], min_size: int = MIN_BATCH) -> 
         if len(held[1]) == 1:
             held = (held[0].repeat(2, *([1] * (held[0].ndim - 1))), held[1].repeat(2))
         yield held
-
 
 
 def loader_size(loader: Iterable[Batch]) -> int | None:
@@ -179,48 +183,6 @@ class TrainStats:
     @property
     def accuracy(self) -> float:
         return self.correct / self.samples if self.samples else 0.0
-
-
-def kl_soft(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, mean over the batch.
-
-    Args:
-        student_logits: (B, K) logits of the model being trained.
-        teacher_logits: (B, K) target logits (treated as constants: detached here).
-        temperature: T > 0.
-
-    Returns:
-        scalar tensor. This is the KL term of RaFL Eqs. 4 and 6 (``D_KL(p_k || p_l)`` with
-        ``p_k`` the target) and of Eq. 9.
-    """
-    t = float(temperature)
-    log_p_student = F.log_softmax(student_logits / t, dim=1)
-    p_teacher = F.softmax(teacher_logits.detach() / t, dim=1)
-    return F.kl_div(log_p_student, p_teacher, reduction="batchmean") * (t * t)
-
-
-def dml_losses(logits_l: torch.Tensor, logits_k: torch.Tensor, labels: torch.Tensor,
-               temperature: float = 1.0, alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deep mutual learning losses of RaFL (Yu et al., Eqs. 3-6; Zhang et al., CVPR 2018, Eq. 2).
-
-    ``L(theta_l) = CE(p_l, y) + alpha * KL(p_k || p_l)`` (Eqs. 3-4) and
-    ``L(theta_k) = CE(p_k, y) + alpha * KL(p_l || p_k)`` (Eqs. 5-6), where each KL treats the
-    *other* model's distribution as a constant target (at temperature T, scaled by T^2).
-
-    Args:
-        logits_l: (B, K) logits of the local specialized model theta_l.
-        logits_k: (B, K) logits of the knowledge network theta_k.
-        labels: (B,) int64 class ids.
-        temperature: softmax temperature of the KL terms (RaFL uses 1).
-        alpha: weight of the KL terms.
-
-    Returns:
-        ``(loss_l, loss_k)``, two scalars; ``loss_l`` only has gradients into ``logits_l`` and
-        ``loss_k`` only into ``logits_k``.
-    """
-    loss_l = F.cross_entropy(logits_l, labels) + alpha * kl_soft(logits_l, logits_k, temperature)
-    loss_k = F.cross_entropy(logits_k, labels) + alpha * kl_soft(logits_k, logits_l, temperature)
-    return loss_l, loss_k
 
 
 def _proximal(model: nn.Module, reference: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -509,6 +471,140 @@ def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, moment
     raise ValueError(f"unknown optimizer {name!r}; allowed: sgd, adam")
 
 
-__all__ = ["TrainStats", "kl_soft", "dml_losses", "train_ce", "train_mode", "loader_size", "evaluate_header_rules",
-           "check_finite_loss", "check_finite_params", "train_sgd", "recalibrate_local_bn", "predict_logits",
-           "distill_kl", "evaluate_accuracy", "extract_representations", "class_means", "make_optimizer"]
+class NoSingletonBatches:
+    """A re-iterable view of a loader through :func:`no_singleton_batches` (use it once per epoch)."""
+
+    def __init__(self, loader: Iterable[Batch]):
+        self.loader = loader
+
+    @property
+    def dataset(self):
+        """The wrapped loader's dataset (what :func:`~rafl.federation.training.loader_size` counts)."""
+        return self.loader.dataset
+
+    def __iter__(self):
+        return no_singleton_batches(self.loader)
+
+
+def train_regularized(model: nn.Module, loader: Iterable[Batch], optimizer: torch.optim.Optimizer,
+                      extra: Regularizer | None = None, *, epochs: int = 1,
+                      device: torch.device | str = "cpu",
+                      diverged: tuple[str, str | None] = ("algorithm.lr", None),
+                      last_epoch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+                      ) -> TrainStats:
+    """``epochs`` passes of ``CE(head(f(x)), y) + extra(f(x), logits, y)``.
+
+    Args:
+        model: has ``features(x) -> (B, r)`` and ``head: (B, r) -> (B, K)``.
+        loader: yields ``(images, labels)``.
+        optimizer: over the trainable parameters.
+        extra: a :data:`Regularizer` or None (plain CE).
+        epochs: passes over the loader.
+        device: where to compute.
+        diverged: the keys a diverged loss names (:func:`~rafl.federation.training.check_finite_loss`).
+        last_epoch: sees every batch of the last epoch (:func:`~rafl.federation.training.train_ce`).
+
+    Returns:
+        :class:`~rafl.federation.training.TrainStats` (``loss`` = mean total loss).
+
+    Raises:
+        UserInputError: the loss turned NaN/Inf (naming ``diverged``).
+    """
+    if extra is None:  # still run the model as head(features(x)): it may have no forward()
+        def extra(feats, logits, labels):
+            return logits.new_zeros(())
+    return train_ce(model, loader, optimizer, epochs=epochs, device=device, extra=extra, diverged=diverged,
+                    last_epoch=last_epoch)
+
+
+def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch],
+                 opt_a: torch.optim.Optimizer, opt_b: torch.optim.Optimizer, *, epochs: int = 1,
+                 ce_a: float = 1.0, kl_a: float = 1.0, ce_b: float = 1.0, kl_b: float = 1.0,
+                 temperature: float = 1.0, adaptive: bool = False, hidden_weight: float = 0.0,
+                 max_grad_norm: float = 0.0,
+                 device: torch.device | str = "cpu") -> tuple[TrainStats, TrainStats]:
+    """Mutual learning of a private model ``a`` and a shared model ``b``.
+
+    ``L_a = ce_a * CE_a + kl_a * s * KL(p_b || p_a) + hidden_weight * s * MSE(h_a, h_b)`` and
+    ``L_b = ce_b * CE_b + kl_b * s * KL(p_a || p_b) + hidden_weight * s * MSE(h_b, h_a)``, each KL
+    / MSE with the other model's output as a constant target, ``s = 1`` or, with ``adaptive``,
+    ``s = 1 / (CE_a + CE_b)`` (a constant: FedKD's adaptive mutual distillation, Wu et al. Eqs.
+    1-4, which trusts the distillation more when both models predict well). FML (Shen et al. 2020,
+    Eqs. 1-2): ``ce_a = alpha, kl_a = 1 - alpha, ce_b = beta, kl_b = 1 - beta``. RaFL's deep mutual
+    learning (Yu et al., Eqs. 3-6; :func:`~rafl.federation.losses.dml_losses`): ``ce_a = ce_b = 1``,
+    ``kl_a = kl_b = alpha``. Only ``model_a`` ends with BN recalibration (:func:`recalibrate_local_bn`):
+    ``model_b`` is averaged on the server with its running statistics.
+
+    Args:
+        model_a / model_b: ``(B, C, H, W) -> (B, K)`` models, run as ``head(features(x))`` when
+            both have ``features`` and ``head`` (the same representation width when
+            ``hidden_weight > 0``), else as ``model(x)``.
+        loader: yields ``(images, labels)``.
+        opt_a / opt_b: optimizers of the two models.
+        epochs, temperature: as named.
+        max_grad_norm: clip each model's gradient to this L2 norm before its step (0 = off). The
+            adaptive scale grows without bound as both models fit their data; HtFLlib's FedKD
+            client clips at 10.
+
+    Returns:
+        ``(stats_a, stats_b)``.
+
+    Raises:
+        ValueError: ``hidden_weight > 0`` and the two representations differ in width, or a model
+            has no ``features`` / ``head``.
+    """
+    split = all(hasattr(m, "features") and hasattr(m, "head") for m in (model_a, model_b))
+    if hidden_weight > 0 and not split:
+        raise ValueError("hidden loss needs models with features and head")
+    train_mode(model_a, loader)
+    train_mode(model_b, loader)
+    st_a, st_b = TrainStats(), TrainStats()
+    sum_a = sum_b = 0.0
+    batches = len(loader) if hasattr(loader, "__len__") else None
+    for epoch in range(int(epochs)):
+        report("epoch", epoch=epoch + 1, epochs=int(epochs))
+        for b, (images, labels) in enumerate(no_singleton_batches(loader)):
+            report("batch", batch=b + 1, batches=batches, epoch=epoch + 1, epochs=int(epochs))
+            images, labels = images.to(device), labels.to(device)
+            if split:
+                h_a, h_b = model_a.features(images), model_b.features(images)
+                z_a, z_b = model_a.head(h_a), model_b.head(h_b)
+            else:
+                z_a, z_b = model_a(images), model_b(images)
+            ce_la, ce_lb = F.cross_entropy(z_a, labels), F.cross_entropy(z_b, labels)
+            s = 1.0 / float((ce_la + ce_lb).detach().clamp_min(1e-8)) if adaptive else 1.0
+            loss_a = ce_a * ce_la + kl_a * s * kl_soft(z_a, z_b, temperature)
+            loss_b = ce_b * ce_lb + kl_b * s * kl_soft(z_b, z_a, temperature)
+            if hidden_weight > 0:
+                if h_a.shape != h_b.shape:
+                    raise ValueError(f"hidden loss needs equal representation widths, got {tuple(h_a.shape)} "
+                                     f"and {tuple(h_b.shape)}")
+                loss_a = loss_a + hidden_weight * s * F.mse_loss(h_a, h_b.detach())
+                loss_b = loss_b + hidden_weight * s * F.mse_loss(h_b, h_a.detach())
+            check_finite_loss(loss_a + loss_b)
+            opt_a.zero_grad(set_to_none=True)
+            opt_b.zero_grad(set_to_none=True)
+            (loss_a + loss_b).backward()  # disjoint parameters: each loss's targets are detached
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model_a.parameters(), max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(model_b.parameters(), max_grad_norm)
+            opt_a.step()
+            opt_b.step()
+            n = int(labels.numel())
+            for st, z in ((st_a, z_a), (st_b, z_b)):
+                st.steps += 1
+                st.samples += n
+                st.correct += int((z.detach().argmax(1) == labels).sum())
+            sum_a += float(loss_a.detach())
+            sum_b += float(loss_b.detach())
+    st_a.loss = sum_a / st_a.steps if st_a.steps else 0.0
+    st_b.loss = sum_b / st_b.steps if st_b.steps else 0.0
+    if st_a.steps:  # BN recalibration of the private model only (model_b is averaged on the server)
+        recalibrate_local_bn(model_a, loader, device=device)
+    return st_a, st_b
+
+
+__all__ = ["TrainStats", "NoSingletonBatches", "train_regularized", "train_mutual", "train_ce", "train_mode",
+           "loader_size", "evaluate_header_rules", "check_finite_loss", "check_finite_params", "train_sgd",
+           "recalibrate_local_bn", "predict_logits", "distill_kl", "evaluate_accuracy",
+           "extract_representations", "class_means", "make_optimizer"]

@@ -62,10 +62,9 @@ from rafl.federation.algorithms._common import build, cpu_state, eval_counts, op
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded, choice
 from rafl.federation.headers import common_header, head_state, load_head
-from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import check_class_upload, from_payload, local_class_averages, to_payload_tensors
-from rafl.federation.training import evaluate_header_rules, train_ce, train_sgd
+from rafl.federation.training import NoSingletonBatches, evaluate_header_rules, train_ce, train_sgd
 
 HEAD = "head."
 LAR = "lar."

@@ -2,7 +2,7 @@
 
 Wu et al., "Communication-efficient federated learning via knowledge distillation", Nature
 Communications 2022. Every client has a private *mentor* (its own architecture) and a copy of the
-shared small *mentee*. Locally (Eqs. 1-4, :func:`rafl.federation.losses.train_mutual` with
+shared small *mentee*. Locally (Eqs. 1-4, :func:`rafl.federation.training.train_mutual` with
 ``adaptive=True``):
 
     L_mentor = CE_t + (KL(p_s || p_t) + MSE(h_t, h_s)) / (CE_t + CE_s)
@@ -36,8 +36,8 @@ from rafl.federation.algorithms._common import build, cpu_state, optimizer_for
 from rafl.federation.algorithms.base import ClientContext, ServerContext, register
 from rafl.federation.algorithms.fml import PrivateAndSharedModel, shared_model
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
-from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
+from rafl.federation.training import train_mutual
 
 PREFIX = "global."
 UPD = "upd."

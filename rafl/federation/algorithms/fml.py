@@ -8,7 +8,7 @@ model group's ``"knowledge"`` model). Locally they learn from each other (Eqs. 1
     L_private = alpha * CE(p_private, y) + (1 - alpha) * KL(p_meme || p_private)
     L_meme    = beta  * CE(p_meme, y)    + (1 - beta)  * KL(p_private || p_meme)
 
-(:func:`rafl.federation.losses.train_mutual`); only the meme model is uploaded and the server
+(:func:`rafl.federation.training.train_mutual`); only the meme model is uploaded and the server
 averages it weighted by ``n_k / sum n`` (FedAvg). Reported: ``model`` (private) and ``global`` (meme).
 Tensor names: ``global.<state_dict key>``.
 """
@@ -22,9 +22,8 @@ from rafl.federation.algorithms._common import build, cpu_state, eval_counts, op
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, Text, bounded
 from rafl.federation.algorithms.rafl import resolve_knowledge_arch
-from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
-from rafl.federation.training import evaluate_accuracy
+from rafl.federation.training import evaluate_accuracy, train_mutual
 
 PREFIX = "global."
 #: the shared model's accuracy (FML's meme model, FedKD's mentee)

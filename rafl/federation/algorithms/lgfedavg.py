@@ -19,9 +19,8 @@ from rafl.federation.algorithms._common import build, cpu_state, eval_counts, op
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Hyperparameters, LocalTraining
 from rafl.federation.headers import common_header, head_state, load_head
-from rafl.federation.losses import NoSingletonBatches
 from rafl.federation.payload import Payload
-from rafl.federation.training import evaluate_accuracy, train_ce
+from rafl.federation.training import NoSingletonBatches, evaluate_accuracy, train_ce
 
 HEAD = "head."
 

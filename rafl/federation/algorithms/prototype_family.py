@@ -37,7 +37,7 @@ from rafl.federation.algorithms._common import build, cpu_state, divergence_keys
 from rafl.federation.algorithms.base import DEPLOYED, Accuracy, Algorithm, ClientContext, ServerContext
 from rafl.federation.algorithms.hparams import LocalTraining, choice
 from rafl.federation.headers import feature_dim
-from rafl.federation.losses import Regularizer, train_regularized
+from rafl.federation.losses import Regularizer
 from rafl.federation.payload import Payload
 from rafl.federation.prototypes import (
     RunningClassMeans,
@@ -47,7 +47,7 @@ from rafl.federation.prototypes import (
     to_payload_tensors,
     weighted_class_average,
 )
-from rafl.federation.training import evaluate_accuracy
+from rafl.federation.training import evaluate_accuracy, train_regularized
 
 #: the wire prefix of the server's broadcast of global per-class vectors
 GLOBAL = "global."

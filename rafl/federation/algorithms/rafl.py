@@ -11,7 +11,7 @@ subnet's parameters, so without it the knowledge network could not be much small
 specialized models (quickstart supernet: 280 k parameters for the smallest subnet, 70 k narrowed;
 ``knowledge_width: 1`` gives the plain smallest subnet). The default 0.375 was the best of 0.25 /
 0.375 / 0.5 in ``bench/federate_rafl.py``'s CIFAR-10 scenario (accuracy gain vs upload). Locally the two learn from
-each other by deep mutual learning (Eqs. 3-6, :func:`rafl.federation.losses.train_mutual`):
+each other by deep mutual learning (Eqs. 3-6, :func:`rafl.federation.training.train_mutual`):
 
     L(theta_l) = CE(p_l, y) + KL(p_k || p_l)          (Eqs. 3-4)
     L(theta_k) = CE(p_k, y) + KL(p_l || p_k)          (Eqs. 5-6)
@@ -48,9 +48,8 @@ from rafl.federation.algorithms.base import (
     register,
 )
 from rafl.federation.algorithms.hparams import Bool, Float, Hyperparameters, Int, LocalTraining, Text, bounded, fraction
-from rafl.federation.losses import train_mutual
 from rafl.federation.payload import Payload
-from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits
+from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits, train_mutual
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.model import Subnet, narrow_width
 
