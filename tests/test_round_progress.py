@@ -9,7 +9,7 @@ import yaml
 from click.testing import CliRunner
 
 from rafl.cli import cli
-from rafl.federation.progress import listening, report
+from rafl.federation.events import listening, report
 from rafl.reports.progress import RoundProgress
 
 

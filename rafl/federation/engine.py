@@ -73,8 +73,8 @@ from rafl.config import EngineConfig
 from rafl.errors import DivergedError, UserInputError, shown, warn
 from rafl.federation.aggregation import AggregationRule
 from rafl.federation.algorithms.base import ServerContext
+from rafl.federation.events import report
 from rafl.federation.payload import CountedPayload, Payload
-from rafl.federation.progress import report
 from rafl.federation.runners import Federation, RunnerFactory
 from rafl.federation.screening import UploadPolicy, screen_uploads
 from rafl.federation.seeds import SeedTree

@@ -30,8 +30,8 @@ import torch
 
 from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
+from rafl.federation.events import report
 from rafl.federation.payload import Payload
-from rafl.federation.progress import report
 from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore
 

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rafl.errors import DivergedError
+from rafl.federation.events import report
 from rafl.federation.losses import Regularizer, kl_soft
-from rafl.federation.progress import report
 from rafl.supernet.model import recalibrate_bn
 
 Batch = tuple[torch.Tensor, torch.Tensor]

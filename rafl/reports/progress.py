@@ -1,4 +1,4 @@
-"""The display of progress inside a federated round (a listener of :mod:`rafl.federation.progress`).
+"""The display of progress inside a federated round (a listener of :mod:`rafl.federation.events`).
 
 On a terminal: a second tqdm bar under the engine's bar over rounds, ``round 3 clients: 1/2,
 client 7 epoch 2/2 batch 13/40, about 50 s left``, updated as clients finish and batches run, and
@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from rafl.federation.progress import listening
+from rafl.federation.events import listening
 
 #: seconds of local training batches after which the first round's estimate is printed
 ESTIMATE_AFTER_S = 5.0

@@ -1,4 +1,4 @@
-"""Progress events from inside a federated round, for whoever displays them.
+"""Progress events from inside a federated round (the producer side; :mod:`rafl.reports.progress` displays them).
 
 The engine and the local-training loops call :func:`report` at a few points of a round; nothing
 happens unless a listener is installed with :func:`listening` (the CLI's display,
