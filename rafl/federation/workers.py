@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation import progress
+from rafl.federation import events
 from rafl.federation.payload import Payload
 from rafl.federation.runners import (
     ClientRunner,
@@ -164,13 +164,13 @@ def _worker_main(conn, others: list, fed, store_dir: str, seed: int) -> None:
     for c in others:  # the run's ends of the other workers' pipes: let them see EOF when the run dies
         c.close()
     torch.set_num_threads(1)
-    progress.silence()  # the run's process shows the round's progress (its clients done, as replies come)
+    events.silence()  # the run's process shows the round's progress (its clients done, as replies come)
 
     def forward(event: str, info: dict) -> None:  # the batches of the client trained here, to the run's display
         if event == "batch":
             conn.send(("progress", event, info))
 
-    with progress.listening(forward):
+    with events.listening(forward):
         _serve(conn, fed, store_dir, seed)
 
 
@@ -423,7 +423,7 @@ class WorkerClients(ClientRunner):
                         msg = None
                     if msg is not None and msg[0] == "progress":  # a batch of the job it is running
                         if kind == "train":
-                            progress.report(msg[1], client=jobs[w.job[0]][0], **msg[2])
+                            events.report(msg[1], client=jobs[w.job[0]][0], **msg[2])
                         continue
                     if msg is not None:
                         i = w.job[0]
@@ -431,7 +431,7 @@ class WorkerClients(ClientRunner):
                         if msg[0] == "ok":
                             results[i] = msg[1]
                             if kind == "train":
-                                progress.report("client_done", client=jobs[i][0])
+                                events.report("client_done", client=jobs[i][0])
                         else:
                             errors[i] = (msg[1], msg[2])
                             todo[:] = [j for j in todo if needed(j)]
