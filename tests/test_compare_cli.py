@@ -717,3 +717,25 @@ def test_compare_with_failed_rounds_exits_non_zero_naming_the_method(tmp_path):
     rows = {r["algorithm"]: r for r in json.loads((out / "compare.json").read_text())["rows"]}
     assert rows["fedgh"]["failed_rounds"] == 1 and "failed_rounds" not in rows["standalone"]
     assert "- fedgh: 1 of 1 round(s) failed" in (out / "compare.md").read_text()
+
+
+def test_a_compare_folder_a_live_compare_writes_into_is_refused(tmp_path):
+    """rafl compare holds rafl.io.lock_dir on its --out while it runs (here: this process holds it):
+    --resume of it is refused with one line; released, the same --resume keeps the finished rows."""
+    import os
+
+    from rafl.io import lock_dir
+
+    out = tmp_path / "cmp"
+    assert CliRunner().invoke(cli, ["compare", "--algorithms", "standalone", *TINY, "--out", str(out)]).exit_code == 0
+    table = (out / "compare.json").read_text()
+    fd = lock_dir(out)
+    try:
+        res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    finally:
+        os.close(fd)
+    assert res.exit_code == 2 and f"{out}: --resume: another run is writing into this folder now" in res.output, \
+        res.output
+    assert (out / "compare.json").read_text() == table
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output

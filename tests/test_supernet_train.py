@@ -314,3 +314,28 @@ def test_a_resolution_whose_largest_subnet_cannot_train_in_memory_is_refused_bef
         train_mod.check_training_memory(big, 10, torch.device("cpu"))
     train_mod.check_training_memory(TrainConfig.from_options(dataset="digits", resolutions=(32,)), 10,
                                     torch.device("cpu"))
+
+
+def test_a_resume_of_a_folder_a_live_run_writes_into_is_refused(tmp_path):
+    """The writing run holds rafl.io.lock_dir on its folder (here: this process holds it, as a live
+    training would): --resume is one error naming the folder, nothing changes; once released (the
+    run ended, or died: the kernel drops the lock) the same --resume continues."""
+    import os
+
+    from rafl.io import lock_dir
+
+    out = tmp_path / "run"
+    train_supernet(TrainConfig.from_options(dataset="digits", epochs_per_phase=1, width_mult=0.25, resolutions=(12,),
+                                            limit_per_class=10, batch_size=16), out, progress=False,
+                   stop_after_epochs=1)
+    before = (out / "resume.pt").read_bytes()
+    fd = lock_dir(out)
+    try:
+        res = CliRunner().invoke(cli, ["supernet", "train", "--resume", str(out), "--no-progress"])
+    finally:
+        os.close(fd)
+    assert res.exit_code == 2, res.output
+    assert f"{out}: resume: another run is writing into this folder now" in res.output, res.output
+    assert (out / "resume.pt").read_bytes() == before
+    res = CliRunner().invoke(cli, ["supernet", "train", "--resume", str(out), "--no-progress"])
+    assert res.exit_code == 0 and (out / "supernet.safetensors").is_file(), res.output

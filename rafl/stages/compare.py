@@ -18,6 +18,7 @@ profile); any other value is a model group / list for :mod:`rafl.models`, assign
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -47,7 +48,7 @@ from rafl.federation.finetune import finetune_evaluate
 from rafl.federation.payload import Payload
 from rafl.federation.run_config import load_run_config, without_unused_pool
 from rafl.federation.store import load_state
-from rafl.io import atomic_write_json, atomic_write_yaml, claim_file
+from rafl.io import atomic_write_json, atomic_write_yaml, claim_file, lock_dir
 from rafl.models import resolve_models
 from rafl.models.plugin import is_plugin_spec, load_factory
 from rafl.reports.compare import (
@@ -313,68 +314,74 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     participation(ecfg, cfg.clients.n)  # a count larger than the population is an error before writing
     out_existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
-    shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
-    if not resume:
-        claim_file(out / "config.yaml")  # a compare started together into the same --out: one error, not a mix
-        atomic_write_yaml(out / "config.yaml", {**shared, "algorithms": hparams})
-    rows = []
-    for name, table in tables.items():
-        fed, _, prep = built.pop(name) if name in built else build(name)
-        run_dir = out / name
-        if run_dir.exists() and not run_dir.is_dir():
-            raise UserInputError("is not a folder (a method's run dir); remove it to rerun the method", source=run_dir)
-        # what the method's run was started with: a resumed run must continue with the same settings
-        # (engine left out: only the number of rounds may differ, and it is checked per row)
-        # (clients.models / clients.feature_dim are the top-level models / feature_dim: compared there,
-        # so folders written before the clients section had them still resume)
-        clients = {k: v for k, v in shared["clients"].items() if k not in ("models", "feature_dim")}
-        started = json.loads(json.dumps({**shared, "clients": clients, "engine": None, "hparams": hparams[name]},
-                                        default=str))
-        done = previous.get(name) if run_dir.is_dir() else None  # its run dir removed: rerun it (the hints say so)
-        continuing = resume and (run_dir / CHECKPOINT).is_file()
-        if done is not None or continuing:
-            _check_started_with(run_dir, started, get_algorithm(name).defaults)
-            check_same_clients(run_dir, table, cfg.partition.scheme)
-            completed = len(read_history(run_dir))
-            if completed > ecfg.rounds:
-                raise UserInputError(f"is {ecfg.rounds}, but {name} has completed {completed} rounds; allowed: "
-                                     f"an integer >= {completed}", source=out / "config.yaml", field="engine.rounds")
-        if done is not None and done.get("rounds") == ecfg.rounds:
-            rows.append(done)
+    # held while this comparison writes (the kernel drops it when the process ends, also on kill -9):
+    # a second live compare or --resume of the same folder is refused, a dead one's folder resumes
+    lock = lock_dir(out, "--resume" if resume else "--out")
+    try:
+        previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
+        shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
+        if not resume:
+            claim_file(out / "config.yaml")  # a compare started together into the same --out: one error, not a mix
+            atomic_write_yaml(out / "config.yaml", {**shared, "algorithms": hparams})
+        rows = []
+        for name, table in tables.items():
+            fed, _, prep = built.pop(name) if name in built else build(name)
+            run_dir = out / name
+            if run_dir.exists() and not run_dir.is_dir():
+                raise UserInputError("is not a folder (a method's run dir); remove it to rerun the method", source=run_dir)
+            # what the method's run was started with: a resumed run must continue with the same settings
+            # (engine left out: only the number of rounds may differ, and it is checked per row)
+            # (clients.models / clients.feature_dim are the top-level models / feature_dim: compared there,
+            # so folders written before the clients section had them still resume)
+            clients = {k: v for k, v in shared["clients"].items() if k not in ("models", "feature_dim")}
+            started = json.loads(json.dumps({**shared, "clients": clients, "engine": None, "hparams": hparams[name]},
+                                            default=str))
+            done = previous.get(name) if run_dir.is_dir() else None  # its run dir removed: rerun it (the hints say so)
+            continuing = resume and (run_dir / CHECKPOINT).is_file()
+            if done is not None or continuing:
+                _check_started_with(run_dir, started, get_algorithm(name).defaults)
+                check_same_clients(run_dir, table, cfg.partition.scheme)
+                completed = len(read_history(run_dir))
+                if completed > ecfg.rounds:
+                    raise UserInputError(f"is {ecfg.rounds}, but {name} has completed {completed} rounds; allowed: "
+                                         f"an integer >= {completed}", source=out / "config.yaml", field="engine.rounds")
+            if done is not None and done.get("rounds") == ecfg.rounds:
+                rows.append(done)
+                if finetune and fed.algorithm.global_model:
+                    rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, done, table))
+                continue
+            earlier_s = sum(r.get("time_s", 0.0) for r in read_history(run_dir)) if continuing else 0.0
+            if not continuing:
+                if run_dir.exists():  # an attempt that never completed round 1
+                    shutil.rmtree(run_dir)
+                run_dir.mkdir()
+                group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
+                atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
+                atomic_write_json(run_dir / STARTED_WITH, started)
+            t0 = time.perf_counter()
+            try:
+                summary = run_engine(fed, ecfg, run_dir, resume=continuing, progress=progress)
+            except BaseException as err:
+                _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
+                if isinstance(err, UserInputError):  # say which method failed; its keys as compare names them
+                    raise _method_error(err, name, hparams[name], out) from None
+                raise
+            wall = time.perf_counter() - t0 + earlier_s
+            if prep is not None:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
+                export_federated_supernet(prep, run_dir, summary)
+            rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
             if finetune and fed.algorithm.global_model:
-                rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, done, table))
-            continue
-        earlier_s = sum(r.get("time_s", 0.0) for r in read_history(run_dir)) if continuing else 0.0
-        if not continuing:
-            if run_dir.exists():  # an attempt that never completed round 1
-                shutil.rmtree(run_dir)
-            run_dir.mkdir()
-            group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
-            atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
-            atomic_write_json(run_dir / STARTED_WITH, started)
-        t0 = time.perf_counter()
-        try:
-            summary = run_engine(fed, ecfg, run_dir, resume=continuing, progress=progress)
-        except BaseException as err:
-            _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
-            if isinstance(err, UserInputError):  # say which method failed; its keys as compare names them
-                raise _method_error(err, name, hparams[name], out) from None
-            raise
-        wall = time.perf_counter() - t0 + earlier_s
-        if prep is not None:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
-            export_federated_supernet(prep, run_dir, summary)
-        rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
-        if finetune and fed.algorithm.global_model:
-            rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, rows[-1], table))
-        write_table(out, with_settings(rows, hparams), models)
-    rows = with_settings(rows, hparams)
-    if members == ["nas"]:
-        common_client_tiers(rows, out, next(iter(tables.values())))
-    write_table(out, rows, models)  # also when every method was already finished (resume)
-    plot_compare(out / "compare.png", rows)
-    plot_accuracy_vs_mb(out / "compare_curve.png", {r["algorithm"]: read_history(out / r["algorithm"]) for r in rows})
-    return rows
+                rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, rows[-1], table))
+            write_table(out, with_settings(rows, hparams), models)
+        rows = with_settings(rows, hparams)
+        if members == ["nas"]:
+            common_client_tiers(rows, out, next(iter(tables.values())))
+        write_table(out, rows, models)  # also when every method was already finished (resume)
+        plot_compare(out / "compare.png", rows)
+        plot_accuracy_vs_mb(out / "compare_curve.png", {r["algorithm"]: read_history(out / r["algorithm"]) for r in rows})
+        return rows
+    finally:
+        os.close(lock)
 
 
 def _method_builder(cfg: RunConfig, hparams: dict[str, dict[str, Any]], members: list[str], feature_dim: int,

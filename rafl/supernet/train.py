@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from rafl.data import load_dataset
 from rafl.errors import UserInputError, load_error_detail
-from rafl.io import atomic_write_bytes, atomic_write_json, claim_file
+from rafl.io import atomic_write_bytes, atomic_write_json, claim_file, lock_dir
 from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN, ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
 from rafl.supernet.distributed import (
@@ -385,15 +385,31 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
 
     Raises:
         UserInputError: bad data options, an ``out`` that already holds a run (without ``resume``),
-            ``resume`` without a checkpoint, or a NaN/Inf loss (training diverged: the error names
-            the phase's learning rate ``lr_<phase>``).
+            ``resume`` without a checkpoint, an ``out`` a live run writes into (the writing rank
+            holds :func:`rafl.io.lock_dir` on it while it trains), or a NaN/Inf loss (training
+            diverged: the error names the phase's learning rate ``lr_<phase>``).
     """
+    locks: list[int] = []  # the writing rank's lock_dir on ``out``, released when training ends
+    try:
+        return _train_supernet(config, Path(out), resume=resume, progress=progress,
+                               stop_after_epochs=stop_after_epochs, check_memory=check_memory, locks=locks)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: bool, stop_after_epochs: int | None,
+                    check_memory: Callable[[TrainConfig, int, torch.device], None] | None,
+                    locks: list[int]) -> tuple[Supernet, dict[str, Any]]:
+    """:func:`train_supernet` (its lock list filled once the writing rank holds ``out``)."""
     out = Path(out)
     requested = resume
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UserInputError("is 'cuda' but no CUDA device is available; allowed here: cpu", field="device")
     ctx = init_distributed(config.device, config.batch_size)  # torchrun: one rank of several
     resume = _check_out(out, resume)  # every rank checks before rank 0 writes anything
+    if resume and ctx.is_writer:  # a live run of this folder (training, or resumed elsewhere) refuses a second
+        locks.append(lock_dir(out, "resume"))
     device = ctx.device(config.device)
     cuda = device.type == "cuda"
 
@@ -456,6 +472,7 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
     elif ctx.is_writer:
         if not requested:  # a fresh run claims the folder: a second run started into it stops here
             claim_file(out / CONFIG_NAME)
+        locks.append(lock_dir(out, "out"))  # and holds it: a --resume of it while it trains is refused
         atomic_write_json(out / CONFIG_NAME, json.loads(config.model_dump_json()))
     ctx.barrier()
     params = [p for p in net.parameters() if p.requires_grad]
