@@ -29,6 +29,24 @@ def shared_cifar10_tarball() -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny():
+    """``(space, supernet, dataset, partition)``: a width-0.25, 16 px untrained supernet (seed 0) and
+    10 digits per class over 3 Dirichlet(1.0) clients with a 20% public pool (a file that needs
+    another setup defines its own ``tiny``)."""
+    import torch
+
+    from rafl.data import load_dataset, make_partition
+    from rafl.supernet import SearchSpace, build_supernet
+
+    torch.manual_seed(0)
+    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
+    supernet = build_supernet(space).eval()
+    ds = load_dataset("digits", limit_per_class=10)
+    part = make_partition(ds.labels.numpy(), "dirichlet", 3, 0, alpha=1.0, min_samples=5, public_fraction=0.2)
+    return space, supernet, ds, part
+
+
+@pytest.fixture(scope="module")
 def tiny_supernet(tmp_path_factory):
     """``(folder, space)``: a width-0.25, 16 px supernet saved like `rafl supernet train` does,
     recording its public pool (fraction 0.3, seed 0)."""

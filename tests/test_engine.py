@@ -29,16 +29,6 @@ from rafl.supernet import SearchSpace, build_supernet
 TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
-    supernet = build_supernet(space).eval()
-    ds = load_dataset("digits", limit_per_class=10)
-    part = make_partition(ds.labels.numpy(), "dirichlet", 3, 0, alpha=1.0, min_samples=5, public_fraction=0.2)
-    return space, supernet, ds, part
-
-
 def _no_times(history):
     return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in history]
 

@@ -176,19 +176,6 @@ def test_a_flower_reply_with_refused_metadata_is_an_error_naming_the_client():
 
 
 # ---------------------------------------------------------------------- failed rounds
-@pytest.fixture(scope="module")
-def tiny():
-    from rafl.data import load_dataset, make_partition
-    from rafl.supernet import SearchSpace, build_supernet
-
-    torch.manual_seed(0)
-    space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
-    supernet = build_supernet(space).eval()
-    ds = load_dataset("digits", limit_per_class=10)
-    part = make_partition(ds.labels.numpy(), "dirichlet", 3, 0, alpha=1.0, min_samples=5, public_fraction=0.2)
-    return space, supernet, ds, part
-
-
 class _AllNaN(FedAvg):
     """FedAvg whose every client uploads NaN in round 2 (the server state looks poisoned)."""
 
