@@ -15,7 +15,8 @@ SHARED_CIFAR10 = Path(os.environ.get("RAFL_TEST_CIFAR10") or REPO.parent / "shar
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Every test gets its own rafl cache dir (never the user's)."""
+    """Every test gets its own rafl cache dir (never the user's; fixtures of a wider scope use the
+    session's, set in :func:`pytest_configure`)."""
     monkeypatch.setenv("RAFL_CACHE_DIR", str(tmp_path_factory.mktemp("rafl-cache")))
 
 
@@ -62,11 +63,23 @@ def tiny_supernet(tmp_path_factory):
 
 
 def pytest_configure(config):
+    import tempfile
+
     import torch
 
     # One intra-op thread: tests use tiny models, for which a second thread costs more in
     # synchronisation than it gains (measured 8-15x slower on a loaded 2-core machine).
     torch.set_num_threads(1)
+    # module- and session-scoped fixtures run before the per-test cache dir (_isolated_cache) is
+    # set: they get this session's own (one per xdist worker), never the user's ~/.cache/rafl
+    config._rafl_cache = tempfile.TemporaryDirectory(prefix="rafl-test-cache-")
+    os.environ["RAFL_CACHE_DIR"] = config._rafl_cache.name
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_rafl_cache", None)
+    if cache is not None:
+        cache.cleanup()
 
 
 def pytest_collection_modifyitems(config, items):
