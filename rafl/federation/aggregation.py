@@ -141,6 +141,18 @@ def _cast(acc: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return acc.to(ref.dtype) if ref.is_floating_point() else acc.round().to(ref.dtype)
 
 
+def coordinatewise(rows: torch.Tensor, rule: AggregationRule) -> torch.Tensor:
+    """The coordinate-wise ``median`` (Yin et al. 2018, Def. 1: the mean of the two middle values
+    for even ``m``) or ``beta``-``trimmed_mean`` (Def. 2: the ``floor(beta m)`` largest and smallest
+    values dropped) over dim 0 of ``rows`` ``(m, *shape)``; returns ``(*shape)``."""
+    m = rows.shape[0]
+    ordered = rows.sort(dim=0).values
+    if rule.name == "median":
+        return ordered[(m - 1) // 2] if m % 2 else (ordered[m // 2 - 1] + ordered[m // 2]) / 2
+    b = int(math.floor(rule.trim_fraction * m))
+    return ordered[b:m - b].mean(dim=0)
+
+
 def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
                    rule: AggregationRule | None = None,
                    reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -174,17 +186,10 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
         return weighted_average(states, weights)
     if not states or len(states) != len(weights):
         raise ValueError(f"need >= 1 state and one weight per state, got {len(states)} and {len(weights)}")
-    m = len(states)
     out: dict[str, torch.Tensor] = {}
     if rule.name in ("median", "trimmed_mean"):
-        b = int(math.floor(rule.trim_fraction * m)) if rule.name == "trimmed_mean" else 0
         for key, ref in states[0].items():
-            ordered = _stacked(states, key).sort(dim=0).values
-            if rule.name == "median":
-                mid = ordered[(m - 1) // 2] if m % 2 else (ordered[m // 2 - 1] + ordered[m // 2]) / 2
-            else:
-                mid = ordered[b:m - b].mean(dim=0)
-            out[key] = _cast(mid, ref)
+            out[key] = _cast(coordinatewise(_stacked(states, key), rule), ref)
         return out
     total = float(sum(weights))
     if total <= 0:
@@ -291,4 +296,4 @@ def server_average(states: Sequence[Mapping[str, torch.Tensor]], uploads: Sequen
 
 
 __all__ = ["weighted_average", "payload_weights", "MAX_SAMPLES", "AGGREGATIONS", "AggregationRule", "robust_average",
-           "server_average", "update_norms", "clip_scales", "clipped_states", "bound_vectors"]
+           "server_average", "coordinatewise", "update_norms", "clip_scales", "clipped_states", "bound_vectors"]

@@ -393,6 +393,13 @@ class Engine:
                 limits[cid] = self.policy.byte_limit(algo.upload_spec(st.server_state, fed.clients[cid]), down_bytes)
         return jobs, limits, bytes_down
 
+    def _fail_round(self, st: RunState, why: str) -> None:
+        """A failed round: no client's new state is committed, ``why`` joins the run's
+        ``failed_round_reasons`` and one warning line says the server state is unchanged."""
+        self.store.pending.clear()
+        st.counters.setdefault("failed_round_reasons", []).append(why)
+        warn(f"{why}; the server state is unchanged")
+
     def _round(self, rnd: int, st: RunState) -> RoundResult:
         """Round ``rnd`` (module docstring, steps 1-7) on the run's state ``st``, which it advances
         (available set, server state, broadcast, counters); the record's timing is the caller's."""
@@ -425,11 +432,8 @@ class Engine:
                 warn(f"round {rnd}: rejected the upload of {why}")
         round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
         if round_failed:  # too few valid uploads: the round changes no server or client state
-            self.store.pending.clear()
-            why = failed_round_reason(rnd, len(results), len(uploads), self.policy.min_valid_uploads,
-                                      screened.rejected)
-            st.counters.setdefault("failed_round_reasons", []).append(why)
-            warn(f"{why}; the server state is unchanged")
+            self._fail_round(st, failed_round_reason(rnd, len(results), len(uploads), self.policy.min_valid_uploads,
+                                                     screened.rejected))
         else:
             torch.manual_seed(self.seeds.server(rnd))
             ta = time.perf_counter()
@@ -437,11 +441,8 @@ class Engine:
                 st.server_state, st.broadcast = algo.server_aggregate(uploads, st.server_state, self._server_ctx(rnd))
             except DivergedError as err:  # the server's own training on these uploads: a failed round, no new state
                 round_failed = True
-                self.store.pending.clear()
-                why = (f"round {rnd} failed: the server step diverged on the round's {len(uploads)} accepted "
-                       f"upload(s): {err}")
-                st.counters.setdefault("failed_round_reasons", []).append(why)
-                warn(f"{why}; the server state is unchanged")
+                self._fail_round(st, f"round {rnd} failed: the server step diverged on the round's {len(uploads)} "
+                                     f"accepted upload(s): {err}")
             times.aggregate = time.perf_counter() - ta
         del uploads
         counters = st.counters

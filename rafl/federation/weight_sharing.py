@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError
-from rafl.federation.aggregation import AggregationRule, clip_scales, update_norms
+from rafl.federation.aggregation import AggregationRule, clip_scales, coordinatewise, update_norms
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.model import build_supernet, extract_subnet
 
@@ -123,7 +123,7 @@ def masked_average(global_state: Mapping[str, torch.Tensor],
                 continue  # held by no upload: unchanged
             where = (inverse == p).nonzero().reshape(-1)
             if name in ("median", "trimmed_mean") and ref.is_floating_point():
-                result[where] = _coordinatewise(torch.stack([dense[r][where] for r in rows]), rule)
+                result[where] = coordinatewise(torch.stack([dense[r][where] for r in rows]), rule)
                 continue
             counts = [weights[held[r][0]] for r in rows]
             total = sum(counts)
@@ -137,16 +137,6 @@ def masked_average(global_state: Mapping[str, torch.Tensor],
     return out
 
 
-def _coordinatewise(rows: torch.Tensor, rule: AggregationRule) -> torch.Tensor:
-    """Median or trimmed mean over dim 0 of ``rows`` ``(m, n)`` float64 (Yin et al. 2018, Defs. 1, 2)."""
-    m = rows.shape[0]
-    ordered = rows.sort(dim=0).values
-    if rule.name == "median":
-        return ordered[(m - 1) // 2] if m % 2 else (ordered[m // 2 - 1] + ordered[m // 2]) / 2
-    b = int(math.floor(rule.trim_fraction * m))
-    return ordered[b:m - b].mean(dim=0)
-
-
 def _clipped_uploads(global_state: Mapping[str, torch.Tensor],
                      uploads: Sequence[tuple[Mapping[str, torch.Tensor], IndexMap, float]],
                      rule: AggregationRule) -> list[tuple[dict[str, torch.Tensor], IndexMap, float]]:
@@ -154,8 +144,8 @@ def _clipped_uploads(global_state: Mapping[str, torch.Tensor],
     ``ref + s_l (W_l - ref)``, ``ref`` the global slice it was cut from."""
     refs, norms, sizes = [], [], []
     for tensors, index, _w in uploads:
-        ref = {k: extract(global_state, index, [k])[k].to(torch.float64)
-               for k, v in tensors.items() if v.is_floating_point()}
+        ref = {k: v.to(torch.float64) for k, v in
+               extract(global_state, index, [k for k, v in tensors.items() if v.is_floating_point()]).items()}
         refs.append(ref)
         norms.append(update_norms([tensors], ref)[0])
         sizes.append(max(1, sum(r.numel() for r in ref.values())))
