@@ -28,6 +28,13 @@ Run: ``python bench/fair_headline.py --data-root R`` (the full benchmark; many C
 3 lr trials + the final run + the ablation per seed); ``--from OUT`` summarizes finished runs;
 ``--smoke`` a small version (30 clients, 3 per round, 2 rounds, 200 global test images, a tiny
 search) that exercises every part in well under an hour, written with the tag ``_smoke``.
+
+``--jobs N`` runs the comparisons one method at a time, N at once (``OUT/seedN-METHOD``, its
+ablation in ``OUT/seedN-weakest-METHOD``): a method's numbers do not depend on which other methods
+share its ``rafl compare`` (each is built from the same seed, data and partition), so this only
+changes the wall time. ``--device cuda`` runs every client on the GPU (``train.device=cuda``,
+``engine.workers=1``, one process per job); a job that fails there is run again on the CPU, and the
+log says so. ``bench/gpu_headline.sh`` is that run on a lent GPU machine.
 """
 
 from __future__ import annotations
@@ -35,9 +42,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +57,10 @@ METHODS = "pretrained,standalone,uniform,heterofl,fedrolex,rafl,fedgh,fedtgp,fed
 ABLATION = "standalone,rafl,fedtgp"
 GRID = "0.01,0.03,0.1"
 TIERS = ("pi4", "jetson-nano", "phone")
+#: set when this process is interrupted: its jobs' comparisons stop and resume later, never fall back
+STOPPING = False
+#: the methods by their wall time in the headline (bench/results/headline_cifar10.md), slowest first
+SLOWEST_FIRST = ("heterofl", "fedrolex", "rafl", "fedproto", "fedgh", "fedtgp", "standalone", "uniform", "pretrained")
 SMOKE = ["--set", "engine.workers=1", "--set", "clients.n=30", "--set", "engine.clients_per_round=3", "--set", "engine.rounds=2",
          "--set", "engine.eval_every=1", "--set", "partition.global_test_per_class=20",
          "--set", "search.generations=2", "--set", "search.population=8",
@@ -55,14 +70,34 @@ SMOKE = ["--set", "engine.workers=1", "--set", "clients.n=30", "--set", "engine.
 def compare(args, out: Path, methods: str, extra: list[str]) -> None:
     if (out / "compare.json").is_file() and (out / "config.yaml").is_file():
         return  # finished (a half-finished one resumes below)
-    cmd = ["rafl", "compare", "--no-progress"]
-    if (out / "config.yaml").is_file():
-        cmd += ["--resume", str(out)]
-    else:
-        cmd += ["--config", str(CONFIG.relative_to(ROOT)), "--data-root", str(args.data_root), "--out", str(out),
-                "--algorithms", methods, *extra, *(SMOKE if args.smoke else [])]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    sets = [x for kv in args.set for x in ("--set", kv)]
+    on = ["--set", f"train.device={args.device}", "--set", "engine.workers=1"] if args.device != "cpu" else []
+
+    def command(device_sets: list[str]) -> list[str]:
+        cmd = [sys.executable, "-m", "rafl", "compare", "--no-progress"]
+        if (out / "config.yaml").is_file():
+            return cmd + ["--resume", str(out)]
+        return cmd + ["--config", str(CONFIG.relative_to(ROOT)), "--data-root", str(args.data_root), "--out",
+                      str(out), "--algorithms", methods, *extra, *(SMOKE if args.smoke else []), *sets, *device_sets]
+
+    log = out.parent / f"{out.name}.log"
+    for device_sets in ([on, ["--set", "engine.workers=1"]] if on else [[]]):
+        cmd = command(device_sets)
+        start = time.time()
+        print("+", " ".join(cmd), flush=True)
+        with open(log, "a") as fh:
+            fh.write("+ " + " ".join(cmd) + "\n")
+            fh.flush()
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
+        print(f"  {out.name}: exit {rc} after {time.time() - start:.0f} s", flush=True)
+        if rc == 0:
+            return
+        if rc in (130, 143, -2, -15) or STOPPING:  # interrupted: the folder resumes, it did not fail
+            raise SystemExit(f"{out.name}: interrupted (exit {rc}); resumes with the same command")
+        if device_sets is on and on:
+            print(f"  {out.name}: failed on {args.device}; again on the CPU (see {log.name})", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    raise SystemExit(f"{out.name}: rafl compare failed (exit {rc}); see {log}")
 
 
 def per_client(folder: Path, row: dict, key: str) -> dict[str, float]:
@@ -100,10 +135,28 @@ def flag(mean: float, se: float) -> str:
     return f"{100 * mean:+.1f} ± {200 * se:.1f}{' *' if beyond else ''}"
 
 
+def runs(out: Path, name: str) -> dict[str, tuple[dict, Path]]:
+    """method -> (its row in compare.json, the comparison's folder), from ``OUT/NAME`` (every
+    method in one comparison) and ``OUT/NAME-METHOD`` (``--jobs``: one comparison per method)."""
+    found: dict[str, tuple[dict, Path]] = {}
+    for folder in [out / name, *sorted(out.glob(f"{name}-*"))]:
+        if folder.name.startswith(f"{name}-weakest") and "weakest" not in name:
+            continue
+        result = folder / "compare.json"
+        if folder.is_dir() and result.is_file():
+            for r in json.loads(result.read_text())["rows"]:
+                found[r["algorithm"]] = (r, folder)
+    return found
+
+
 def summarize(args, seeds: list[int]) -> str:
-    rows = {s: {r["algorithm"]: r for r in json.loads((args.out / f"seed{s}" / "compare.json").read_text())["rows"]}
-            for s in seeds}
-    methods = [m for m in rows[seeds[0]] if all(m in rows[s] for s in seeds)]
+    found = {s: runs(args.out, f"seed{s}") for s in seeds}
+    rows = {s: {m: r for m, (r, _) in found[s].items()} for s in seeds}
+    where = {s: {m: f for m, (_, f) in found[s].items()} for s in seeds}
+    listed = args.methods.split(",")
+    methods = sorted((m for m in rows[seeds[0]] if all(m in rows[s] for s in seeds)),
+                     key=lambda m: (listed.index(m.removesuffix("-ft")) if m.removesuffix("-ft") in listed else 99,
+                                    m.endswith("-ft")))
     result: dict = {"seeds": seeds, "methods": {}, "tailoring": {}}
     lines = [f"# Fair headline: resource-aware FL on CIFAR-10{' (smoke scale)' if args.smoke else ''}", "",
              f"Seeds {', '.join(map(str, seeds))}; per seed `rafl compare --config examples/cifar10-devices.yaml "
@@ -127,7 +180,7 @@ def summarize(args, seeds: list[int]) -> str:
 
         lrs = []
         for s in seeds:
-            tune = args.out / f"seed{s}" / "tune.json"
+            tune = where[s][m] / "tune.json"
             base = rows[s][m].get("finetuned_from", m)
             picked = json.loads(tune.read_text()).get("picked", {}).get(base, {}) if tune.is_file() else {}
             lrs.append(str(picked.get("lr", "-")))
@@ -148,14 +201,16 @@ def summarize(args, seeds: list[int]) -> str:
                 continue
             cells = []
             for s in seeds:
-                folder = args.out / f"seed{s}"
                 for key in ("model.acc", "model@global.acc"):
-                    mean, se, _ = paired(per_client(folder, rows[s][m], key), per_client(folder, rows[s][ref], key))
+                    mean, se, _ = paired(per_client(where[s][m], rows[s][m], key),
+                                         per_client(where[s][ref], rows[s][ref], key))
                     cells.append(flag(mean, se))
                     result["methods"][m].setdefault(f"vs_{ref}", {}).setdefault(key, []).append([mean, se])
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     ablation = [m for m in args.ablation.split(",") if m in methods]
-    if ablation and all((args.out / f"seed{s}-weakest" / "compare.json").is_file() for s in seeds):
+    pinned_runs = {s: runs(args.out, f"seed{s}-weakest") for s in seeds}
+    ablation = [m for m in ablation if all(m in pinned_runs[s] for s in seeds)]
+    if ablation:
         lines += ["", "**Tailoring ablation**: per-device subnets minus every client on the weakest device's subnet "
                   "(same method, seed, partition and lr), paired over each tier's clients (points, ± 2 SE; `*` beyond "
                   "2 SE), per seed: personalized | global.", "",
@@ -165,8 +220,8 @@ def summarize(args, seeds: list[int]) -> str:
             for tier in TIERS:
                 cells = []
                 for s in seeds:
-                    folder, pinned = args.out / f"seed{s}", args.out / f"seed{s}-weakest"
-                    prow = {r["algorithm"]: r for r in json.loads((pinned / "compare.json").read_text())["rows"]}[m]
+                    folder = where[s][m]
+                    prow, pinned = pinned_runs[s][m]
                     table = json.loads((folder / m / "clients.json").read_text())["clients"]
                     ids = [str(r["client"]) for r in table if r["profile"] == tier]
                     for key in ("model.acc", "model@global.acc"):
@@ -191,10 +246,48 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grid", default=GRID, help="the learning rates every method is tuned over")
     ap.add_argument("--smoke", action="store_true", help="a small CIFAR-10 version (minutes)")
     ap.add_argument("--from", dest="from_dir", type=Path, default=None, help="summarize finished runs in this folder")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="run one comparison per method and seed, this many at once (0: one per seed, in turn)")
+    ap.add_argument("--device", default="cpu", help="train.device of every run (cuda: falls back to the CPU per job)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every rafl compare")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.from_dir is not None:
         args.out = args.from_dir
+    elif args.jobs > 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        methods = args.methods.split(",")
+        # the slowest first, so the pool's last jobs are short ones
+        order = {m: i for i, m in enumerate(SLOWEST_FIRST)}
+        jobs = sorted(((s, m) for s in seeds for m in methods), key=lambda sm: (order.get(sm[1], 99), sm[0]))
+        if "pretrained" in methods:  # the search and the decoded images land in the caches once, before the rest
+            for s in seeds:
+                compare(args, args.out / f"seed{s}-pretrained", "pretrained", ["--set", f"seed={s}"])
+
+        def job(sm: tuple[int, str]) -> None:
+            s, m = sm
+            folder = args.out / f"seed{s}-{m}"
+            compare(args, folder, m, (["--tune", f"lr={args.grid}"] if m != "pretrained" else []) + ["--set", f"seed={s}"])
+            if m in args.ablation.split(","):
+                picked = json.loads((folder / "tune.json").read_text()).get("picked", {}).get(m, {})
+                lrs = ["--set", f"algorithm.{m}.lr={picked['lr']}"] if "lr" in picked else []
+                compare(args, args.out / f"seed{s}-weakest-{m}", m,
+                        ["--set", f"seed={s}", "--set", "clients.subnets=weakest", "--no-finetune", *lrs])
+
+        global STOPPING
+        with ThreadPoolExecutor(args.jobs) as pool:
+            try:
+                for future in [pool.submit(job, sm) for sm in jobs]:
+                    try:
+                        future.result()
+                    except SystemExit as err:
+                        print(err, flush=True)
+            except KeyboardInterrupt:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # `timeout` signals the child and its group: twice
+                STOPPING = True  # the comparisons got the same SIGINT (one process group) and stop
+                print("interrupted: every unfinished comparison resumes with the same command", flush=True)
+                pool.shutdown(wait=True, cancel_futures=True)
+                return 130
     else:
         for s in seeds:
             folder = args.out / f"seed{s}"

@@ -739,3 +739,23 @@ def test_a_compare_folder_a_live_compare_writes_into_is_refused(tmp_path):
     assert (out / "compare.json").read_text() == table
     res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
     assert res.exit_code == 0, res.output
+
+
+def test_a_shared_key_only_unselected_methods_have_is_theirs_in_a_file_and_a_slip_in_set(tmp_path):
+    """The headline config's shared ``local_epochs`` with ``--algorithms pretrained`` (the floor has
+    no hyperparameters): the file's key belongs to the methods not compared, as their sections do;
+    the same key from --set, or a key no method has, is an error."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("algorithm:\n  local_epochs: 1\n")
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "pretrained", "--config", str(cfg), *TINY,
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert [r["algorithm"] for r in json.loads((out / "compare.json").read_text())["rows"]] == ["pretrained"]
+    for args in ([], ["--set", "algorithm.local_epochs=2"]):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("algorithm:\n  local_epochz: 1\n" if not args else "engine:\n  rounds: 1\n")
+        res = CliRunner().invoke(cli, ["compare", "--algorithms", "pretrained", "--config", str(bad), *TINY, *args,
+                                       "--out", str(tmp_path / "no")])
+        assert res.exit_code == 2 and "no selected method accepts" in res.output, res.output
+        assert not (tmp_path / "no").exists()

@@ -110,7 +110,8 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
 
     Raises:
         UserInputError: unreadable YAML, an invalid field, an unknown method, or a hyperparameter
-            no selected method accepts.
+            no method accepts (from ``--set``: no selected method); a file's shared key that only
+            unselected methods have is theirs and left out.
     """
     data = read_config_file(path)
     reject_compare_record(data, path)
@@ -166,8 +167,12 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
                 and get_algorithm(parts[1]).name not in selected:
             raise UserInputError(f"sets a hyperparameter of {parts[1]}, which --algorithms does not select "
                                  f"(selected: {', '.join(sorted(selected))})", source="--set", field=key)
+    from_set = {k.split(".", 1)[1] for k, _ in parsed if k.startswith("algorithm.") and k.count(".") == 1}
     for key in algo_section:
-        if not any(key in cls.defaults for cls in classes.values()):
+        # a shared key of the file that only unselected methods have is theirs (the headline config's
+        # local_epochs with --algorithms pretrained), like their sections; a typo or a --set is a slip
+        known = any(key in get_algorithm(a).defaults for a in ALGORITHMS)
+        if not any(key in cls.defaults for cls in classes.values()) and (not known or key in from_set):
             raise UserInputError(f"no selected method accepts {key!r}; allowed: "
                                  f"{sorted(set().union(*(c.defaults for c in classes.values())))}",
                                  source=blame(f"algorithm.{key}", set_keys, source), field=f"algorithm.{key}")
