@@ -297,3 +297,36 @@ def test_search_json_records_profile_folders_absolute(tmp_path, monkeypatch):
     for name in ("pi4", "mcu"):
         assert doc["profiles"][name]["dir"] == str((tmp_path / "s1" / name).resolve())
     assert json.loads((tmp_path / "s1" / "search.json").read_text()) == doc
+
+
+def test_common_search_finds_one_subnet_for_budgets_that_are_not_nested(supernet_dir):
+    """The common search (one model for every device) meets both devices' budgets at once (one
+    bounds MACs, the other peak memory) and leaves each profile's own pick as it is without it;
+    uniform takes it when no profile's subnet fits every device."""
+    from rafl.search.evolution import COMMON
+    from rafl.search.federation_search import uniform_arch
+    from rafl.supernet import load_supernet
+
+    net = load_supernet(supernet_dir)
+    val, calib, _ = server_eval_data(DATA_CFG, SPACE)
+    small, large = SPACE.smallest(), SPACE.largest()
+    a, b = load_profile("pi4"), load_profile("jetson-nano")
+    cost_a, cost_b = CostModel(SPACE, a), CostModel(SPACE, b)
+    a = a.with_budgets({"macs_m": (cost_a.cost(small).macs_m + cost_a.cost(large).macs_m) / 2})
+    b = b.with_budgets({"peak_memory_mb": (cost_b.cost(small).peak_memory_mb + cost_b.cost(large).peak_memory_mb) / 2})
+    cfg = SearchConfig(**TINY)
+    alone = search_subnets(net, [a, b], val, calib, cfg)
+    both = search_subnets(net, [a, b], val, calib, cfg, common=True)
+    assert [both[p.name].arch for p in (a, b)] == [alone[p.name].arch for p in (a, b)]
+    one = both[COMMON].arch
+    for p in (a, b):
+        cm = CostModel(SPACE, p)
+        assert cm.violations(cm.cost(one), p) == []
+    # profiles' subnets that each break a budget of the other device: uniform takes the common one
+    over = {"arch": large, "search_accuracy": 0.9}
+    arch_of = {a.name: over, b.name: over, COMMON: {"arch": one, "search_accuracy": both[COMMON].accuracy}}
+    assert uniform_arch(SPACE, arch_of, [a, b]) == {"arch": one, "source": "uniform: the subnet searched for every "
+                                                                           "profile's budgets"}
+    # with a profile's subnet fitting every device (nested budgets), that one, as before
+    arch_of[b.name] = {"arch": small, "search_accuracy": 0.5}
+    assert uniform_arch(SPACE, arch_of, [a, b])["arch"] == small

@@ -672,7 +672,7 @@ def _scores(score_fn: ScoreFn, pop: Population) -> np.ndarray:
 
 def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: SearchConfig | None = None,
                    *, cost_models: dict[str, Any] | None = None, known: dict[str, float] | None = None,
-                   data_fn: Callable[[], tuple[Any, Any]] | None = None) -> dict[str, SearchResult]:
+                   data_fn: Callable[[], tuple[Any, Any]] | None = None, common: bool = False) -> dict[str, SearchResult]:
     """Find, for every device profile, the subnet of ``supernet`` with the best estimated accuracy
     that meets every budget of the profile (Once-for-All's specialization step, Cai et al. 2020,
     Sec. 3.4, with several constraints at once).
@@ -698,9 +698,14 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
         data_fn: ``() -> (val_data, calib_data)`` for ``val_data=None``; when it raises
             :class:`UserInputError` (no dataset here), finalists not in ``known`` keep their
             predicted accuracy (``SearchResult.accuracy_source`` says which).
+        common: also search the one subnet that meets every budget of every profile at once (one
+            evolution under all profiles' budgets, each priced by its own cost model, with the
+            same predictor; its measured top-k decide), returned under :data:`COMMON`: what one
+            model for all devices gets when the budgets are not nested (no profile's subnet fits
+            every other device).
 
     Returns:
-        ``{profile name: SearchResult}`` in the order of ``profiles``.
+        ``{profile name: SearchResult}`` in the order of ``profiles`` (and ``COMMON`` with ``common``).
 
     Raises:
         UserInputError: empty validation split or calibration set, duplicate profile names, a
@@ -718,7 +723,8 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
         if not isinstance(calib_data, torch.Tensor):
             calib_data = torch.as_tensor(np.asarray(calib_data, dtype=np.float32))
     with torch_threads(config.threads):
-        return _search_subnets(supernet, profiles, val_data, calib_data, config, cost_models, known or {}, data_fn)
+        return _search_subnets(supernet, profiles, val_data, calib_data, config, cost_models, known or {}, data_fn,
+                               common)
 
 
 class _Measurements:
@@ -777,8 +783,19 @@ class _Measurements:
         return acc
 
 
+#: the key of :func:`search_subnets`' result under ``common=True``: the one subnet meeting every profile
+COMMON = "(every profile)"
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A search target that is not one device profile (:data:`COMMON`)."""
+
+    name: str
+
+
 def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConfig, cost_models,
-                    known: dict[str, float], data_fn) -> dict[str, SearchResult]:
+                    known: dict[str, float], data_fn, common: bool = False) -> dict[str, SearchResult]:
     profs = [load_profile(p) for p in profiles]
     if not profs:
         raise UserInputError("give at least one device profile", field="device_profile")
@@ -829,7 +846,15 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     finalists: dict[str, list[Finalist]] = {}
     unmeasured: set[ArchConfig] = set()  # finalists with only a predicted accuracy (no data to measure them)
     limits = {p.name: profile_limits(p) for p in profs}
-    for p in profs:
+    searched = list(profs)
+    if common:  # every profile's budgets at once, "profile:key" -> limit, each priced by its own cost model
+        def joint_cost(pop: Population) -> dict[str, np.ndarray]:
+            return {f"{p.name}:{k}": v for p in profs for k, v in cost_fns[p.name](pop).items()}
+
+        cost_fns[COMMON] = joint_cost
+        limits[COMMON] = {f"{p.name}:{k}": v for p in profs for k, v in limits[p.name].items()}
+        searched.append(_Named(COMMON))
+    for p in searched:
         out = evolve(space, score_fn, cost_fns[p.name], limits[p.name], config, profile_name=p.name)
         # the top-k distinct finalists, re-measured
         keys, idx = set(), []
@@ -849,16 +874,20 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
                              for a, i, m in zip(archs, idx, acc)]
     # every profile picks the best measured finalist of any profile that meets its own budgets
     # (ties: its own finalists, then the estimate)
-    picks = pick_shared(space, finalists, cost_fns, limits)
+    # the profiles' picks are those of a search without the common one (its finalists are not theirs)
+    picks = pick_shared(space, {p.name: finalists[p.name] for p in profs}, cost_fns, limits)
+    if common:
+        picks[COMMON] = pick_shared(space, finalists, cost_fns, limits)[COMMON]
 
     results: dict[str, SearchResult] = {}
-    for p in profs:
+    for p in searched:
         out = evolved[p.name]
         pick = picks[p.name].pick
         row = {k: float(v[0]) for k, v in cost_fns[p.name](Population.from_archs(space, [pick.arch])).items()}
         use = budget_use(row, limits[p.name])
         results[p.name] = SearchResult(
-            arch=pick.arch, accuracy=pick.accuracy, cost=models[p.name].cost(pick.arch), profile=p.name,
+            arch=pick.arch, accuracy=pick.accuracy, cost=models[p.name if p.name != COMMON else profs[0].name].cost(pick.arch),
+            profile=p.name,
             predicted_accuracy=pick.predicted_accuracy, estimator=config.estimator,
             predictor_fit=fit,
             top_k=[{"arch": f.arch.to_string(), "predicted_accuracy": f.predicted_accuracy, "accuracy": f.accuracy,
@@ -871,7 +900,7 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     return results
 
 
-__all__ = ["SearchConfig", "SearchResult", "EvolutionOutcome", "evolve", "search_subnets", "feasible_mask",
+__all__ = ["COMMON", "SearchConfig", "SearchResult", "EvolutionOutcome", "evolve", "search_subnets", "feasible_mask",
            "Finalist", "SharedPick", "pick_shared",
            "check_satisfiable",
            "infeasibility_error", "profile_limits", "cost_fn_for", "budget_use", "binding_budget", "binding_text",

@@ -21,7 +21,7 @@ import torch
 from rafl.errors import UserInputError, warn
 from rafl.io import atomic_write_json
 from rafl.search.cost import CostModel, check_budgets
-from rafl.search.evolution import SearchConfig, binding_text, search_subnets
+from rafl.search.evolution import COMMON, SearchConfig, binding_text, search_subnets
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.server_data import calibration_sample, server_split
 
@@ -113,10 +113,14 @@ def search_split(cfg: Any, ds, public: np.ndarray, pool: tuple[float, int] | Non
 
 
 def subnets_for_profiles(cfg: Any, supernet, profiles: list, val: tuple[torch.Tensor, torch.Tensor],
-                         calib: torch.Tensor, supernet_id: str, progress: bool = True) -> dict[str, dict[str, Any]]:
+                         calib: torch.Tensor, supernet_id: str, progress: bool = True,
+                         common: bool = False) -> dict[str, dict[str, Any]]:
     """One subnet per device profile: fixed archs from the config, else the search
     (:func:`rafl.search.evolution.search_subnets`, or ``largest-feasible``). Search results are
     cached under the rafl cache dir, keyed by the supernet, the profiles and the search config.
+    ``common`` (one model for every device: ``uniform``, ``clients.subnets: weakest``): the
+    evolution search also finds the one subnet meeting every searched profile's budgets at once,
+    under the key :data:`rafl.search.evolution.COMMON` (the profiles' own subnets are unchanged).
 
     Returns:
         ``{profile name: {"arch": ArchConfig, "source": str, "search_accuracy": float | None}}``.
@@ -146,7 +150,9 @@ def subnets_for_profiles(cfg: Any, supernet, profiles: list, val: tuple[torch.Te
     s = cfg.search
     # "picks": 2 = every profile picks among all profiles' measured finalists (search_subnets'
     # shared pick); results cached before it are searched again
-    key_src = json.dumps({"picks": 2, "supernet": supernet_id, "profiles": [p.model_dump(mode="json") for p in todo],
+    common = common and s.method == "evolution" and len(todo) > 1
+    key_src = json.dumps({"picks": 2, **({"common": True} if common else {}), "supernet": supernet_id,
+                          "profiles": [p.model_dump(mode="json") for p in todo],
                           "search": s.model_dump(mode="json"), "seed": cfg.seed}, sort_keys=True, default=str)
     cache = _cache_dir() / "federate-search" / (hashlib.sha256(key_src.encode()).hexdigest()[:20] + ".json")
     if cache.is_file():
@@ -162,9 +168,10 @@ def subnets_for_profiles(cfg: Any, supernet, profiles: list, val: tuple[torch.Te
     if s.method == "evolution":
         scfg = SearchConfig(population=s.population, generations=s.generations, estimator=s.estimator,
                             predictor_samples=s.predictor_samples, top_k=s.top_k, seed=cfg.seed, progress=progress)
-        res = search_subnets(supernet, todo, val, calib, scfg)
+        res = search_subnets(supernet, todo, val, calib, scfg, common=common)
         for name, r in res.items():
-            found[name] = {"arch": r.arch, "source": f"search (evolution, {s.estimator})",
+            what = "one subnet for every profile's budgets: " if name == COMMON else ""
+            found[name] = {"arch": r.arch, "source": f"{what}search (evolution, {s.estimator})",
                            "search_accuracy": float(r.accuracy)}
     else:
         for p in todo:
@@ -181,10 +188,14 @@ def uniform_arch(space: SearchSpace, arch_of: dict[str, dict[str, Any]], profile
     """The one subnet of ``uniform`` (one size fits all): among the per-profile subnets ``arch_of``
     (:func:`subnets_for_profiles`), the one with the best search accuracy (ties: fewer MACs, then
     the arch string) that meets every budget of every profile in ``profiles`` (each profile's cost
-    model); with nested budgets, the weakest device's own subnet.
+    model); with nested budgets, the weakest device's own subnet. When no profile's subnet fits
+    every other device (budgets that are not nested: a Pi 4 subnet over the Jetson Nano's latency
+    budget and the reverse), the subnet searched under every budget at once (``arch_of[COMMON]``,
+    ``subnets_for_profiles(common=True)``).
 
     Returns:
-        ``{"arch", "source"}`` (source ``uniform: <profile>'s subnet``).
+        ``{"arch", "source"}`` (source ``uniform: <profile>'s subnet``, or ``uniform: the subnet
+        searched for every profile's budgets``).
 
     Raises:
         UserInputError: no candidate meets every profile's budgets (naming each candidate's violations).
@@ -192,6 +203,8 @@ def uniform_arch(space: SearchSpace, arch_of: dict[str, dict[str, Any]], profile
     models = {p.name: CostModel(space, p) for p in profiles}
     fits, why = [], []
     for name, v in sorted(arch_of.items()):
+        if name == COMMON:
+            continue
         arch = v["arch"]
         viol = [f"{p.name}: {x}" for p in profiles for x in models[p.name].violations(models[p.name].cost(arch), p)]
         if viol:
@@ -200,6 +213,10 @@ def uniform_arch(space: SearchSpace, arch_of: dict[str, dict[str, Any]], profile
             acc = v.get("search_accuracy")
             fits.append((-(acc if acc is not None else -1.0), models[profiles[0].name].cost(arch).macs_m,
                          arch.to_string(), name, arch))
+    joint = arch_of.get(COMMON)
+    if not fits and joint is not None and not any(models[p.name].violations(models[p.name].cost(joint["arch"]), p)
+                                                   for p in profiles):
+        return {"arch": joint["arch"], "source": "uniform: the subnet searched for every profile's budgets"}
     if not fits:
         raise UserInputError("uniform gives every client the largest subnet that fits the weakest device, but no "
                              f"searched subnet meets every profile's budgets ({'; '.join(why)}); allowed: profiles "

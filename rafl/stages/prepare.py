@@ -29,6 +29,7 @@ from rafl.federation.checks import check_clients_avoid_pool, check_disjoint, che
 from rafl.federation.engine import EngineConfig, Federation, participation
 from rafl.federation.workers import resolve_workers
 from rafl.models import resolve_models
+from rafl.search.evolution import COMMON
 from rafl.search.federation_search import search_split, subnet_budgets, subnets_for_profiles, uniform_arch
 from rafl.search.profile import list_profiles
 from rafl.supernet import load_supernet, quickstart_supernet
@@ -212,15 +213,19 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
     val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
     search_calib = ds.images[torch.as_tensor(search_calib_idx)]
     calib = ds.images[torch.as_tensor(calibration_sample(public, 512))]  # class-mixed, whatever the data's order
-    arch_of = subnets_for_profiles(cfg, supernet, profiles, val, search_calib, supernet_id, progress=progress)
+    one_for_all = getattr(algo_cls, "one_model_for_all", False) or cfg.clients.subnets == "weakest"
+    arch_of = subnets_for_profiles(cfg, supernet, profiles, val, search_calib, supernet_id, progress=progress,
+                                   common=one_for_all)
     del search_calib
     names = [pr.name for pr in profiles]
     prof_of = [names[cid % len(names)] if len(names) != cfg.clients.n else names[cid]
                for cid in range(len(part.clients))]
-    if getattr(algo_cls, "one_model_for_all", False) or cfg.clients.subnets == "weakest":
-        # uniform, or the tailoring ablation: the weakest device's subnet for everyone
+    if one_for_all:
+        # uniform, or the tailoring ablation: one subnet every device runs (with nested budgets the
+        # weakest device's own; else the one searched under every budget at once)
         one = uniform_arch(supernet.space, arch_of, [p for p in profiles if p.name in set(prof_of)])
-        arch_of = {name: {**v, "arch": one["arch"], "source": one["source"]} for name, v in arch_of.items()}
+        arch_of = {name: {**v, "arch": one["arch"], "source": one["source"]} for name, v in arch_of.items()
+                   if name != COMMON}
     fed, table = build_federation(ds, part, supernet, [arch_of[pr]["arch"] for pr in prof_of], algorithm,
                                   profiles=prof_of, batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
                                   calib_images=calib)
