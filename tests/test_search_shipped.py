@@ -203,3 +203,34 @@ def test_shipped_cifar10_measurements_answer_a_search_without_data(tmp_path, mon
     assert result["accuracy"] == doc["accuracy"][result["arch_string"]]
     assert result["data"]["measurements"]["measured_now"] == 0
     assert (out / "pi4" / "subnet.onnx").is_file()
+
+
+def test_federate_searches_on_the_measurements_beside_the_supernet_when_it_reads_all_of_server_val(tmp_path,
+                                                                                                monkeypatch):
+    """``rafl federate`` / ``rafl compare`` search on the supernet's whole server-val split (as
+    ``rafl search`` does) take the measurements shipped beside it; on a subset they measure."""
+    import rafl.stages.prepare as prep
+    from rafl.federation.run_config import load_run_config
+
+    torch.manual_seed(0)
+    d = tmp_path / "supernet"
+    save_supernet(d, build_supernet(SPACE), DATA_CFG, {})
+    measure = SearchConfig(population=6, generations=2, top_k=2, seed=0, progress=False)  # rafl search's measurement
+    write_measurements(d, samples=8, seed=0, workers=1, profiles=["pi4"], config=measure, say=lambda line: None,
+                       progress=False)
+    shipped = json.loads((d / pt.MEASUREMENTS_NAME).read_text())["accuracy"]
+    seen: list = []
+    real = prep.subnets_for_profiles
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("known"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prep, "subnets_for_profiles", spy)
+    for val_samples, want in ((100000, shipped), (16, None)):
+        cfg = load_run_config(None, [f"supernet.path={d}", "data.dataset=digits", "data.resolution=32", "clients.n=3",
+                                     "clients.profiles=[pi4]", "partition.public_fraction=0.3", "partition.public_seed=0",
+                                     "search.population=6", "search.generations=2", "search.predictor_samples=8",
+                                     f"search.val_samples={val_samples}", "engine.rounds=1"])
+        prep.prepare(cfg, progress=False)
+        assert seen[-1] == want

@@ -84,7 +84,7 @@ def subnet_budgets(space: SearchSpace, arch: ArchConfig, profile) -> dict[str, A
 
 
 def search_split(cfg: Any, ds, public: np.ndarray, pool: tuple[float, int] | None,
-                 supernet_config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+                 supernet_config: dict[str, Any], whole: list[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(validation indices, calibration indices)`` into ``ds`` for the per-profile search.
 
     A supernet that records the public pool it trained on (``pool`` = its public fraction and
@@ -92,7 +92,8 @@ def search_split(cfg: Any, ds, public: np.ndarray, pool: tuple[float, int] | Non
     images it did not train on, :func:`rafl.supernet.server_data.server_split` with its
     ``val_fraction``), at most ``search.val_samples`` of them (a fixed random subset), and BN
     recalibration on its pool-train part in a fixed random order; so the two commands share the
-    measurement cache. Otherwise: ``search.val_samples`` random public-pool images, and the
+    measurement cache (and, when ``search.val_samples`` covers all of server-val, which ``whole``
+    then receives as True, the measurements shipped beside the supernet). Otherwise: ``search.val_samples`` random public-pool images, and the
     calibration on the public pool.
     """
     rng = np.random.default_rng([cfg.seed, 5])
@@ -103,6 +104,8 @@ def search_split(cfg: Any, ds, public: np.ndarray, pool: tuple[float, int] | Non
                              val_fraction=float(conf.get("val_fraction", 0.1)), test_samples=None)
         if len(split.pool_val):
             val = split.pool_val
+            if whole is not None:
+                whole.append(len(val) <= cfg.search.val_samples)
             if len(val) > cfg.search.val_samples:
                 val = np.sort(rng.permutation(val)[: cfg.search.val_samples])
             # the order rafl search uses (all of pool-train, shuffled); the search reads only its first
@@ -114,13 +117,15 @@ def search_split(cfg: Any, ds, public: np.ndarray, pool: tuple[float, int] | Non
 
 def subnets_for_profiles(cfg: Any, supernet, profiles: list, val: tuple[torch.Tensor, torch.Tensor],
                          calib: torch.Tensor, supernet_id: str, progress: bool = True,
-                         common: bool = False) -> dict[str, dict[str, Any]]:
+                         common: bool = False, known: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """One subnet per device profile: fixed archs from the config, else the search
     (:func:`rafl.search.evolution.search_subnets`, or ``largest-feasible``). Search results are
     cached under the rafl cache dir, keyed by the supernet, the profiles and the search config.
     ``common`` (one model for every device: ``uniform``, ``clients.subnets: weakest``): the
     evolution search also finds the one subnet meeting every searched profile's budgets at once,
     under the key :data:`rafl.search.evolution.COMMON` (the profiles' own subnets are unchanged).
+    ``known``: accuracies measured before on the same ``val`` and ``calib`` (canonical arch ->
+    fraction; the measurements shipped beside a pretrained supernet), not measured again.
 
     Returns:
         ``{profile name: {"arch": ArchConfig, "source": str, "search_accuracy": float | None}}``.
@@ -168,7 +173,7 @@ def subnets_for_profiles(cfg: Any, supernet, profiles: list, val: tuple[torch.Te
     if s.method == "evolution":
         scfg = SearchConfig(population=s.population, generations=s.generations, estimator=s.estimator,
                             predictor_samples=s.predictor_samples, top_k=s.top_k, seed=cfg.seed, progress=progress)
-        res = search_subnets(supernet, todo, val, calib, scfg, common=common)
+        res = search_subnets(supernet, todo, val, calib, scfg, common=common, known=known)
         for name, r in res.items():
             what = "one subnet for every profile's budgets: " if name == COMMON else ""
             found[name] = {"arch": r.arch, "source": f"{what}search (evolution, {s.estimator})",

@@ -29,11 +29,12 @@ from rafl.federation.checks import check_clients_avoid_pool, check_disjoint, che
 from rafl.federation.engine import EngineConfig, Federation, participation
 from rafl.federation.workers import resolve_workers
 from rafl.models import resolve_models
-from rafl.search.evolution import COMMON
+from rafl.search.evolution import COMMON, SearchConfig
 from rafl.search.federation_search import search_split, subnet_budgets, subnets_for_profiles, uniform_arch
 from rafl.search.profile import list_profiles
 from rafl.supernet import load_supernet, quickstart_supernet
 from rafl.supernet.checkpoint import load_meta
+from rafl.supernet.pretrained import resolve_supernet, supernet_measurements
 from rafl.supernet.quickstart import quickstart_config
 from rafl.supernet.server_data import calibration_sample
 
@@ -209,13 +210,21 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
                              "partition.public_fraction > 0", field="partition.public_fraction")
     meta_dir = supernet_id.split(":", 1)[1] if supernet_id.startswith("quickstart:") else cfg.supernet.path
     meta = load_meta(meta_dir)
-    val_idx, search_calib_idx = search_split(cfg, ds, public, pool, meta.get("config") or {})
+    whole: list[bool] = []
+    val_idx, search_calib_idx = search_split(cfg, ds, public, pool, meta.get("config") or {}, whole)
+    known = None
+    if whole and whole[0]:  # searched on the supernet's whole server-val: what was measured beside it holds
+        table = supernet_measurements(resolve_supernet(meta_dir))
+        default = SearchConfig()
+        if table is not None and table.get("measurement") == {"batch_size": default.batch_size,
+                                                              "calib_batches": default.calib_batches}:
+            known = table["accuracy"]
     val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
     search_calib = ds.images[torch.as_tensor(search_calib_idx)]
     calib = ds.images[torch.as_tensor(calibration_sample(public, 512))]  # class-mixed, whatever the data's order
     one_for_all = getattr(algo_cls, "one_model_for_all", False) or cfg.clients.subnets == "weakest"
     arch_of = subnets_for_profiles(cfg, supernet, profiles, val, search_calib, supernet_id, progress=progress,
-                                   common=one_for_all)
+                                   common=one_for_all, known=known)
     del search_calib
     names = [pr.name for pr in profiles]
     prof_of = [names[cid % len(names)] if len(names) != cfg.clients.n else names[cid]
