@@ -188,7 +188,7 @@ def test_shipped_cifar10_measurements_answer_a_search_without_data(tmp_path, mon
     space = load_supernet(folder).space
     n, seed = doc["predictor_samples"]["n"], doc["predictor_samples"]["seed"]
     assert doc["predictor_samples"]["archs"] == [a.to_string() for a in sample_across_space(space, n, seed)]
-    assert all(0.0 <= v <= 1.0 for v in doc["accuracy"].values()) and doc["data"]["n_val"] == 2500
+    assert all(0.0 <= v <= 1.0 for v in doc["accuracy"].values()) and doc["data"]["n_val"] == 5000
 
     def no_data(*args, **kwargs):
         raise AssertionError("a dataset was read")

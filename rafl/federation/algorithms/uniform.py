@@ -4,7 +4,10 @@ The control for "do tailored subnets pay?": instead of one subnet per device pro
 gives every client one subnet (:func:`rafl.search.federation_search.uniform_arch`): among the subnets the
 search found for the run's profiles, the most accurate (search accuracy on the server's validation
 split; ties: fewer MACs) that meets the budgets of *every* client's profile (each profile's own cost
-model). With nested budgets that is the weakest device's own subnet. With a model group
+model). With nested budgets that is the weakest device's own subnet; when no profile's subnet
+fits every other device (budgets that do not nest: the shipped cifar10 supernet's pi4 subnet is over
+the Jetson Nano's latency budget), it is the subnet one evolution finds under every profile's
+budgets at once (``search_subnets(common=True)``). With a model group
 (``clients.models`` other than ``nas``) every client gets the group's smallest member (fewest
 parameters; HeteroFL's narrowest rate for ``heterofl-cnn4``). Training and aggregation are FedAvg's
 (McMahan et al., AISTATS 2017, Alg. 1: ``w <- sum_l (n_l / n) w_l``).
