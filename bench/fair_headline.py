@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
             folder = args.out / f"seed{s}-{m}"
             compare(args, folder, m, (["--tune", f"lr={args.grid}"] if m != "pretrained" else []) + ["--set", f"seed={s}"])
             if m in args.ablation.split(","):
-                picked = json.loads((folder / "tune.json").read_text()).get("picked", {}).get(m, {})
+                tune = folder / "tune.json"  # none for a method without hyperparameters (pretrained)
+                picked = json.loads(tune.read_text()).get("picked", {}).get(m, {}) if tune.is_file() else {}
                 lrs = ["--set", f"algorithm.{m}.lr={picked['lr']}"] if "lr" in picked else []
                 compare(args, args.out / f"seed{s}-weakest-{m}", m,
                         ["--set", f"seed={s}", "--set", "clients.subnets=weakest", "--no-finetune", *lrs])
