@@ -56,7 +56,7 @@ def test_the_headline_example_is_a_comparison_on_the_shipped_cifar10_supernet():
                                                                            preset["public_seed"])
     # the search as rafl search runs it (its measurements shared): the whole server-val split, 500 subnets
     assert (cfg.search.predictor_samples, cfg.search.val_samples, cfg.search.population,
-            cfg.search.generations) == (500, 2500, 100, 500)
+            cfg.search.generations) == (500, 5000, 100, 500)
 
 
 def _federate(args, out):

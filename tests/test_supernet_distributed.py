@@ -120,6 +120,7 @@ def test_torchrun_world_size_that_does_not_divide_the_batch_is_one_line_and_writ
                     "--epochs-per-phase", "1", "--out", str(out), "--quiet", cwd=tmp_path)
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: batch_size: is 9, which 2 ranks cannot split evenly; allowed: a multiple of the world "
-                      "size 2 (batch_size is the global batch)"], res.stderr[-2000:]
+    # one message, from whichever ranks torchrun let finish (it stops the others when one exits)
+    assert set(errors) == {"error: batch_size: is 9, which 2 ranks cannot split evenly; allowed: a multiple of the "
+                           "world size 2 (batch_size is the global batch)"} and len(errors) <= 2, res.stderr[-2000:]
     assert not out.exists()

@@ -63,8 +63,8 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
             batch_size=batch_size, limit_per_class=limit_per_class, config_file=config_file, preset=preset,
             resume=resume, progress=not no_progress, rank=rank)
     except UserInputError:
-        if rank > 0:  # every rank meets the same error: rank 0 alone says it
-            raise SystemExit(2) from None
+        # every rank says it: torchrun stops the other ranks as soon as one exits, so a rank left
+        # silent could be the only one that got to say it (the same line at most once per rank)
         raise
     if rank == 0:
         _print_table(metrics, run_dir)
