@@ -702,7 +702,7 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
             evolution under all profiles' budgets, each priced by its own cost model, with the
             same predictor; its measured top-k decide), returned under :data:`COMMON`: what one
             model for all devices gets when the budgets are not nested (no profile's subnet fits
-            every other device).
+            every other device). Its ``cost`` is on the first profile's device.
 
     Returns:
         ``{profile name: SearchResult}`` in the order of ``profiles`` (and ``COMMON`` with ``common``).
@@ -787,13 +787,6 @@ class _Measurements:
 COMMON = "(every profile)"
 
 
-@dataclass(frozen=True)
-class _Named:
-    """A search target that is not one device profile (:data:`COMMON`)."""
-
-    name: str
-
-
 def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConfig, cost_models,
                     known: dict[str, float], data_fn, common: bool = False) -> dict[str, SearchResult]:
     profs = [load_profile(p) for p in profiles]
@@ -846,16 +839,16 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     finalists: dict[str, list[Finalist]] = {}
     unmeasured: set[ArchConfig] = set()  # finalists with only a predicted accuracy (no data to measure them)
     limits = {p.name: profile_limits(p) for p in profs}
-    searched = list(profs)
+    searched = [p.name for p in profs]
     if common:  # every profile's budgets at once, "profile:key" -> limit, each priced by its own cost model
         def joint_cost(pop: Population) -> dict[str, np.ndarray]:
             return {f"{p.name}:{k}": v for p in profs for k, v in cost_fns[p.name](pop).items()}
 
         cost_fns[COMMON] = joint_cost
         limits[COMMON] = {f"{p.name}:{k}": v for p in profs for k, v in limits[p.name].items()}
-        searched.append(_Named(COMMON))
-    for p in searched:
-        out = evolve(space, score_fn, cost_fns[p.name], limits[p.name], config, profile_name=p.name)
+        searched.append(COMMON)
+    for name in searched:
+        out = evolve(space, score_fn, cost_fns[name], limits[name], config, profile_name=name)
         # the top-k distinct finalists, re-measured
         keys, idx = set(), []
         for i, key in enumerate(out.population.keys()):
@@ -866,11 +859,11 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
                 break
         archs = [out.population.arch(i) for i in idx]
         acc, have = measurements.measure_available(archs, progress=config.progress,
-                                         desc=f"re-measuring top-{len(archs)} for {p.name}")
+                                         desc=f"re-measuring top-{len(archs)} for {name}")
         acc = np.where(have, acc, out.scores[idx])
         unmeasured.update(a for a, h in zip(archs, have) if not h)
-        evolved[p.name] = out
-        finalists[p.name] = [Finalist(a, float(m), float(out.scores[i]), p.name)
+        evolved[name] = out
+        finalists[name] = [Finalist(a, float(m), float(out.scores[i]), name)
                              for a, i, m in zip(archs, idx, acc)]
     # every profile picks the best measured finalist of any profile that meets its own budgets
     # (ties: its own finalists, then the estimate)
@@ -880,21 +873,20 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
         picks[COMMON] = pick_shared(space, finalists, cost_fns, limits)[COMMON]
 
     results: dict[str, SearchResult] = {}
-    for p in searched:
-        out = evolved[p.name]
-        pick = picks[p.name].pick
-        row = {k: float(v[0]) for k, v in cost_fns[p.name](Population.from_archs(space, [pick.arch])).items()}
-        use = budget_use(row, limits[p.name])
-        results[p.name] = SearchResult(
-            arch=pick.arch, accuracy=pick.accuracy, cost=models[p.name if p.name != COMMON else profs[0].name].cost(pick.arch),
-            profile=p.name,
+    for name in searched:
+        out = evolved[name]
+        pick = picks[name].pick
+        row = {k: float(v[0]) for k, v in cost_fns[name](Population.from_archs(space, [pick.arch])).items()}
+        use = budget_use(row, limits[name])
+        results[name] = SearchResult(
+            arch=pick.arch, accuracy=pick.accuracy, cost=models[name if name != COMMON else profs[0].name].cost(pick.arch), profile=name,
             predicted_accuracy=pick.predicted_accuracy, estimator=config.estimator,
             predictor_fit=fit,
             top_k=[{"arch": f.arch.to_string(), "predicted_accuracy": f.predicted_accuracy, "accuracy": f.accuracy,
                     "measured": f.arch not in unmeasured}
-                   for f in finalists[p.name]],
-            history=out.history, outcome=out, budgets=limits[p.name], found_for=pick.found_for,
-            shared_candidates=picks[p.name].considered, budget_use=use, binding=binding_budget(use),
+                   for f in finalists[name]],
+            history=out.history, outcome=out, budgets=limits[name], found_for=pick.found_for,
+            shared_candidates=picks[name].considered, budget_use=use, binding=binding_budget(use),
             accuracy_source="predicted" if pick.arch in unmeasured else "measured",
             n_measured=measurements._measured.n_measured if measurements._measured is not None else 0)
     return results

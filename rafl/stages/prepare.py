@@ -34,7 +34,7 @@ from rafl.search.federation_search import search_split, subnet_budgets, subnets_
 from rafl.search.profile import list_profiles
 from rafl.supernet import load_supernet, quickstart_supernet
 from rafl.supernet.checkpoint import load_meta
-from rafl.supernet.pretrained import resolve_supernet, supernet_measurements
+from rafl.supernet.pretrained import measured_alike, resolve_supernet, supernet_measurements
 from rafl.supernet.quickstart import quickstart_config
 from rafl.supernet.server_data import calibration_sample
 
@@ -215,9 +215,8 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
     known = None
     if whole and whole[0]:  # searched on the supernet's whole server-val: what was measured beside it holds
         table = supernet_measurements(resolve_supernet(meta_dir))
-        default = SearchConfig()
-        if table is not None and table.get("measurement") == {"batch_size": default.batch_size,
-                                                              "calib_batches": default.calib_batches}:
+        default = SearchConfig()  # the measurement subnets_for_profiles' search does
+        if table is not None and measured_alike(table, default.batch_size, default.calib_batches):
             known = table["accuracy"]
     val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
     search_calib = ds.images[torch.as_tensor(search_calib_idx)]

@@ -60,6 +60,7 @@ from rafl.supernet.pretrained import (
     CALIBRATION_NAME,
     MEASUREMENTS_NAME,
     load_calibration,
+    measured_alike,
     resolve_supernet,
     save_calibration,
     supernet_measurements,
@@ -322,8 +323,7 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     table = None
     if not remeasure and supernet_dir is not None:
         table = supernet_measurements(resolve_supernet(supernet_dir))
-        if table is not None and table.get("measurement") != {"batch_size": config.batch_size,
-                                                                "calib_batches": config.calib_batches}:
+        if table is not None and not measured_alike(table, config.batch_size, config.calib_batches):
             table = None  # measured another way: not comparable with this search's measurements
         if table is not None and "predictor_samples" not in config.model_fields_set:
             # not chosen: the predictor trains on every subnet measured beside the supernet

@@ -154,6 +154,13 @@ def supernet_measurements(folder: str | Path) -> dict | None:
     return doc
 
 
+def measured_alike(table: dict, batch_size: int, calib_batches: int) -> bool:
+    """Whether a measurements document (:func:`supernet_measurements`) was measured as a search
+    with this ``batch_size`` (images per forward pass) and ``calib_batches`` (BN recalibration
+    batches) measures: only then are its accuracies that search's own."""
+    return table.get("measurement") == {"batch_size": batch_size, "calib_batches": calib_batches}
+
+
 def half_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with floating-point weights as float16 and BatchNorm running statistics (and
     integer buffers) unchanged: the storage form of shipped supernets."""
@@ -162,5 +169,5 @@ def half_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["CALIBRATION_NAME", "MEASUREMENTS_NAME", "PRETRAINED", "PRETRAINED_DIR", "PRETRAINED_MEASUREMENTS",
-           "half_state", "is_pretrained_name", "load_calibration", "pretrained_path", "resolve_supernet",
+           "half_state", "is_pretrained_name", "measured_alike", "load_calibration", "pretrained_path", "resolve_supernet",
            "save_calibration", "supernet_measurements"]
