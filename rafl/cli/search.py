@@ -79,7 +79,7 @@ def _check_data(supernet_dir: Path, data_root: Path | None) -> None:
                    "[default: the CPU cores this process may use].")
 @click.option("--remeasure", is_flag=True,
               help="Measure the predictor's subnets on the supernet's server-val split even when measurements "
-                   "ship beside its weights (cifar10 ships 336: without this option it reads no data).")
+                   "ship beside its weights (cifar10 ships 515: without this option it reads no data).")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
 def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path | None, out: Path, generations: int,
            population: int, time_budget_s: float | None, estimator: str, predictor_samples: int | None, top_k: int,
