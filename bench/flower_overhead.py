@@ -5,7 +5,8 @@ profiles pi4 / jetson-nano / phone, Dirichlet 0.5, the quickstart supernet, one 
 profile) with ``--algorithm`` for ``--rounds`` rounds -- is run three ways, side by side in this
 process's session:
 
-1. **in-process**: ``federate.prepare`` + ``federate.run`` (the engine's default runner);
+1. **in-process**: ``federate.prepare`` + ``federate.run`` (the engine's default runner) with
+   ``engine.workers`` = ``--nodes`` (the same parallelism as the deployment);
 2. **Flower simulation**: the same with ``engine.backend: flower`` (Flower's Simulation Runtime,
    Ray, one virtual SuperNode per client);
 3. **Flower deployment**: ``rafl flower-app`` + ``flwr run`` against a SuperLink and ``--nodes``
@@ -123,7 +124,9 @@ def main() -> None:
         print(f"{name}: {wall:.1f} s, {results[name]['round_s']:.2f} s/round", flush=True)
 
     def in_process() -> Path:
-        c = load_run_config(None, [*base_overrides, "name=inproc"])
+        # as many worker processes as the deployment has SuperNodes: the same parallelism (the
+        # default, engine.workers: null, follows the load average, which a benchmark just run raises)
+        c = load_run_config(None, [*base_overrides, "name=inproc", f"engine.workers={args.nodes}"])
         federate.run(federate.prepare(c, progress=False), work / "runs" / "inproc", progress=False)
         return work / "runs" / "inproc"
 
@@ -192,8 +195,9 @@ def main() -> None:
               "Metrics compared: every column of `metrics.jsonl` except the `time*` columns and the Flower "
               "backends' own `wire_*` / `cum_wire_mb` (the bytes their messages moved), every round: accuracies, "
               "payload bytes up/down, failures.",
-              "Deployment: per round one train and one evaluate message per node, each carrying all the "
-              "node's clients. `fork`: `rafl flower-superexec` forks each message's ClientApp from a process "
+              "In-process runs `engine.workers` = the SuperNodes (the same parallelism). Deployment: a warm query "
+              "before round 1 has each node's SuperExec build the run's federation (`warm_nodes`); per round one "
+              "train and one evaluate message per node, each carrying all the node's clients. `fork`: `rafl flower-superexec` forks each message's ClientApp from a process "
               "that imported torch, flwr and rafl once and built the run's federation once (when the first "
               "message of the run reported it); `subprocess`: Flower's SuperExec starts a new `flwr-clientapp` "
               "process per message, which imports torch and rebuilds the federation. `flower-supernode (3 s poll)`: "

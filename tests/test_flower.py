@@ -841,8 +841,11 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
         assert run.completed and run.status == "finished:completed", (run, fleet.logs()[-4000:])
         assert "rafl: 2 rounds" in run.stdout, (run.stdout + run.stderr + fleet.logs())[-4000:]
         pids = [p.pid for p in fleet.procs]
-    for i in range(2):  # the first message reported the run; the warm process built it for the rest
+    for i in range(2):  # the warm query reported the run; the warm process built it before round 1
         assert "later messages start with it" in (tmp_path / "fleet" / f"superexec{i}.log").read_text()
+        got = [line.split("Receiving: ")[1].split(" message")[0]
+               for line in (tmp_path / "fleet" / f"node{i}.log").read_text().splitlines() if "Receiving: " in line]
+        assert got[:4] == ["query", "query", "query", "train"], got  # node config, warm, ready, then round 1
     for pid in pids:  # stopped, with their process groups
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)

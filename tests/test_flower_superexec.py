@@ -120,6 +120,26 @@ def test_a_refused_run_config_is_not_reported(monkeypatch, tmp_path):
     assert reported == []
 
 
+def test_a_warm_query_reports_an_accepted_run_config_once_and_nothing_else(monkeypatch, tmp_path):
+    """The warm query (rafl.federation.flower_runner.warm_nodes): a SuperExec's child reports a run
+    config the node accepts and answers warming; a refused config, a built one, a run with
+    several torch threads or a ClientApp no SuperExec forked (on_new_run unset) report nothing."""
+    reported: list[str] = []
+    monkeypatch.setattr(flower_node, "_PREPARED", {})
+    monkeypatch.setattr(flower_node, "on_new_run", reported.append)
+    assert flower_node._warm("seed: 3\n", {}) == {"warming": True}
+    assert reported == ["seed: 3\n"]
+    outside = tmp_path / "elsewhere"
+    assert flower_node._warm(f"data: {{root: {outside}}}\n", {}) == {"warming": False}  # outside the data roots
+    assert flower_node._warm("seed: [\n", {}) == {"warming": False}  # not a run config
+    assert flower_node._warm("seed: 5\ntrain: {threads: 2}\n", {}) == {"warming": False}
+    flower_node._PREPARED[flower_node.config_key("seed: 4\n")] = ("fed", 4)
+    assert flower_node._warm("seed: 4\n", {}) == {"warming": False}
+    assert reported == ["seed: 3\n"]
+    monkeypatch.setattr(flower_node, "on_new_run", None)
+    assert flower_node._warm("seed: 6\n", {}) == {"warming": False}
+
+
 def test_the_command_needs_tls_or_insecure():
     res = CliRunner().invoke(cli, ["flower-superexec", "--runtime-api-address", "127.0.0.1:9094"])
     assert res.exit_code == 2 and "--root-certificates" in res.output and "--insecure" in res.output

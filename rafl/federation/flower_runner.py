@@ -213,6 +213,38 @@ def discover_nodes(grid: Any, n_clients: int, timeout: float, *, simulation: boo
         time.sleep(0.2)
 
 
+def warm_nodes(grid: Any, node_ids: list[int], config_text: str, timeout: float,
+               stop: threading.Event | None = None) -> list[int]:
+    """Have every node build the run's federation before round 1, as ``rafl federate`` prepares
+    its own before its first round.
+
+    A ``warm`` query carries the run config to each node in ``node_ids``. A node whose ClientApps
+    are forked by ``rafl flower-superexec`` checks it against its own trust rules (as a train
+    message's would be), reports it to the SuperExec and answers ``warming``; the SuperExec
+    builds the federation before it starts the next ClientApp
+    (:class:`rafl.stages.flower.superexec.ForkExecutor`). A ``ready`` query to those nodes is that
+    next ClientApp, so its reply arrives once the node is built. Without this, round 1's first
+    message built the federation twice on each node (the ClientApp for itself, the SuperExec
+    for later messages) while it trained. A node that does not build (Flower's own SuperExec,
+    an older rafl, a refused config) answers without ``warming`` and is not waited for: its
+    first message builds what it needs, and a refusal is reported there, as before.
+
+    Returns:
+        the node ids that confirmed they are built (best effort: a lost reply only costs time).
+    Raises:
+        Stopped: ``stop`` was set while waiting."""
+    app = _flwr()
+
+    def ask(nodes: list[int], what: dict[str, Any]) -> dict[Any, Any]:
+        msgs = [(nid, app.Message(app.RecordDict({CONTROL: app.ConfigRecord(what)}), dst_node_id=nid,
+                                  message_type=QUERY)) for nid in nodes]
+        return _exchange(grid, msgs, timeout, stop)[0]
+
+    warming = [nid for nid, reply in ask(sorted(node_ids), {"ask": "warm", "config": config_text}).items()
+               if reply.content.config_records.get(CONTROL, {}).get("warming")]
+    return sorted(ask(warming, {"ask": "ready"})) if warming else []
+
+
 #: the most upload bytes one train message's reply may carry: a node with more sampled clients
 #: than fit gets several messages (:meth:`FlowerClients._batches`), so a node's reply, and the
 #: memory that holds it on the node and the SuperLink, stay bounded
@@ -477,4 +509,5 @@ def _refusals(replies: dict[Any, Any], lost: dict[Any, str]) -> dict[Any, str]:
     return out
 
 
-__all__ = ["MAX_REPLY_BYTES", "FlowerClients", "NodeMap", "Stopped", "discover_nodes", "node_name", "partition_of"]
+__all__ = ["MAX_REPLY_BYTES", "FlowerClients", "NodeMap", "Stopped", "discover_nodes", "node_name", "partition_of",
+           "warm_nodes"]

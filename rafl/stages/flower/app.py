@@ -24,7 +24,7 @@ from rafl import __version__
 from rafl.errors import UserInputError
 from rafl.federation.checks import deployment_of
 from rafl.federation.engine import Federation
-from rafl.federation.flower_runner import FlowerClients, Stopped, discover_nodes
+from rafl.federation.flower_runner import FlowerClients, Stopped, discover_nodes, warm_nodes
 from rafl.federation.flower_wire import one_line, whole_number
 from rafl.federation.run_config import load_run_config
 from rafl.federation.store import ClientStore
@@ -58,6 +58,8 @@ def run_on_grid(grid: Any, prep: Any, run_dir: Path, *, resume: bool = False, pr
     config_text = yaml.safe_dump(cfg.resolved(), sort_keys=True)
     timeout = float(cfg.engine.round_timeout_s)
     node_of = discover_nodes(grid, len(prep.federation.clients), max(timeout, 60.0), simulation=shared_disk, stop=stop)
+    if not shared_disk:  # SuperNodes build the run's federation now, not in round 1 (warm_nodes)
+        warm_nodes(grid, sorted(set(node_of.values())), config_text, timeout, stop)
     key = run_key_of(run_dir, cfg.resolved())
     # on a SuperLink the nodes keep the client states on their own disks: the run dir says so
     # (clients.json), and only the Flower App resumes it (rafl federate --resume refuses it)

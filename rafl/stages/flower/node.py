@@ -225,11 +225,14 @@ def _parse_run_config(config_text: str) -> Any:
     """The message's run config (a :class:`~rafl.config.RunConfig`).
 
     Raises:
-        UserInputError: an invalid run config (field ``config``)."""
+        UserInputError: a run config that is not YAML or not valid (field ``config``)."""
+    import yaml
     from pydantic import ValidationError
 
     try:
         return RunConfig.model_validate(load_yaml(config_text))
+    except yaml.YAMLError as err:
+        raise UserInputError(f"the message's run config is not YAML ({w.one_line(str(err))})", field="config") from None
     except ValidationError as err:
         raise UserInputError(f"the message's run config is invalid ({err.errors()[0].get('msg', 'invalid')})",
                              field="config") from None
@@ -279,6 +282,26 @@ def warm(config_text: str) -> None:
     cfg = _parse_run_config(config_text)
     if cfg.train.threads == 1:
         _build(config_text, cfg)
+
+
+def _warm(config_text: str, node_config: dict[str, Any]) -> dict[str, Any]:
+    """A ``warm`` query's answer: ``{"warming": True}`` when this ClientApp is a child of ``rafl
+    flower-superexec`` (:data:`on_new_run` set) and reported the run config, after the node's
+    trust rules accepted it, for its SuperExec to build; else ``{"warming": False}`` (the run is
+    built already, or nothing here would keep what a build makes). A config the node refuses or
+    cannot read is answered ``warming: False`` and not counted as a refusal: the run's first train
+    message is refused and reported as always."""
+    if on_new_run is None or config_key(config_text) in _PREPARED:
+        return {"warming": False}
+    try:
+        cfg = _parse_run_config(config_text)
+        NodeTrust.of(node_config).check_run_config(cfg)
+    except UserInputError:
+        return {"warming": False}
+    if cfg.train.threads != 1:  # the SuperExec does not build these (warm's docstring)
+        return {"warming": False}
+    on_new_run(config_text)
+    return {"warming": True}
 
 
 def _client_step(msg: Any, node_config: dict[str, Any], kind: str, fed: Federation, seed: int,
@@ -379,7 +402,7 @@ def _integer(node_config: dict[str, Any], key: str, default: int) -> int:
 
 
 def _make_client_app(own: dict[str, str] | None = None) -> Any:
-    """rafl's ClientApp: the node-config / commit / discard queries and the two client steps.
+    """rafl's ClientApp: the node-config / warm / ready / commit / discard queries and the two client steps.
     ``own``: trust settings (node-config keys) under the node config's own, for nodes that are
     the user's own process (:func:`own_node_config`); None on a SuperNode."""
     from flwr.clientapp import ClientApp
@@ -406,6 +429,11 @@ def _make_client_app(own: dict[str, str] | None = None) -> Any:
             except Refused as err:
                 trust.count_refusal(err, msg)
                 return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({"refused": str(err)})}), reply_to=msg)
+            return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
+        if ctl.get("ask") == "warm":  # build the run before round 1 (rafl.federation.flower_runner.warm_nodes)
+            return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord(_warm(str(ctl["config"]), nc))}),
+                               reply_to=msg)
+        if ctl.get("ask") == "ready":  # started after the SuperExec built the reported run: it is ready
             return app.Message(app.RecordDict({w.CONTROL: app.ConfigRecord({"done": True})}), reply_to=msg)
         try:
             answer = {"partition-id": _integer(nc, "partition-id", 0), "num-partitions": _integer(nc, "num-partitions", 1)}
