@@ -160,7 +160,8 @@ def summarize(args, seeds: list[int]) -> str:
     result: dict = {"seeds": seeds, "methods": {}, "tailoring": {}}
     lines = [f"# Fair headline: resource-aware FL on CIFAR-10{' (smoke scale)' if args.smoke else ''}", "",
              f"Seeds {', '.join(map(str, seeds))}; per seed `rafl compare --config examples/cifar10-devices.yaml "
-             f"--algorithms {args.methods} --tune lr={args.grid} --set seed=N` (+ the ablation with "
+             f"--algorithms {args.methods} --tune lr=GRID --set seed=N` (each method's grid in the table; "
+             f"this run's default: {args.grid}) (+ the ablation with "
              "`--set clients.subnets=weakest`). Written by `python bench/fair_headline.py"
              f"{' --smoke' if args.smoke else ''}`.", "",
              "Two protocols. **Personalized**: each client's deployed model on its own label-skewed test split "
@@ -173,7 +174,8 @@ def summarize(args, seeds: list[int]) -> str:
              "every client is scored on the same held-out images, so that SE leaves out the test set's own sampling "
              "noise (one model at 0.78 on 5,000 images: ± 0.6 points).", "",
              "| method | personalized, final | personalized, last 3 | global, final | global, last 3 | lr picked "
-             "(per seed) | MB up / down per client-round |", "|---|---|---|---|---|---|---|"]
+             "of the grid (per seed) | MB up / down per client-round |", "|---|---|---|---|---|---|---|"]
+    trials: list[tuple[int, str, list]] = []  # (seed, method, [(lr, validation accuracy)]) of every tuning
     for m in methods:
         rs = [rows[s][m] for s in seeds]
 
@@ -184,13 +186,26 @@ def summarize(args, seeds: list[int]) -> str:
         for s in seeds:
             tune = where[s][m] / "tune.json"
             base = rows[s][m].get("finetuned_from", m)
-            picked = json.loads(tune.read_text()).get("picked", {}).get(base, {}) if tune.is_file() else {}
-            lrs.append(str(picked.get("lr", "-")))
+            rec = json.loads(tune.read_text()) if tune.is_file() else {}
+            picked = rec.get("picked", {}).get(base, {})
+            grid = sorted({t["hparams"]["lr"] for t in rec.get("trials", {}).get(base, []) if "lr" in t["hparams"]})
+            lrs.append(str(picked.get("lr", "-")) + (f" of {'/'.join(map(str, grid))}" if grid else ""))
+            if grid and not m.endswith("-ft"):
+                trials.append((s, m, [(t["hparams"].get("lr"), t["val_acc"]) for t in rec["trials"][base]]))
         entry = {k: col(k) for k in ("model.acc_mean", "model.acc_mean_last3", "model@global.acc_mean",
                                       "model@global.acc_mean_last3")}
         result["methods"][m] = {**entry, "lr": lrs}
         lines.append(f"| {m} | " + " | ".join(over_seeds(v) for v in entry.values()) + f" | {' / '.join(lrs)} | "
                      f"{rs[0].get('mb_up_per_client_round', 0):.3f} / {rs[0].get('mb_down_per_client_round', 0):.3f} |")
+    if trials:
+        lines += ["", "Tuning trials: validation accuracy (pooled over the clients' validation splits, mean of the "
+                  "last 3 evaluations) per learning rate; the picked one is in bold.", "",
+                  "| seed | method | " + "validation accuracy by lr |", "|---|---|---|"]
+        for s, m, got in trials:
+            best = max(range(len(got)), key=lambda j: (got[j][1] if got[j][1] is not None else -1, -j))
+            cells = [(f"**{lr}: {acc:.3f}**" if j == best else f"{lr}: {acc:.3f}") if acc is not None else f"{lr}: -"
+                     for j, (lr, acc) in sorted(enumerate(got), key=lambda jg: jg[1][0])]
+            lines.append(f"| {s} | {m} | {', '.join(cells)} |")
     for ref in ("pretrained", "standalone"):
         if ref not in methods:
             continue

@@ -197,9 +197,10 @@ def main() -> None:
               "payload bytes up/down, failures.",
               "In-process runs `engine.workers` = the SuperNodes (the same parallelism). Deployment: a warm query "
               "before round 1 has each node's SuperExec build the run's federation (`warm_nodes`); per round one "
-              "train and one evaluate message per node, each carrying all the node's clients. `fork`: `rafl flower-superexec` forks each message's ClientApp from a process "
-              "that imported torch, flwr and rafl once and built the run's federation once (when the first "
-              "message of the run reported it); `subprocess`: Flower's SuperExec starts a new `flwr-clientapp` "
+              "train and one evaluate message per node, each carrying all the node's clients. `fork`: "
+              "`rafl flower-superexec` forks each message's ClientApp from a process that imported torch, flwr "
+              "and rafl once and built the run's federation once (when the warm query reported it); "
+              "`subprocess`: Flower's SuperExec starts a new `flwr-clientapp` "
               "process per message, which imports torch and rebuilds the federation. `flower-supernode (3 s poll)`: "
               "Flower's own SuperNode, which asks the SuperLink for a message every 3 s when idle and checks for a "
               "ClientApp's reply every 0.5 s; `rafl flower-supernode --poll-interval S`: the same SuperNode sleeping "

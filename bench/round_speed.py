@@ -34,6 +34,10 @@ A bare loop imports torch and ``rafl.models`` (the model builder) only, and read
 labels and partition that rafl loaded, from a file the parent writes once (uint8 pixels
 normalized per batch, like rafl's loader).
 
+``--methods`` may name a method with its ``class_means`` (``fedproto@last_epoch``: rafl collects
+the prototypes in the training pass, as the bare loop does; plain ``fedproto`` is rafl's default,
+one more eval-mode pass).
+
 Each variant runs in its own process (``--variant``), back to back: per method the bare loop and
 rafl at ``engine.workers: 1``, in alternating order over ``--repeats``; medians. The parent
 samples the memory of the variant's process tree every 0.05 s: peak RSS (shared pages counted in
@@ -73,7 +77,8 @@ METHODS = ["standalone", "fedproto", "fedtgp", "fd", "fedgh", "lg-fedavg", "rafl
 
 def overrides(args, method: str, clients: int, limit: int | None, workers: int, rounds: int,
               per_round: int | None = None) -> list[str]:
-    out = [f"algorithm.name={method}", "data.dataset=cifar10", f"data.root={args.cifar}",
+    method, _, means = method.partition("@")  # fedproto@last_epoch: the method with class_means set
+    out = [f"algorithm.name={method}", *([f"algorithm.class_means={means}"] if means else []), "data.dataset=cifar10", f"data.root={args.cifar}",
            "partition.scheme=pathological", "partition.k=2", f"clients.n={clients}", f"clients.models={args.model}",
            "train.batch_size=10", "train.threads=1", "algorithm.local_epochs=1", f"engine.rounds={rounds}",
            f"engine.workers={workers}", f"seed={args.seed}", "engine.target_accuracy=null"]
@@ -232,7 +237,8 @@ def run_bare(args) -> dict:
 
     torch.set_num_threads(1)
     d = torch.load(args.data, weights_only=False)
-    pix, labels, hp, method = d["pixels"], d["labels"], d["hparams"][args.method], args.method
+    method = args.method.partition("@")[0]  # the bare loop collects class means as HtFLlib does, whatever rafl's
+    pix, labels, hp = d["pixels"], d["labels"], d["hparams"][method]
     a, b = d["a"], d["b"]
     K, D, bs = d["n_classes"], d["feature_dim"], d["batch_size"]
     n = min(len(d["train"]), args.bare_clients or len(d["train"]))
@@ -445,8 +451,10 @@ def load_now() -> str:
 
 
 def report(args, res: dict) -> str:
-    cmd = (f"nice -n 10 python bench/round_speed.py --limit-per-class {args.limit_per_class} --clients {args.clients} "
-           f"--rounds {args.rounds} --repeats {args.repeats} --methods {','.join(args.methods)}"
+    niceness = os.nice(0)
+    cmd = ((f"nice -n {niceness} " if niceness else "") + "python bench/round_speed.py "
+           f"--limit-per-class {args.limit_per_class} --clients {args.clients} --rounds {args.rounds} "
+           f"--repeats {args.repeats} --methods {','.join(args.methods)}"
            + (f" --hog {args.hog}" if args.hog else "") + f" --memory-limit {args.memory_limit}")
     lines = [
         "# Round speed: every method's rafl rounds vs a bare PyTorch loop doing the same work",
@@ -454,14 +462,14 @@ def report(args, res: dict) -> str:
         f"Command: `{cmd}`",
         "",
         f"Machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average (1, 5, 15 min) "
-        f"{res['load_start']} at the start and {res['load_end']} at the end. The load is other people's jobs "
-        "sharing the machine (a supernet training in the background, other benchmarks): ratios of variants run "
-        "back to back are what this measures; absolute seconds depend on the machine's load.",
+        f"{res['load_start']} at the start and {res['load_end']} at the end (other jobs on the machine add to "
+        "it): ratios of variants run back to back are what this measures; absolute seconds depend on the load.",
         "",
         f"Scenario: CIFAR-10 subset ({args.limit_per_class} images per class from each split, pooled), "
         f"{args.clients} clients, pathological 2 classes each, `{args.model}`, batch 10, 1 local epoch, "
         f"every client every round, evaluation of every client every round, {args.rounds} rounds, 1 torch thread "
-        f"per process, each method's default hyperparameters. Each variant in its own process, {args.repeats} "
+        "per process, each method's default hyperparameters (`METHOD@MEANS`: with `class_means: MEANS`). "
+        f"Each variant in its own process, {args.repeats} "
         "time(s), alternating order; medians. The bare loops collect prototypes / logits as HtFLlib does: FedProto "
         "and FD in the training pass, FedTGP and FedGH in an extra eval-mode pass (the bench's docstring).",
         "",
