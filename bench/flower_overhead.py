@@ -89,6 +89,7 @@ def main() -> None:
                     help="deployments to run, comma-separated ISOLATION:POLL (POLL: the SuperNodes' idle poll in "
                          "seconds, `rafl flower-supernode --poll-interval`, or `flower`: Flower's own "
                          "flower-supernode, 3 s)")
+    ap.add_argument("--no-simulation", action="store_true", help="leave out the Simulation Runtime")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
@@ -152,7 +153,7 @@ def main() -> None:
         return go
 
     timed("in-process", in_process)
-    if args.case == "default":
+    if args.case == "default" and not args.no_simulation:
         timed("flower simulation", simulation)
     for item in args.deployments.split(","):
         isolation, _, poll_text = item.partition(":")
@@ -164,7 +165,8 @@ def main() -> None:
     command = (f"python bench/flower_overhead.py --case {args.case} --rounds {args.rounds} --nodes {args.nodes}"
                + (f" --algorithm {args.algorithm}" if args.algorithm else "")
                + (" --data-root DATA" if args.data_root else "")
-               + (f" --deployments {args.deployments}" if args.deployments != ap.get_default("deployments") else ""))
+               + (f" --deployments {args.deployments}" if args.deployments != ap.get_default("deployments") else "")
+               + (" --no-simulation" if args.no_simulation else ""))
     setting = ("The `rafl federate` default pipeline (digits, 10 clients, quickstart supernet)"
                if args.case == "default" else
                "1,000 clients, `htfe-tiny` models, CIFAR-10 IID, 20 clients sampled and evaluated per round")
