@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "cifar10-devices.yaml"
 METHODS = "pretrained,standalone,uniform,heterofl,fedrolex,rafl,fedgh,fedtgp,fedproto"
 ABLATION = "standalone,rafl,fedtgp"
-GRID = "0.01,0.03,0.1"
+GRID = "0.01,0.03,0.1,0.003"
 TIERS = ("pi4", "jetson-nano", "phone")
 #: set when this process is interrupted: its jobs' comparisons stop and resume later, never fall back
 STOPPING = False
