@@ -253,18 +253,30 @@ def _build(config_text: str, cfg: Any) -> tuple[Federation, int]:
     return _PREPARED[key]
 
 
+def _accept(config_text: str, trust: NodeTrust) -> tuple[Any, bool]:
+    """``(run config, reported)``: the message's run config after
+    :meth:`NodeTrust.check_run_config`, reported to :data:`on_new_run` (this ClientApp's SuperExec,
+    which builds it for later messages) when it is new here and one torch thread (see :func:`warm`).
+
+    Raises:
+        Refused: the config names an input the node does not allow.
+        UserInputError: a run config that is not YAML or not valid."""
+    cfg = _parse_run_config(config_text)
+    trust.check_run_config(cfg)  # every message: the cache is no way around the node's rules
+    report = on_new_run is not None and config_key(config_text) not in _PREPARED and cfg.train.threads == 1
+    if report:
+        on_new_run(config_text)
+    return cfg, report
+
+
 def _node_federation(config_text: str, trust: NodeTrust) -> tuple[Federation, int]:
     """The run's federation built on this node from the run config (cached per config), after
-    :meth:`NodeTrust.check_run_config`.
+    :func:`_accept`.
 
     Raises:
         Refused: the config names an input the node does not allow.
         UserInputError: an invalid run config."""
-    cfg = _parse_run_config(config_text)
-    trust.check_run_config(cfg)  # every message: the cache is no way around the node's rules
-    if on_new_run is not None and config_key(config_text) not in _PREPARED:
-        on_new_run(config_text)
-    return _build(config_text, cfg)
+    return _build(config_text, _accept(config_text, trust)[0])
 
 
 def warm(config_text: str) -> None:
@@ -285,23 +297,15 @@ def warm(config_text: str) -> None:
 
 
 def _warm(config_text: str, node_config: dict[str, Any]) -> dict[str, Any]:
-    """A ``warm`` query's answer: ``{"warming": True}`` when this ClientApp is a child of ``rafl
-    flower-superexec`` (:data:`on_new_run` set) and reported the run config, after the node's
-    trust rules accepted it, for its SuperExec to build; else ``{"warming": False}`` (the run is
-    built already, or nothing here would keep what a build makes). A config the node refuses or
-    cannot read is answered ``warming: False`` and not counted as a refusal: the run's first train
-    message is refused and reported as always."""
-    if on_new_run is None or config_key(config_text) in _PREPARED:
-        return {"warming": False}
+    """A ``warm`` query's answer: ``{"warming": True}`` when :func:`_accept` reported the run config
+    to this ClientApp's SuperExec for it to build; else ``{"warming": False}`` (no SuperExec of
+    rafl's, built already, several torch threads). A config the node refuses or cannot read is
+    answered ``warming: False`` and not counted as a refusal: the run's first train message is
+    refused and reported as always."""
     try:
-        cfg = _parse_run_config(config_text)
-        NodeTrust.of(node_config).check_run_config(cfg)
+        return {"warming": _accept(config_text, NodeTrust.of(node_config))[1]}
     except UserInputError:
         return {"warming": False}
-    if cfg.train.threads != 1:  # the SuperExec does not build these (warm's docstring)
-        return {"warming": False}
-    on_new_run(config_text)
-    return {"warming": True}
 
 
 def _client_step(msg: Any, node_config: dict[str, Any], kind: str, fed: Federation, seed: int,
