@@ -53,9 +53,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "cifar10-devices.yaml"
-METHODS = "pretrained,standalone,uniform,heterofl,fedrolex,rafl,fedgh,fedtgp,fedproto"
+METHODS = "pretrained,standalone,uniform,heterofl,fedrolex,heterofl+sbn,fedrolex+sbn,rafl,fedgh,fedtgp,fedproto"
 ABLATION = "standalone,rafl,fedtgp"
 GRID = "0.01,0.03,0.1,0.003"
+#: ``METHOD+VARIANT`` in ``--methods``: METHOD with these hyperparameters, in ``OUT/seedN-METHOD+VARIANT``,
+#: its rows named ``METHOD+VARIANT`` (and ``METHOD+VARIANT-ft``)
+VARIANTS = {
+    # HeteroFL's static BN (Sec. 3.2) with its evaluation statistics measured on the server's public pool
+    "sbn": {"static_bn": "true", "sbn_statistics": "server"},
+}
 TIERS = ("pi4", "jetson-nano", "phone")
 #: set when this process is interrupted: its jobs' comparisons stop and resume later, never fall back
 STOPPING = False
@@ -135,6 +141,25 @@ def flag(mean: float, se: float) -> str:
     return f"{100 * mean:+.1f} ± {200 * se:.1f}{' *' if beyond else ''}"
 
 
+def variant_sets(method: str) -> tuple[str, list[str]]:
+    """``(algorithm, --set arguments)`` of a ``--methods`` entry (``METHOD`` or ``METHOD+VARIANT``)."""
+    algorithm, _, variant = method.partition("+")
+    if variant and variant not in VARIANTS:
+        raise SystemExit(f"--methods: unknown variant {variant!r} in {method!r}; allowed: {', '.join(VARIANTS)}")
+    hp = VARIANTS.get(variant, {})
+    return algorithm, [x for k, v in hp.items() for x in ("--set", f"algorithm.{algorithm}.{k}={v}")]
+
+
+def row_name(row: dict, folder: Path) -> str:
+    """A row's method name: its algorithm's, with the folder's ``+VARIANT`` (before any ``-ft``)."""
+    name = row["algorithm"]
+    variant = folder.name.partition("+")[2]
+    if not variant:
+        return name
+    base = name.removesuffix("-ft")
+    return f"{base}+{variant}" + ("-ft" if name.endswith("-ft") else "")
+
+
 def runs(out: Path, name: str) -> dict[str, tuple[dict, Path]]:
     """method -> (its row in compare.json, the comparison's folder), from ``OUT/NAME`` (every
     method in one comparison) and ``OUT/NAME-METHOD`` (``--jobs``: one comparison per method)."""
@@ -145,7 +170,7 @@ def runs(out: Path, name: str) -> dict[str, tuple[dict, Path]]:
         result = folder / "compare.json"
         if folder.is_dir() and result.is_file():
             for r in json.loads(result.read_text())["rows"]:
-                found[r["algorithm"]] = (r, folder)
+                found[row_name(r, folder)] = (r, folder)
     return found
 
 
@@ -185,7 +210,7 @@ def summarize(args, seeds: list[int]) -> str:
         lrs = []
         for s in seeds:
             tune = where[s][m] / "tune.json"
-            base = rows[s][m].get("finetuned_from", m)
+            base = rows[s][m].get("finetuned_from", rows[s][m]["algorithm"])
             rec = json.loads(tune.read_text()) if tune.is_file() else {}
             picked = rec.get("picked", {}).get(base, {})
             grid = sorted({t["hparams"]["lr"] for t in rec.get("trials", {}).get(base, []) if "lr" in t["hparams"]})
@@ -241,7 +266,7 @@ def summarize(args, seeds: list[int]) -> str:
                 for s in seeds:
                     folder = where[s][m]
                     prow, pinned = pinned_runs[s][m]
-                    table = json.loads((folder / m / "clients.json").read_text())["clients"]
+                    table = json.loads((folder / rows[s][m]["algorithm"] / "clients.json").read_text())["clients"]
                     ids = [str(r["client"]) for r in table if r["profile"] == tier]
                     for key in ("model.acc", "model@global.acc"):
                         mean, se, n = paired(per_client(folder, rows[s][m], key), per_client(pinned, prow, key), ids)
@@ -271,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every rafl compare")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    for m in args.methods.split(","):
+        variant_sets(m)
+        if "+" in m and args.jobs <= 0 and args.from_dir is None:
+            raise SystemExit(f"--methods {m}: a METHOD+VARIANT runs in its own comparison; add --jobs N")
     if args.from_dir is not None:
         args.out = args.from_dir
     elif args.jobs > 0:
@@ -278,20 +307,23 @@ def main(argv: list[str] | None = None) -> None:
         methods = args.methods.split(",")
         # the slowest first, so the pool's last jobs are short ones
         order = {m: i for i, m in enumerate(SLOWEST_FIRST)}
-        jobs = sorted(((s, m) for s in seeds for m in methods), key=lambda sm: (order.get(sm[1], 99), sm[0]))
+        jobs = sorted(((s, m) for s in seeds for m in methods),
+                      key=lambda sm: (order.get(sm[1].partition("+")[0], 99), sm[0]))
         if "pretrained" in methods:  # the decoded images and the search land in the caches once, before the rest
             compare(args, args.out / f"seed{seeds[0]}-pretrained", "pretrained", ["--set", f"seed={seeds[0]}"])
 
         def job(sm: tuple[int, str]) -> None:
             s, m = sm
             folder = args.out / f"seed{s}-{m}"
-            compare(args, folder, m, (["--tune", f"lr={args.grid}"] if m != "pretrained" else []) + ["--set", f"seed={s}"])
+            algorithm, hp = variant_sets(m)
+            compare(args, folder, algorithm,
+                    (["--tune", f"lr={args.grid}"] if m != "pretrained" else []) + ["--set", f"seed={s}", *hp])
             if m in args.ablation.split(","):
                 tune = folder / "tune.json"  # none for a method without hyperparameters (pretrained)
-                picked = json.loads(tune.read_text()).get("picked", {}).get(m, {}) if tune.is_file() else {}
-                lrs = ["--set", f"algorithm.{m}.lr={picked['lr']}"] if "lr" in picked else []
-                compare(args, args.out / f"seed{s}-weakest-{m}", m,
-                        ["--set", f"seed={s}", "--set", "clients.subnets=weakest", "--no-finetune", *lrs])
+                picked = json.loads(tune.read_text()).get("picked", {}).get(algorithm, {}) if tune.is_file() else {}
+                lrs = ["--set", f"algorithm.{algorithm}.lr={picked['lr']}"] if "lr" in picked else []
+                compare(args, args.out / f"seed{s}-weakest-{m}", algorithm,
+                        ["--set", f"seed={s}", "--set", "clients.subnets=weakest", "--no-finetune", *hp, *lrs])
 
         global STOPPING
         with ThreadPoolExecutor(args.jobs) as pool:

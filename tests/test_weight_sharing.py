@@ -33,7 +33,10 @@ from rafl.reports.run import RunReport
 from rafl.search.federation_search import uniform_arch
 from rafl.search.profile import load_profile
 from rafl.supernet import SearchSpace, build_supernet, extract_subnet
+from rafl.supernet.model import recalibrate_bn
+from rafl.supernet.server_data import calibration_sample
 
+BN_KEYS = ("running_mean", "running_var", "num_batches_tracked")
 SLICED = ["cnn4@1", "cnn4@0.5", "cnn4@0.25", "cnn4@0.125"]
 
 
@@ -177,6 +180,64 @@ def test_a_weight_no_client_holds_never_changes(tiny, tmp_path):
         n_moved += int((v.reshape(-1)[held[k]] != end[k].reshape(-1)[held[k]]).sum())
     assert n_free > 0 and n_moved > 0
     assert all(torch.equal(start[k], end[k]) for k in start if k.endswith("_matrix"))
+
+
+def _recalibrated_slice(fed, algo, global_state, layout, info, round_):
+    """BN statistics of ``info``'s slice of ``global_state``, recalibrated on the public sample the
+    searched subnets were recalibrated on."""
+    model = fed.server.make_model(arch=info.arch)
+    index = index_map(layout, info, round_, algo.rolling)
+    model.load_state_dict(extract(global_state, index, [k for k in index if not k.endswith(BN_KEYS)]), strict=False)
+    pool = fed.server.public_images
+    calib = pool[torch.as_tensor(calibration_sample(np.arange(len(pool)), 512))]
+    recalibrate_bn(model, [calib[i:i + 64] for i in range(0, len(calib), 64)], n_batches=None)
+    return {k: v for k, v in model.state_dict().items() if k.endswith(BN_KEYS[:2])}
+
+
+@pytest.mark.parametrize("name", ["heterofl", "fedrolex"])
+def test_static_bn_server_statistics_are_the_floors_then_follow_the_global_weights(name, tiny, tmp_path):
+    """``sbn_statistics: server``: a client evaluates its slice with BN statistics recalibrated on the
+    server's public sample (before round 1 for the smallest subnet, whose slice is the supernet's
+    own subnet: exactly the statistics the no-training floor deploys), never sent up; after a round,
+    those of its trained slice."""
+    space, supernet, ds, part = tiny
+    archs = [space.smallest(), space.middle(), space.largest()]
+    algo = get_algorithm(name)(local_epochs=1, static_bn=True, sbn_statistics="server")
+    fed, _ = build_federation(ds, part, supernet, archs, algo, batch_size=16, count_macs=False)
+    state, broadcast = algo.init_server(fed.server)
+    assert sorted(state["sbn"]) == sorted({c.model_key for c in fed.clients})
+    floor = fed.server.make_model(arch=space.smallest()).state_dict()
+    for info in fed.clients:
+        down = algo.client_broadcast(broadcast, info)
+        want = _recalibrated_slice(fed, algo, state["global"], state["layout"], info, 1)
+        assert want and all(torch.allclose(down.tensors[k], v, rtol=1e-4, atol=1e-5) for k, v in want.items())
+        if info.arch == space.smallest():
+            assert all(torch.allclose(down.tensors[k], floor[k], rtol=1e-4, atol=1e-5) for k in want)
+        assert not any(k.startswith("sbn.") for k in down.tensors)
+        assert not any(k.endswith(BN_KEYS) for k in algo.upload_spec(state, info))
+    _, history, ck = _engine(fed, tmp_path / "run", rounds=1)
+    end = ck["server_state"]
+    for info in fed.clients:
+        mine = end["sbn"][info.model_key]
+        want = _recalibrated_slice(fed, algo, end["global"], end["layout"], info, 2)
+        assert all(torch.allclose(mine[k], v, rtol=1e-4, atol=1e-5) for k, v in want.items())
+        assert any(not torch.allclose(mine[k], state["sbn"][info.model_key][k]) for k in want)
+    assert history[-1]["model.acc_mean_over_clients"] > 0.2
+
+
+def test_static_bn_server_statistics_bad_input(tiny):
+    space, supernet, ds, part = tiny
+    with pytest.raises(UserInputError, match="static_bn is false") as err:
+        get_algorithm("heterofl")(sbn_statistics="server")
+    assert err.value.field == "algorithm.sbn_statistics"
+    with pytest.raises(UserInputError, match="local, server"):
+        get_algorithm("fedrolex")(static_bn=True, sbn_statistics="clients")
+    no_pool = make_partition(ds.labels.numpy(), "dirichlet", 3, 0, alpha=1.0, min_samples=5, public_fraction=0.0)
+    archs = [space.smallest()] * 3
+    with pytest.raises(UserInputError, match="public pool") as err:
+        build_federation(ds, no_pool, supernet, archs, get_algorithm("heterofl")(static_bn=True, sbn_statistics="server"),
+                         batch_size=16, count_macs=False)
+    assert err.value.field == "algorithm.sbn_statistics"
 
 
 @pytest.mark.parametrize("name", ["heterofl", "fedrolex"])
