@@ -183,6 +183,9 @@ def summarize(args, seeds: list[int]) -> str:
                      key=lambda m: (listed.index(m.removesuffix("-ft")) if m.removesuffix("-ft") in listed else 99,
                                     m.endswith("-ft")))
     result: dict = {"seeds": seeds, "methods": {}, "tailoring": {}}
+    variants = " ".join(f"`METHOD+{v}` rows are METHOD with `{', '.join(f'{k}: {x}' for k, x in hp.items())}`, tuned "
+                        "over the same grid in their own comparison." for v, hp in VARIANTS.items()
+                        if any(m.removesuffix("-ft").partition("+")[2] == v for m in methods))
     lines = [f"# Fair headline: resource-aware FL on CIFAR-10{' (smoke scale)' if args.smoke else ''}", "",
              f"Seeds {', '.join(map(str, seeds))}; per seed `rafl compare --config examples/cifar10-devices.yaml "
              f"--algorithms {args.methods} --tune lr=GRID --set seed=N` (each method's grid in the table; "
@@ -194,6 +197,7 @@ def summarize(args, seeds: list[int]) -> str:
              "(HeteroFL / FedRolex / DepthFL); no client and no supernet saw it. `pretrained` is the no-training "
              "floor; `-ft` rows fine-tune the final global model locally for the same local epochs. Learning rates "
              "were picked per method on the clients' validation splits (`tune.json` per seed).", "",
+             *([variants, ""] if variants else []),
              f"Mean over clients, mean ± SE over {len(seeds)} seed(s) (SE = sd / sqrt(seeds)): final round, and "
              "the mean of the last 3 evaluations. Paired differences are ± 2 SE over clients; on the global protocol "
              "every client is scored on the same held-out images, so that SE leaves out the test set's own sampling "
