@@ -277,12 +277,26 @@ class HeteroFL(Algorithm):
         calib = pool[torch.as_tensor(calibration_sample(torch.arange(len(pool)).numpy(), SBN_CALIB_IMAGES))]
         return [calib[i:i + SBN_CALIB_BATCH] for i in range(0, len(calib), SBN_CALIB_BATCH)]
 
-    def _server_statistics(self, global_state, layout_json: str, round_: int,
-                           server: ServerContext) -> dict[str, dict[str, torch.Tensor]]:
-        """Static BN's ``server`` statistics: model key -> the BN running statistics of that model's
-        slice of ``global_state`` (round ``round_``'s window for FedRolex), measured on the server's
-        public pool (BN recalibration, :func:`rafl.supernet.model.recalibrate_bn`, on the fixed
-        class-mixed sample the searched subnets were recalibrated on)."""
+    def server_bn_statistics(self, global_state: dict[str, torch.Tensor], layout_json: str, round_: int,
+                             server: ServerContext) -> dict[str, dict[str, torch.Tensor]]:
+        """Static BN's ``server`` statistics of every client model's slice of ``global_state``.
+
+        BN recalibration (:func:`rafl.supernet.model.recalibrate_bn`; OFA, Cai et al., ICLR 2020,
+        Sec. 3.2) of each model's slice on the fixed class-mixed sample of 512 public images the
+        searched subnets are recalibrated on, with the model's scaler as it evaluates.
+
+        Args:
+            global_state: the global model (the server state's ``"global"``).
+            layout_json: the server state's ``"layout"``.
+            round_: the round the slices are cut for (FedRolex's window; the broadcast's round).
+            server: the server context (clients, ``make_model``, ``public_images``, device).
+
+        Returns:
+            model key -> {BN state-dict key -> running mean ``(C,)`` / var ``(C,)`` / counter}.
+
+        Raises:
+            UserInputError: the run has no public pool (``algorithm.sbn_statistics``).
+        """
         batches = self._calibration_batches(server)
         out: dict[str, dict[str, torch.Tensor]] = {}
         for c in server.clients:
@@ -299,7 +313,7 @@ class HeteroFL(Algorithm):
     def _state(self, global_state, layout_json: str, round_: int, server: ServerContext) -> dict[str, Any]:
         state: dict[str, Any] = {"global": global_state, "layout": layout_json}
         if self._server_bn:
-            state["sbn"] = self._server_statistics(global_state, layout_json, round_, server)
+            state["sbn"] = self.server_bn_statistics(global_state, layout_json, round_, server)
         return state
 
     def init_server(self, server: ServerContext):
