@@ -135,3 +135,38 @@ def test_weakest_subnets_put_every_client_on_the_uniform_subnet(tmp_path, tiny_s
     assert len({r["arch"] for r in b}) == 1
     pi4 = {r["arch"] for r in a if r["profile"] == "pi4"}
     assert {r["arch"] for r in b} <= pi4 | {r["arch"] for r in a}
+
+
+def _fair_headline():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "fair_headline.py"
+    spec = importlib.util.spec_from_file_location("fair_headline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fair_headline_variants_run_apart_and_keep_their_own_row_names(tmp_path):
+    """``heterofl+sbn`` runs heterofl with static BN's server statistics in its own comparison; its
+    rows (and -ft row) are named apart from plain heterofl's; an unknown variant is refused."""
+    fh = _fair_headline()
+    assert fh.variant_sets("heterofl") == ("heterofl", [])
+    algorithm, sets = fh.variant_sets("fedrolex+sbn")
+    assert algorithm == "fedrolex"
+    assert sets == ["--set", "algorithm.fedrolex.static_bn=true", "--set", "algorithm.fedrolex.sbn_statistics=server"]
+    with pytest.raises(SystemExit, match="unknown variant 'bn'.*allowed: sbn"):
+        fh.variant_sets("heterofl+bn")
+    for folder, rows in (("seed0-heterofl", ["heterofl", "heterofl-ft"]),
+                         ("seed0-heterofl+sbn", ["heterofl", "heterofl-ft"]),
+                         ("seed0-weakest-heterofl+sbn", ["heterofl"])):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "compare.json").write_text(json.dumps({"rows": [{"algorithm": r} for r in rows]}))
+    found = fh.runs(tmp_path, "seed0")
+    assert sorted(found) == ["heterofl", "heterofl+sbn", "heterofl+sbn-ft", "heterofl-ft"]
+    assert found["heterofl+sbn-ft"][1].name == "seed0-heterofl+sbn"
+    assert found["heterofl+sbn"][0]["algorithm"] == "heterofl"
+    assert sorted(fh.runs(tmp_path, "seed0-weakest")) == ["heterofl+sbn"]
