@@ -19,7 +19,9 @@ from rafl.federation.algorithms.heterofl import index_map
 from rafl.federation.build import build_federation, build_group_federation
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig
 from rafl.federation.payload import Payload
+from rafl.federation.runners import client_context
 from rafl.federation.store import load_state
+from rafl.federation.training import evaluate_accuracy, recalibrate_local_bn
 from rafl.federation.weight_sharing import (
     _clipped_uploads,
     extract,
@@ -223,6 +225,15 @@ def test_static_bn_server_statistics_are_the_floors_then_follow_the_global_weigh
         assert all(torch.allclose(mine[k], v, rtol=1e-4, atol=1e-5) for k, v in want.items())
         assert any(not torch.allclose(mine[k], state["sbn"][info.model_key][k]) for k in want)
     assert history[-1]["model.acc_mean_over_clients"] > 0.2
+    # a fine-tuned slice (the -ft row: its upload, no statistics) is scored with its client's own
+    ctx = client_context(fed, 1, 0, 2)
+    broadcast = Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"]))
+    _, tuned = algo.client_update({}, algo.client_broadcast(broadcast, fed.clients[0]), ctx)
+    assert not any(k.endswith(BN_KEYS) for k in tuned.tensors)
+    model = algo._model(ctx, tuned.tensors)
+    recalibrate_local_bn(model, ctx.train_loader)
+    got = algo.evaluate(algo.prepare_evaluation({}, tuned, ctx), ctx)
+    assert (got["model.correct"], got["model.total"]) == tuple(map(float, evaluate_accuracy(model, ctx.test_loader)))
 
 
 def test_static_bn_server_statistics_bad_input(tiny):

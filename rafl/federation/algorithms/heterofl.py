@@ -53,6 +53,8 @@ statistics of the model a client evaluates (its slice of the latest global model
   and the no-training floor are recalibrated on), and sent down with the slice. The paper queries the
   clients once after training and accumulates global statistics over all their data; the public
   pool is a sample of the same distribution as the clients' union, and needs no extra message.
+  A slice fine-tuned on the client (the ``-ft`` row of ``rafl compare``) carries no statistics
+  (its upload) and is scored with statistics measured on the client's own training data.
   Re-scoring the final global model of the fair headline's HeteroFL run (CIFAR-10, seed 0, lr
   0.003, trained with averaged statistics), its deployed slices score 0.764 / 0.781 / 0.786 on the
   balanced global test set (pi4 / jetson-nano / phone) with these statistics, 0.747 / 0.740 /
@@ -379,7 +381,8 @@ class HeteroFL(Algorithm):
 
     def evaluate(self, state, client: ClientContext):
         model = self._model(client, state["model"])
-        if self.hparams["static_bn"] and not self._server_bn:
+        carried = any(is_bn_stat(k) for k in state["model"])  # a broadcast under server statistics carries them
+        if self.hparams["static_bn"] and not (self._server_bn and carried):
             recalibrate_local_bn(model, client.train_loader, device=client.device)
         return eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
 
