@@ -6,8 +6,9 @@ tier's deployed slice of the final global model is scored on the held-out global
 with the BN statistics the run deployed (averaged with the weights, ``static_bn: false``) and with
 statistics recalibrated on the server's public pool
 (:meth:`rafl.federation.algorithms.heterofl.HeteroFL.server_bn_statistics`). The weights are the
-same; only the statistics differ. Training normalizes by batch statistics either way, so a run with
-``static_bn: true, sbn_statistics: server`` at the same lr and seed trains the same weights.
+same; only the statistics differ. (A run with ``static_bn: true, sbn_statistics: server`` trains
+nearly the same weights: training normalizes by batch statistics either way, but its uploads hold
+no statistics, so ``norm_clip`` clips slightly different update norms.)
 
 Run: ``python bench/fair_headline.py ...`` first, then
 ``python bench/rescore_sbn.py runs/headline-fair/seed0-heterofl [--method heterofl]``; it prints a

@@ -16,7 +16,7 @@ from rafl.models import KNOWLEDGE_MODEL, make_member
 from rafl.search.counting import model_macs_params
 from rafl.supernet.arch import ArchConfig
 from rafl.supernet.bank import ModelBank
-from rafl.supernet.server_data import calibration_sample
+from rafl.supernet.server_data import CALIBRATION_IMAGES, calibration_sample
 
 #: batch size of the global test set's loader (evaluation only: BN in eval mode, so it changes no number)
 GLOBAL_BATCH = 256
@@ -79,7 +79,7 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
     public = np.asarray(partition.public, dtype=np.int64)
     pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
     if calib_images is None and pub_images is not None:
-        calib_images = dataset.images[torch.as_tensor(calibration_sample(public, 512))]  # class-mixed
+        calib_images = dataset.images[torch.as_tensor(calibration_sample(public, CALIBRATION_IMAGES))]  # class-mixed
     bank = ModelBank(supernet, calib_images)
     infos, table = [], []
     macs_cache: dict[str, tuple[float, float]] = {}

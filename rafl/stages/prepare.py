@@ -36,7 +36,7 @@ from rafl.supernet import load_supernet, quickstart_supernet
 from rafl.supernet.checkpoint import load_meta
 from rafl.supernet.pretrained import measured_alike, resolve_supernet, supernet_measurements
 from rafl.supernet.quickstart import quickstart_config
-from rafl.supernet.server_data import calibration_sample
+from rafl.supernet.server_data import CALIBRATION_IMAGES, calibration_sample
 
 #: The public pool the quickstart supernet trained on (``carve_public_pool(labels, 0.3, seed=0)``).
 QUICKSTART_POOL = (0.3, 0)
@@ -220,7 +220,7 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
             known = table["accuracy"]
     val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
     search_calib = ds.images[torch.as_tensor(search_calib_idx)]
-    calib = ds.images[torch.as_tensor(calibration_sample(public, 512))]  # class-mixed, whatever the data's order
+    calib = ds.images[torch.as_tensor(calibration_sample(public, CALIBRATION_IMAGES))]  # class-mixed, whatever the data's order
     one_for_all = getattr(algo_cls, "one_model_for_all", False) or cfg.clients.subnets == "weakest"
     arch_of = subnets_for_profiles(cfg, supernet, profiles, val, search_calib, supernet_id, progress=progress,
                                    common=one_for_all, known=known)

@@ -7,6 +7,7 @@ from torch import nn
 
 from rafl.supernet.arch import ArchConfig
 from rafl.supernet.model import extract_subnet, recalibrate_bn
+from rafl.supernet.server_data import CALIBRATION_BATCH, CALIBRATION_IMAGES
 
 
 class ModelBank:
@@ -20,8 +21,8 @@ class ModelBank:
         calib_batches / batch_size: recalibration batches of ``batch_size`` images.
     """
 
-    def __init__(self, supernet: nn.Module, calib_images: torch.Tensor | None, calib_batches: int = 8,
-                 batch_size: int = 64):
+    def __init__(self, supernet: nn.Module, calib_images: torch.Tensor | None, calib_batches: int = CALIBRATION_IMAGES // CALIBRATION_BATCH,
+                 batch_size: int = CALIBRATION_BATCH):
         self.supernet = supernet
         self.calib = calib_images
         self.calib_batches = calib_batches

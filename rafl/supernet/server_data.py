@@ -86,6 +86,12 @@ def server_split(dataset: Dataset, public_fraction: float = 0.3, public_seed: in
     return ServerSplit(pool_train, pool_val, test, source)
 
 
+#: BN recalibration of a deployed subnet (the searched subnets, the no-training floor, HeteroFL's
+#: server statistics): this many public images (:func:`calibration_sample`) in batches of
+#: ``CALIBRATION_BATCH``
+CALIBRATION_IMAGES, CALIBRATION_BATCH = 512, 64
+
+
 def calibration_sample(indices: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
     """A fixed random sample of ``min(n, len(indices))`` entries of ``indices`` for BN
     recalibration, in random order.

@@ -105,17 +105,13 @@ from rafl.federation.weight_sharing import (
 from rafl.models.sliced import set_scalers
 from rafl.supernet.arch import SearchSpace
 from rafl.supernet.model import Subnet, build_supernet, recalibrate_bn
-from rafl.supernet.server_data import calibration_sample
+from rafl.supernet.server_data import CALIBRATION_BATCH, CALIBRATION_IMAGES, calibration_sample
 
 BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 WEIGHTINGS = ("samples", "count")
 Weighting = choice(*WEIGHTINGS)
 SBN_STATISTICS = ("local", "server")
 SbnStatistics = choice(*SBN_STATISTICS)
-#: server-side BN recalibration of static BN's ``server`` statistics: 512 public images in batches
-#: of 64, the sample and batches :class:`rafl.supernet.bank.ModelBank` recalibrates every extracted
-#: subnet with (the floor's and the searched subnets' statistics)
-SBN_CALIB_IMAGES, SBN_CALIB_BATCH = 512, 64
 
 
 def is_bn_stat(key: str) -> bool:
@@ -276,8 +272,8 @@ class HeteroFL(Algorithm):
             raise UserInputError(f"{self.name} with sbn_statistics: server measures BN statistics on the server's public "
                                  "pool, and this run has none; set partition.public_fraction > 0, or sbn_statistics: local",
                                  field="algorithm.sbn_statistics")
-        calib = pool[torch.as_tensor(calibration_sample(torch.arange(len(pool)).numpy(), SBN_CALIB_IMAGES))]
-        return [calib[i:i + SBN_CALIB_BATCH] for i in range(0, len(calib), SBN_CALIB_BATCH)]
+        calib = pool[torch.as_tensor(calibration_sample(torch.arange(len(pool)).numpy(), CALIBRATION_IMAGES))]
+        return [calib[i:i + CALIBRATION_BATCH] for i in range(0, len(calib), CALIBRATION_BATCH)]
 
     def server_bn_statistics(self, global_state: dict[str, torch.Tensor], layout_json: str, round_: int,
                              server: ServerContext) -> dict[str, dict[str, torch.Tensor]]:
