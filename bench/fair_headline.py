@@ -29,6 +29,11 @@ Run: ``python bench/fair_headline.py --data-root R`` (the full benchmark; many C
 ``--smoke`` a small version (30 clients, 3 per round, 2 rounds, 200 global test images, a tiny
 search) that exercises every part in well under an hour, written with the tag ``_smoke``.
 
+``--tune-seeds 0`` tunes on seed 0 only: every other seed runs each method once with the learning rate
+its seed-0 tuning picked (``--set algorithm.METHOD.lr=...``, no trials), the usual protocol for
+reporting a tuned configuration over seeds, and about 4x cheaper per seed; the lr column says
+whose pick it is. Default: every seed tunes on its own validation splits.
+
 ``--jobs N`` runs the comparisons one method at a time, N at once (``OUT/seedN-METHOD``, its
 ablation in ``OUT/seedN-weakest-METHOD``): a method's numbers do not depend on which other methods
 share its ``rafl compare`` (each is built from the same seed, data and partition), so this only
@@ -150,6 +155,18 @@ def variant_sets(method: str) -> tuple[str, list[str]]:
     return algorithm, [x for k, v in hp.items() for x in ("--set", f"algorithm.{algorithm}.{k}={v}")]
 
 
+def tuning_seeds(args, seeds: list[int]) -> list[int]:
+    """The seeds that tune (``--tune-seeds``; default: every seed of the run)."""
+    return [int(t) for t in args.tune_seeds.split(",") if t.strip()] if args.tune_seeds else list(seeds)
+
+
+def picked_lr(folder: Path, algorithm: str) -> float | None:
+    """The learning rate ``algorithm``'s tuning picked in the comparison ``folder`` (None: it did not tune)."""
+    tune = folder / "tune.json"
+    picked = json.loads(tune.read_text()).get("picked", {}).get(algorithm, {}) if tune.is_file() else {}
+    return picked.get("lr")
+
+
 def row_name(row: dict, folder: Path) -> str:
     """A row's method name: its algorithm's, with the folder's ``+VARIANT`` (before any ``-ft``)."""
     name = row["algorithm"]
@@ -182,7 +199,8 @@ def summarize(args, seeds: list[int]) -> str:
     methods = sorted((m for m in rows[seeds[0]] if all(m in rows[s] for s in seeds)),
                      key=lambda m: (listed.index(m.removesuffix("-ft")) if m.removesuffix("-ft") in listed else 99,
                                     m.endswith("-ft")))
-    result: dict = {"seeds": seeds, "methods": {}, "tailoring": {}}
+    tuned = tuning_seeds(args, seeds)
+    result: dict = {"seeds": seeds, "tuning_seeds": tuned, "methods": {}, "tailoring": {}}
     variants = " ".join(f"`METHOD+{v}` rows are METHOD with `{', '.join(f'{k}: {x}' for k, x in hp.items())}`, tuned "
                         "over the same grid in their own comparison." for v, hp in VARIANTS.items()
                         if any(m.removesuffix("-ft").partition("+")[2] == v for m in methods))
@@ -190,8 +208,10 @@ def summarize(args, seeds: list[int]) -> str:
              f"Seeds {', '.join(map(str, seeds))}; per seed `rafl compare --config examples/cifar10-devices.yaml "
              f"--algorithms {args.methods} --tune lr=GRID --set seed=N` (each method's grid in the table; "
              f"this run's default: {args.grid}) (+ the ablation with "
-             "`--set clients.subnets=weakest`). Written by `python bench/fair_headline.py"
-             f"{' --smoke' if args.smoke else ''}`.", "",
+             "`--set clients.subnets=weakest`)"
+             + (f"; only seed(s) {', '.join(map(str, tuned))} tune, the others run each method once with seed "
+                f"{tuned[0]}'s picked lr" if any(s not in tuned for s in seeds) else "")
+             + f". Written by `python bench/fair_headline.py{' --smoke' if args.smoke else ''}`.", "",
              "Two protocols. **Personalized**: each client's deployed model on its own label-skewed test split "
              "(HtFLlib / PFLlib / FedTGP). **Global**: the same models on the held-out balanced global test set "
              "(HeteroFL / FedRolex / DepthFL); no client and no supernet saw it. `pretrained` is the no-training "
@@ -218,6 +238,11 @@ def summarize(args, seeds: list[int]) -> str:
             rec = json.loads(tune.read_text()) if tune.is_file() else {}
             picked = rec.get("picked", {}).get(base, {})
             grid = sorted({t["hparams"]["lr"] for t in rec.get("trials", {}).get(base, []) if "lr" in t["hparams"]})
+            if not rec and m != "pretrained":  # --tune-seeds: this seed ran with a tuning seed's pick
+                tuned = next((t for t in tuning_seeds(args, seeds) if t != s and t in where and m in where[t]), None)
+                lr = picked_lr(where[tuned][m], base) if tuned is not None else None
+                lrs.append(f"{lr} (seed {tuned}'s)" if lr is not None else "-")
+                continue
             lrs.append(str(picked.get("lr", "-")) + (f" of {'/'.join(map(str, grid))}" if grid else ""))
             if grid and not m.endswith("-ft"):
                 trials.append((s, m, [(t["hparams"].get("lr"), t["val_acc"]) for t in rec["trials"][base]]))
@@ -279,8 +304,8 @@ def summarize(args, seeds: list[int]) -> str:
                 lines.append(f"| {m} | {tier} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     tag = "_smoke" if args.smoke else ""
-    (ROOT / "bench" / "results" / f"headline_fair{tag}.md").write_text(text)
-    (ROOT / "bench" / "results" / f"headline_fair{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.results / f"headline_fair{tag}.md").write_text(text)
+    (args.results / f"headline_fair{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     return text
 
 
@@ -294,6 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grid", default=GRID, help="the learning rates every method is tuned over")
     ap.add_argument("--smoke", action="store_true", help="a small CIFAR-10 version (minutes)")
     ap.add_argument("--from", dest="from_dir", type=Path, default=None, help="summarize finished runs in this folder")
+    ap.add_argument("--tune-seeds", default=None,
+                    help="the seeds that tune (e.g. 0); every other seed runs with the first one's picks "
+                         "(needs --jobs N; default: every seed tunes)")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results",
+                    help="where headline_fair.md / .json are written")
     ap.add_argument("--jobs", type=int, default=0,
                     help="run one comparison per method and seed, this many at once (0: one per seed, in turn)")
     ap.add_argument("--device", default="cpu", help="train.device of every run (cuda: falls back to the CPU per job)")
@@ -304,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
         variant_sets(m)
         if "+" in m and args.jobs <= 0 and args.from_dir is None:
             raise SystemExit(f"--methods {m}: a METHOD+VARIANT runs in its own comparison; add --jobs N")
+    tuners = tuning_seeds(args, seeds)
+    if args.tune_seeds is not None and (not tuners or args.jobs <= 0 and args.from_dir is None):
+        raise SystemExit("--tune-seeds: give at least one seed (e.g. 0) and add --jobs N")
     if args.from_dir is not None:
         args.out = args.from_dir
     elif args.jobs > 0:
@@ -320,23 +353,33 @@ def main(argv: list[str] | None = None) -> None:
             s, m = sm
             folder = args.out / f"seed{s}-{m}"
             algorithm, hp = variant_sets(m)
-            compare(args, folder, algorithm,
-                    (["--tune", f"lr={args.grid}"] if m != "pretrained" else []) + ["--set", f"seed={s}", *hp])
+            if m == "pretrained":
+                how: list[str] = []
+            elif s in tuners:
+                how = ["--tune", f"lr={args.grid}"]
+            else:  # a tuning seed's pick, from its finished comparison
+                lr = picked_lr(args.out / f"seed{tuners[0]}-{m}", algorithm)
+                if lr is None:
+                    raise SystemExit(f"seed{s}-{m}: seed {tuners[0]} has not tuned {m} (no "
+                                     f"seed{tuners[0]}-{m}/tune.json); run --seeds {tuners[0]} first")
+                how = ["--set", f"algorithm.{algorithm}.lr={lr}"]
+            compare(args, folder, algorithm, how + ["--set", f"seed={s}", *hp])
             if m in args.ablation.split(","):
-                tune = folder / "tune.json"  # none for a method without hyperparameters (pretrained)
-                picked = json.loads(tune.read_text()).get("picked", {}).get(algorithm, {}) if tune.is_file() else {}
-                lrs = ["--set", f"algorithm.{algorithm}.lr={picked['lr']}"] if "lr" in picked else []
+                lr = picked_lr(folder, algorithm) if s in tuners else picked_lr(args.out / f"seed{tuners[0]}-{m}", algorithm)
+                lrs = ["--set", f"algorithm.{algorithm}.lr={lr}"] if lr is not None else []
                 compare(args, args.out / f"seed{s}-weakest-{m}", algorithm,
                         ["--set", f"seed={s}", "--set", "clients.subnets=weakest", "--no-finetune", *hp, *lrs])
 
         global STOPPING
         with ThreadPoolExecutor(args.jobs) as pool:
             try:
-                for future in [pool.submit(job, sm) for sm in jobs]:
-                    try:
-                        future.result()
-                    except SystemExit as err:
-                        print(err, flush=True)
+                # the tuning seeds' jobs finish before the others start: those take their picks
+                for phase in ([sm for sm in jobs if sm[0] in tuners], [sm for sm in jobs if sm[0] not in tuners]):
+                    for future in [pool.submit(job, sm) for sm in phase]:
+                        try:
+                            future.result()
+                        except SystemExit as err:
+                            print(err, flush=True)
             except KeyboardInterrupt:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # `timeout` signals the child and its group: twice
                 STOPPING = True  # the comparisons got the same SIGINT (one process group) and stop

@@ -170,3 +170,63 @@ def test_fair_headline_variants_run_apart_and_keep_their_own_row_names(tmp_path)
     assert found["heterofl+sbn-ft"][1].name == "seed0-heterofl+sbn"
     assert found["heterofl+sbn"][0]["algorithm"] == "heterofl"
     assert sorted(fh.runs(tmp_path, "seed0-weakest")) == ["heterofl+sbn"]
+
+
+def test_fair_headline_tune_seeds_runs_the_other_seeds_with_the_tuning_seeds_pick(tmp_path, monkeypatch, capsys):
+    """``--tune-seeds 0``: seed 0 tunes; seed 1 (and its ablation) run once with seed 0's picked lr, after
+    seed 0's jobs; a method seed 0 has not tuned is refused by name; ``--tune-seeds`` needs --jobs."""
+    fh = _fair_headline()
+    calls: list[tuple[str, list[str]]] = []
+
+    def fake_compare(args, out, methods, extra):
+        calls.append((out.name, extra))
+        out.mkdir(parents=True, exist_ok=True)
+        if "--tune" in extra:
+            (out / "tune.json").write_text(json.dumps({"picked": {methods: {"lr": 0.03}}}))
+
+    monkeypatch.setattr(fh, "compare", fake_compare)
+    monkeypatch.setattr(fh, "summarize", lambda args, seeds: "")
+    fh.main(["--out", str(tmp_path), "--seeds", "0,1", "--tune-seeds", "0", "--jobs", "2",
+             "--methods", "standalone,fedtgp", "--ablation", "standalone"])
+    order = [name for name, _ in calls]
+    assert set(order[:3]) == {"seed0-standalone", "seed0-weakest-standalone", "seed0-fedtgp"}
+    assert set(order[3:]) == {"seed1-standalone", "seed1-weakest-standalone", "seed1-fedtgp"}
+    extra = dict(calls)
+    assert "--tune" in extra["seed0-standalone"] and "--tune" in extra["seed0-fedtgp"]
+    assert "algorithm.standalone.lr=0.03" in extra["seed0-weakest-standalone"]
+    for name, algorithm in (("seed1-standalone", "standalone"), ("seed1-fedtgp", "fedtgp"),
+                            ("seed1-weakest-standalone", "standalone")):
+        assert "--tune" not in extra[name]
+        assert f"algorithm.{algorithm}.lr=0.03" in extra[name] and "seed=1" in extra[name]
+    assert fh.picked_lr(tmp_path / "seed0-fedtgp", "fedtgp") == 0.03
+    assert fh.picked_lr(tmp_path / "seed1-fedtgp", "fedtgp") is None
+
+    calls.clear()
+    fh.main(["--out", str(tmp_path / "b"), "--seeds", "1", "--tune-seeds", "0", "--jobs", "1", "--methods", "fedtgp"])
+    assert calls == []
+    assert "seed1-fedtgp: seed 0 has not tuned fedtgp" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--tune-seeds.*--jobs"):
+        fh.main(["--out", str(tmp_path), "--seeds", "0,1", "--tune-seeds", "0", "--methods", "standalone"])
+
+
+def test_fair_headline_summary_names_whose_pick_a_seed_ran_with(tmp_path):
+    """The summary's lr column: the tuning seed's pick and grid; for a seed that ran with it, whose pick it was."""
+    fh = _fair_headline()
+    for seed in (0, 1):
+        for method in ("pretrained", "standalone"):
+            folder = tmp_path / f"seed{seed}-{method}"
+            (folder / method).mkdir(parents=True)
+            clients = {str(c): {"model.acc": 0.5 + 0.1 * c + 0.01 * seed, "model@global.acc": 0.4} for c in range(3)}
+            (folder / method / "summary.json").write_text(json.dumps({"clients": clients}))
+            row = {"algorithm": method, "model.acc_mean": 0.6, "model.acc_mean_last3": 0.6,
+                   "model@global.acc_mean": 0.4, "model@global.acc_mean_last3": 0.4}
+            (folder / "compare.json").write_text(json.dumps({"rows": [row]}))
+    (tmp_path / "seed0-standalone" / "tune.json").write_text(json.dumps({
+        "picked": {"standalone": {"lr": 0.01}},
+        "trials": {"standalone": [{"hparams": {"lr": lr}, "val_acc": acc} for lr, acc in ((0.01, 0.7), (0.1, 0.6))]}}))
+    args = fh.argparse.Namespace(out=tmp_path, methods="pretrained,standalone", ablation="", grid="0.01,0.1",
+                                 smoke=True, tune_seeds="0", results=tmp_path)
+    text = fh.summarize(args, [0, 1])
+    line = next(x for x in text.splitlines() if x.startswith("| standalone |"))
+    assert "0.01 of 0.01/0.1 / 0.01 (seed 0's)" in line
+    assert "| pretrained |" in text and "- / -" in next(x for x in text.splitlines() if x.startswith("| pretrained |"))
