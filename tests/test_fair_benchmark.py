@@ -109,6 +109,11 @@ def test_compare_scores_both_protocols_with_a_floor_and_a_finetuned_row(tmp_path
     rows = {r["algorithm"]: r for r in json.loads((out / "compare.json").read_text())["rows"]}
     assert list(rows) == ["pretrained", "fedavg", "fedavg-ft"]
     assert rows["pretrained"]["mb_total"] == 0 and rows["fedavg-ft"]["mb_total"] == rows["fedavg"]["mb_total"]
+    # the floor never changes: evaluated once, after the last round (fedavg at every round, eval_every 1)
+    evaluated = {m: [r["round"] for r in map(json.loads, (out / m / "metrics.jsonl").read_text().splitlines())
+                     if "model.acc_mean_over_clients" in r] for m in ("pretrained", "fedavg")}
+    assert evaluated == {"pretrained": [2], "fedavg": [1, 2]}
+    assert rows["pretrained"]["model.acc_mean_last3"] == rows["pretrained"]["model.acc_mean"]
     for r in rows.values():
         assert 0 <= r["model.acc_mean"] <= 1 and 0 <= r["model@global.acc_mean"] <= 1
     summary = json.loads((out / "fedavg" / "summary.json").read_text())["clients"]

@@ -27,7 +27,8 @@ server steps and knows no algorithm by name. One round ``t``:
    prototypes, FedGH's header) fails the round instead of the run: no new state, the reason in
    ``failed_round_reasons`` (the uploads may be what diverged; a learning rate too large fails
    every round, and ``rafl federate`` then exits 3 naming it).
-6. Every ``eval_every`` rounds (and the last): each client's test split is evaluated
+6. Every ``eval_every`` rounds (and the last; only the last for an algorithm whose models never
+   change, ``static_models``): each client's test split is evaluated
    (``prepare_evaluation`` + ``evaluate``); reported per model ``m``: ``m.acc_mean_over_clients``,
    ``m.acc_sample_weighted`` (sum correct / sum samples), ``m.acc_std_over_clients``.
 7. Communication: bytes of every download (``client_broadcast(...)``, counted by
@@ -470,7 +471,7 @@ class Engine:
         if lost:  # clients a runner lost (a Flower node's error or timeout), with the reason
             row["lost"] = {str(cid): why for cid, why in sorted(lost.items())}
         evaluation = None
-        if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
+        if (rnd % cfg.eval_every == 0 and not fed.algorithm.static_models) or rnd == cfg.rounds:
             self.store.commit()  # evaluation reads this round's states
             te = time.perf_counter()
             report("evaluate", clients=len(fed.clients) if cfg.eval_clients == "all" else len(self.store.committed))

@@ -206,6 +206,9 @@ class Algorithm(ABC):
             an initial state depend on the client only through its model (``model_key``) and its
             test split; the engine then evaluates the clients that have not trained yet together,
             one evaluation per model (:mod:`rafl.federation.workers`). False: one by one.
+        static_models: True when no client's deployed model changes over the rounds (the
+            no-training floor): the engine evaluates once, after the last round, whatever
+            ``engine.eval_every`` says (its curve is flat; its last-3 figure is its final one).
         global_model: True when every client deploys the server's global model (or its slice)
             and keeps no client state; the fine-tuned variant (``<name>-ft``,
             :func:`rafl.federation.finetune.finetune_evaluate`) is then one more local step from
@@ -218,6 +221,7 @@ class Algorithm(ABC):
     requires_homogeneous: ClassVar[bool] = False
     uses_public_pool: ClassVar[bool] = False
     shared_initial_evaluation: ClassVar[bool] = True
+    static_models: ClassVar[bool] = False
     accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
     global_model: ClassVar[bool] = False
 

@@ -6,7 +6,8 @@ pretrained on the server's pool, a method that ends below it has done harm (the 
 reference of personalized-FL evaluations, e.g. the "Local"/"pretrained" rows of Tan et al.,
 FedProto, AAAI 2022, Table 2). For model groups (no supernet) the deployed model is the freshly
 initialized one, i.e. chance. Nothing is communicated: uploads and broadcasts are empty payloads
-(0 bytes); rounds only sample clients, so its curve is flat.
+(0 bytes); rounds only sample clients, so its curve is flat: the engine evaluates it once, after the
+last round (``static_models``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Pretrained(Standalone):
 
     name: ClassVar[str] = "pretrained"
     hparams_model: ClassVar[type[Hyperparameters]] = Hyperparameters
+    static_models: ClassVar[bool] = True
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         return state, Payload()
