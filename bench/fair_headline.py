@@ -66,6 +66,8 @@ GRID = "0.01,0.03,0.1,0.003"
 VARIANTS = {
     # HeteroFL's static BN (Sec. 3.2) with its evaluation statistics measured on the server's public pool
     "sbn": {"static_bn": "true", "sbn_statistics": "server"},
+    # RaFL's knowledge network as the plain smallest subnet (pretrained, full width) instead of narrowed to 0.375
+    "kw1": {"knowledge_width": "1"},
 }
 TIERS = ("pi4", "jetson-nano", "phone")
 #: set when this process is interrupted: its jobs' comparisons stop and resume later, never fall back

@@ -160,10 +160,11 @@ def test_fair_headline_variants_run_apart_and_keep_their_own_row_names(tmp_path)
     rows (and -ft row) are named apart from plain heterofl's; an unknown variant is refused."""
     fh = _fair_headline()
     assert fh.variant_sets("heterofl") == ("heterofl", [])
+    assert fh.variant_sets("rafl+kw1") == ("rafl", ["--set", "algorithm.rafl.knowledge_width=1"])
     algorithm, sets = fh.variant_sets("fedrolex+sbn")
     assert algorithm == "fedrolex"
     assert sets == ["--set", "algorithm.fedrolex.static_bn=true", "--set", "algorithm.fedrolex.sbn_statistics=server"]
-    with pytest.raises(SystemExit, match="unknown variant 'bn'.*allowed: sbn"):
+    with pytest.raises(SystemExit, match="unknown variant 'bn'.*allowed: sbn, kw1"):
         fh.variant_sets("heterofl+bn")
     for folder, rows in (("seed0-heterofl", ["heterofl", "heterofl-ft"]),
                          ("seed0-heterofl+sbn", ["heterofl", "heterofl-ft"]),
