@@ -69,14 +69,21 @@ def resize_input(x: Tensor, r: int) -> Tensor:
 
 
 def prepare_input(x: Tensor, r: int) -> Tensor:
-    """``(B, C, H, W)`` with C in {1, 3} -> ``(B, 3, r, r)`` (grayscale repeated to 3 channels)."""
+    """``(B, C, H, W)`` with C in {1, 3} -> ``(B, 3, r, r)`` (grayscale repeated to 3 channels).
+
+    On the CPU the batch is laid out channels-last (``torch.channels_last``; the shape is unchanged):
+    oneDNN's depthwise and 1x1 convolutions then run about 2x faster than on NCHW for the largest
+    subnets, forward and backward (``bench/channels_last.py``); every layer after the first keeps
+    that layout, the weights keep theirs.
+    """
     if x.dim() != 4 or x.shape[1] not in (1, 3):
         raise UserInputError(
             f"expected a (B, 3, H, W) or (B, 1, H, W) image batch, got shape {tuple(x.shape)}",
             field="input")
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
-    return resize_input(x, r)
+    x = resize_input(x, r)
+    return x.contiguous(memory_format=torch.channels_last) if x.device.type == "cpu" else x
 
 
 class Supernet(OFAMobileNetV3):
