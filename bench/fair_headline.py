@@ -193,6 +193,35 @@ def runs(out: Path, name: str) -> dict[str, tuple[dict, Path]]:
     return found
 
 
+def plot(path: Path, methods: dict, seeds: list[int]) -> None:
+    """Both protocols per method (final round, mean over clients; error bars: SE over seeds when
+    there are several), the floor's two figures as dashed lines: ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(methods)
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(names) + 2), 3.8), layout="constrained")
+    for j, (key, label, color) in enumerate((("model.acc_mean", "personalized (own test split)", "tab:blue"),
+                                             ("model@global.acc_mean", "global (held-out balanced set)", "tab:orange"))):
+        values = [[v for v in methods[m][key] if v is not None and not math.isnan(v)] for m in names]
+        mean = [statistics.mean(v) if v else float("nan") for v in values]
+        se = [statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0 for v in values]
+        ax.bar([i + (j - 0.5) * 0.4 for i in range(len(names))], mean, width=0.4,
+               yerr=se if len(seeds) > 1 else None, capsize=2, color=color, label=label)
+        if "pretrained" in methods and not math.isnan(mean[names.index("pretrained")]):
+            ax.axhline(mean[names.index("pretrained")], color=color, linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
+    ax.set_ylabel("accuracy, final round")
+    ax.set_ylim(0.4, 0.95)
+    ax.set_title(f"CIFAR-10, 3 devices, 20 clients; seed(s) {', '.join(map(str, seeds))}; dashed: no-training floor",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def summarize(args, seeds: list[int]) -> str:
     found = {s: runs(args.out, f"seed{s}") for s in seeds}
     rows = {s: {m: r for m, (r, _) in found[s].items()} for s in seeds}
@@ -304,8 +333,11 @@ def summarize(args, seeds: list[int]) -> str:
                         cells.append(flag(mean, se) + f" (n={n})")
                         result["tailoring"].setdefault(m, {}).setdefault(tier, {}).setdefault(key, []).append([mean, se, n])
                 lines.append(f"| {m} | {tier} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
     tag = "_smoke" if args.smoke else ""
+    figure = args.results / f"headline_fair{tag}.png"
+    plot(figure, result["methods"], seeds)
+    lines[1:1] = ["", f"![both protocols per method]({figure.name})"]
+    text = "\n".join(lines) + "\n"
     (args.results / f"headline_fair{tag}.md").write_text(text)
     (args.results / f"headline_fair{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     return text

@@ -236,3 +236,4 @@ def test_fair_headline_summary_names_whose_pick_a_seed_ran_with(tmp_path):
     line = next(x for x in text.splitlines() if x.startswith("| standalone |"))
     assert "0.01 of 0.01/0.1 / 0.01 (seed 0's)" in line
     assert "| pretrained |" in text and "- / -" in next(x for x in text.splitlines() if x.startswith("| pretrained |"))
+    assert (tmp_path / "headline_fair_smoke.png").stat().st_size > 0 and "(headline_fair_smoke.png)" in text
