@@ -67,6 +67,27 @@ def test_extraction_equivalence(net, seed):
         assert sub.arch == arch
 
 
+def test_cpu_batches_are_channels_last_and_compute_what_nchw_computes(net):
+    """``prepare_input`` lays CPU batches out channels-last (same shape); a subnet's logits and
+    gradients are those of the same batch fed NCHW, to float32 rounding; the weights keep NCHW."""
+    from rafl.supernet.model import prepare_input
+
+    x = torch.randn(6, 3, 20, 20, generator=torch.Generator().manual_seed(0))
+    ready = prepare_input(x, 24)
+    assert ready.shape == (6, 3, 24, 24) and ready.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(ready, prepare_input(x, 24).contiguous())
+    sub = extract_subnet(net, SPACE.sample(np.random.default_rng(5))).eval()
+    with torch.no_grad():
+        h = sub.first_conv(prepare_input(x, sub.arch.r).contiguous())  # the NCHW reference, layer by layer
+        for block in sub.blocks:
+            h = block(h)
+        ref = sub.head(sub.feature_mix_layer(sub.final_expand_layer(h).mean((2, 3), keepdim=True)).flatten(1))
+        assert (sub(x) - ref).abs().max().item() <= 1e-4
+    loss = torch.nn.functional.cross_entropy(sub.train()(x), torch.arange(6) % 10)
+    loss.backward()
+    assert all(p.is_contiguous() for p in sub.parameters()) and all(torch.isfinite(p.grad).all() for p in sub.parameters())
+
+
 def test_no_state_leak(net):
     before = _state(net)
     arch = SPACE.smallest()
