@@ -45,6 +45,7 @@ log says so. ``bench/gpu_headline.sh`` is that run on a lent GPU machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shutil
@@ -159,7 +160,7 @@ def variant_sets(method: str) -> tuple[str, list[str]]:
 
 def tuning_seeds(args, seeds: list[int]) -> list[int]:
     """The seeds that tune (``--tune-seeds``; default: every seed of the run)."""
-    return [int(t) for t in args.tune_seeds.split(",") if t.strip()] if args.tune_seeds else list(seeds)
+    return [int(t) for t in args.tune_seeds.split(",") if t.strip()] if args.tune_seeds is not None else list(seeds)
 
 
 def picked_lr(folder: Path, algorithm: str) -> float | None:
@@ -230,6 +231,9 @@ def summarize(args, seeds: list[int]) -> str:
     methods = sorted((m for m in rows[seeds[0]] if all(m in rows[s] for s in seeds)),
                      key=lambda m: (listed.index(m.removesuffix("-ft")) if m.removesuffix("-ft") in listed else 99,
                                     m.endswith("-ft")))
+    if not methods:
+        raise SystemExit(f"nothing to summarize: no method has finished for seed(s) {', '.join(map(str, seeds))} in "
+                         f"{args.out}; {args.results} left as it was")
     tuned = tuning_seeds(args, seeds)
     result: dict = {"seeds": seeds, "tuning_seeds": tuned, "methods": {}, "tailoring": {}}
     variants = " ".join(f"`METHOD+{v}` rows are METHOD with `{', '.join(f'{k}: {x}' for k, x in hp.items())}`, tuned "
@@ -364,13 +368,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every rafl compare")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    for m in args.methods.split(","):
-        variant_sets(m)
+    for m in args.methods.split(","):  # bad input: one line, exit 2 (argparse's error)
+        try:
+            variant_sets(m)
+        except SystemExit as err:
+            ap.error(str(err))
         if "+" in m and args.jobs <= 0 and args.from_dir is None:
-            raise SystemExit(f"--methods {m}: a METHOD+VARIANT runs in its own comparison; add --jobs N")
+            ap.error(f"--methods {m}: a METHOD+VARIANT runs in its own comparison; add --jobs N")
     tuners = tuning_seeds(args, seeds)
     if args.tune_seeds is not None and (not tuners or args.jobs <= 0 and args.from_dir is None):
-        raise SystemExit("--tune-seeds: give at least one seed (e.g. 0) and add --jobs N")
+        ap.error("--tune-seeds: give at least one seed (e.g. 0) and add --jobs N")
     if args.from_dir is not None:
         args.out = args.from_dir
     elif args.jobs > 0:
@@ -405,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
                         ["--set", f"seed={s}", "--set", "clients.subnets=weakest", "--no-finetune", *hp, *lrs])
 
         global STOPPING
+        failed: list[str] = []
         with ThreadPoolExecutor(args.jobs) as pool:
             try:
                 # the tuning seeds' jobs finish before the others start: those take their picks
@@ -414,12 +422,18 @@ def main(argv: list[str] | None = None) -> None:
                             future.result()
                         except SystemExit as err:
                             print(err, flush=True)
+                            failed.append(str(err))
             except KeyboardInterrupt:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # `timeout` signals the child and its group: twice
                 STOPPING = True  # the comparisons got the same SIGINT (one process group) and stop
                 print("interrupted: every unfinished comparison resumes with the same command", flush=True)
                 pool.shutdown(wait=True, cancel_futures=True)
                 return 130
+        if failed:  # what finished is summarized; the run says it is incomplete
+            with contextlib.suppress(SystemExit):
+                print(summarize(args, seeds))
+            print(f"{len(failed)} comparison(s) failed or could not start (above)", flush=True)
+            return 1
     else:
         for s in seeds:
             folder = args.out / f"seed{s}"

@@ -211,8 +211,31 @@ def test_fair_headline_tune_seeds_runs_the_other_seeds_with_the_tuning_seeds_pic
     fh.main(["--out", str(tmp_path / "b"), "--seeds", "1", "--tune-seeds", "0", "--jobs", "1", "--methods", "fedtgp"])
     assert calls == []
     assert "seed1-fedtgp: seed 0 has not tuned fedtgp" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--tune-seeds.*--jobs"):
-        fh.main(["--out", str(tmp_path), "--seeds", "0,1", "--tune-seeds", "0", "--methods", "standalone"])
+    for bad in (["--tune-seeds", "0"], ["--tune-seeds", "", "--jobs", "1"]):  # no --jobs; no seed
+        with pytest.raises(SystemExit) as err:
+            fh.main(["--out", str(tmp_path), "--seeds", "0,1", "--methods", "standalone", *bad])
+        assert err.value.code == 2 and "--tune-seeds: give at least one seed" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        fh.main(["--out", str(tmp_path), "--seeds", "0", "--methods", "rafl+kw2", "--jobs", "1"])
+    assert err.value.code == 2 and "unknown variant 'kw2' in 'rafl+kw2'; allowed: sbn, kw1" in capsys.readouterr().err
+
+
+def test_fair_headline_with_a_failed_comparison_exits_1_and_leaves_the_results_alone(tmp_path, monkeypatch, capsys):
+    fh = _fair_headline()
+
+    def failing(args, out, methods, extra):
+        raise SystemExit(f"{out.name}: rafl compare failed (exit 2); see {out.name}.log")
+
+    monkeypatch.setattr(fh, "compare", failing)
+    results = tmp_path / "results"
+    results.mkdir()
+    assert fh.main(["--out", str(tmp_path / "runs"), "--seeds", "0", "--methods", "standalone", "--jobs", "1",
+                    "--results", str(results)]) == 1
+    assert "seed0-standalone: rafl compare failed" in capsys.readouterr().out
+    assert list(results.iterdir()) == []
+    with pytest.raises(SystemExit, match="nothing to summarize: no method has finished for seed"):
+        fh.main(["--from", str(tmp_path / "runs"), "--seeds", "0", "--methods", "standalone", "--results", str(results)])
+    assert list(results.iterdir()) == []
 
 
 def test_fair_headline_summary_names_whose_pick_a_seed_ran_with(tmp_path):
