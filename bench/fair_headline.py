@@ -274,9 +274,9 @@ def summarize(args, seeds: list[int]) -> str:
             picked = rec.get("picked", {}).get(base, {})
             grid = sorted({t["hparams"]["lr"] for t in rec.get("trials", {}).get(base, []) if "lr" in t["hparams"]})
             if not rec and m != "pretrained":  # --tune-seeds: this seed ran with a tuning seed's pick
-                tuned = next((t for t in tuning_seeds(args, seeds) if t != s and t in where and m in where[t]), None)
-                lr = picked_lr(where[tuned][m], base) if tuned is not None else None
-                lrs.append(f"{lr} (seed {tuned}'s)" if lr is not None else "-")
+                source = next((t for t in tuned if t != s and t in where and m in where[t]), None)
+                lr = picked_lr(where[source][m], base) if source is not None else None
+                lrs.append(f"{lr} (seed {source}'s)" if lr is not None else "-")
                 continue
             lrs.append(str(picked.get("lr", "-")) + (f" of {'/'.join(map(str, grid))}" if grid else ""))
             if grid and not m.endswith("-ft"):
@@ -393,20 +393,21 @@ def main(argv: list[str] | None = None) -> None:
         def job(sm: tuple[int, str]) -> None:
             s, m = sm
             folder = args.out / f"seed{s}-{m}"
+            source = folder if s in tuners else args.out / f"seed{tuners[0]}-{m}"  # whose tuning picks the lr
             algorithm, hp = variant_sets(m)
             if m == "pretrained":
                 how: list[str] = []
             elif s in tuners:
                 how = ["--tune", f"lr={args.grid}"]
             else:  # a tuning seed's pick, from its finished comparison
-                lr = picked_lr(args.out / f"seed{tuners[0]}-{m}", algorithm)
+                lr = picked_lr(source, algorithm)
                 if lr is None:
                     raise SystemExit(f"seed{s}-{m}: seed {tuners[0]} has not tuned {m} (no "
                                      f"seed{tuners[0]}-{m}/tune.json); run --seeds {tuners[0]} first")
                 how = ["--set", f"algorithm.{algorithm}.lr={lr}"]
             compare(args, folder, algorithm, how + ["--set", f"seed={s}", *hp])
             if m in args.ablation.split(","):
-                lr = picked_lr(folder, algorithm) if s in tuners else picked_lr(args.out / f"seed{tuners[0]}-{m}", algorithm)
+                lr = picked_lr(source, algorithm)
                 lrs = ["--set", f"algorithm.{algorithm}.lr={lr}"] if lr is not None else []
                 compare(args, args.out / f"seed{s}-weakest-{m}", algorithm,
                         ["--set", f"seed={s}", "--set", "clients.subnets=weakest", "--no-finetune", *hp, *lrs])
