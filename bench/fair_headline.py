@@ -142,6 +142,14 @@ def over_seeds(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
 
 
+def seeds_flag(means: list[float]) -> str:
+    """Mean of per-seed paired differences ± 2 SE over the seeds (sd / sqrt(seeds)), ``*`` beyond 2 SE."""
+    means = [v for v in means if not math.isnan(v)]
+    if len(means) < 2:
+        return "-"
+    return flag(statistics.mean(means), statistics.stdev(means) / math.sqrt(len(means)))
+
+
 def flag(mean: float, se: float) -> str:
     if math.isnan(mean):
         return "-"
@@ -295,13 +303,16 @@ def summarize(args, seeds: list[int]) -> str:
             cells = [(f"**{lr}: {acc:.3f}**" if j == best else f"{lr}: {acc:.3f}") if acc is not None else f"{lr}: -"
                      for j, (lr, acc) in sorted(enumerate(got), key=lambda jg: jg[1][0])]
             lines.append(f"| {s} | {m} | {', '.join(cells)} |")
+    many = len(seeds) > 1
+    over = ("; over seeds: the mean of the seeds' differences, ± 2 SE over seeds (sd / sqrt(seeds))" if many else "")
     for ref in ("pretrained", "standalone"):
         if ref not in methods:
             continue
         lines += ["", f"Paired difference to **{ref}** over the clients every method evaluated (points, ± 2 SE over "
-                  "clients; `*` beyond 2 SE), per seed: personalized | global.", "",
-                  "| method | " + " | ".join(f"seed {s} personalized | seed {s} global" for s in seeds) + " |",
-                  "|---|" + "---|---|" * len(seeds)]
+                  f"clients; `*` beyond 2 SE), per seed: personalized | global{over}.", "",
+                  "| method | " + " | ".join(f"seed {s} personalized | seed {s} global" for s in seeds)
+                  + (" | over seeds personalized | over seeds global" if many else "") + " |",
+                  "|---|" + "---|---|" * (len(seeds) + many)]
         for m in methods:
             if m == ref:
                 continue
@@ -312,6 +323,9 @@ def summarize(args, seeds: list[int]) -> str:
                                          per_client(where[s][ref], rows[s][ref], key))
                     cells.append(flag(mean, se))
                     result["methods"][m].setdefault(f"vs_{ref}", {}).setdefault(key, []).append([mean, se])
+            if many:
+                cells += [seeds_flag([d[0] for d in result["methods"][m][f"vs_{ref}"][key]])
+                          for key in ("model.acc", "model@global.acc")]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     ablation = [m for m in args.ablation.split(",") if m in methods]
     pinned_runs = {s: runs(args.out, f"seed{s}-weakest") for s in seeds}
@@ -321,9 +335,10 @@ def summarize(args, seeds: list[int]) -> str:
                   "device (`clients.subnets=weakest`: the weakest device's own when the budgets nest, else one searched "
                   "under every budget at once) "
                   "(same method, seed, partition and lr), paired over each tier's clients (points, ± 2 SE; `*` beyond "
-                  "2 SE), per seed: personalized | global.", "",
-                  "| method | tier | " + " | ".join(f"seed {s} personalized | seed {s} global" for s in seeds) + " |",
-                  "|---|---|" + "---|---|" * len(seeds)]
+                  f"2 SE), per seed: personalized | global{over}.", "",
+                  "| method | tier | " + " | ".join(f"seed {s} personalized | seed {s} global" for s in seeds)
+                  + (" | over seeds personalized | over seeds global" if many else "") + " |",
+                  "|---|---|" + "---|---|" * (len(seeds) + many)]
         for m in ablation:
             for tier in TIERS:
                 cells = []
@@ -336,8 +351,12 @@ def summarize(args, seeds: list[int]) -> str:
                         mean, se, n = paired(per_client(folder, rows[s][m], key), per_client(pinned, prow, key), ids)
                         cells.append(flag(mean, se) + f" (n={n})")
                         result["tailoring"].setdefault(m, {}).setdefault(tier, {}).setdefault(key, []).append([mean, se, n])
+                if many:
+                    cells += [seeds_flag([d[0] for d in result["tailoring"][m][tier][key]])
+                              for key in ("model.acc", "model@global.acc")]
                 lines.append(f"| {m} | {tier} | " + " | ".join(cells) + " |")
     tag = "_smoke" if args.smoke else ""
+    args.results.mkdir(parents=True, exist_ok=True)
     figure = args.results / f"headline_fair{tag}.png"
     plot(figure, result["methods"], seeds)
     lines[1:1] = ["", f"![both protocols per method]({figure.name})"]

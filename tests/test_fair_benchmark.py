@@ -245,7 +245,9 @@ def test_fair_headline_summary_names_whose_pick_a_seed_ran_with(tmp_path):
         for method in ("pretrained", "standalone"):
             folder = tmp_path / f"seed{seed}-{method}"
             (folder / method).mkdir(parents=True)
-            clients = {str(c): {"model.acc": 0.5 + 0.1 * c + 0.01 * seed, "model@global.acc": 0.4} for c in range(3)}
+            gain = (0.01 + 0.03 * seed) if method == "standalone" else 0.0  # +1 point on seed 0, +4 on seed 1
+            clients = {str(c): {"model.acc": 0.5 + 0.1 * c + 0.01 * seed + gain, "model@global.acc": 0.4}
+                       for c in range(3)}
             (folder / method / "summary.json").write_text(json.dumps({"clients": clients}))
             row = {"algorithm": method, "model.acc_mean": 0.6, "model.acc_mean_last3": 0.6,
                    "model@global.acc_mean": 0.4, "model@global.acc_mean_last3": 0.4}
@@ -254,9 +256,21 @@ def test_fair_headline_summary_names_whose_pick_a_seed_ran_with(tmp_path):
         "picked": {"standalone": {"lr": 0.01}},
         "trials": {"standalone": [{"hparams": {"lr": lr}, "val_acc": acc} for lr, acc in ((0.01, 0.7), (0.1, 0.6))]}}))
     args = fh.argparse.Namespace(out=tmp_path, methods="pretrained,standalone", ablation="", grid="0.01,0.1",
-                                 smoke=True, tune_seeds="0", results=tmp_path)
+                                 smoke=True, tune_seeds="0", results=tmp_path / "new" / "results")
     text = fh.summarize(args, [0, 1])
     line = next(x for x in text.splitlines() if x.startswith("| standalone |"))
     assert "0.01 of 0.01/0.1 / 0.01 (seed 0's)" in line
     assert "| pretrained |" in text and "- / -" in next(x for x in text.splitlines() if x.startswith("| pretrained |"))
-    assert (tmp_path / "headline_fair_smoke.png").stat().st_size > 0 and "(headline_fair_smoke.png)" in text
+    assert (tmp_path / "new" / "results" / "headline_fair_smoke.png").stat().st_size > 0
+    assert "(headline_fair_smoke.png)" in text
+    header = next(x for x in text.splitlines() if x.startswith("| method | seed 0 personalized"))
+    assert header.endswith("| over seeds personalized | over seeds global |")
+    assert next(x for x in text.splitlines() if x.startswith("| standalone | +")).endswith("| +2.5 ± 3.0 | +0.0 ± 0.0 |")
+
+
+def test_fair_headline_over_seeds_is_the_mean_of_the_seeds_differences_with_their_se():
+    """Over seeds: mean of per-seed paired differences, ± 2 SE over seeds (sd / sqrt(k)); one seed has none."""
+    fh = _fair_headline()
+    assert fh.seeds_flag([0.01, 0.02, 0.03]) == "+2.0 ± 1.2 *"  # sd 0.01, SE 0.0058
+    assert fh.seeds_flag([0.01, 0.04]) == "+2.5 ± 3.0"  # within 2 SE: no flag
+    assert fh.seeds_flag([0.02]) == "-" and fh.seeds_flag([float("nan"), 0.02]) == "-"
