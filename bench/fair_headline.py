@@ -231,6 +231,54 @@ def plot(path: Path, methods: dict, seeds: list[int]) -> None:
     plt.close(fig)
 
 
+#: the methods that deploy one shared (sliced) global model: their curve says whether training beat the floor
+WEIGHT_SHARING = ("uniform", "heterofl", "fedrolex")
+
+
+def curves(path: Path, where: dict, rows: dict, seeds: list[int], methods: list[str], weakest: dict) -> bool:
+    """Global accuracy (mean over the evaluated clients) by round of the weight-sharing methods, one
+    panel per seed, the floor's final figure dashed and, where the ablation ran it, the floor on the one
+    subnet every device fits (``weakest``: seed -> ``runs(OUT, seedN-weakest)``) dotted: ``path`` (PNG).
+    False (nothing written) when no such method has a ``metrics.jsonl``."""
+    shared = [m for m in methods if m.partition("+")[0] in WEIGHT_SHARING and not m.endswith("-ft")]
+    series: dict[int, dict[str, tuple[list[int], list[float]]]] = {}
+    for s in seeds:
+        for m in shared:
+            log = where[s][m] / rows[s][m]["algorithm"] / "metrics.jsonl"
+            if not log.is_file():
+                continue
+            points = [(d["round"], d["model@global.acc_mean_over_clients"])
+                      for d in map(json.loads, log.read_text().splitlines())
+                      if d.get("model@global.acc_mean_over_clients") is not None]
+            series.setdefault(s, {})[m] = ([r for r, _ in points], [a for _, a in points])
+    if not series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(seeds), figsize=(3.6 * len(seeds) + 0.6, 3.4), layout="constrained",
+                             sharey=True, squeeze=False)
+    for ax, s in zip(axes[0], seeds):
+        for m, (x, y) in series.get(s, {}).items():
+            ax.plot(x, y, marker="o", markersize=3, label=m)
+        if "pretrained" in rows[s]:
+            ax.axhline(rows[s]["pretrained"]["model@global.acc_mean"], color="black", linestyle="--", linewidth=1,
+                       label="pretrained (floor)")
+        if "pretrained" in weakest.get(s, {}):
+            ax.axhline(weakest[s]["pretrained"][0]["model@global.acc_mean"], color="gray", linestyle=":",
+                       linewidth=1.2, label="pretrained, one subnet for all")
+        ax.set_title(f"seed {s}", fontsize=9)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("global accuracy, mean over clients")
+    axes[0][-1].legend(fontsize=7)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def summarize(args, seeds: list[int]) -> str:
     found = {s: runs(args.out, f"seed{s}") for s in seeds}
     rows = {s: {m: r for m, (r, _) in found[s].items()} for s in seeds}
@@ -360,6 +408,11 @@ def summarize(args, seeds: list[int]) -> str:
     figure = args.results / f"headline_fair{tag}.png"
     plot(figure, result["methods"], seeds)
     lines[1:1] = ["", f"![both protocols per method]({figure.name})"]
+    curve = args.results / f"headline_fair{tag}_curves.png"
+    if curves(curve, where, rows, seeds, methods, {s: runs(args.out, f"seed{s}-weakest") for s in seeds}):
+        lines += ["", "The weight-sharing methods' global accuracy by round (mean over the clients evaluated so far), "
+                  "per seed; dashed: the floor; dotted: the floor with every client on the one subnet every device fits "
+                  "(uniform's starting point).", "", f"![global accuracy by round]({curve.name})"]
     text = "\n".join(lines) + "\n"
     (args.results / f"headline_fair{tag}.md").write_text(text)
     (args.results / f"headline_fair{tag}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -274,3 +274,22 @@ def test_fair_headline_over_seeds_is_the_mean_of_the_seeds_differences_with_thei
     assert fh.seeds_flag([0.01, 0.02, 0.03]) == "+2.0 ± 1.2 *"  # sd 0.01, SE 0.0058
     assert fh.seeds_flag([0.01, 0.04]) == "+2.5 ± 3.0"  # within 2 SE: no flag
     assert fh.seeds_flag([0.02]) == "-" and fh.seeds_flag([float("nan"), 0.02]) == "-"
+
+
+def test_fair_headline_curves_plot_the_weight_sharing_methods_global_accuracy_by_round(tmp_path):
+    """One panel per seed from each weight-sharing method's metrics.jsonl; nothing written without one."""
+    fh = _fair_headline()
+    where, rows = {}, {}
+    for seed in (0, 1):
+        (tmp_path / f"s{seed}" / "fedrolex").mkdir(parents=True)
+        log = [{"round": r, "model@global.acc_mean_over_clients": 0.7 + 0.01 * r} for r in (2, 4)] + [{"round": 3}]
+        (tmp_path / f"s{seed}" / "fedrolex" / "metrics.jsonl").write_text("\n".join(map(json.dumps, log)) + "\n")
+        where[seed] = {"fedrolex+sbn": tmp_path / f"s{seed}", "fedtgp": tmp_path / "none"}
+        rows[seed] = {"fedrolex+sbn": {"algorithm": "fedrolex"}, "fedtgp": {"algorithm": "fedtgp"},
+                      "pretrained": {"model@global.acc_mean": 0.72}}
+    weakest = {0: {"pretrained": ({"model@global.acc_mean": 0.71}, tmp_path)}}
+    png = tmp_path / "curves.png"
+    assert fh.curves(png, where, rows, [0, 1], ["pretrained", "fedrolex+sbn", "fedrolex+sbn-ft", "fedtgp"], weakest)
+    assert png.stat().st_size > 0
+    assert not fh.curves(tmp_path / "no.png", where, rows, [0, 1], ["pretrained", "fedtgp"], weakest)
+    assert not (tmp_path / "no.png").exists()
