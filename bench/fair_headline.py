@@ -150,6 +150,14 @@ def seeds_flag(means: list[float]) -> str:
     return flag(statistics.mean(means), statistics.stdev(means) / math.sqrt(len(means)))
 
 
+def seed_columns(seeds: list[int], lead: list[str]) -> list[str]:
+    """Header and separator of a table with ``lead`` columns, then personalized | global per seed (and
+    over the seeds, when there are several)."""
+    names = [f"seed {s}" for s in seeds] + (["over seeds"] if len(seeds) > 1 else [])
+    return ["| " + " | ".join(lead + [f"{n} {p}" for n in names for p in ("personalized", "global")]) + " |",
+            "|" + "---|" * (len(lead) + 2 * len(names))]
+
+
 def flag(mean: float, se: float) -> str:
     if math.isnan(mean):
         return "-"
@@ -358,9 +366,7 @@ def summarize(args, seeds: list[int]) -> str:
             continue
         lines += ["", f"Paired difference to **{ref}** over the clients every method evaluated (points, ± 2 SE over "
                   f"clients; `*` beyond 2 SE), per seed: personalized | global{over}.", "",
-                  "| method | " + " | ".join(f"seed {s} personalized | seed {s} global" for s in seeds)
-                  + (" | over seeds personalized | over seeds global" if many else "") + " |",
-                  "|---|" + "---|---|" * (len(seeds) + many)]
+                  *seed_columns(seeds, ["method"])]
         for m in methods:
             if m == ref:
                 continue
@@ -384,9 +390,7 @@ def summarize(args, seeds: list[int]) -> str:
                   "under every budget at once) "
                   "(same method, seed, partition and lr), paired over each tier's clients (points, ± 2 SE; `*` beyond "
                   f"2 SE), per seed: personalized | global{over}.", "",
-                  "| method | tier | " + " | ".join(f"seed {s} personalized | seed {s} global" for s in seeds)
-                  + (" | over seeds personalized | over seeds global" if many else "") + " |",
-                  "|---|---|" + "---|---|" * (len(seeds) + many)]
+                  *seed_columns(seeds, ["method", "tier"])]
         for m in ablation:
             for tier in TIERS:
                 cells = []
@@ -409,7 +413,7 @@ def summarize(args, seeds: list[int]) -> str:
     plot(figure, result["methods"], seeds)
     lines[1:1] = ["", f"![both protocols per method]({figure.name})"]
     curve = args.results / f"headline_fair{tag}_curves.png"
-    if curves(curve, where, rows, seeds, methods, {s: runs(args.out, f"seed{s}-weakest") for s in seeds}):
+    if curves(curve, where, rows, seeds, methods, pinned_runs):
         lines += ["", "The weight-sharing methods' global accuracy by round (mean over the clients evaluated so far), "
                   "per seed; dashed: the floor; dotted: the floor with every client on the one subnet every device fits "
                   "(uniform's starting point).", "", f"![global accuracy by round]({curve.name})"]
