@@ -49,13 +49,24 @@ class PredictorFit:
                 "n_holdout": self.n_holdout, "folds": self.folds}
 
 
+#: predictions are rounded to this many decimals (a grid of 1e-6 in accuracy, a fraction 0..1; a
+#: measurement on 5,000 images moves in steps of 2e-4): two machines whose float64 arithmetic
+#: differs in the last bits give the same value
+PREDICTION_DECIMALS = 6
+
+
 class AccuracyPredictor(nn.Module):
     """MLP ``(N, encoding_size) -> (N,)`` predicted top-1 accuracy (fraction 0..1).
 
     ``n_layers`` hidden ``Linear + ReLU`` layers of width ``hidden`` and a bias-free output layer
     plus a constant ``base_acc`` (OFA's ``AccuracyPredictor`` layout, ``ofa/nas/accuracy_predictor/
     acc_predictor.py``); targets are standardized internally (``base_acc`` = their mean, ``scale``
-    = their standard deviation). Always on CPU, float32.
+    = their standard deviation). Always on CPU, **float64**, and :meth:`predict` rounds to
+    ``PREDICTION_DECIMALS`` decimals: the search ranks thousands of subnets whose predictions differ in
+    the fourth decimal, so the predictor must give the same numbers on every CPU. In float32 the
+    400 full-batch Adam steps of :meth:`fit` amplify the last-bit differences between CPU kernels
+    (AVX-512 vs AVX2 matmuls) into different rankings and different picks; in float64 they stay
+    around 1e-12, far below the rounding grid.
     """
 
     def __init__(self, n_inputs: int, hidden: int = 128, n_layers: int = 3):
@@ -68,9 +79,11 @@ class AccuracyPredictor(nn.Module):
         self.register_buffer("base_acc", torch.zeros(()))
         self.register_buffer("scale", torch.ones(()))
         self.n_inputs, self.hidden, self.n_layers = n_inputs, hidden, n_layers
+        self.double()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: (N, n_inputs) float32 encodings -> (N,) predicted accuracy."""
+        """``x``: (N, n_inputs) encodings (cast to float64) -> (N,) float64 predicted accuracy (unrounded)."""
+        x = x.to(torch.float64)
         return self.layers(x).squeeze(-1) * self.scale + self.base_acc
 
     # ------------------------------------------------------------------ training
@@ -83,8 +96,8 @@ class AccuracyPredictor(nn.Module):
             seed: seeds the weight initialization (the global torch RNG is left untouched).
         Returns self (in eval mode).
         """
-        x_t = torch.as_tensor(np.asarray(x, dtype=np.float32))
-        y_t = torch.as_tensor(np.asarray(y, dtype=np.float32))
+        x_t = torch.as_tensor(np.asarray(x, dtype=np.float64))
+        y_t = torch.as_tensor(np.asarray(y, dtype=np.float64))
         if x_t.ndim != 2 or x_t.shape[1] != self.n_inputs or y_t.shape != (x_t.shape[0],):
             raise UserInputError(f"expected x (N, {self.n_inputs}) and y (N,), got {tuple(x_t.shape)} "
                                  f"and {tuple(y_t.shape)}", field="predictor.fit")
@@ -111,11 +124,13 @@ class AccuracyPredictor(nn.Module):
 
     # ------------------------------------------------------------------ inference
     def predict(self, x: np.ndarray) -> np.ndarray:
-        """(N, n_inputs) encodings -> (N,) float64 predicted accuracy (numpy in and out, no autograd).
+        """(N, n_inputs) encodings -> (N,) float64 predicted accuracy, rounded to
+        ``PREDICTION_DECIMALS`` decimals (numpy in and out, no autograd).
 
-        Runs the MLP in numpy float32 (one matmul per layer for a whole generation; ~0.2 ms for
-        100 archs, 5x less than a torch call's overhead); equal to :meth:`forward` up to float
-        rounding. The numpy copy of the weights is refreshed whenever a parameter changed.
+        Runs the MLP in numpy float64 (one matmul per layer for a whole generation; well under a
+        millisecond for 100 archs, less than a torch call's overhead); equal to :meth:`forward` up
+        to float rounding and the grid. The numpy copy of the weights is refreshed whenever a
+        parameter changed.
         """
         linears = [m for m in self.layers if isinstance(m, nn.Linear)]
         stamp = tuple((id(p), p._version) for m in linears for p in m.parameters())
@@ -123,7 +138,7 @@ class AccuracyPredictor(nn.Module):
             self._np_weights = [(m.weight.detach().numpy().T.copy(),
                                  None if m.bias is None else m.bias.detach().numpy().copy()) for m in linears]
             self._np_stamp = stamp
-        h = np.asarray(x, dtype=np.float32)
+        h = np.asarray(x, dtype=np.float64)
         last = len(self._np_weights) - 1
         for i, (w, b) in enumerate(self._np_weights):
             h = h @ w
@@ -131,7 +146,7 @@ class AccuracyPredictor(nn.Module):
                 h += b
             if i < last:
                 np.maximum(h, 0.0, out=h)
-        return h[:, 0].astype(np.float64) * float(self.scale) + float(self.base_acc)
+        return np.round(h[:, 0] * float(self.scale) + float(self.base_acc), PREDICTION_DECIMALS)
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path, extra: dict | None = None) -> None:
@@ -198,12 +213,12 @@ def train_predictor(x: np.ndarray, y: np.ndarray, *, folds: int = 4, hidden: int
     is then fit on all archs with the same seed and hyper-parameters.
 
     Args:
-        x: (N, encoding_size) float32 encodings. y: (N,) measured accuracy, fraction 0..1.
+        x: (N, encoding_size) encodings (trained on in float64). y: (N,) measured accuracy, fraction 0..1.
         folds: >= 2 for cross-validation, 0 or 1 to skip it (then tau is nan).
     Raises:
         UserInputError: fewer than 2 measured archs.
     """
-    x = np.asarray(x, dtype=np.float32)
+    x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     n = len(y)
     if n < 2:
@@ -227,4 +242,4 @@ def train_predictor(x: np.ndarray, y: np.ndarray, *, folds: int = 4, hidden: int
                                folds=folds)
 
 
-__all__ = ["AccuracyPredictor", "PredictorFit", "kendall_tau", "tau_meaning", "torch_threads", "train_predictor"]
+__all__ = ["PREDICTION_DECIMALS", "AccuracyPredictor", "PredictorFit", "kendall_tau", "tau_meaning", "torch_threads", "train_predictor"]
