@@ -141,7 +141,7 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path
                    f"complete), and the subnets measured so far are kept in {measurement_cache_dir()}, so the "
                    "same command measures only the rest", err=True)
         raise exit_interrupted(err) from None
-    from rafl.search.evolution import binding_text
+    from rafl.search.evolution import MEASURED_BEFORE, binding_text
     from rafl.search.predictor import tau_meaning
     from rafl.stages.search import same_subnet_note
 
@@ -155,7 +155,8 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path
                    f"cross-validation over {fit['n_holdout']} measured subnets): {tau_meaning(fit['kendall_tau'])}")
     for name, res in results.items():
         c = res.cost
-        where = "" if res.found_for == name else f", found for {res.found_for}"
+        where = ("" if res.found_for == name else ", known before the search" if res.found_for == MEASURED_BEFORE
+                 else f", found for {res.found_for}")
         click.echo(f"{name}: {res.arch.to_string()}  acc {res.accuracy:.4f} ({res.accuracy_source}{where})  "
                    f"{c.macs_m:.2f} M MACs  {c.latency_ms:.3g} ms  peak {c.peak_memory_mb:.3g} MiB  "
                    f"binds: {binding_text(res.budget_use)}  -> {out / name}")

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from rafl.errors import UserInputError
 from rafl.search.cost import CostModel, energy_per_epoch_j
-from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy, measurement_cache_dir
+from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy, measurement_cache_dir, sample_across_space
 from rafl.search.genome import Population
 from rafl.search.profile import load_profile, profiles_dir
 from rafl.supernet.arch import ArchConfig, SearchSpace
@@ -517,17 +517,23 @@ class SharedPick:
     considered: list[dict[str, Any]]
 
 
-def pick_shared(space: SearchSpace, finalists: dict[str, list[Finalist]], cost_fns: dict[str, CostFn],
-                limits: dict[str, dict[str, float]]) -> dict[str, SharedPick]:
-    """The final pick of every profile among the measured finalists of *all* profiles.
+#: :attr:`Finalist.found_for` of a subnet measured before the evolution (:func:`pick_shared`'s ``earlier``)
+MEASURED_BEFORE = "(measured before)"
 
-    Profile ``p`` picks, among its own finalists and every other profile's finalist that meets
-    all of ``p``'s budgets (re-checked with ``cost_fns[p]`` against ``limits[p]``), the one with
-    the highest measured accuracy; ties go to ``p``'s own finalists, then to the higher
-    predicted accuracy, then to the earlier candidate (own finalists in rank order, then the
-    others in profile order). So a profile never ends with a lower measured accuracy than a
-    finalist of another profile it could run, and a profile alone (or one whose own pick is
-    best) keeps exactly the pick of its own top-k.
+
+def pick_shared(space: SearchSpace, finalists: dict[str, list[Finalist]], cost_fns: dict[str, CostFn],
+                limits: dict[str, dict[str, float]], earlier: Sequence[Finalist] = ()) -> dict[str, SharedPick]:
+    """The final pick of every profile among the measured finalists of *all* profiles and the
+    subnets measured before on the same validation split.
+
+    Profile ``p`` picks, among its own finalists, every other profile's finalist and every subnet
+    of ``earlier`` that meets all of ``p``'s budgets (re-checked with ``cost_fns[p]`` against
+    ``limits[p]``), the one with the highest measured accuracy; ties go to ``p``'s own finalists,
+    then to the higher predicted accuracy, then to the earlier candidate (own finalists in rank
+    order, then the others in profile order, then ``earlier`` in its order). So a profile never
+    ends with a lower measured accuracy than a subnet it could run whose accuracy the search
+    knows, and a profile alone (or one whose own pick is best) keeps exactly the pick of its own
+    top-k.
 
     Args:
         space: the search space of every arch.
@@ -535,6 +541,10 @@ def pick_shared(space: SearchSpace, finalists: dict[str, list[Finalist]], cost_f
             are feasible for their profile by construction), in profile order.
         cost_fns: ``{profile: Population -> {key: (P,) array}}`` (see :func:`cost_fn_for`).
         limits: ``{profile: {key: limit}}``.
+        earlier: subnets measured before with the same measurement (the predictor's measured
+            subnets, the measurements shipped beside the supernet), ``found_for`` =
+            :data:`MEASURED_BEFORE`. Only the feasible ones measured above the profile's best own
+            finalist are listed in :attr:`SharedPick.considered`.
 
     Returns:
         ``{profile: SharedPick}`` in the order of ``finalists``.
@@ -543,6 +553,8 @@ def pick_shared(space: SearchSpace, finalists: dict[str, list[Finalist]], cost_f
     for cands in finalists.values():
         for c in cands:
             pool.setdefault(c.arch, c)  # an arch found by several profiles: the first one names it
+    for c in earlier:
+        pool.setdefault(c.arch, c)
     out: dict[str, SharedPick] = {}
     for name, own in finalists.items():
         if not own:
@@ -555,14 +567,16 @@ def pick_shared(space: SearchSpace, finalists: dict[str, list[Finalist]], cost_f
             costs = cost_fns[name](Population.from_archs(space, [c.arch for c in foreign]))
             lim = limits[name]
             ok = feasible_mask(costs, lim)
+            own_best = max(c.accuracy for c in own)
             for i, c in enumerate(foreign):
+                if c.found_for == MEASURED_BEFORE and not (ok[i] and c.accuracy > own_best):
+                    continue
                 considered.append({
                     "arch": c.arch.to_string(), "accuracy": float(c.accuracy),
                     "predicted_accuracy": float(c.predicted_accuracy), "found_for": c.found_for,
                     "feasible": bool(ok[i]),
                     "violates": [k for k, v in lim.items() if not costs[k][i] <= v]})
-                if ok[i]:
-                    usable.append(c)
+            usable = [c for i, c in enumerate(foreign) if ok[i]]
         cands = [(c, True) for c in own] + [(c, False) for c in usable]
         best = max(range(len(cands)), key=lambda j: (cands[j][0].accuracy, cands[j][1],
                                                      cands[j][0].predicted_accuracy, -j))
@@ -783,6 +797,28 @@ class _Measurements:
         return acc
 
 
+def _measured_before(space: SearchSpace, measurements: _Measurements, score_fn: ScoreFn,
+                     config: SearchConfig) -> list[Finalist]:
+    """The subnets whose accuracy the search knows before its evolution: ``known`` (the
+    measurements shipped beside the supernet) and the predictor's measured subnets, in that
+    order, with their predicted accuracy. The same set on every machine: never the disk cache
+    of earlier searches."""
+    archs = {k: ArchConfig.from_string(k, space) for k in measurements.known}
+    if config.estimator == "predictor":
+        for a in sample_across_space(space, config.predictor_samples, config.seed):
+            archs.setdefault(a.canonical(space).to_string(), a.canonical(space))
+    if not archs:
+        return []
+    arch_list = list(archs.values())
+    acc, have = measurements.lookup(arch_list)
+    arch_list = [a for a, h in zip(arch_list, have) if h]
+    acc = acc[np.asarray(have, dtype=bool)]
+    if not arch_list:
+        return []
+    predicted = score_fn(Population.from_archs(space, arch_list))
+    return [Finalist(a, float(m), float(p), MEASURED_BEFORE) for a, m, p in zip(arch_list, acc, predicted)]
+
+
 #: the key of :func:`search_subnets`' result under ``common=True``: the one subnet meeting every profile
 COMMON = "(every profile)"
 
@@ -868,9 +904,10 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
     # every profile picks the best measured finalist of any profile that meets its own budgets
     # (ties: its own finalists, then the estimate)
     # the profiles' picks are those of a search without the common one (its finalists are not theirs)
-    picks = pick_shared(space, {p.name: finalists[p.name] for p in profs}, cost_fns, limits)
+    earlier = _measured_before(space, measurements, score_fn, config)
+    picks = pick_shared(space, {p.name: finalists[p.name] for p in profs}, cost_fns, limits, earlier)
     if common:
-        picks[COMMON] = pick_shared(space, finalists, cost_fns, limits)[COMMON]
+        picks[COMMON] = pick_shared(space, finalists, cost_fns, limits, earlier)[COMMON]
 
     results: dict[str, SearchResult] = {}
     for name in searched:
@@ -893,7 +930,7 @@ def _search_subnets(supernet, profiles, val_data, calib_data, config: SearchConf
 
 
 __all__ = ["COMMON", "SearchConfig", "SearchResult", "EvolutionOutcome", "evolve", "search_subnets", "feasible_mask",
-           "Finalist", "SharedPick", "pick_shared",
+           "Finalist", "SharedPick", "pick_shared", "MEASURED_BEFORE",
            "check_satisfiable",
            "infeasibility_error", "profile_limits", "cost_fn_for", "budget_use", "binding_budget", "binding_text",
            "BINDING_USE"]
