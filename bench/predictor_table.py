@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from rafl.search.profile import profiles_dir  # noqa: E402
 from rafl.stages.search import write_measurements  # noqa: E402
-from rafl.supernet.pretrained import MEASUREMENTS_NAME, resolve_supernet  # noqa: E402
+from rafl.supernet.pretrained import MEASUREMENTS_NAME, resolve_supernet, supernet_measurements  # noqa: E402
 
 
 def main() -> None:
@@ -46,13 +46,17 @@ def main() -> None:
     ap.add_argument("--profiles", default="all",
                     help="comma-separated shipped profiles whose finalists to measure too ('all', or 'none')")
     ap.add_argument("--out", type=Path, default=None, help="default: SUPERNET/measurements.json")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take the accuracies of the supernet's current measurements.json as measured (same weights "
+                         "and measurement): after a change of the search, only its new finalists are measured")
     args = ap.parse_args()
     names = ([p.stem for p in sorted(profiles_dir().glob("*.yaml"))] if args.profiles == "all"
              else [] if args.profiles == "none" else args.profiles.split(","))
     command = " ".join(["python", "bench/predictor_table.py", *sys.argv[1:]])
     doc = write_measurements(args.supernet, data_root=args.data_root, samples=args.samples, seed=args.seed,
                              workers=args.workers, profiles=names, out=args.out, command=command,
-                             say=lambda line: print(line, flush=True))
+                             say=lambda line: print(line, flush=True),
+                             reuse=supernet_measurements(resolve_supernet(args.supernet)) if args.reuse else None)
     path = args.out or resolve_supernet(args.supernet) / MEASUREMENTS_NAME
     print(f"wrote {path} ({len(doc['accuracy'])} subnets, {doc['made_by']['seconds']:.0f} s); SHA-256 "
           f"{hashlib.sha256(Path(path).read_bytes()).hexdigest()}")

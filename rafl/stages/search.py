@@ -310,7 +310,8 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     Raises:
         UserInputError: unknown or malformed profile, a supernet checkpoint that does not load or
             does not match the space, an empty validation split, unreachable budgets, altered
-            shipped measurements. Raised before anything is written.
+            shipped measurements, an ``out`` holding another supernet's subnets
+            (:func:`check_same_supernet`). Raised before anything is written.
     """
     config = config or SearchConfig()
     if not profiles:
@@ -319,6 +320,7 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     if supernet is None:
         supernet, meta = load_search_supernet(supernet_dir, progress=config.progress)
     meta = meta or {}
+    check_same_supernet(out, meta.get("path"))
     space: SearchSpace = supernet.space
     table = None
     if not remeasure and supernet_dir is not None:
@@ -382,7 +384,8 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
 def write_measurements(supernet_dir: str | Path, *, data_root: str | Path | None = None, samples: int = 500,
                        seed: int = 0, workers: int | None = None, profiles: Sequence[str] = (),
                        out: str | Path | None = None, command: str = "", say: Callable[[str], None] = print,
-                       progress: bool = True, config: SearchConfig | None = None) -> dict[str, Any]:
+                       progress: bool = True, config: SearchConfig | None = None,
+                       reuse: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure what ``rafl search`` needs of a supernet and write it beside the weights
     (``measurements.json`` + ``calibration.safetensors``; read by
     :func:`rafl.supernet.pretrained.supernet_measurements`).
@@ -399,7 +402,11 @@ def write_measurements(supernet_dir: str | Path, *, data_root: str | Path | None
     depend on the other profiles searched with it). ``config``: the search of the finalists and the
     measurement's ``batch_size`` / ``calib_batches`` (default: :class:`SearchConfig`'s, what
     ``rafl search`` uses); its ``predictor_samples``, ``seed``, ``workers`` and ``progress`` are
-    replaced by the arguments.
+    replaced by the arguments. ``reuse``: an earlier document of this function for the same
+    weights and measurement (:func:`rafl.supernet.pretrained.supernet_measurements`): its
+    accuracies are taken as measured and kept in the document (the finalists of a changed search
+    then cost a minute, not the 500 subnets again, and every subnet measured before stays a
+    candidate of the search's pick: :func:`rafl.search.evolution.pick_shared`).
 
     Returns the document written: ``accuracy`` (canonical arch -> fraction), ``halves`` (the
     accuracy on two fixed random halves of server-val, from the same predictions),
@@ -410,7 +417,8 @@ def write_measurements(supernet_dir: str | Path, *, data_root: str | Path | None
 
     Raises:
         UserInputError: no dataset at ``data_root``, an empty server-val split, a profile name that
-            is not shipped (a profile no subnet fits is reported through ``say`` and skipped).
+            is not shipped (a profile no subnet fits is reported through ``say`` and skipped), a
+            ``reuse`` document of other weights or another measurement.
     """
     t0 = time.perf_counter()
     folder = resolve_supernet(supernet_dir)
@@ -430,6 +438,14 @@ def write_measurements(supernet_dir: str | Path, *, data_root: str | Path | None
                                 cache_dir=measurement_cache_dir(), workers=scfg.workers)
     for key in [k for k in measured.cache if k not in measured.halves]:  # cached before halves were recorded
         del measured.cache[key]
+    if reuse is not None:
+        if (reuse.get("supernet_fingerprint") != supernet_fingerprint(supernet)
+                or not measured_alike(reuse, scfg.batch_size, scfg.calib_batches)
+                or reuse.get("data", {}).get("n_val") != data_info["n_val"]):
+            raise UserInputError("measures other weights, another server-val split or another way", field="reuse")
+        measured.cache.update(reuse["accuracy"])
+        measured.halves.update({k: tuple(v) for k, v in reuse["halves"].items()})
+        measured._save_cache()  # the finalists' searches below read the same cache file
     archs = sample_across_space(space, samples, seed)
     t1 = time.perf_counter()
     # in blocks, in the sample's order: a run stopped early leaves a prefix of the sample measured,
@@ -465,6 +481,8 @@ def write_measurements(supernet_dir: str | Path, *, data_root: str | Path | None
     for ks in finalists.values():
         for k in ks:
             table.setdefault(k, measured.cache[k])
+    for k in (reuse or {}).get("accuracy", {}):  # every subnet measured before stays a candidate
+        table.setdefault(k, measured.cache[k])
     n_cal = scfg.calib_batches * scfg.batch_size
     ds, split, _ = server_dataset(config, space, progress=False)
     images = ds.images.take(calibration_sample(split.pool_train, len(split.pool_train))[:n_cal])
@@ -496,6 +514,26 @@ def write_measurements(supernet_dir: str | Path, *, data_root: str | Path | None
     }
     atomic_write_json(out, doc)
     return doc
+
+
+def check_same_supernet(out: str | Path, supernet_path: str | None) -> None:
+    """Refuse to search into an ``out`` whose earlier profile folders were cut from another supernet.
+
+    ``out/search.json`` (:func:`write_search_index`) records the supernet of the folder's searches;
+    a later search into the same ``out`` replaces its own profiles' folders and keeps the others,
+    so a search of another supernet would leave subnets of two supernets side by side.
+
+    Raises:
+        UserInputError: ``out/search.json`` names another supernet folder than ``supernet_path``.
+    """
+    index = Path(out) / "search.json"
+    try:
+        before = json.loads(index.read_text()).get("supernet") if index.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return  # not readable: the index is rewritten from the folders present
+    if before is not None and supernet_path is not None and before != supernet_path:
+        raise UserInputError(f"holds subnets of the supernet {before}, not of {supernet_path}; search into "
+                             "another folder (one --out per supernet)", source=out, field="--out")
 
 
 def write_search_index(out: str | Path, run: dict[str, Any], run_profiles: Sequence[str]) -> dict[str, Any]:
@@ -610,4 +648,4 @@ def _write_profile(d: Path, res: SearchResult, prof, supernet, calib: torch.Tens
 
 __all__ = ["run_search", "server_eval_data", "server_dataset", "load_searched_subnet", "save_subnet_weights",
            "export_onnx", "write_cost_report", "load_search_supernet", "write_search_index", "write_measurements",
-           "write_subnet_yaml", "same_subnet_note"]
+           "write_subnet_yaml", "same_subnet_note", "check_same_supernet"]

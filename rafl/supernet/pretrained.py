@@ -41,7 +41,7 @@ PRETRAINED: dict[str, str] = {
 #: name -> SHA-256 of its ``measurements.json`` (made by ``bench/predictor_table.py``; it records
 #: the SHA-256 of the weights it was measured on and of its ``calibration.safetensors``).
 PRETRAINED_MEASUREMENTS: dict[str, str] = {
-    "cifar10": "5e49a0398bf524d3df0f79e9967cb963c451ad88815ed6bdf36737bca0b21220",
+    "cifar10": "dc77c67b4bc36b5456ef3f835d1caa440626277feef90542ee53c6a62d06f773",
 }
 
 
@@ -81,12 +81,21 @@ def resolve_supernet(value: str | Path) -> Path:
 def save_calibration(path: str | Path, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
     """Write BN-calibration images as stored pixels ``(M, C, H, W)`` uint8 (or float32 in [0, 1])
     with their normalization (``mean``, ``std`` per channel) in the metadata; read by
-    :func:`load_calibration`."""
+    :func:`load_calibration`. A file already holding the same pixels and normalization is left
+    as it is: safetensors writes its metadata in no fixed order, so a rewrite would change the
+    bytes (and the SHA-256 a measurements file records) without changing the content."""
+    import torch
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save  # torch loads here, not when a shipped name is checked
 
-    atomic_write_bytes(path, save({"pixels": pixels.contiguous()},
-                                  metadata={"format": "rafl-calibration/1", "mean": json.dumps(list(mean)),
-                                            "std": json.dumps(list(std))}))
+    meta = {"format": "rafl-calibration/1", "mean": json.dumps(list(mean)), "std": json.dumps(list(std))}
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            if fh.metadata() == meta and torch.equal(fh.get_tensor("pixels"), pixels):
+                return
+    except (OSError, SafetensorError):
+        pass  # no file yet, or not a readable one: write it
+    atomic_write_bytes(path, save({"pixels": pixels.contiguous()}, metadata=meta))
 
 
 def load_calibration(path: str | Path) -> torch.Tensor:
