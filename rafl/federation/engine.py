@@ -77,7 +77,7 @@ from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.events import report
 from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.runners import Federation, RunnerFactory
-from rafl.federation.screening import UploadPolicy, screen_uploads
+from rafl.federation.screening import ClientError, UploadPolicy, screen_uploads
 from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
@@ -418,6 +418,12 @@ class Engine:
         report("trained", done=len(results))
         del jobs
         failed = failed + sorted(lost)
+        errors = [(cid, u) for cid, u in results if isinstance(u, ClientError)]
+        if errors and len(results) - len(errors) < self.policy.min_valid_uploads:
+            # too few clients remain without an error: the error is the run's (every client's lr
+            # too large, a broken config), the first one in job order, as one line
+            self.store.pending.clear()
+            raise errors[0][1].error()
         # the sender names the client's model: a NaN upload usually means that model diverged
         screened = screen_uploads(
             results, algo, st.server_state, fed.clients, fed.server.n_classes, self.policy, limits=limits,
@@ -426,10 +432,12 @@ class Engine:
         uploads, bytes_up = screened.accepted, screened.bytes_up
         # every upload of several clients refused: the server state they answered is suspect, not
         # each client (a poisoned aggregate makes honest uploads outliers); one line says so below
-        suspect_server = not uploads and len(screened.rejected) > 1
+        suspect_server = not uploads and len(screened.rejected) - len(screened.client_errors) > 1
         for cid, why in screened.rejected.items():
             self.store.pending.pop(cid, None)  # a rejected client's new state is not committed
-            if not suspect_server:
+            if cid in screened.client_errors:
+                warn(f"round {rnd}: left out {why}")
+            elif not suspect_server:
                 warn(f"round {rnd}: rejected the upload of {why}")
         round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
         if round_failed:  # too few valid uploads: the round changes no server or client state

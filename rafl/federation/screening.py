@@ -160,6 +160,7 @@ class Screened:
         bytes_up: serialized bytes of the accepted uploads (:meth:`Payload.nbytes`).
         bytes_rejected: bytes of the rejected ones (wire bytes, or :func:`raw_nbytes`).
         claims_overridden: clients whose own ``n_samples`` differed from the registered count.
+        client_errors: clients whose step raised (a :class:`ClientError`; their reason is in ``rejected``).
     """
 
     accepted: list[Payload] = field(default_factory=list)
@@ -168,6 +169,7 @@ class Screened:
     bytes_up: int = 0
     bytes_rejected: int = 0
     claims_overridden: list[int] = field(default_factory=list)
+    client_errors: list[int] = field(default_factory=list)
 
 
 class RejectedUpload:
@@ -178,13 +180,41 @@ class RejectedUpload:
         self.reason, self.nbytes = reason, nbytes
 
 
+class ClientError(RejectedUpload):
+    """What a client runner returns in place of the upload of a client whose step raised a
+    :class:`UserInputError` (diverged local training, a stored state that does not fit its model,
+    a node that refused the message): that client's failure, left out of the round with its
+    reason (``rejected_reasons``), never the run's error while enough clients remain
+    (:meth:`rafl.federation.engine.Engine._round`). Plain strings, so it crosses a worker's pipe.
+
+    Args:
+        message: the error's message.
+        field: the field it names, or None.
+        source: the error's own source (e.g. ``client 3 (model m)``), or None.
+    """
+
+    def __init__(self, message: str, field: str | None = None, source: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message, 0)
+        self.message, self.field, self.source = message, field, source
+
+    @classmethod
+    def of(cls, err: UserInputError) -> ClientError:
+        """The :class:`ClientError` of a raised ``err``."""
+        return cls(err.message, err.field, err.source)
+
+    def error(self) -> UserInputError:
+        """The error as the client step raised it (what stops a run with too few clients left)."""
+        return UserInputError(self.message, source=self.source, field=self.field)
+
+
 def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algorithm: Any, server_state: Any,
                    clients: Sequence[Any], n_classes: int, policy: UploadPolicy, *,
                    limits: Mapping[int, int], sender: Callable[[int], str], nonfinite_hint: str = "") -> Screened:
     """Screen one round's uploads (the module docstring's checks 1-4) and set the server-side truth.
 
     Args:
-        results: ``(client_id, upload)`` in job order, as a client runner returns them.
+        results: ``(client_id, upload)`` in job order, as a client runner returns them (a
+            :class:`RejectedUpload` or :class:`ClientError` in place of an upload: recorded as rejected).
         algorithm: the method (its ``upload_spec`` and ``check_upload``).
         server_state: the server state the uploads answer.
         clients: every client's :class:`ClientInfo`, by id (``n_samples`` registered).
@@ -200,6 +230,10 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
     out = Screened()
     for cid, upload in results:
         info = clients[cid]
+        if isinstance(upload, ClientError):
+            out.rejected[cid] = f"{sender(cid)}: its client step failed: {upload.reason}"
+            out.client_errors.append(cid)
+            continue
         if isinstance(upload, RejectedUpload):
             out.rejected[cid] = f"payload from {sender(cid)}: {upload.reason}"
             out.bytes_rejected += upload.nbytes
@@ -233,5 +267,5 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
     return out
 
 
-__all__ = ["ALLOWED_DTYPES", "INT_MAX", "UploadPolicy", "raw_nbytes", "raw_size", "check_meta", "check_values", "Screened", "RejectedUpload",
-           "screen_uploads"]
+__all__ = ["ALLOWED_DTYPES", "INT_MAX", "UploadPolicy", "raw_nbytes", "raw_size", "check_meta", "check_values", "Screened",
+           "RejectedUpload", "ClientError", "screen_uploads"]
