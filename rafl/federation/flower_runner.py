@@ -32,8 +32,8 @@ resumed run repeats an interrupted round from the committed versions.
 Failures. A client step that raises a :class:`UserInputError` on its node (diverged training, a
 missing state file), or a node that refuses the message, is that client's failure, as in-process:
 it is left out of the round with its reason (``rejected_reasons``, naming the node), and the run
-stops with that error only when fewer than ``engine.min_valid_uploads`` clients of the round
-remain (a learning rate too large for every client). A node that replies with any other error, or not within
+stops with that error only when fewer than ``engine.min_valid_uploads`` valid uploads of the
+round remain (a learning rate too large for every client). A node that replies with any other error, or not within
 ``engine.round_timeout_s``, loses its clients for that round: they count as failed (the metrics
 row names them under ``lost``, or ``eval_lost`` for evaluation, with a one-line reason) and the
 round completes with the rest, as with simulated dropout; a round with every client lost stops
