@@ -16,6 +16,11 @@
 2. **Fuzzed loaders.** ``tests/test_fuzz_loaders.py``'s mutations with ``--fuzz-examples`` per
    loader: outcomes parsed / rejected (one UserInputError) / anything else, slowest case and peak
    Python memory.
+4. **One hostile node** (``--only-nodes`` adds them to an existing table): a BatchNorm running
+   variance of -1e5 every round, a lone boosted upload (its move over the carried clip bound), a
+   client step raising a rafl error on every backend (in-process, workers, Flower messages with a
+   SuperLink's semantics, Flower's Simulation Runtime), a background ``rafl federate`` sent SIGINT;
+   the default rule beside ``mean``.
 3. **kill -9.** ``rafl federate`` (FedGH, cnn4-small group, 3 clients, 4 rounds) killed with
    SIGKILL before its first checkpoint (rerun under the same name), mid-round 2 (``--resume``) and
    during that resume (``--resume`` again); the final metrics against an uninterrupted run.
@@ -587,6 +592,229 @@ def kill_cases() -> list[dict]:
     return out_cases
 
 
+# ---------------------------------------------------------------------- 4. one hostile node
+NODE_RULES = ("norm_clip", "mean")
+
+
+def _engine_run(supernet: Path, method: str, rule: str, attack, rounds: int = 3, extra: tuple = (),
+                runner: str = "in-process") -> dict:
+    """A tiny run (3 clients) of ``method`` under ``rule`` with ``attack(algo_class) -> class``
+    installed, on ``runner`` (``in-process``, ``workers``, ``flower-superlink``: rafl's ClientApp on
+    two in-process nodes with a SuperLink's semantics, ``flower-simulation``: Flower's Simulation
+    Runtime). Returns its outcome: completed, error, failed rounds, rejections, final accuracy and
+    whether the final global model outputs finite logits on the server's public images."""
+    import shutil
+
+    from rafl.federation.algorithms import ALGORITHMS
+    from rafl.federation.run_config import load_run_config
+    from rafl.stages import federate
+
+    sets = [f"supernet.path={supernet}", "data.limit_per_class=10", "clients.n=3", f"engine.rounds={rounds}",
+            f"engine.eval_every={rounds}", f"engine.aggregation={rule}", "engine.workers=1",
+            f"algorithm.name={method}", "algorithm.local_epochs=1", "engine.round_timeout_s=600", *SAME_MODEL, *extra]
+    if runner == "workers":
+        sets[6] = "engine.workers=2"
+    base = ALGORITHMS[method]
+    hostile = attack(base)
+    run_dir = Path(tempfile.mkdtemp(prefix="rel-node-"))
+    t0 = time.perf_counter()
+    ALGORITHMS[method] = hostile  # the nodes build their federation from the registry
+    base_update = base.client_update
+    try:
+        if runner == "flower-simulation":  # Ray's workers are other processes: the attack is the method itself
+            base.client_update = hostile.client_update
+        prep = federate.prepare(load_run_config(None, sets), progress=False)
+        prep.federation.algorithm.__class__ = hostile
+        if runner.startswith("flower"):
+            import dataclasses
+
+            from rafl.stages.flower import app as flower_app
+
+            cfg = prep.cfg.model_copy(update={"engine": prep.cfg.engine.model_copy(update={"backend": "flower"})})
+            prep = dataclasses.replace(prep, cfg=cfg)
+            if runner == "flower-superlink":
+                from flwr.supercore.task_identity import TaskIdentity  # as Flower's runtimes stamp messages
+
+                TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 0
+                sys.path.insert(0, str(REPO / "tests"))
+                from test_flower import DirectGrid  # noqa: E402 - rafl's ClientApp on in-process nodes
+
+                from rafl.stages.flower.node import own_node_config
+
+                grid = DirectGrid(2)
+                trust = own_node_config(prep.cfg, run_dir / "clients")  # the inputs the run names, its own disk
+                for ctx in grid.contexts.values():
+                    ctx.node_config.update({"data-roots": trust["data-roots"], "state-dir": str(run_dir / "nodes")})
+                summary = flower_app.run_on_grid(grid, prep, run_dir, progress=False)
+            else:
+                from rafl.stages.flower.simulation import simulate
+
+                summary = simulate(prep, run_dir, progress=False)
+        else:
+            from rafl.federation.engine import Engine
+            from rafl.reports.run import RunReport
+
+            summary = Engine(prep.federation, prep.engine_config, run_dir, progress=False,
+                             observers=[RunReport(run_dir)]).run()
+        out = {"completed": True, "failed_rounds": summary["failed_rounds"], "rejected": summary["rejected_uploads"],
+               "acc": summary["final"].get("model.acc_mean_over_clients")}
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+            if (run_dir / "metrics.jsonl").is_file() else []
+        reasons = [why for r in rows for why in r.get("rejected_reasons", {}).values()]
+        out["reason"] = reasons[0][:150] if reasons else (summary.get("failed_round_reasons") or [""])[0][:150]
+        from rafl.federation.store import load_state
+
+        ck = load_state(run_dir / "checkpoint.safetensors")
+        model = prep.federation.client_model(0)
+        model.load_state_dict({k: v for k, v in ck["broadcast_tensors"].items()}, strict=False)
+        model.eval()
+        with torch.no_grad():
+            logits = model(prep.federation.server.public_images[:400])
+        out["finite_outputs"] = f"{int(torch.isfinite(logits).all(1).sum())}/{len(logits)}"
+        out["completed_rounds"] = len(rows)
+    except Exception as err:  # noqa: BLE001 - recorded: a run error is a finding
+        out = {"completed": False, "error": f"{type(err).__name__}: {str(err)[:150]}"}
+    finally:
+        ALGORITHMS[method] = base
+        base.client_update = base_update
+        shutil.rmtree(run_dir, ignore_errors=True)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def bn_attack(base):
+    class BNAttack(base):  # client 1 sets one BN running variance to -1e5 in every upload
+        def client_update(self, state, broadcast, client):
+            state, up = super().client_update(state, broadcast, client)
+            if client.client_id == 1:
+                name = next(k for k in up.tensors if k.endswith("running_var"))
+                up.tensors[name] = up.tensors[name].clone()
+                up.tensors[name][0] = -1e5
+            return state, up
+    BNAttack.__name__ = base.__name__
+    return BNAttack
+
+
+def client_error(base):
+    class ClientRaises(base):  # client 1's step raises a rafl error in every round
+        def client_update(self, state, broadcast, client):
+            if client.client_id == 1:
+                from rafl.errors import UserInputError
+
+                raise UserInputError("local training diverged (loss nan)", field="algorithm.lr")
+            return super().client_update(state, broadcast, client)
+    ClientRaises.__name__ = base.__name__
+    return ClientRaises
+
+
+def lone_upload(supernet: Path) -> dict:
+    """Round 1 of FedAvg with all 3 clients honest (it records the carried bound), then round 2
+    with client 1 alone, its update x100 (in range, BN statistics left honest): how far its lone
+    upload moves the global model (L2 norm of the change) over the carried bound, per rule."""
+    from rafl.federation.aggregation import AggregationRule, ClipBounds, update_norms
+
+    fed, state, server, honest, policy = honest_round("fedavg", supernet)
+    algo = fed.algorithm
+    out = {}
+    for rule in NODE_RULES:
+        server.aggregation = AggregationRule(rule)
+        server.clip_bounds = ClipBounds()
+        s1, b1 = algo.server_aggregate(screen(fed, state, policy, [(c, copy_upload(u)) for c, u in honest]).accepted,
+                                      state, server)
+        carried = server.clip_bounds.carried("weights")
+        g = b1.tensors
+        up = copy_upload(honest[1][1])
+        up.tensors = {k: g[k] + 100 * (v - g[k]) if v.is_floating_point() and "running" not in k else v
+                      for k, v in up.tensors.items()}
+        accepted = screen(fed, s1, policy, [(1, up)]).accepted
+        server.round = 2
+        _, b2 = algo.server_aggregate(accepted, s1, server)
+        floats = {k: v for k, v in g.items() if v.is_floating_point()}
+        moved = update_norms([b2.tensors], floats)[0]
+        honest_moved = update_norms([honest[1][1].tensors], floats)[0]
+        out[rule] = {"moved": moved, "carried_bound": carried, "ratio": moved / carried if carried else None,
+                     "honest_update_norm": honest_moved}
+        print(f"lone upload, {rule}: {out[rule]}", flush=True)
+    server.clip_bounds = None
+    return out
+
+
+def background_sigint() -> dict:
+    """``rafl federate`` started with SIGINT ignored (as ``rafl federate ... &`` from a shell), sent
+    SIGINT once its round 1 began: its exit status and the seconds it took to end."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "rafl", "federate", "--no-progress", "--out", str(Path(tmp) / "runs"),
+               *[a for s in [*KILL_SETS, "engine.rounds=200", "name=bg"] for a in ("--set", s)]]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        deadline = time.time() + 300
+        while not (Path(tmp) / "runs" / "bg" / "clients.json").is_file() and proc.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+            out = {"exit": proc.returncode, "seconds": time.perf_counter() - t0}
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = {"exit": "still running after 60 s (killed)", "seconds": 60.0}
+    print(f"background SIGINT: {out}", flush=True)
+    return out
+
+
+def hostile_node(supernet: Path, backends: list[str]) -> dict:
+    out: dict = {"bn_variance": {}, "client_error": {}}
+    for rule in NODE_RULES:
+        out["bn_variance"][rule] = _engine_run(supernet, "fedavg", rule, bn_attack)
+        print(f"BN variance -1e5, {rule}: {out['bn_variance'][rule]}", flush=True)
+    out["lone_upload"] = lone_upload(supernet)
+    for backend in backends:
+        out["client_error"][backend] = {}
+        for rule in NODE_RULES:
+            out["client_error"][backend][rule] = _engine_run(supernet, "fedavg", rule, client_error, runner=backend)
+            print(f"client error, {backend}, {rule}: {out['client_error'][backend][rule]}", flush=True)
+    out["background_sigint"] = background_sigint()
+    return out
+
+
+def node_report(n: dict) -> list[str]:
+    def cell(r):
+        if not r.get("completed"):
+            return f"run ended: {r.get('error', '')[:80]}"
+        acc = "n/a" if r["acc"] is None else f"{r['acc']:.3g}"
+        return (f"completed, {r['failed_rounds']} failed / {r['rejected']} rejected, acc {acc}, finite outputs "
+                f"{r['finite_outputs']}")
+    lines = ["", "## One hostile node: BN statistics, a lone upload, a client's error, background SIGINT", "",
+             f"`{n.get('command', '')}`, {n.get('date', '')} ({n.get('wall_s', 0):.0f} s). "
+             "FedAvg, one shared arch, 3 clients (client 1 hostile), 3 rounds; the default rule `norm_clip` beside "
+             "`mean`. Finite outputs: the final global model's logits on the server pool's images (at most 400).", "",
+             "| case | " + " | ".join(NODE_RULES) + " |", "|---|" + "---|" * len(NODE_RULES),
+             "| BN running variance -1e5 every round | " + " | ".join(cell(n["bn_variance"][r]) for r in NODE_RULES)
+             + " |"]
+    lone = n["lone_upload"]
+    bound = lone["norm_clip"]["carried_bound"]
+    lines.append("| lone upload x100 (round 2, alone after an honest round of 3): L2 move of the global model / the "
+                 "bound carried from round 1 | " + " | ".join(f"{lone[r]['moved'] / bound:.3g} ({lone[r]['moved']:.3g} "
+                                                              f"/ {bound:.3g})" for r in NODE_RULES) + " |")
+    for backend, rows_ in n["client_error"].items():
+        lines.append(f"| client 1's step raises a UserInputError every round, {backend} | "
+                     + " | ".join(cell(rows_[r]) for r in NODE_RULES) + " |")
+    bg = n["background_sigint"]
+    lines.append(f"| `rafl federate` started with SIGINT ignored (a background job), sent SIGINT | exit {bg['exit']} "
+                 f"in {bg['seconds']:.1f} s | (no rule involved) |")
+    reasons = [("BN variance", n["bn_variance"]["norm_clip"].get("reason", ""))] + \
+        [(f"client error, {b}", r["norm_clip"].get("reason", "")) for b, r in n["client_error"].items()]
+    lines += ["", "Reasons recorded (`norm_clip`):", ""] + [f"- {k}: `{v}`" for k, v in reasons if v]
+    lines += ["", "`flower-superlink`: rafl's ClientApp and ServerApp exchanging Flower messages through an "
+              "in-process grid with a SuperLink's semantics (a client's error comes back as the node's record). "
+              "Flower's Simulation Runtime runs the ClientApps in Ray's worker processes, which this bench cannot "
+              "make hostile; its path (the nodes' records, states on the shared disk) is "
+              "`tests/test_flower.py::test_one_clients_error_on_its_node_is_that_clients_failure_as_in_process`."]
+    return lines
+
+
 # ---------------------------------------------------------------------- report
 def fmt(x) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
@@ -677,6 +905,8 @@ def report(data: dict) -> str:
         lines.append(f"| {n} | {r['parsed']} | {r['rejected']} | {r['other']} | {r['slowest_s']:.2f} |")
         for o in r["others"]:
             lines.append(f"|  | | | `{o}` | |")
+    if data.get("hostile_node"):
+        lines += node_report(data["hostile_node"])
     if data.get("kill"):
         lines += ["", "## kill -9", "", "FedGH on a cnn4-small group, 3 clients, 4 rounds; the final metrics "
                   "(without timings) compared with an uninterrupted run.", ""]
@@ -692,8 +922,27 @@ def main() -> None:
     ap.add_argument("--skip-rounds", action="store_true", help="without the 6-round boosted runs (about 12 minutes)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated (fedavg and rafl are measured)")
     ap.add_argument("--out", default="reliability", help="bench/results/OUT.md and OUT.json (default: %(default)s)")
+    ap.add_argument("--only-nodes", action="store_true",
+                    help="run only the hostile-node cases (BN statistics, lone upload, client errors per backend, "
+                    "background SIGINT) and add them to the existing OUT.json and OUT.md")
+    ap.add_argument("--node-backends", default="in-process,workers,flower-superlink",
+                    help="comma-separated backends of the client-error case (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.only_nodes:
+        os.environ.setdefault("RAFL_CACHE_DIR", tempfile.mkdtemp(prefix="rafl-bench-cache-"))
+        path = RESULTS / f"{args.out}.json"
+        data = json.loads(path.read_text())
+        t0 = time.time()
+        with tempfile.TemporaryDirectory() as tmp:
+            data["hostile_node"] = hostile_node(tiny_supernet(Path(tmp) / "supernet"), args.node_backends.split(","))
+        data["hostile_node"]["command"] = " ".join(["python", "bench/reliability.py", *sys.argv[1:]])
+        data["hostile_node"]["wall_s"] = time.time() - t0
+        data["hostile_node"]["date"] = time.strftime("%Y-%m-%d")
+        path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        (RESULTS / f"{args.out}.md").write_text(report(data))
+        print("\n".join(node_report(data["hostile_node"])))
+        return
     os.environ.setdefault("RAFL_CACHE_DIR", tempfile.mkdtemp(prefix="rafl-bench-cache-"))
     t0 = time.time()
     data = {"fuzz_examples": args.fuzz_examples, "command": " ".join(["python", "bench/reliability.py", *sys.argv[1:]]),

@@ -473,11 +473,50 @@ def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_
     assert sorted(summary["clients"]) == ["0", "2"]
 
 
-def test_a_client_error_on_a_node_stops_the_run_as_in_process(tmp_path, supernet_dir, task_identity):
-    """Diverged local training is the run's fault, not the node's: the same one-line error as
-    in-process (naming the client, its model and the node), no round committed. In-process with
-    one worker: the clients one after another in job order, as a node runs its batch (every client
-    diverges; with parallel workers the first to fail is named)."""
+@pytest.mark.parametrize("shared_disk", [False, True], ids=["superlink", "simulation"])
+def test_one_clients_error_on_its_node_is_that_clients_failure_as_in_process(tmp_path, supernet_dir, task_identity,
+                                                                             monkeypatch, shared_disk):
+    """Client 1's step raises a UserInputError in every round (a hostile or broken node): on Flower
+    (a SuperLink's semantics, and the Simulation Runtime's: states on the shared disk) as in-process,
+    it is left out of each round with its reason (naming its node on Flower), its state is never
+    committed, and the run completes with the same numbers as in-process."""
+    from rafl.federation.algorithms import ALGORITHMS
+    from rafl.federation.run_config import load_run_config
+    from rafl.stages import federate
+
+    base = ALGORITHMS["fedgh"]
+    honest = base.client_update
+
+    def client_update(self, state, broadcast, client):
+        if client.client_id == 1:
+            raise UserInputError("local training diverged (loss nan)", field="algorithm.lr")
+        return honest(self, state, broadcast, client)
+
+    monkeypatch.setattr(base, "client_update", client_update)
+    prep = federate.prepare(load_run_config(None, _tiny_sets(supernet_dir, rounds=2)), progress=False)
+    ref = federate.run(prep, tmp_path / "ref", progress=False)
+    grid = DirectGrid(2)
+    if shared_disk:  # the virtual SuperNodes' trust settings: the run dir's client states are theirs
+        from rafl.stages.flower import node as flower_node_mod
+
+        own = flower_node_mod.own_node_config(prep.cfg, tmp_path / "msg" / "clients")
+        for ctx in grid.contexts.values():
+            ctx.node_config.update(own)
+    got = flower_app.run_on_grid(grid, prep, tmp_path / "msg", progress=False, shared_disk=shared_disk)
+    rows, ref_rows = _rows(tmp_path / "msg"), _rows(tmp_path / "ref")
+    model = f"client 1 (model {prep.federation.clients[1].model_key})"
+    why = ": its client step failed: algorithm.lr: local training diverged (loss nan)"
+    assert [r["rejected_reasons"] for r in ref_rows] == [{"1": model + why}] * 2 and ref["failed_rounds"] == 0
+    assert [r["rejected_reasons"] for r in rows] == [{"1": f"{model} on node 2 (partition-id=1){why}"}] * 2, rows
+    assert [{k: v for k, v in r.items() if k != "rejected_reasons"} for r in rows] == \
+        [{k: v for k, v in r.items() if k != "rejected_reasons"} for r in ref_rows]
+    assert got["final"] == ref["final"] and got["rejected_uploads"] == 2
+
+
+def test_a_client_error_of_every_client_stops_the_run_as_in_process(tmp_path, supernet_dir, task_identity):
+    """Diverged local training of every client (fewer than engine.min_valid_uploads clients remain)
+    is the run's fault: the same one-line error as in-process (naming the first client in job order,
+    its model and the node), no round committed."""
     from rafl.federation.run_config import load_run_config
     from rafl.stages import federate
 

@@ -290,3 +290,165 @@ def test_profile_numbers_are_bounded_on_both_sides(change, field):
     data = {"name": "d", "throughput_gmacs": 10.0, "mem_bandwidth_gbs": 5.0, **change}
     with pytest.raises(UserInputError, match=field.replace(".", r"\.")):
         DeviceProfile.from_dict(data)
+
+
+# ---------------------------------------------------------------------- BN statistics, lone uploads, rollback
+class _BNAttack(FedAvg):
+    """FedAvg whose client 1 sets one BatchNorm running variance to -1e5 in every upload."""
+
+    def client_update(self, state, broadcast, client):
+        state, up = super().client_update(state, broadcast, client)
+        if client.client_id == 1:
+            name = next(k for k in up.tensors if k.endswith("running_var"))
+            up.tensors[name] = up.tensors[name].clone()
+            up.tensors[name][0] = -1e5
+        return state, up
+
+
+@pytest.mark.parametrize("aggregation", ["norm_clip", "mean"])
+def test_a_negative_bn_variance_is_rejected_and_the_model_stays_finite(tiny, tmp_path, aggregation):
+    from rafl.federation.build import build_federation
+    from rafl.federation.engine import Engine
+    from rafl.reports.run import RunReport
+
+    space, supernet, ds, part = tiny
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, _BNAttack(local_epochs=1), batch_size=16,
+                              count_macs=False)
+    summary = Engine(fed, EngineConfig(rounds=2, aggregation=aggregation), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["failed_rounds"] == 0 and summary["rejected_uploads"] == 2
+    for row in rows:
+        (why,) = row["rejected_reasons"].values()
+        assert list(row["rejected_reasons"]) == ["1"] and "running_var: is a BatchNorm running variance with a " \
+            "value of -1e+05; allowed: values >= 0" in why, why
+    from rafl.federation.store import load_state
+
+    ck = load_state(tmp_path / "checkpoint.safetensors")
+    assert all(bool(torch.isfinite(t).all()) for t in ck["broadcast_tensors"].values() if t.is_floating_point())
+
+
+def test_bn_statistics_far_from_the_rounds_median_are_rejected():
+    from rafl.federation.screening import BN_VAR_RATIO, bn_outliers, check_bn_stats
+
+    torch.manual_seed(0)
+    honest = [Payload({"bn.running_var": 1 + 0.1 * torch.rand(4), "bn.running_mean": 0.1 * torch.randn(4),
+                       "bn.num_batches_tracked": torch.tensor(3)}) for _ in range(3)]
+    assert bn_outliers(list(enumerate(honest))) == {}
+    check_bn_stats(Payload({"bn.running_var": torch.zeros(4)}))  # a channel that never fired: honest
+    with pytest.raises(UserInputError, match=r"bn.running_var: is a BatchNorm running variance with a value of -1"):
+        check_bn_stats(Payload({"bn.running_var": torch.tensor([1.0, -1.0])}))
+    big = Payload({**honest[0].tensors, "bn.running_var": torch.tensor([1.0, 1.0, 2 * BN_VAR_RATIO, 1.0])})
+    tiny_var = Payload({**honest[0].tensors, "bn.running_var": torch.tensor([1.0, 1e-9, 1.0, 1.0])})
+    shifted = Payload({**honest[0].tensors, "bn.running_mean": torch.tensor([0.0, 0.0, 0.0, 500.0])})
+    out = bn_outliers([(0, honest[0]), (1, big), (2, honest[1]), (3, tiny_var), (4, shifted), (5, honest[2])])
+    assert sorted(out) == [1, 3, 4], out
+    assert out[1].startswith("bn.running_var: is a BatchNorm running variance of 2e+03 in channel 2")
+    assert "in channel 1" in out[3] and out[4].startswith("bn.running_mean: is a BatchNorm running mean of 500 in channel 3")
+    # with fewer than 3 holders the round sets no bound (the per-upload checks still apply)
+    assert bn_outliers([(0, honest[0]), (1, big)]) == {}
+
+
+def test_non_finite_logits_are_never_correct():
+    from rafl.federation.training import hits
+
+    logits = torch.tensor([[math.nan, 0.0], [0.0, 1.0], [math.inf, 0.0]])
+    assert hits(logits, torch.tensor([0, 1, 0])) == 1
+
+
+def test_a_lone_upload_is_clipped_to_the_bound_carried_from_earlier_rounds():
+    """A round with fewer than 3 uploads is clipped against the running median of earlier rounds'
+    update norms, never its own (the attacker's) median; the lone attacker cannot raise it."""
+    from rafl.federation.aggregation import ClipBounds
+
+    torch.manual_seed(0)
+    ref = {"w": torch.zeros(10)}
+    bounds = ClipBounds()
+    for _ in range(3):  # honest rounds of 3 clients: updates of norm ~1
+        ups = [{"w": ref["w"] + torch.randn(10) / math.sqrt(10)} for _ in range(3)]
+        robust_average(ups, [1.0] * 3, RULE, reference=ref, bounds=bounds)
+    carried = bounds.carried("weights")
+    assert 0.5 < carried < 2.0
+    boosted = {"w": 100 * torch.randn(10) / math.sqrt(10)}
+    alone = robust_average([boosted], [1.0], RULE, reference=ref, bounds=bounds)
+    assert float(alone["w"].norm()) == pytest.approx(carried, rel=1e-6)  # moved by the carried bound only
+    assert float(robust_average([boosted], [1.0], RULE, reference=ref)["w"].norm()) > 50 * carried  # the old rule
+    for _ in range(5):  # the attacker alone, round after round: the bound does not grow
+        robust_average([boosted], [1.0], RULE, reference=ref, bounds=bounds)
+    assert bounds.carried("weights") <= carried * (1 + 1e-9)
+    # round 1, no history: the bound is the norm of the model the clients started from
+    fresh = ClipBounds()
+    start = {"w": torch.ones(10)}
+    out = robust_average([{"w": start["w"] + boosted["w"]}], [1.0], RULE, reference=start, bounds=fresh)
+    assert float((out["w"] - start["w"]).norm()) == pytest.approx(math.sqrt(10), rel=1e-6)
+    assert ClipBounds.from_json(json.loads(json.dumps(bounds.to_json()))) == bounds  # kept in the checkpoint
+
+
+class _Boosted(FedAvg):
+    """FedAvg whose every client sends its weights' update x100 (in range) from round 2 on."""
+
+    def client_update(self, state, broadcast, client):
+        state, up = super().client_update(state, broadcast, client)
+        if client.round >= 2:
+            g = broadcast.tensors
+            up.tensors = {k: g[k] + 100 * (v - g[k]) if v.is_floating_point() and "running" not in k else v
+                          for k, v in up.tensors.items()}
+        return state, up
+
+
+def test_a_lone_boosted_upload_in_a_run_moves_the_model_no_further_than_the_carried_bound(tiny, tmp_path):
+    """clients_per_round 1 after an honest round of 3: every lone (boosted x100) upload moves the global
+    model at most by the carried bound, and no later round fails."""
+    from rafl.federation.aggregation import ClipBounds, update_norms
+    from rafl.federation.build import build_federation
+    from rafl.federation.engine import Engine
+    from rafl.federation.store import load_state
+    from rafl.reports.run import RunReport
+
+    space, supernet, ds, part = tiny
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, _Boosted(local_epochs=1), batch_size=16,
+                              count_macs=False)
+    Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False, observers=[RunReport(tmp_path)]).run()
+    ck = load_state(tmp_path / "checkpoint.safetensors")
+    before = dict(ck["broadcast_tensors"])
+    carried = ClipBounds.from_json(json.loads(ck["counters"])["clip_bounds"]).carried("weights")
+    cfg = EngineConfig(rounds=4, clients_per_round=1)
+    summary = Engine(fed, cfg, tmp_path, progress=False, observers=[RunReport(tmp_path)]).run(resume=True)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["failed_rounds"] == 0 and summary["rejected_uploads"] == 0
+    after = load_state(tmp_path / "checkpoint.safetensors")["broadcast_tensors"]
+    floats = {k: v for k, v in before.items() if v.is_floating_point()}
+    assert update_norms([after], floats)[0] <= 3 * carried * (1 + 1e-6), rows  # three lone rounds, each <= carried
+
+
+class _NaNServer(FedAvg):
+    """FedAvg whose server step returns a NaN global model in round 2."""
+
+    def server_aggregate(self, uploads, server_state, server):
+        state, broadcast = super().server_aggregate(uploads, server_state, server)
+        if server.round == 2:
+            key = next(k for k, v in broadcast.tensors.items() if v.is_floating_point())
+            broadcast = Payload({**broadcast.tensors, key: broadcast.tensors[key] * math.nan}, dict(broadcast.meta))
+        return state, broadcast
+
+
+def test_a_round_whose_aggregate_is_not_finite_fails_and_resume_loads_the_last_good_state(tiny, tmp_path):
+    from rafl.federation.build import build_federation
+    from rafl.federation.engine import Engine
+    from rafl.federation.store import load_state
+    from rafl.reports.run import RunReport
+
+    space, supernet, ds, part = tiny
+    fed, _ = build_federation(ds, part, supernet, [space.smallest()] * 3, _NaNServer(local_epochs=1), batch_size=16,
+                              count_macs=False)
+    Engine(fed, EngineConfig(rounds=1), tmp_path, progress=False, observers=[RunReport(tmp_path)]).run()
+    good = load_state(tmp_path / "checkpoint.safetensors")["broadcast_tensors"]
+    summary = Engine(fed, EngineConfig(rounds=2), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run(resume=True)
+    (why,) = summary["failed_round_reasons"]
+    assert why.startswith("round 2 failed: the aggregate of the accepted upload(s) of clients 0, 1, 2 has NaN or "
+                          "Inf values in "), why
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
+    assert row["round_failed"] and 0 <= row["model.acc_mean_over_clients"] <= 1
+    ck = load_state(tmp_path / "checkpoint.safetensors")
+    assert ck["round"] == 2 and all(torch.equal(ck["broadcast_tensors"][k], good[k]) for k in good)  # rolled back

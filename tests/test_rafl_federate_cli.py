@@ -194,11 +194,10 @@ def test_sigterm_unwinds_like_ctrl_c(tmp_path, tiny_supernet):
                    f"federate --resume {out / 'r'}" in err, err
             res = _invoke(["--resume", str(out / "r"), "--set", f"engine.rounds={done + 1}"])
             assert res.exit_code == 0, res.output
-    # Ctrl-C (SIGINT) unwinds the same way and exits 130 (128 + SIGINT), the shell's convention
-    # (SIGINT at its default in the child: a background `pytest &` of a shell without job control
-    # starts with SIGINT ignored, and children inherit that)
+    # Ctrl-C (SIGINT) unwinds the same way and exits 130 (128 + SIGINT), the shell's convention, also
+    # for a run started with SIGINT ignored, as a shell starts a background job (`rafl federate ... &`)
     proc = subprocess.Popen([*cmd[:8], "name=s", *cmd[9:]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + 120
     while not (out / "s" / "config.yaml").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)

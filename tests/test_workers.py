@@ -9,8 +9,6 @@ import json
 import multiprocessing
 import os
 import signal
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -194,49 +192,44 @@ def test_ctrl_c_stops_the_workers_and_resume_gives_the_same_metrics(digits, tmp_
 
 class _DivergingClient(get_algorithm("fedproto")):
     def client_update(self, state, broadcast, client):
-        if client.client_id == 2:
-            raise UserInputError("local training diverged (loss nan)", field="algorithm.lr")
+        if client.client_id in self.diverging:
+            raise UserInputError(f"local training diverged (loss {'nan' if client.client_id == 2 else 'inf'})",
+                                 field="algorithm.lr")
         return super().client_update(state, broadcast, client)
 
 
-def test_a_method_error_in_a_worker_stops_the_run_naming_the_client(digits, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_method_error_is_that_clients_failure_and_the_run_goes_on(digits, tmp_path, workers):
+    """Client 2's step raises a UserInputError in every round (in this process, or in a worker): it
+    is left out of each round with its reason in ``rejected_reasons``, its state is never committed,
+    and the run completes with the other clients, on both runners alike."""
     ds, part = digits
-    fed, _ = build_group_federation(ds, part, MEMBERS, _DivergingClient(local_epochs=1, lr=0.01), feature_dim=16,
-                                    batch_size=8)
-    with pytest.raises(UserInputError, match=r"client 2 \(model cnn4-small\).*algorithm.lr.*diverged"):
-        Engine(fed, EngineConfig(rounds=2, seed=0, workers=2), tmp_path, progress=False,
-               observers=[RunReport(tmp_path)]).run()
+    algo = _DivergingClient(local_epochs=1, lr=0.01)
+    algo.diverging = {2}
+    fed, _ = build_group_federation(ds, part, MEMBERS, algo, feature_dim=16, batch_size=8)
+    summary = Engine(fed, EngineConfig(rounds=2, seed=0, workers=workers), tmp_path, progress=False,
+                     observers=[RunReport(tmp_path)]).run()
+    rows = _history(tmp_path)
+    assert summary["failed_rounds"] == 0 and summary["rejected_uploads"] == 2
+    for row in rows:
+        assert row["rejected"] == 1 and row["rejected_reasons"] == {
+            "2": "client 2 (model cnn4-small): its client step failed: algorithm.lr: local training diverged (loss nan)"}
+    assert not any(p.name.startswith("0000002.") for p in (tmp_path / "clients").iterdir())
     assert not multiprocessing.active_children()
 
 
-class _TwoDivergingClients(get_algorithm("fedproto")):
-    """Clients 2 and 5 diverge; client 2 raises only after client 5 has (or after 60 s, if one worker
-    runs both), so the later client's error reaches the engine first."""
-    marker: Path
-
-    def client_update(self, state, broadcast, client):
-        if client.client_id == 5:
-            self.marker.touch()
-            raise UserInputError("local training diverged (loss nan)", field="algorithm.lr")
-        if client.client_id == 2:
-            deadline = time.monotonic() + 60
-            while not self.marker.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            raise UserInputError("local training diverged (loss inf)", field="algorithm.lr")
-        return super().client_update(state, broadcast, client)
-
-
-def test_of_two_method_errors_in_workers_the_first_client_in_job_order_is_raised(digits, tmp_path):
-    """The error raised is the in-process runner's (client 2, the first failing job), not that of
-    whichever worker answered first."""
+def test_a_method_error_of_every_client_stops_the_run_with_the_first_in_job_order(digits, tmp_path):
+    """When fewer than engine.min_valid_uploads clients remain without an error (here: every
+    client's step raises), the error is the run's: the first client in job order, as in-process."""
     ds, part = digits
-    algo = _TwoDivergingClients(local_epochs=1, lr=0.01)
-    algo.marker = tmp_path / "client5-raised"
+    algo = _DivergingClient(local_epochs=1, lr=0.01)
+    algo.diverging = set(range(len(part.clients)))
     fed, _ = build_group_federation(ds, part, MEMBERS, algo, feature_dim=16, batch_size=8)
-    with pytest.raises(UserInputError, match=r"client 2 \(model cnn4-small\).*diverged \(loss inf\)"):
+    with pytest.raises(UserInputError, match=r"^client 0 \(model cnn4-small\): algorithm.lr: local training diverged "
+                                             r"\(loss inf\)$"):
         Engine(fed, EngineConfig(rounds=1, seed=0, workers=2), tmp_path / "run", progress=False,
                observers=[RunReport(tmp_path / "run")]).run()
-    assert algo.marker.exists() and not multiprocessing.active_children()
+    assert not (tmp_path / "run" / "checkpoint.safetensors").exists() and not multiprocessing.active_children()
 
 
 class _CountingEvaluations(get_algorithm("fedproto")):

@@ -77,9 +77,12 @@ class LazyGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         # SIGTERM (a batch scheduler's timeout, `kill`) unwinds like Ctrl-C, so the commands' cleanup
-        # runs: no half-made run dir, and completed rounds stay in the checkpoint (exit 143 = 128 + 15)
+        # runs: no half-made run dir, and completed rounds stay in the checkpoint (exit 143 = 128 + 15).
+        # SIGINT gets Python's own handler (KeyboardInterrupt) even when rafl started with it ignored,
+        # as a shell starts a background job (`rafl federate ... &`): `kill -INT` stops it like Ctrl-C
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         reset_warnings()
         try:
             return super().invoke(ctx)

@@ -166,7 +166,8 @@ class Partition:
 
         Raises:
             UserInputError: missing/unreadable file, wrong format, non-integer or negative or
-                out-of-range indices, client ids not ``"0".."n-1"``, overlapping index sets.
+                out-of-range indices (``0..2**62 - 1``, below ``n_samples``), a ``meta`` integer
+                outside ``+-2**53``, client ids not ``"0".."n-1"``, overlapping index sets.
         """
         path = Path(path)
         if not path.is_file():
@@ -186,6 +187,7 @@ class Partition:
         meta = obj.get("meta", {})
         if not isinstance(meta, dict):
             raise UserInputError("must be an object", source=path, field="meta")
+        _check_meta_ints(meta, path, "meta")
         if n_samples is not None and "n_samples" in meta and meta["n_samples"] != n_samples:
             raise UserInputError(
                 f"is {brief(meta['n_samples'])}, but the dataset has {n_samples} samples "
@@ -258,15 +260,43 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+#: every integer of ``partition.json`` outside the index lists (``meta``: seeds, counts) lies within
+#: ``+-MAX_META_INT`` (2**53: exact as a float, as in run configs and profiles)
+MAX_META_INT = 2**53
+#: sample indices lie in ``0..MAX_INDEX - 1`` (and below the dataset's size when it is known)
+MAX_INDEX = 2**62
+
+
+def _check_meta_ints(value: Any, path: Path, fieldname: str) -> None:
+    """Refuse any integer of ``value`` (nested dicts and lists) outside ``+-MAX_META_INT``.
+
+    Raises:
+        UserInputError: naming the field and the allowed range."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_meta_ints(v, path, f"{fieldname}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_meta_ints(v, path, f"{fieldname}[{i}]")
+    elif isinstance(value, int) and not isinstance(value, bool) and not -MAX_META_INT <= value <= MAX_META_INT:
+        raise UserInputError(f"is {brief(value)}; allowed: an integer within +-2**53", source=path, field=fieldname)
+
+
 def _index_array(value: Any, path: Path, fieldname: str, n_samples: int | None) -> np.ndarray:
+    """``value`` (a JSON list of sample indices) as a sorted int64 array ``(n,)``.
+
+    Raises:
+        UserInputError: not a list of integers, an index below 0 or at/above ``MAX_INDEX`` (checked
+            on the Python integers, before any conversion to int64), or at/above ``n_samples``."""
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise UserInputError("must be a list of integer sample indices", source=path, field=fieldname)
-    if value and max(value) >= 2**62:
+    if value and max(value) >= MAX_INDEX:
         raise UserInputError(f"has index {brief(max(value))}; allowed: indices below 2**62", source=path,
                              field=fieldname)
+    if value and min(value) < 0:
+        raise UserInputError(f"has negative index {brief(min(value))}; allowed: indices >= 0", source=path,
+                             field=fieldname)
     arr = np.asarray(value, dtype=np.int64)
-    if len(arr) and arr.min() < 0:
-        raise UserInputError(f"has negative index {int(arr.min())}", source=path, field=fieldname)
     if n_samples is not None and len(arr) and arr.max() >= n_samples:
         raise UserInputError(f"has index {int(arr.max())}, allowed 0..{n_samples - 1} (dataset size {n_samples})",
                              source=path, field=fieldname)

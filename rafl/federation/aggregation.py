@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -125,6 +125,82 @@ class AggregationRule:
                                  field="engine.clip_norm")
 
 
+#: the fewest uploads whose lower-median update norm bounds a round by itself; below it a round is
+#: clipped against the bound carried from earlier rounds (:class:`ClipBounds`)
+OWN_BOUND_UPLOADS = 3
+#: the recorded rounds a carried bound is the median of (the most recent ones)
+CARRIED_ROUNDS = 20
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The lower median of ``values`` (for an even count the smaller middle value); 0.0 when empty."""
+    return sorted(values)[(len(values) - 1) // 2] if values else 0.0
+
+
+@dataclass
+class ClipBounds:
+    """A ``norm_clip`` bound the round's own uploads cannot set: the update norms of earlier rounds.
+
+    A round with at least :data:`OWN_BOUND_UPLOADS` uploads records the lower median of its update
+    norms ``||Delta_l||_2`` (at most the largest honest norm while fewer than half the uploads are
+    hostile). A round with fewer uploads is one whose lower median may be the attacker's own norm,
+    so every update is also clipped to the *carried* bound ``M``: the median of the last
+    :data:`CARRIED_ROUNDS` recorded values; before any round recorded one, ``M`` is the L2 norm of
+    the model the clients started from (no update larger than the model it updates). Such a round
+    records the lower median of its clipped norms, so a lone attacker never raises ``M``. Kept in
+    the engine's checkpoint (:meth:`to_json`), so a resumed run clips as an uninterrupted one.
+
+    Attributes:
+        norms: ``what -> recorded norms`` in round order (``what`` names the tensors clipped, e.g.
+            ``"weights"``; methods that clip several kinds keep one history each).
+    """
+
+    norms: dict[str, list[float]] = field(default_factory=dict)
+
+    def carried(self, what: str) -> float | None:
+        """The carried bound ``M`` of ``what`` (None before any recorded round)."""
+        recent = self.norms.get(what, [])[-CARRIED_ROUNDS:]
+        return float(sorted(recent)[len(recent) // 2]) if recent else None
+
+    def scales(self, norms: Sequence[float], scales: Sequence[float], what: str, model_norm: float) -> list[float]:
+        """``scales`` (the round's own clip factors of updates with L2 norms ``norms``), each also at
+        most ``M / ||Delta_l||`` when the round has fewer than :data:`OWN_BOUND_UPLOADS` updates,
+        and the round's norm recorded (see the class docstring).
+
+        Args:
+            norms: ``||Delta_l||_2`` of every update.
+            scales: the factors the round's own rule gave.
+            what: the history to use.
+            model_norm: ``||theta||_2`` of the model the clients started from (the bound before any
+                recorded round; 0: none, the round's own rule alone).
+
+        Returns:
+            one factor in ``[0, 1]`` per update."""
+        out = list(scales)
+        if len(norms) >= OWN_BOUND_UPLOADS:
+            self.norms.setdefault(what, []).append(lower_median(norms))
+            return out
+        bound = self.carried(what)
+        if bound is None and model_norm > 0:
+            bound = model_norm
+        if bound is None:
+            return out
+        out = [min(s, 1.0 if n <= bound or n == 0 else bound / n) for s, n in zip(out, norms)]
+        self.norms.setdefault(what, []).append(lower_median([n * s for n, s in zip(norms, out)]))
+        return out
+
+    def to_json(self) -> dict[str, list[float]]:
+        """The histories as plain JSON (the checkpoint's counters)."""
+        return {k: list(v) for k, v in self.norms.items()}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ClipBounds:
+        """What :meth:`to_json` wrote (an empty memory for None or anything else)."""
+        if not isinstance(obj, dict):
+            return cls()
+        return cls({str(k): [float(x) for x in v] for k, v in obj.items() if isinstance(v, list)})
+
+
 def _stacked(states: Sequence[Mapping[str, torch.Tensor]], key: str) -> torch.Tensor:
     ref = states[0][key]
     rows = []
@@ -155,7 +231,8 @@ def coordinatewise(rows: torch.Tensor, rule: AggregationRule) -> torch.Tensor:
 
 def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float],
                    rule: AggregationRule | None = None,
-                   reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                   reference: Mapping[str, torch.Tensor] | None = None,
+                   bounds: ClipBounds | None = None, what: str = "weights") -> dict[str, torch.Tensor]:
     """Merge ``m`` state dicts by ``rule`` (default: :func:`weighted_average`).
 
     * ``median``: per coordinate the median of the ``m`` values (the mean of the two middle ones
@@ -167,7 +244,9 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
       ||Delta_l||_2)`` for ``M = rule.clip_norm`` (Sun et al. 2019, Sec. 4); with no ``clip_norm``,
       ``s_l = min(1, T / (w_l ||Delta_l||_2))`` for ``T`` the lower median of the round's terms
       ``w_l ||Delta_l||_2``, so no client's term outweighs the largest honest one while fewer than
-      half are hostile. Integer tensors take the weighted mean. ``reference`` is the model the clients started
+      half are hostile; with fewer than 3 states every update is also clipped to the bound carried
+      from earlier rounds (``bounds``, :class:`ClipBounds`), which the round's own uploads cannot
+      set. Integer tensors take the weighted mean. ``reference`` is the model the clients started
       from (the previous global); None when the states already are updates (a zero reference).
 
     Args:
@@ -175,6 +254,9 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
         weights: one weight per state (normalized here); for ``mean`` and ``norm_clip``.
         rule: the :class:`AggregationRule`, or None (``mean``).
         reference: ``norm_clip`` only: ``key -> tensor`` the updates are measured from.
+        bounds: ``norm_clip`` without ``clip_norm`` only: the run's :class:`ClipBounds` (updated
+            here), or None (the round's own bound alone).
+        what: which history of ``bounds`` to use.
 
     Returns:
         a new state dict (CPU tensors, the dtypes of ``states[0]``).
@@ -204,6 +286,9 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequen
     else:  # every client's term w_l * ||Delta_l|| at most the lower median term: no client outweighs an honest one
         terms = [wi * n for wi, n in zip(w, norms)]
         scale = clip_scales(terms)
+        if bounds is not None:  # fewer than 3 uploads: their own median is no bound
+            model_norm = math.sqrt(sum(float((r ** 2).sum()) for r in refs.values()))
+            scale = bounds.scales(norms, scale, what, model_norm)
     for key, ref in states[0].items():
         rows = _stacked(states, key)
         if key in refs:
@@ -246,14 +331,21 @@ def clip_scales(norms: Sequence[float], bound: float | None = None) -> list[floa
 
 
 def clipped_states(states: Sequence[Mapping[str, torch.Tensor]], references: Sequence[Mapping[str, torch.Tensor]],
-                   rule: AggregationRule | None) -> list[dict[str, torch.Tensor]]:
+                   rule: AggregationRule | None, bounds: ClipBounds | None = None,
+                   what: str = "teachers") -> list[dict[str, torch.Tensor]]:
     """Every state with its update ``theta_l - ref_l`` clipped to the round's bound (``rule.clip_norm``
-    or the lower median of the update norms), floating tensors only: what a single client may
+    or the lower median of the update norms; under ``norm_clip`` with fewer than 3 states also the
+    bound carried in ``bounds``, :class:`ClipBounds`), floating tensors only: what a single client may
     contribute beyond an average (FedDF's teachers, Lin et al. 2020 Alg. 1, each clipped before it
     predicts). Under ``mean`` (or no rule) the states come back unchanged."""
     if rule is None or rule.name == "mean":
         return [dict(s) for s in states]
-    scales = clip_scales(update_norms(states, references), rule.clip_norm)
+    norms = update_norms(states, references)
+    scales = clip_scales(norms, rule.clip_norm)
+    if bounds is not None and rule.clip_norm is None and rule.name == "norm_clip":
+        model_norm = lower_median([math.sqrt(sum(float((r[k].detach().to(torch.float64) ** 2).sum())
+                                                 for k in r if r[k].is_floating_point())) for r in references])
+        scales = bounds.scales(norms, scales, what, model_norm)
     out = []
     for s, ref, sc in zip(states, references, scales):
         out.append({k: (ref[k].to(v.dtype) + sc * (v - ref[k].to(v.dtype))) if k in ref and v.is_floating_point()
@@ -290,10 +382,12 @@ def server_average(states: Sequence[Mapping[str, torch.Tensor]], uploads: Sequen
                    reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """:func:`robust_average` of ``states`` with the weights :func:`payload_weights` of
     ``uploads`` and the run's rule (``server.aggregation``, an :class:`AggregationRule` on the
-    :class:`~rafl.federation.algorithms.base.ServerContext`; the mean when it has none)."""
+    :class:`~rafl.federation.algorithms.base.ServerContext`; the mean when it has none) and its
+    carried clip bounds (``server.clip_bounds``, :class:`ClipBounds`, or none)."""
     rule = getattr(server, "aggregation", None)
-    return robust_average(states, payload_weights(uploads), rule, reference)
+    return robust_average(states, payload_weights(uploads), rule, reference, getattr(server, "clip_bounds", None))
 
 
 __all__ = ["weighted_average", "payload_weights", "MAX_SAMPLES", "AGGREGATIONS", "AggregationRule", "robust_average",
+           "ClipBounds", "lower_median", "OWN_BOUND_UPLOADS", "CARRIED_ROUNDS",
            "server_average", "coordinatewise", "update_norms", "clip_scales", "clipped_states", "bound_vectors"]

@@ -72,12 +72,12 @@ from tqdm.auto import tqdm
 
 from rafl.config import EngineConfig
 from rafl.errors import DivergedError, UserInputError, shown, warn
-from rafl.federation.aggregation import AggregationRule
+from rafl.federation.aggregation import AggregationRule, ClipBounds
 from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.events import report
 from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.runners import Federation, RunnerFactory
-from rafl.federation.screening import UploadPolicy, screen_uploads
+from rafl.federation.screening import ClientError, UploadPolicy, screen_uploads
 from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
@@ -424,12 +424,20 @@ class Engine:
             sender=lambda c: f"client {c} (model {fed.clients[c].model_key}){self.clients.where(c)}",
             nonfinite_hint=DIVERGED_UPLOAD)
         uploads, bytes_up = screened.accepted, screened.bytes_up
+        errors = [u for _, u in results if isinstance(u, ClientError)]
+        if errors and len(uploads) < self.policy.min_valid_uploads:
+            # a client's error, and too few valid uploads remain without it: the error is the run's
+            # (every client's lr too large, a broken config), the first one in job order, as one line
+            self.store.pending.clear()
+            raise errors[0].error()
         # every upload of several clients refused: the server state they answered is suspect, not
         # each client (a poisoned aggregate makes honest uploads outliers); one line says so below
-        suspect_server = not uploads and len(screened.rejected) > 1
+        suspect_server = not uploads and len(screened.rejected) - len(screened.client_errors) > 1
         for cid, why in screened.rejected.items():
             self.store.pending.pop(cid, None)  # a rejected client's new state is not committed
-            if not suspect_server:
+            if cid in screened.client_errors:
+                warn(f"round {rnd}: left out {why}")
+            elif not suspect_server:
                 warn(f"round {rnd}: rejected the upload of {why}")
         round_failed = bool(results) and len(uploads) < self.policy.min_valid_uploads
         if round_failed:  # too few valid uploads: the round changes no server or client state
@@ -438,12 +446,23 @@ class Engine:
         else:
             torch.manual_seed(self.seeds.server(rnd))
             ta = time.perf_counter()
+            ctx = self._server_ctx(rnd)
+            ctx.clip_bounds = ClipBounds.from_json(st.counters.get("clip_bounds"))  # this round's copy
             try:
-                st.server_state, st.broadcast = algo.server_aggregate(uploads, st.server_state, self._server_ctx(rnd))
+                new_state, new_broadcast = algo.server_aggregate(uploads, st.server_state, ctx)
+                bad = unusable_state(new_broadcast)
             except DivergedError as err:  # the server's own training on these uploads: a failed round, no new state
                 round_failed = True
                 self._fail_round(st, f"round {rnd} failed: the server step diverged on the round's {len(uploads)} "
                                      f"accepted upload(s): {err}")
+            else:
+                if bad is not None:  # a model that outputs NaN: never the next state, never an accuracy
+                    round_failed = True
+                    self._fail_round(st, f"round {rnd} failed: the aggregate of the accepted upload(s) of "
+                                         f"{upload_names(screened.accepted_ids)} {bad}")
+                else:
+                    st.server_state, st.broadcast = new_state, new_broadcast
+                    st.counters["clip_bounds"] = ctx.clip_bounds.to_json()
             times.aggregate = time.perf_counter() - ta
         del uploads
         counters = st.counters
@@ -484,6 +503,25 @@ class Engine:
                 counters["co_mb_to_target"] = row["cum_mb"]
                 counters["co_round"] = rnd
         return RoundResult(row=row, times=times, evaluation=evaluation)
+
+
+def unusable_state(broadcast: Payload) -> str | None:
+    """Why the aggregate ``broadcast`` cannot be the next global state, or None: a floating tensor
+    with a NaN/Inf value, or a BatchNorm running variance below 0 (``*running_var``: BN divides by
+    ``sqrt(var + eps)``, so every output of the model would be NaN)."""
+    for name, t in broadcast.tensors.items():
+        if not t.is_floating_point() or not t.numel():
+            continue
+        if not bool(torch.isfinite(t).all()):
+            return f"has NaN or Inf values in {name}"
+        if name.endswith("running_var") and float(t.min()) < 0:
+            return f"has a negative BatchNorm running variance in {name} ({float(t.min()):.3g})"
+    return None
+
+
+def upload_names(ids: Sequence[int]) -> str:
+    """``client 3`` / ``clients 1, 4`` for a failure reason."""
+    return f"client {ids[0]}" if len(ids) == 1 else "clients " + ", ".join(str(c) for c in ids)
 
 
 def failed_round_reason(rnd: int, uploaded: int, valid: int, needed: int, rejected: dict[int, str]) -> str:
@@ -612,6 +650,7 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
-__all__ = ["Engine", "EngineConfig", "eval_coverage", "failed_round_reason", "participation", "RoundResult", "RoundTimes", "RunState",
+__all__ = ["Engine", "EngineConfig", "eval_coverage", "failed_round_reason", "unusable_state", "upload_names",
+           "participation", "RoundResult", "RoundTimes", "RunState",
            "summarize_eval", "summarize_untrained",
            "make_summary", "RunObserver", "sample_clients", "sporadic_update"]

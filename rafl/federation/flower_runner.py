@@ -30,8 +30,10 @@ config; default ``~/.cache/rafl/flower-states``) in versioned files (:class:`Cli
 resumed run repeats an interrupted round from the committed versions.
 
 Failures. A client step that raises a :class:`UserInputError` on its node (diverged training, a
-missing state file) is the run's fault: the server stops with the same error as in-process,
-naming the node. A node that replies with any other error, or not within
+missing state file), or a node that refuses the message, is that client's failure, as in-process:
+it is left out of the round with its reason (``rejected_reasons``, naming the node), and the run
+stops with that error only when fewer than ``engine.min_valid_uploads`` valid uploads of the
+round remain (a learning rate too large for every client). A node that replies with any other error, or not within
 ``engine.round_timeout_s``, loses its clients for that round: they count as failed (the metrics
 row names them under ``lost``, or ``eval_lost`` for evaluation, with a one-line reason) and the
 round completes with the rest, as with simulated dropout; a round with every client lost stops
@@ -68,7 +70,7 @@ from rafl.federation.flower_wire import (
 )
 from rafl.federation.payload import Payload
 from rafl.federation.runners import ClientRunner
-from rafl.federation.screening import RejectedUpload
+from rafl.federation.screening import ClientError, RejectedUpload
 from rafl.federation.store import ClientStore
 
 # ---------------------------------------------------------------------- server side
@@ -115,6 +117,17 @@ def _exchange(grid: Any, messages: list[tuple[Any, Any]], timeout: float,
     for mid in pending:
         lost[key_of[mid]] = f"no reply within {timeout:g} s"
     return replies, lost
+
+
+def _json_object(rec: Any, key: str) -> dict[str, Any]:
+    """The JSON object a node's control record holds under ``key`` ({} when absent or not an object)."""
+    if rec is None or key not in rec:
+        return {}
+    try:
+        value = json.loads(str(rec[key]))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class NodeMap(dict):
@@ -361,18 +374,21 @@ class FlowerClients(ClientRunner):
             size += nbytes
         return out
 
-    def _replies(self, kind: str, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[dict[int, Any], dict[int, str]]:
+    def _replies(self, kind: str, rnd: int, jobs: list[tuple[int, Payload]]
+                 ) -> tuple[dict[int, Any], dict[int, str], dict[int, ClientError]]:
         """Exchange the messages of the nodes hosting clients of ``jobs`` (one per node, or more, see
         :meth:`_batches`; Flower's deployment starts a
         ClientApp process per message: one per client cost a process start, an import of torch
         and a rebuild of the federation per client and step). Returns ``(reply content by client,
-        reasons by lost client)``: a node that fails or does not reply loses its clients; a client
-        step that raised on its node loses that client only.
+        reasons by lost client, errors by client)``: a node that fails or does not reply loses its
+        clients; a client step that raised an unexpected error on its node loses that client only;
+        a client step that raised a :class:`UserInputError` (e.g. diverged local training), or a
+        node that refused the message or could not build the run, is a
+        :class:`~rafl.federation.screening.ClientError` of each client concerned, naming the node:
+        never the run's error here (the engine decides whether enough clients remain).
 
         Raises:
-            UserInputError: a client step that raised a :class:`UserInputError` on its node (e.g.
-                diverged local training) stops the run here, as in-process (the first such client
-                in job order), naming the client and node.
+            UserInputError: on the Simulation Runtime, a lost client (virtual nodes do not drop out).
             Stopped: the caller set ``stop``."""
         by_node: dict[int, list[tuple[int, Payload]]] = {}
         for cid, payload in jobs:
@@ -383,39 +399,40 @@ class FlowerClients(ClientRunner):
             self.stop)
         replies: dict[int, Any] = {}
         lost: dict[int, str] = {}
-        user_errors: dict[int, UserInputError] = {}
+        errors: dict[int, ClientError] = {}
         for key, js in batches.items():
             if key in node_lost:
                 lost.update({cid: f"{node_name(self.node_of, cid)}: {node_lost[key]}" for cid, _ in js})
                 continue
             content = node_replies[key].content
             rec = content.config_records.get(CONTROL)
-            if rec is not None and "user_error" in rec:
-                cid = int(rec["user_error_client"])
-                source = str(rec.get("user_error_source", "")) or f"client {cid}"
-                if rec.get("refused"):  # the node's trust boundary (rafl.stages.flower.node.NodeTrust): about the node, not a client
-                    source = f"{node_name(self.node_of, cid)} refused the {kind} message"
-                else:
-                    source = f"{source} on {node_name(self.node_of, cid)}"
-                user_errors[cid] = UserInputError(str(rec["user_error"]), source=source,
-                                                  field=str(rec.get("user_error_field", "")) or None)
+            if rec is not None and "user_error" in rec:  # the whole message: every client of it fails
+                node = node_name(self.node_of, js[0][0])
+                what = (f"{node} refused the {kind} message" if rec.get("refused")  # the node's trust boundary
+                        else f"{str(rec.get('user_error_source', '')) or 'the node'} on {node}")
+                for cid, _ in js:
+                    errors[cid] = ClientError(one_line(str(rec["user_error"])), str(rec.get("user_error_field", ""))
+                                              or None, what)
                 continue
-            failed = json.loads(str(rec.get("client_errors", "{}"))) if rec is not None else {}
+            failed = _json_object(rec, "client_errors")
+            raised = _json_object(rec, "client_user_errors")
             for cid, _ in js:
                 if str(cid) in failed:
-                    lost[cid] = f"{node_name(self.node_of, cid)}: node error: {failed[str(cid)]}"
+                    lost[cid] = f"{node_name(self.node_of, cid)}: node error: {one_line(str(failed[str(cid)]))}"
+                elif str(cid) in raised:
+                    err = raised[str(cid)] if isinstance(raised[str(cid)], dict) else {"message": raised[str(cid)]}
+                    errors[cid] = ClientError(one_line(str(err.get("message", ""))), str(err.get("field", "")) or None,
+                                              f"{str(err.get('source', '')) or f'client {cid}'} on "
+                                              f"{node_name(self.node_of, cid)}")
                 else:
                     replies[cid] = content
-        if user_errors:
-            order = {cid: i for i, (cid, _) in enumerate(jobs)}
-            raise user_errors[min(user_errors, key=order.__getitem__)]
         if lost and self.simulation:  # a virtual node fails only when the run is broken or stopped
             cid, why = min(lost.items())
             if self.stop is not None and self.stop.is_set():
                 raise Stopped("interrupted")
             hint = "; raise engine.round_timeout_s for slower clients" if "no reply within" in why else ""
             raise UserInputError(f"{kind} in round {rnd} failed: {why}{hint}", source=f"client {cid} (Simulation Runtime)")
-        return replies, lost
+        return replies, lost, errors
 
     def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
         """Send every ``(client_id, broadcast)`` job to its node (one message per node, see :meth:`_batches`); returns
@@ -423,19 +440,23 @@ class FlowerClients(ClientRunner):
         round's client steps took.
 
         Raises:
-            UserInputError: a client's own error (see :meth:`_replies`), or every client of the
-                round lost (nothing to aggregate: the fleet is down or the app is broken).
+            UserInputError: every client of the round lost without a reply or with a node error
+                (nothing to aggregate: the fleet is down or the app is broken); a lost client on
+                the Simulation Runtime. A client's own error is returned in place of its upload
+                (a :class:`~rafl.federation.screening.ClientError`), not raised.
             Stopped: the caller set ``stop``."""
         t0 = time.perf_counter()
         self._rejoined()
-        replies, lost = self._replies(TRAIN, rnd, jobs)
-        if jobs and not replies:
+        replies, lost, errors = self._replies(TRAIN, rnd, jobs)
+        if jobs and not replies and not errors:
             cid, why = min(lost.items())
             raise UserInputError(f"round {rnd}: all {len(jobs)} sampled clients were lost (client {cid}: {why})",
                                  source=node_name(self.node_of, cid))
         uploads: list[tuple[int, Payload | RejectedUpload]] = []
         for cid, _ in jobs:
-            if cid in replies:
+            if cid in errors:  # its step raised on its node: its failure (the engine decides about the run)
+                uploads.append((cid, errors[cid]))
+            elif cid in replies:
                 self.store.pending[cid] = rnd  # the node wrote version rnd; committed with the checkpoint
                 try:  # the wire bytes are checked against the limit before they are parsed
                     uploads.append((cid, records_to_payload(replies[cid], f"client {cid}", f".{cid}",
@@ -457,14 +478,15 @@ class FlowerClients(ClientRunner):
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
         """The evaluation contract's counts of every client in ``ids``, computed on its node (one
-        message per node), and the clients whose node failed or did not reply (left out of the
-        round's accuracies).
+        message per node), and the clients whose node failed, did not reply or whose evaluation
+        raised on its node, with the reason (left out of the round's accuracies).
 
         Raises:
-            UserInputError: a client's own error, or no client evaluated at all.
+            UserInputError: no client evaluated at all.
             Stopped: the caller set ``stop``."""
         self._rejoined()
-        replies, lost = self._replies(EVALUATE, rnd, [(cid, broadcast) for cid in ids])
+        replies, lost, errors = self._replies(EVALUATE, rnd, [(cid, broadcast) for cid in ids])
+        lost.update({cid: f"{err.source}: {err.reason}" for cid, err in errors.items()})  # left out, not the run's end
         if ids and not replies:
             cid, why = min(lost.items())
             raise UserInputError(f"evaluation of round {rnd}: all {len(ids)} clients were lost (client {cid}: {why})",

@@ -29,7 +29,7 @@ from torch import nn
 
 from rafl.errors import UserInputError
 from rafl.federation.losses import DIST_EPS, pairwise_distances, safe_distance, stack_targets, target_bank
-from rafl.federation.training import evaluate_accuracy
+from rafl.federation.training import evaluate_accuracy, hits
 from rafl.models.split import features_then_head
 from rafl.models.zoo import HeteroModel
 from rafl.supernet.model import Subnet
@@ -319,7 +319,7 @@ def evaluate_head_and_prototypes(model: nn.Module, loader: Iterable[Batch], prot
     head = proto = total = 0
     for images, labels in loader:
         feats = model.features(images.to(device))
-        head += int((model.head(feats).argmax(1).cpu() == labels).sum())
+        head += hits(model.head(feats), labels)
         if protos:
             proto += int((nearest_prototype(feats, protos).cpu() == labels).sum())
         total += int(labels.numel())

@@ -32,6 +32,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.events import report
 from rafl.federation.payload import Payload
+from rafl.federation.screening import ClientError
 from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore
 
@@ -259,12 +260,18 @@ class InProcessClients(ClientRunner):
         """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
 
         Returns:
-            ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order, the clients that
-            failed with their reason (never any here: an error in this process stops the run),
-            and the seconds of client computation."""
-        uploads, seconds = [], 0.0
+            ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order (a
+            :class:`~rafl.federation.screening.ClientError` in place of the upload of a client whose
+            step raised a :class:`UserInputError`: that client's failure, the others go on), the
+            clients lost with their reason (never any here), and the seconds of client computation."""
+        uploads: list[tuple[int, Payload | ClientError]] = []
+        seconds = 0.0
         for cid, down in jobs:
-            upload, sec = train_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), down)
+            try:
+                upload, sec = train_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), down)
+            except UserInputError as err:  # no state of it was saved: its failure, not the run's
+                uploads.append((cid, ClientError.of(err)))
+                continue
             uploads.append((cid, upload))
             seconds += sec
         return uploads, {}, seconds

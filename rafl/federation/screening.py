@@ -11,7 +11,11 @@ this order, and the first failed check rejects it:
    class ids, counts); ``float64``/``float16``/``bfloat16``/``bool``/complex are refused.
 3. *Values*: floating values finite and ``|x| <= max_abs``; integer values in ``0..2**31-1``;
    metadata numbers finite.
-4. *Shapes* (the method's ``upload_spec``) and the method's own ``check_upload``.
+4. *Shapes* (the method's ``upload_spec``) and the method's own ``check_upload``; BatchNorm running
+   variances non-negative (:func:`check_bn_stats`).
+5. *BatchNorm statistics against the round* (:func:`bn_outliers`): where at least 3 uploads hold a
+   BN layer, running variances within a factor :data:`BN_VAR_RATIO` of the round's per-channel
+   median and running means within :data:`BN_MEAN_STDS` standard deviations of it.
 
 A rejected upload is logged (one ``warning:`` line naming the round, the client and the reason),
 counted in the round's metrics (``rejected``, ``rejected_reasons``) and left out of the round; the
@@ -148,6 +152,88 @@ def check_values(upload: Payload, max_abs: float) -> None:
                 raise UserInputError("is an integer of more than 63 bits", field=f"meta.{key}")
 
 
+#: BatchNorm's running statistics, by the name PyTorch gives them (``<layer>.running_var``)
+RUNNING_VAR, RUNNING_MEAN = "running_var", "running_mean"
+#: the widest ratio of an upload's running variance to the round's median (of >= 3 uploads) of
+#: the same channel, both ways (below it only for a channel whose median is at least
+#: :data:`LIVE_VAR`): honest clients' statistics differ by their data, not by three orders of magnitude
+BN_VAR_RATIO = 1e3
+#: the farthest an upload's running mean may lie from the round's median, in the median's
+#: standard deviations (at least ``sqrt(LIVE_VAR)``)
+BN_MEAN_STDS = 100.0
+#: a channel whose median running variance is below it (a dead channel) is not checked for a small variance
+LIVE_VAR = 1e-2
+
+
+def check_bn_stats(upload: Payload) -> None:
+    """Every BatchNorm running variance (a tensor named ``*running_var``) non-negative: a variance
+    is ``E[(x - mu)^2] >= 0``, and BN divides by ``sqrt(var + eps)``, so a negative one makes the
+    model's outputs NaN (finite and in range, so :func:`check_values` passes it). A variance of 0
+    (a channel that never fired) is honest and harmless (``eps > 0``).
+
+    Raises:
+        UserInputError: naming the tensor, the smallest value and what is allowed."""
+    for name, t in upload.tensors.items():
+        if name.endswith(RUNNING_VAR) and t.is_floating_point() and t.numel():
+            low = float(t.min())
+            if low < 0:
+                raise UserInputError(f"is a BatchNorm running variance with a value of {low:.3g}; allowed: "
+                                     "values >= 0", field=name)
+
+
+def bn_outliers(uploads: Sequence[tuple[int, Payload]]) -> dict[int, str]:
+    """The uploads whose BatchNorm running statistics lie outside the bound the round's uploads
+    set together: for every ``*running_var`` tensor (and its ``*running_mean``) that at least 3 of
+    ``uploads`` hold with one shape, the per-channel median ``m`` over them; an upload with a
+    variance above ``BN_VAR_RATIO * max(m, LIVE_VAR)`` or below ``m / BN_VAR_RATIO`` (where ``m >=
+    LIVE_VAR``), or a mean farther than ``BN_MEAN_STDS * sqrt(max(m, LIVE_VAR))`` from the median mean,
+    is an outlier. While fewer than half the uploads are hostile, the median is an honest client's
+    (Yin et al. 2018, Def. 1).
+
+    Args:
+        uploads: ``(client_id, payload)`` pairs, each already screened on its own.
+
+    Returns:
+        ``client_id -> reason`` (one line naming the tensor, the channel's value and the bound)."""
+    out: dict[int, str] = {}
+    keys: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for i, (_, up) in enumerate(uploads):
+        for name, t in up.tensors.items():
+            if name.endswith(RUNNING_VAR) and t.is_floating_point() and t.dim() == 1:
+                keys.setdefault((name, tuple(t.shape)), []).append(i)
+    for (name, _), holders in sorted(keys.items()):
+        if len(holders) < 3:
+            continue
+        var = torch.stack([uploads[i][1].tensors[name].to(torch.float64) for i in holders])  # (m, C)
+        med = var.median(dim=0).values
+        floor = med.clamp(min=LIVE_VAR)
+        mean_name = name[:-len(RUNNING_VAR)] + RUNNING_MEAN
+        means = None
+        if all(mean_name in uploads[i][1].tensors and uploads[i][1].tensors[mean_name].shape == var.shape[1:]
+               for i in holders):
+            means = torch.stack([uploads[i][1].tensors[mean_name].to(torch.float64) for i in holders])
+        for row, i in enumerate(holders):
+            cid = uploads[i][0]
+            if cid in out:
+                continue
+            high = var[row] / floor
+            low = torch.where(med >= LIVE_VAR, med / var[row].clamp(min=1e-30), torch.zeros_like(med))
+            if float(high.max()) > BN_VAR_RATIO or float(low.max()) > BN_VAR_RATIO:
+                c = int((high if float(high.max()) > BN_VAR_RATIO else low).argmax())
+                out[cid] = (f"{name}: is a BatchNorm running variance of {float(var[row, c]):.3g} in channel {c}, the "
+                            f"round's median is {float(med[c]):.3g}; allowed: within a factor {BN_VAR_RATIO:g} of "
+                            "it (engine screening of BatchNorm statistics)")
+                continue
+            if means is not None:
+                dev = (means[row] - means.median(dim=0).values).abs() / floor.sqrt()
+                if float(dev.max()) > BN_MEAN_STDS:
+                    c = int(dev.argmax())
+                    out[cid] = (f"{mean_name}: is a BatchNorm running mean of {float(means[row, c]):.3g} in channel "
+                                f"{c}, {float(dev[c]):.3g} standard deviations from the round's median; allowed: "
+                                f"at most {BN_MEAN_STDS:g} (engine screening of BatchNorm statistics)")
+    return out
+
+
 @dataclass
 class Screened:
     """The outcome of one round's screening.
@@ -160,6 +246,7 @@ class Screened:
         bytes_up: serialized bytes of the accepted uploads (:meth:`Payload.nbytes`).
         bytes_rejected: bytes of the rejected ones (wire bytes, or :func:`raw_nbytes`).
         claims_overridden: clients whose own ``n_samples`` differed from the registered count.
+        client_errors: clients whose step raised (a :class:`ClientError`; their reason is in ``rejected``).
     """
 
     accepted: list[Payload] = field(default_factory=list)
@@ -168,6 +255,7 @@ class Screened:
     bytes_up: int = 0
     bytes_rejected: int = 0
     claims_overridden: list[int] = field(default_factory=list)
+    client_errors: list[int] = field(default_factory=list)
 
 
 class RejectedUpload:
@@ -178,13 +266,41 @@ class RejectedUpload:
         self.reason, self.nbytes = reason, nbytes
 
 
+class ClientError(RejectedUpload):
+    """What a client runner returns in place of the upload of a client whose step raised a
+    :class:`UserInputError` (diverged local training, a stored state that does not fit its model,
+    a node that refused the message): that client's failure, left out of the round with its
+    reason (``rejected_reasons``), never the run's error while at least ``engine.min_valid_uploads``
+    valid uploads remain (:meth:`rafl.federation.engine.Engine._round`). Plain strings, so it crosses a worker's pipe.
+
+    Args:
+        message: the error's message.
+        field: the field it names, or None.
+        source: the error's own source (e.g. ``client 3 (model m)``), or None.
+    """
+
+    def __init__(self, message: str, field: str | None = None, source: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message, 0)
+        self.message, self.field, self.source = message, field, source
+
+    @classmethod
+    def of(cls, err: UserInputError) -> ClientError:
+        """The :class:`ClientError` of a raised ``err``."""
+        return cls(err.message, err.field, err.source)
+
+    def error(self) -> UserInputError:
+        """The error as the client step raised it (what stops a run with too few clients left)."""
+        return UserInputError(self.message, source=self.source, field=self.field)
+
+
 def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algorithm: Any, server_state: Any,
                    clients: Sequence[Any], n_classes: int, policy: UploadPolicy, *,
                    limits: Mapping[int, int], sender: Callable[[int], str], nonfinite_hint: str = "") -> Screened:
     """Screen one round's uploads (the module docstring's checks 1-4) and set the server-side truth.
 
     Args:
-        results: ``(client_id, upload)`` in job order, as a client runner returns them.
+        results: ``(client_id, upload)`` in job order, as a client runner returns them (a
+            :class:`RejectedUpload` or :class:`ClientError` in place of an upload: recorded as rejected).
         algorithm: the method (its ``upload_spec`` and ``check_upload``).
         server_state: the server state the uploads answer.
         clients: every client's :class:`ClientInfo`, by id (``n_samples`` registered).
@@ -198,8 +314,13 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
         :class:`Screened`. Raises nothing for a bad upload: the reason is recorded instead.
     """
     out = Screened()
+    sizes: dict[int, int] = {}  # the counted bytes of every accepted upload
     for cid, upload in results:
         info = clients[cid]
+        if isinstance(upload, ClientError):
+            out.rejected[cid] = f"{sender(cid)}: its client step failed: {upload.reason}"
+            out.client_errors.append(cid)
+            continue
         if isinstance(upload, RejectedUpload):
             out.rejected[cid] = f"payload from {sender(cid)}: {upload.reason}"
             out.bytes_rejected += upload.nbytes
@@ -210,6 +331,7 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
                 raise UserInputError(f"holds {size} bytes; allowed: at most {limits[cid]} (engine.max_upload_mb)")
             check_meta(upload)
             check_values(upload, policy.max_abs_value)
+            check_bn_stats(upload)
             upload.validate(algorithm.upload_spec(server_state, info))
             algorithm.check_upload(upload, server_state, info, n_classes)
             sent = upload.count()  # what was sent; frozen from here on
@@ -224,14 +346,24 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
                                 f"{str(err)[:120]})"
             out.bytes_rejected += raw_size(upload)
             continue
-        out.bytes_up += sent.nbytes()
+        sizes[cid] = sent.nbytes()
+        out.bytes_up += sizes[cid]
         claim = sent.meta.get("n_samples")
         if "n_samples" in sent.meta and (type(claim) is not int or claim != info.n_samples):
             out.claims_overridden.append(cid)
         out.accepted.append(sent.with_meta(n_samples=int(info.n_samples), client_id=cid))
         out.accepted_ids.append(cid)
+    for cid, why in bn_outliers(list(zip(out.accepted_ids, out.accepted))).items():  # 5. BN statistics
+        i = out.accepted_ids.index(cid)
+        out.bytes_up -= sizes[cid]
+        out.bytes_rejected += sizes[cid]
+        del out.accepted[i], out.accepted_ids[i]
+        if cid in out.claims_overridden:
+            out.claims_overridden.remove(cid)
+        out.rejected[cid] = f"payload from {sender(cid)}: {why}"
     return out
 
 
-__all__ = ["ALLOWED_DTYPES", "INT_MAX", "UploadPolicy", "raw_nbytes", "raw_size", "check_meta", "check_values", "Screened", "RejectedUpload",
-           "screen_uploads"]
+__all__ = ["ALLOWED_DTYPES", "INT_MAX", "UploadPolicy", "raw_nbytes", "raw_size", "check_meta", "check_values", "Screened",
+           "RejectedUpload", "ClientError", "screen_uploads", "check_bn_stats", "bn_outliers", "BN_VAR_RATIO", "BN_MEAN_STDS",
+           "LIVE_VAR"]

@@ -373,16 +373,24 @@ def distill_kl(student: nn.Module, images: torch.Tensor, teacher_logits: torch.T
     return stats
 
 
+def hits(logits: torch.Tensor, labels: torch.Tensor) -> int:
+    """How many rows of ``logits`` (B, K) predict ``labels`` (B,) by their argmax and are all finite:
+    the argmax of a NaN row is an arbitrary class (torch gives the first NaN's index), so a model
+    that outputs NaN would otherwise score the share of that class."""
+    right = (logits.argmax(1) == labels.to(logits.device)) & torch.isfinite(logits).all(1)
+    return int(right.sum())
+
+
 @torch.no_grad()
 def evaluate_accuracy(model: nn.Module, loader: Iterable[Batch], *,
                       device: torch.device | str = "cpu") -> tuple[int, int]:
     """``(correct, total)`` of ``model`` (eval mode; logits (B, K)) over ``loader``; the model's mode
-    is restored."""
+    is restored. A sample whose logits are not all finite is never correct (:func:`hits`)."""
     was_training = model.training
     model.eval()
     correct = total = 0
     for images, labels in loader:
-        correct += int((model(images.to(device)).argmax(1).cpu() == labels).sum())
+        correct += hits(model(images.to(device)), labels)
         total += int(labels.numel())
     model.train(was_training)
     return correct, total
@@ -415,7 +423,7 @@ def evaluate_header_rules(model: nn.Module, loader: Iterable[Batch],
             logits = header(feats)
             if offset is not None:
                 logits = logits + offset.to(logits.device)
-            correct[name] += int((logits.argmax(1).cpu() == labels).sum())
+            correct[name] += hits(logits, labels)
         total += int(labels.numel())
     for m, was_training in zip(modules, modes):
         m.train(was_training)

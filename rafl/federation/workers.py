@@ -14,9 +14,11 @@ one torch thread, so a run's metrics and states are the same bit for bit for eve
 workers (with ``train.threads: 1``, the default, in the one-worker case, which runs in-process).
 
 Faults: a worker that dies (a signal, the OOM killer, a crash in native code) fails the client it
-was running -- counted and reported like a Flower node's lost client -- and is replaced; an error
-*raised* by the method (e.g. diverged training, a UserInputError naming the client) stops the
-run as it does in-process. Ctrl-C: workers ignore SIGINT; the run's process terminates them
+was running -- counted and reported like a Flower node's lost client -- and is replaced; a
+:class:`UserInputError` raised by a client step (e.g. diverged training) is that client's failure,
+returned as a :class:`~rafl.federation.screening.ClientError` in place of its upload, as
+in-process; any other error raised by the method stops the run as it does in-process.
+Ctrl-C: workers ignore SIGINT; the run's process terminates them
 (SIGTERM, upon which a worker removes the temporary file of a state write in progress) and the
 interrupt propagates as before, so ``--resume`` repeats the round from the committed states.
 Workers exit by themselves when the run's process disappears (their pipe closes).
@@ -56,7 +58,7 @@ from rafl.federation.runners import (
     initial_groups,
     train_client,
 )
-from rafl.federation.screening import RejectedUpload, check_meta, raw_nbytes, raw_size
+from rafl.federation.screening import ClientError, RejectedUpload, check_meta, raw_nbytes, raw_size
 from rafl.federation.store import ClientStore
 
 
@@ -197,8 +199,11 @@ def _serve(conn, fed, store_dir: str, seed: int) -> None:
         store.pending = {}
         try:
             if kind == "train":
-                upload, seconds = train_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
-                result: Any = (encode_upload(upload, limit), seconds)
+                try:
+                    upload, seconds = train_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
+                    result: Any = (encode_upload(upload, limit), seconds)
+                except UserInputError as err:  # this client's failure (no state saved), not the run's
+                    result = (ClientError.of(err), 0.0)
             elif kind == "evaluate":
                 result = evaluate_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
             else:  # "initial": cid is a group of never-trained clients
@@ -462,7 +467,8 @@ class WorkerClients(ClientRunner):
 
         Returns:
             ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order for the clients
-            that completed, the clients whose worker died with the reason, and the wall seconds
+            that completed (a :class:`~rafl.federation.screening.ClientError` for a client whose
+            step raised a UserInputError), the clients whose worker died with the reason, and the wall seconds
             of the parallel section (client computation and state I/O)."""
         t0 = time.perf_counter()
         results, failed = self._run("train", rnd, jobs)
@@ -470,7 +476,8 @@ class WorkerClients(ClientRunner):
         for i, (cid, _) in enumerate(jobs):
             if i in results:
                 uploads.append((cid, decode_upload(results[i][0], f"client {cid}", self.upload_limits.get(cid))))
-                self.store.pending[cid] = rnd
+                if not isinstance(results[i][0], ClientError):
+                    self.store.pending[cid] = rnd
         return uploads, {jobs[i][0]: why for i, why in failed.items()}, time.perf_counter() - t0
 
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rafl.errors import UserInputError, allowed
-from rafl.federation.aggregation import AggregationRule
+from rafl.federation.aggregation import AggregationRule, ClipBounds
 from rafl.federation.algorithms.hparams import Hyperparameters
 from rafl.federation.payload import Payload
 from rafl.supernet.arch import ArchConfig, SearchSpace
@@ -171,6 +171,9 @@ class ServerContext:
         round: the round whose uploads are being aggregated (0 during ``init_server``).
         aggregation: the run's rule for merging weights (``engine.aggregation``: the mean or a
             robust rule), used through :func:`rafl.federation.aggregation.server_average`.
+        clip_bounds: the ``norm_clip`` bounds carried from earlier rounds
+            (:class:`rafl.federation.aggregation.ClipBounds`; set by the engine every round), or
+            None (a round's own bound alone).
     """
 
     clients: list[ClientInfo]
@@ -183,6 +186,7 @@ class ServerContext:
     seed: int = 0
     round: int = 0
     aggregation: AggregationRule = field(default_factory=AggregationRule)
+    clip_bounds: ClipBounds | None = None
 
 
 class Algorithm(ABC):

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from rafl.errors import UserInputError
-from rafl.federation.aggregation import clipped_states, server_average
+from rafl.federation.aggregation import clipped_states, payload_weights, robust_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded
@@ -91,10 +91,12 @@ class FedDF(Algorithm):
         # teachers use the bounded states
         bounded = clipped_states([u.tensors for u in uploads],
                                  [groups[group_of(by_id[int(u.meta["client_id"])].model_key)] for u in uploads],
-                                 getattr(server, "aggregation", None))
+                                 getattr(server, "aggregation", None), getattr(server, "clip_bounds", None))
         of_upload = {id(u): b for u, b in zip(uploads, bounded)}
         for g, ups in members.items():
-            groups[g] = server_average([of_upload[id(u)] for u in ups], ups, server, reference=groups[g])
+            # already bounded over the round (and against the carried bound): no second, per-group history
+            groups[g] = robust_average([of_upload[id(u)] for u in ups], payload_weights(ups),
+                                       getattr(server, "aggregation", None), groups[g])
         images = server.public_images
         logits = []
         for u, weights in zip(uploads, bounded):

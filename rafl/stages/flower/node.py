@@ -342,10 +342,13 @@ BUDGET_SHARE = 0.9
 
 def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any, Any], Any]:
     """A ClientApp function: every client step a message carries (:func:`_client_step`, in
-    order) and one reply with all their records. A :class:`UserInputError` (bad input or
-    diverged training: a fact about the run, not about the node) ends the message and goes back
-    as a record, so the server stops with the same one-line error as in-process; any other
-    exception of a client step loses that client only (``client_errors``, one line each).
+    order) and one reply with all their records. A :class:`UserInputError` of a client step
+    (diverged training, a state that does not fit) fails that client only and goes back as a
+    record (``client_user_errors``: message, source, field), which the server treats as in-process:
+    that client is left out of the round, and the run stops with the error only when too few
+    clients remain; any other exception of a client step loses that client only (``client_errors``,
+    one line each). A node that refuses the message (:class:`Refused`) or cannot build the run's
+    federation replies with one ``user_error`` record for the whole message.
 
     Per-client deadline: the message's ``deadline_s`` is the server's round timeout. Before each
     client after the first, a node whose elapsed time plus its mean step time so far would pass
@@ -356,6 +359,7 @@ def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any
         ctl = msg.content.config_records[w.CONTROL]
         records: dict[str, Any] = {}
         failed: dict[str, str] = {}
+        client_errors: dict[str, dict[str, str]] = {}
         cid = -1
         node_config = {**(own or {}), **context.node_config}
         trust = NodeTrust.of(node_config)
@@ -376,8 +380,11 @@ def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any
                 t0 = _clock()
                 try:
                     records.update(_client_step(msg, node_config, kind, fed, seed, index))
-                except UserInputError:
+                except Refused:
                     raise
+                except UserInputError as err:  # this client's error (e.g. diverged training); the others go on
+                    client_errors[str(cid)] = {"message": w.one_line(err.message), "source": err.source or "",
+                                               "field": err.field or ""}
                 except Exception as err:  # noqa: BLE001 - this client is lost, the node's others go on
                     failed[str(cid)] = w.one_line(f"{type(err).__name__}: {err}")
                 steps.append(_clock() - t0)
@@ -388,8 +395,8 @@ def _node_handler(kind: str, own: dict[str, str] | None = None) -> Callable[[Any
                 "refused": isinstance(err, Refused), "user_error": err.message, "user_error_source": err.source or "",
                 "user_error_field": err.field or "",
                 "user_error_client": cid if cid >= 0 else int(ctl["client_ids"][0])})}), reply_to=msg)
-        return app.Message(app.RecordDict({**records, w.CONTROL: app.ConfigRecord({"client_errors": json.dumps(failed)})}),
-                           reply_to=msg)
+        return app.Message(app.RecordDict({**records, w.CONTROL: app.ConfigRecord({
+            "client_errors": json.dumps(failed), "client_user_errors": json.dumps(client_errors)})}), reply_to=msg)
     return handler
 
 
