@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from rafl.cli import cli
 from rafl.errors import UserInputError
 from rafl.supernet import SearchSpace, load_supernet
-from rafl.supernet.server_data import random_crop_flip, server_split
+from rafl.supernet.server_data import cutout, random_crop_flip, server_split
 from rafl.supernet.train import TrainConfig, phase_choices, sample_step_archs, soft_cross_entropy, train_supernet
 
 TINY = dict(width_mult=0.25, resolutions=(12, 16), image_size=16, limit_per_class=12, batch_size=16,
@@ -70,6 +70,32 @@ def test_random_crop_flip_shapes_and_determinism():
     padded = torch.nn.functional.pad(x, (1, 1, 1, 1))
     windows = [padded[0, :, i:i + 6, j:j + 6] for i in range(3) for j in range(3)]
     assert any(torch.equal(shifted[0], w) for w in windows)
+
+
+def test_cutout_zeroes_one_clipped_square_per_sample():
+    x = torch.ones(64, 3, 8, 8)
+    a = cutout(x, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(a, cutout(x, 4, torch.Generator().manual_seed(0))) and torch.equal(cutout(x, 0, None), x)
+    holes = (a == 0).all(1)  # (B, H, W): every channel of a cut pixel is 0
+    assert torch.equal((a == 0).any(1), holes)
+    for hole in holes:  # one axis-aligned rectangle, at most 4 x 4, clipped at the border
+        rows, cols = hole.any(1).nonzero().flatten(), hole.any(0).nonzero().flatten()
+        assert 2 <= len(rows) <= 4 and 2 <= len(cols) <= 4 and int(hole.sum()) == len(rows) * len(cols)
+        assert rows.tolist() == list(range(rows[0], rows[-1] + 1))
+    assert int(holes.sum(dim=(1, 2)).lt(16).sum()) > 0  # some squares were clipped at the border
+
+
+def test_a_run_started_before_a_field_existed_resumes_with_its_default(tmp_path):
+    cfg = TrainConfig(**TINY)
+    torch.set_num_threads(1)
+    train_supernet(cfg, tmp_path / "a", progress=False, stop_after_epochs=1)
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    del saved["cutout"]  # the run's config.json as written before the field existed
+    (tmp_path / "a" / "config.json").write_text(json.dumps(saved))
+    _, metrics = train_supernet(cfg, tmp_path / "a", progress=False, resume=True, stop_after_epochs=1)
+    assert len(metrics["phases"]) == 2
+    with pytest.raises(UserInputError, match="cutout"):
+        train_supernet(cfg.model_copy(update={"cutout": 8}), tmp_path / "a", resume=True, progress=False)
 
 
 def test_resume_gives_the_same_result(tmp_path):

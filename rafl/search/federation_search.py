@@ -153,10 +153,12 @@ def subnets_for_profiles(cfg: Any, supernet, profiles: list, val: tuple[torch.Te
     if not todo:
         return out
     s = cfg.search
-    # "picks": 2 = every profile picks among all profiles' measured finalists (search_subnets'
-    # shared pick); results cached before it are searched again
+    # "picks": 3 = every profile picks the best measured subnet that fits among all profiles'
+    # finalists and the subnets measured before (search_subnets' shared pick), predicted in float64;
+    # results cached before it are searched again, and so are those of other known measurements
     common = common and s.method == "evolution" and len(todo) > 1
-    key_src = json.dumps({"picks": 2, **({"common": True} if common else {}), "supernet": supernet_id,
+    known_id = hashlib.sha256(json.dumps(known or {}, sort_keys=True).encode()).hexdigest()[:16]
+    key_src = json.dumps({"picks": 3, "known": known_id, **({"common": True} if common else {}), "supernet": supernet_id,
                           "profiles": [p.model_dump(mode="json") for p in todo],
                           "search": s.model_dump(mode="json"), "seed": cfg.seed}, sort_keys=True, default=str)
     cache = _cache_dir() / "federate-search" / (hashlib.sha256(key_src.encode()).hexdigest()[:20] + ".json")

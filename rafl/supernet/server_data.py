@@ -126,4 +126,23 @@ def random_crop_flip(x: Tensor, pad: int, hflip: bool, generator: torch.Generato
     return x
 
 
-__all__ = ["ServerSplit", "server_split", "random_crop_flip", "calibration_sample"]
+def cutout(x: Tensor, size: int, generator: torch.Generator) -> Tensor:
+    """Cutout (DeVries & Taylor 2017, "Improved Regularization of Convolutional Neural Networks with
+    Cutout", Sec. 3): one ``size x size`` square per sample, centred on a uniformly random pixel and
+    clipped at the image's border, set to 0 (the mean colour of normalized data); ``(B, C, H, W)``
+    in, same shape out. ``size`` 0 returns ``x``. Random numbers come from ``generator`` (CPU)."""
+    if size <= 0:
+        return x
+    b, _, h, w = x.shape
+    cy = torch.randint(0, h, (b,), generator=generator).to(x.device)
+    cx = torch.randint(0, w, (b,), generator=generator).to(x.device)
+    lo = size // 2
+    rows = torch.arange(h, device=x.device)[None, :]  # (1, H)
+    cols = torch.arange(w, device=x.device)[None, :]
+    in_rows = (rows >= (cy - lo)[:, None]) & (rows < (cy - lo + size)[:, None])  # (B, H)
+    in_cols = (cols >= (cx - lo)[:, None]) & (cols < (cx - lo + size)[:, None])  # (B, W)
+    hole = in_rows[:, :, None] & in_cols[:, None, :]  # (B, H, W)
+    return x.masked_fill(hole[:, None], 0)
+
+
+__all__ = ["ServerSplit", "server_split", "random_crop_flip", "cutout", "calibration_sample"]

@@ -54,7 +54,7 @@ from rafl.supernet.distributed import (
     synced_batch_norm,
 )
 from rafl.supernet.model import Supernet, build_supernet, extract_subnet, recalibrate_bn
-from rafl.supernet.server_data import calibration_sample, random_crop_flip, server_split
+from rafl.supernet.server_data import calibration_sample, cutout, random_crop_flip, server_split
 
 PHASES: tuple[str, ...] = ("full", "kernel", "depth", "expand")
 RESUME_NAME = "resume.pt"
@@ -109,6 +109,8 @@ class TrainConfig(BaseModel):
     n_subnets: int = Field(1, ge=0, description="random subnets per step besides the sandwich")
     crop_padding: int = Field(4, ge=0)
     hflip: bool | None = Field(None, description="horizontal flips; None = on for CIFAR only")
+    cutout: int = Field(0, ge=0, le=64, description="side (px) of the square cut out of every training image "
+                                                    "(DeVries & Taylor 2017); 0 = off")
     recal_batches: int = Field(8, ge=1)
     eval_batch_size: int = Field(256, ge=1)
 
@@ -445,6 +447,8 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
     if resume:
         saved_cfg = read_json_file(out / CONFIG_NAME)
         now_cfg = json.loads(config.model_dump_json())
+        # a field added after the run started has its default in the run's config
+        saved_cfg = {k: _json_default(k) for k in now_cfg if k not in saved_cfg} | saved_cfg
         diff = [k for k in set(saved_cfg) | set(now_cfg) if k != "device" and saved_cfg.get(k) != now_cfg.get(k)]
         if diff:
             raise UserInputError(f"the run in this directory has another config (fields {diff}); "
@@ -504,6 +508,7 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
             for step in range(steps_per_epoch):
                 idx = order[step * config.batch_size:(step + 1) * config.batch_size]
                 x = random_crop_flip(train_x[idx], config.crop_padding, hflip, aug_gen)  # the global batch
+                x = cutout(x, config.cutout, aug_gen)
                 y = train_y[idx]
                 n_global = len(y)
                 x, y = shard(x, ctx).to(device), shard(y, ctx).to(device)  # this rank's rows
@@ -559,6 +564,12 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
                       json.loads(config.model_dump_json()), metrics)
     ctx.barrier()
     return net, metrics
+
+
+def _json_default(field: str) -> Any:
+    """The JSON value of :class:`TrainConfig` field ``field``'s default."""
+    default = TrainConfig.model_fields[field].default
+    return json.loads(json.dumps(list(default) if isinstance(default, tuple) else default))
 
 
 def _diverged(name: str, epoch: int, loss: float, config: TrainConfig, phase: int) -> UserInputError:
