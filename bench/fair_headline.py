@@ -19,13 +19,17 @@ Then it writes ``bench/results/headline_fair<tag>.md`` / ``.json``:
 - per method and protocol (personalized: each client's own test split; global: the held-out
   global test set), the final-round and the last-3-evaluations mean over clients, mean ± SE over
   seeds (SE = sd / sqrt(seeds));
-- per method, the paired difference to the floor and to standalone over the clients (mean ±
-  2 SE of the per-client differences), per seed, with ``*`` beyond 2 SE;
+- per method, the aggregation rule it ran under (``engine.aggregation``);
+- per method, the paired difference to the floor and to standalone over the clients (mean ± the 95 %
+  Student's t half-width of the per-client differences, t_{0.975, n-1} x SE), per seed, and over the
+  seeds (mean of the seeds' differences ± t_{0.975, seeds-1} x SE: 4.30 SE for 3 seeds), with ``*``
+  only where that interval excludes 0 (:mod:`rafl.reports.stats`);
 - the tailoring table: per tier, per-device minus weakest subnet accuracy, paired over the same
-  clients (same seed, method and partition), mean ± 2 SE, per seed.
+  clients (same seed, method and partition), with the same intervals, per seed.
 
 Run: ``python bench/fair_headline.py --data-root R`` (the full benchmark; many CPU hours on 2 cores:
 3 lr trials + the final run + the ablation per seed); ``--from OUT`` summarizes finished runs;
+``--from-json bench/results/headline_fair.json`` re-renders a summary from its JSON alone (no runs);
 ``--smoke`` a small version (30 clients, 3 per round, 2 rounds, 200 global test images, a tiny
 search) that exercises every part in well under an hour, written with the tag ``_smoke``.
 
@@ -56,6 +60,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from rafl.reports.stats import format_points, from_se, paired_interval, t_factor, t_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "cifar10-devices.yaml"
@@ -124,16 +130,12 @@ def per_client(folder: Path, row: dict, key: str) -> dict[str, float]:
 
 def paired(a: dict[str, float], b: dict[str, float], clients: list[str] | None = None) -> tuple[float, float, int]:
     """Mean of a - b over the clients both have (or ``clients``), its standard error, the count."""
-    common = sorted(set(a) & set(b) if clients is None else set(clients) & set(a) & set(b), key=int)
-    d = [a[c] - b[c] for c in common]
-    if not d:
-        return float("nan"), float("nan"), 0
-    mean = sum(d) / len(d)
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
-    return mean, se, len(d)
+    iv = paired_interval(a, b, clients)
+    return iv.mean, iv.se, iv.n
 
 
 def over_seeds(values: list[float]) -> str:
+    """``mean ± SE`` over the seeds (SE = sd / sqrt(seeds)): a row's level, not a test."""
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return "-"
@@ -143,11 +145,10 @@ def over_seeds(values: list[float]) -> str:
 
 
 def seeds_flag(means: list[float]) -> str:
-    """Mean of per-seed paired differences ± 2 SE over the seeds (sd / sqrt(seeds)), ``*`` beyond 2 SE."""
-    means = [v for v in means if not math.isnan(v)]
-    if len(means) < 2:
-        return "-"
-    return flag(statistics.mean(means), statistics.stdev(means) / math.sqrt(len(means)))
+    """Mean of per-seed paired differences ± the 95 % t half-width over the seeds (t_{0.975, seeds-1} x
+    sd / sqrt(seeds): 4.30 SE for 3 seeds), ``*`` when that interval excludes 0; ``-`` below 2 seeds."""
+    iv = t_interval(means)
+    return "-" if iv.n < 2 else format_points(iv)
 
 
 def seed_columns(seeds: list[int], lead: list[str]) -> list[str]:
@@ -158,11 +159,10 @@ def seed_columns(seeds: list[int], lead: list[str]) -> list[str]:
             "|" + "---|" * (len(lead) + 2 * len(names))]
 
 
-def flag(mean: float, se: float) -> str:
-    if math.isnan(mean):
-        return "-"
-    beyond = not math.isnan(se) and abs(mean) > 2 * se
-    return f"{100 * mean:+.1f} ± {200 * se:.1f}{' *' if beyond else ''}"
+def flag(mean: float, se: float, n: int) -> str:
+    """A paired difference over ``n`` clients in points: ``mean ± t_{0.975, n-1} x se``, ``*`` when that
+    interval excludes 0."""
+    return format_points(from_se(mean, se, n))
 
 
 def variant_sets(method: str) -> tuple[str, list[str]]:
@@ -287,7 +287,19 @@ def curves(path: Path, where: dict, rows: dict, seeds: list[int], methods: list[
     return True
 
 
+def aggregation_rule(folder: Path) -> str:
+    """``engine.aggregation`` of the comparison in ``folder`` (its ``config.yaml``; ``norm_clip``, the
+    default, when the file or the field is missing)."""
+    import yaml  # only the summary reads configs
+
+    path = folder / "config.yaml"
+    cfg = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return ((cfg or {}).get("engine") or {}).get("aggregation") or "norm_clip"
+
+
 def summarize(args, seeds: list[int]) -> str:
+    """Collect every finished comparison of ``args.out`` into the result (``headline_fair<tag>.json``) and
+    write it out with :func:`render`. Raises ``SystemExit`` when no method finished on every seed."""
     found = {s: runs(args.out, f"seed{s}") for s in seeds}
     rows = {s: {m: r for m, (r, _) in found[s].items()} for s in seeds}
     where = {s: {m: f for m, (_, f) in found[s].items()} for s in seeds}
@@ -299,37 +311,11 @@ def summarize(args, seeds: list[int]) -> str:
         raise SystemExit(f"nothing to summarize: no method has finished for seed(s) {', '.join(map(str, seeds))} in "
                          f"{args.out}; {args.results} left as it was")
     tuned = tuning_seeds(args, seeds)
-    result: dict = {"seeds": seeds, "tuning_seeds": tuned, "methods": {}, "tailoring": {}}
-    variants = " ".join(f"`METHOD+{v}` rows are METHOD with `{', '.join(f'{k}: {x}' for k, x in hp.items())}`, tuned "
-                        "over the same grid in their own comparison." for v, hp in VARIANTS.items()
-                        if any(m.removesuffix("-ft").partition("+")[2] == v for m in methods))
-    lines = [f"# Fair headline: resource-aware FL on CIFAR-10{' (smoke scale)' if args.smoke else ''}", "",
-             f"Seeds {', '.join(map(str, seeds))}; per seed `rafl compare --config examples/cifar10-devices.yaml "
-             f"--algorithms {args.methods} --tune lr=GRID --set seed=N` (each method's grid in the table; "
-             f"this run's default: {args.grid}) (+ the ablation with "
-             "`--set clients.subnets=weakest`)"
-             + (f"; only seed(s) {', '.join(map(str, tuned))} tune, the others run each method once with seed "
-                f"{tuned[0]}'s picked lr" if any(s not in tuned for s in seeds) else "")
-             + f". Written by `python bench/fair_headline.py{' --smoke' if args.smoke else ''}`.", "",
-             "Two protocols. **Personalized**: each client's deployed model on its own label-skewed test split "
-             "(HtFLlib / PFLlib / FedTGP). **Global**: the same models on the held-out balanced global test set "
-             "(HeteroFL / FedRolex / DepthFL); no client and no supernet saw it. `pretrained` is the no-training "
-             "floor; `-ft` rows fine-tune the final global model locally for the same local epochs. Learning rates "
-             "were picked per method on the clients' validation splits (`tune.json` per seed).", "",
-             *([variants, ""] if variants else []),
-             f"Mean over clients, mean ± SE over {len(seeds)} seed(s) (SE = sd / sqrt(seeds)): final round, and "
-             "the mean of the last 3 evaluations. Paired differences are ± 2 SE over clients; on the global protocol "
-             "every client is scored on the same held-out images, so that SE leaves out the test set's own sampling "
-             "noise (one model at 0.78 on 5,000 images: ± 0.6 points).", "",
-             "| method | personalized, final | personalized, last 3 | global, final | global, last 3 | lr picked "
-             "of the grid (per seed) | MB up / down per client-round |", "|---|---|---|---|---|---|---|"]
-    trials: list[tuple[int, str, list]] = []  # (seed, method, [(lr, validation accuracy)]) of every tuning
+    result: dict = {"seeds": seeds, "tuning_seeds": tuned, "command": {"methods": args.methods, "grid": args.grid,
+                                                                       "smoke": bool(args.smoke)},
+                    "methods": {}, "tailoring": {}, "trials": []}
     for m in methods:
         rs = [rows[s][m] for s in seeds]
-
-        def col(key: str) -> list[float]:
-            return [r.get(key, float("nan")) for r in rs]
-
         lrs = []
         for s in seeds:
             tune = where[s][m] / "tune.json"
@@ -344,82 +330,137 @@ def summarize(args, seeds: list[int]) -> str:
                 continue
             lrs.append(str(picked.get("lr", "-")) + (f" of {'/'.join(map(str, grid))}" if grid else ""))
             if grid and not m.endswith("-ft"):
-                trials.append((s, m, [(t["hparams"].get("lr"), t["val_acc"]) for t in rec["trials"][base]]))
-        entry = {k: col(k) for k in ("model.acc_mean", "model.acc_mean_last3", "model@global.acc_mean",
-                                      "model@global.acc_mean_last3")}
-        result["methods"][m] = {**entry, "lr": lrs}
-        lines.append(f"| {m} | " + " | ".join(over_seeds(v) for v in entry.values()) + f" | {' / '.join(lrs)} | "
-                     f"{rs[0].get('mb_up_per_client_round', 0):.3f} / {rs[0].get('mb_down_per_client_round', 0):.3f} |")
-    if trials:
+                result["trials"].append([s, m, [[t["hparams"].get("lr"), t["val_acc"]] for t in rec["trials"][base]]])
+        entry = {k: [r.get(k, float("nan")) for r in rs]
+                 for k in ("model.acc_mean", "model.acc_mean_last3", "model@global.acc_mean", "model@global.acc_mean_last3")}
+        result["methods"][m] = {**entry, "lr": lrs, "aggregation": [aggregation_rule(where[s][m]) for s in seeds],
+                                "mb": [rs[0].get("mb_up_per_client_round", 0), rs[0].get("mb_down_per_client_round", 0)]}
+    for ref in ("pretrained", "standalone"):
+        if ref not in methods:
+            continue
+        for m in methods:
+            if m == ref:
+                continue
+            for s in seeds:
+                for key in ("model.acc", "model@global.acc"):
+                    mean, se, n = paired(per_client(where[s][m], rows[s][m], key),
+                                         per_client(where[s][ref], rows[s][ref], key))
+                    result["methods"][m].setdefault(f"vs_{ref}", {}).setdefault(key, []).append([mean, se, n])
+    ablation = [m for m in args.ablation.split(",") if m in methods]
+    pinned_runs = {s: runs(args.out, f"seed{s}-weakest") for s in seeds}
+    ablation = [m for m in ablation if all(m in pinned_runs[s] for s in seeds)]
+    for m in ablation:
+        for tier in TIERS:
+            for s in seeds:
+                folder = where[s][m]
+                prow, pinned = pinned_runs[s][m]
+                table = json.loads((folder / rows[s][m]["algorithm"] / "clients.json").read_text())["clients"]
+                ids = [str(r["client"]) for r in table if r["profile"] == tier]
+                for key in ("model.acc", "model@global.acc"):
+                    mean, se, n = paired(per_client(folder, rows[s][m], key), per_client(pinned, prow, key), ids)
+                    result["tailoring"].setdefault(m, {}).setdefault(tier, {}).setdefault(key, []).append([mean, se, n])
+    tag = "_smoke" if args.smoke else ""
+    args.results.mkdir(parents=True, exist_ok=True)
+    result["curves"] = curves(args.results / f"headline_fair{tag}_curves.png", where, rows, seeds, methods, pinned_runs)
+    return render(result, args.results)
+
+
+def render(result: dict, results: Path) -> str:
+    """``headline_fair<tag>.md`` / ``.json`` / ``.png`` in ``results`` from a summary's ``result`` alone (what
+    ``--from-json`` re-renders without the runs); returns the Markdown.
+
+    Intervals: a paired difference over a seed's ``n`` clients is ``mean ± t_{0.975, n-1} x SE``; over seeds,
+    the mean of the seeds' differences ± t_{0.975, seeds-1} x SE over seeds (4.30 SE for 3 seeds); ``*`` only
+    where that interval excludes 0 (:mod:`rafl.reports.stats`).
+    """
+    seeds, tuned, methods = result["seeds"], result["tuning_seeds"], list(result["methods"])
+    command, smoke = result["command"], result["command"].get("smoke", False)
+    variants = " ".join(f"`METHOD+{v}` rows are METHOD with `{', '.join(f'{k}: {x}' for k, x in hp.items())}`, tuned "
+                        "over the same grid in their own comparison." for v, hp in VARIANTS.items()
+                        if any(m.removesuffix("-ft").partition("+")[2] == v for m in methods))
+    t_seeds = f"{t_factor(len(seeds)):.2f}" if len(seeds) > 1 else "-"
+    lines = [f"# Fair headline: resource-aware FL on CIFAR-10{' (smoke scale)' if smoke else ''}", "",
+             f"Seeds {', '.join(map(str, seeds))}; per seed `rafl compare --config examples/cifar10-devices.yaml "
+             f"--algorithms {command['methods']} --tune lr=GRID --set seed=N` (each method's grid in the table; "
+             f"this run's default: {command['grid']}) (+ the ablation with "
+             "`--set clients.subnets=weakest`)"
+             + (f"; only seed(s) {', '.join(map(str, tuned))} tune, the others run each method once with seed "
+                f"{tuned[0]}'s picked lr" if any(s not in tuned for s in seeds) else "")
+             + f". Written by `python bench/fair_headline.py{' --smoke' if smoke else ''}`.", "",
+             "Two protocols. **Personalized**: each client's deployed model on its own label-skewed test split "
+             "(HtFLlib / PFLlib / FedTGP). **Global**: the same models on the held-out balanced global test set "
+             "(HeteroFL / FedRolex / DepthFL); no client and no supernet saw it. `pretrained` is the no-training "
+             "floor; `-ft` rows fine-tune the final global model locally for the same local epochs. Learning rates "
+             "were picked per method on the clients' validation splits (`tune.json` per seed). The aggregation "
+             "column is the server's rule (`engine.aggregation`) each row ran under, per seed.", "",
+             *([variants, ""] if variants else []),
+             f"Mean over clients, mean ± SE over {len(seeds)} seed(s) (SE = sd / sqrt(seeds)): final round, and "
+             "the mean of the last 3 evaluations. Intervals of differences are 95 % Student's t intervals: over a "
+             "seed's n clients ± t(0.975, n−1) × SE (2.09 for 20 clients), over the seeds ± t(0.975, seeds−1) × SE "
+             f"({t_seeds} for {len(seeds)} seeds); `*` marks a difference whose interval excludes 0. On the global "
+             "protocol every client is scored on the same held-out images, so the client-paired interval leaves out "
+             "the test set's own sampling noise (one model at 0.78 on 5,000 images: ± 0.6 points).", "",
+             "| method | personalized, final | personalized, last 3 | global, final | global, last 3 | lr picked "
+             "of the grid (per seed) | aggregation | MB up / down per client-round |", "|---|---|---|---|---|---|---|---|"]
+    for m in methods:
+        entry = result["methods"][m]
+        keys = ("model.acc_mean", "model.acc_mean_last3", "model@global.acc_mean", "model@global.acc_mean_last3")
+        rules = sorted(set(entry.get("aggregation", [])))
+        up, down = entry.get("mb", [0, 0])
+        lines.append(f"| {m} | " + " | ".join(over_seeds(entry[k]) for k in keys) + f" | {' / '.join(entry['lr'])} | "
+                     f"{' / '.join(rules) or '-'} | {up:.3f} / {down:.3f} |")
+    if result.get("trials"):
         lines += ["", "Tuning trials: validation accuracy (pooled over the clients' validation splits, mean of the "
                   "last 3 evaluations) per learning rate; the picked one is in bold.", "",
                   "| seed | method | " + "validation accuracy by lr |", "|---|---|---|"]
-        for s, m, got in trials:
+        for s, m, got in result["trials"]:
             best = max(range(len(got)), key=lambda j: (got[j][1] if got[j][1] is not None else -1, -j))
             cells = [(f"**{lr}: {acc:.3f}**" if j == best else f"{lr}: {acc:.3f}") if acc is not None else f"{lr}: -"
                      for j, (lr, acc) in sorted(enumerate(got), key=lambda jg: jg[1][0])]
             lines.append(f"| {s} | {m} | {', '.join(cells)} |")
     many = len(seeds) > 1
-    over = ("; over seeds: the mean of the seeds' differences, ± 2 SE over seeds (sd / sqrt(seeds))" if many else "")
+    over = (f"; over seeds: the mean of the seeds' differences ± t(0.975, {len(seeds) - 1}) × SE over seeds" if many
+            else "")
     for ref in ("pretrained", "standalone"):
         if ref not in methods:
             continue
-        lines += ["", f"Paired difference to **{ref}** over the clients every method evaluated (points, ± 2 SE over "
-                  f"clients; `*` beyond 2 SE), per seed: personalized | global{over}.", "",
+        lines += ["", f"Paired difference to **{ref}** over the clients every method evaluated (points, 95 % t "
+                  f"interval over the clients; `*`: it excludes 0), per seed: personalized | global{over}.", "",
                   *seed_columns(seeds, ["method"])]
         for m in methods:
             if m == ref:
                 continue
-            cells = []
-            for s in seeds:
-                for key in ("model.acc", "model@global.acc"):
-                    mean, se, _ = paired(per_client(where[s][m], rows[s][m], key),
-                                         per_client(where[s][ref], rows[s][ref], key))
-                    cells.append(flag(mean, se))
-                    result["methods"][m].setdefault(f"vs_{ref}", {}).setdefault(key, []).append([mean, se])
+            diffs = result["methods"][m][f"vs_{ref}"]
+            cells = [flag(*diffs[key][i]) for i in range(len(seeds)) for key in ("model.acc", "model@global.acc")]
             if many:
-                cells += [seeds_flag([d[0] for d in result["methods"][m][f"vs_{ref}"][key]])
-                          for key in ("model.acc", "model@global.acc")]
+                cells += [seeds_flag([d[0] for d in diffs[key]]) for key in ("model.acc", "model@global.acc")]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    ablation = [m for m in args.ablation.split(",") if m in methods]
-    pinned_runs = {s: runs(args.out, f"seed{s}-weakest") for s in seeds}
-    ablation = [m for m in ablation if all(m in pinned_runs[s] for s in seeds)]
-    if ablation:
+    if result["tailoring"]:
         lines += ["", "**Tailoring ablation**: per-device subnets minus every client on the one subnet that fits every "
                   "device (`clients.subnets=weakest`: the weakest device's own when the budgets nest, else one searched "
                   "under every budget at once) "
-                  "(same method, seed, partition and lr), paired over each tier's clients (points, ± 2 SE; `*` beyond "
-                  f"2 SE), per seed: personalized | global{over}.", "",
+                  "(same method, seed, partition and lr), paired over each tier's clients (points, 95 % t interval; "
+                  f"`*`: it excludes 0), per seed: personalized | global{over}.", "",
                   *seed_columns(seeds, ["method", "tier"])]
-        for m in ablation:
-            for tier in TIERS:
-                cells = []
-                for s in seeds:
-                    folder = where[s][m]
-                    prow, pinned = pinned_runs[s][m]
-                    table = json.loads((folder / rows[s][m]["algorithm"] / "clients.json").read_text())["clients"]
-                    ids = [str(r["client"]) for r in table if r["profile"] == tier]
-                    for key in ("model.acc", "model@global.acc"):
-                        mean, se, n = paired(per_client(folder, rows[s][m], key), per_client(pinned, prow, key), ids)
-                        cells.append(flag(mean, se) + f" (n={n})")
-                        result["tailoring"].setdefault(m, {}).setdefault(tier, {}).setdefault(key, []).append([mean, se, n])
+        for m, tiers in result["tailoring"].items():
+            for tier, diffs in tiers.items():
+                cells = [flag(*diffs[key][i]) + f" (n={diffs[key][i][2]})"
+                         for i in range(len(seeds)) for key in ("model.acc", "model@global.acc")]
                 if many:
-                    cells += [seeds_flag([d[0] for d in result["tailoring"][m][tier][key]])
-                              for key in ("model.acc", "model@global.acc")]
+                    cells += [seeds_flag([d[0] for d in diffs[key]]) for key in ("model.acc", "model@global.acc")]
                 lines.append(f"| {m} | {tier} | " + " | ".join(cells) + " |")
-    tag = "_smoke" if args.smoke else ""
-    args.results.mkdir(parents=True, exist_ok=True)
-    figure = args.results / f"headline_fair{tag}.png"
+    tag = "_smoke" if smoke else ""
+    results.mkdir(parents=True, exist_ok=True)
+    figure = results / f"headline_fair{tag}.png"
     plot(figure, result["methods"], seeds)
     lines[1:1] = ["", f"![both protocols per method]({figure.name})"]
-    curve = args.results / f"headline_fair{tag}_curves.png"
-    if curves(curve, where, rows, seeds, methods, pinned_runs):
+    if result.get("curves"):
         lines += ["", "The weight-sharing methods' global accuracy by round (mean over the clients evaluated so far), "
                   "per seed; dashed: the floor; dotted: the floor with every client on the one subnet every device fits "
-                  "(uniform's starting point).", "", f"![global accuracy by round]({curve.name})"]
+                  "(uniform's starting point).", "", f"![global accuracy by round](headline_fair{tag}_curves.png)"]
     text = "\n".join(lines) + "\n"
-    (args.results / f"headline_fair{tag}.md").write_text(text)
-    (args.results / f"headline_fair{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (results / f"headline_fair{tag}.md").write_text(text)
+    (results / f"headline_fair{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     return text
 
 
@@ -433,6 +474,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grid", default=GRID, help="the learning rates every method is tuned over")
     ap.add_argument("--smoke", action="store_true", help="a small CIFAR-10 version (minutes)")
     ap.add_argument("--from", dest="from_dir", type=Path, default=None, help="summarize finished runs in this folder")
+    ap.add_argument("--from-json", dest="from_json", type=Path, default=None,
+                    help="re-render a summary's JSON (headline_fair.json) into --results: the tables and the figure, "
+                         "no run needed")
     ap.add_argument("--tune-seeds", default=None,
                     help="the seeds that tune (e.g. 0); every other seed runs with the first one's picks "
                          "(needs --jobs N; default: every seed tunes)")
@@ -443,6 +487,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="train.device of every run (cuda: falls back to the CPU per job)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every rafl compare")
     args = ap.parse_args(argv)
+    if args.from_json is not None:
+        if not args.from_json.is_file():
+            ap.error(f"--from-json {args.from_json}: no such file")
+        print(render(json.loads(args.from_json.read_text()), args.results))
+        return 0
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     for m in args.methods.split(","):  # bad input: one line, exit 2 (argparse's error)
         try:

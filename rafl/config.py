@@ -127,6 +127,14 @@ class ClientsConfig(_Strict):
     subnets: Literal["per-device", "weakest"] = Field(
         "per-device", description="per-device (each profile's own searched subnet) or weakest (every client on the "
         "subnet that fits every profile, the weakest device's: the tailoring ablation; nas only)")
+    held_out_fraction: float = Field(
+        0.0, ge=0, le=0.5, description="0 (off) or a fraction in (0, 0.5]: that share of the clients (round(n x "
+        "fraction), spread over the device tiers) never trains and is scored at the end on the final federated "
+        "model(s) of its tier, as deployed and after one local fine-tune (the new-clients protocol; nas only)")
+
+    def held_out_count(self) -> int:
+        """How many of the ``n`` clients are held out: ``floor(n x held_out_fraction + 0.5)`` (0: off)."""
+        return int(self.n * self.held_out_fraction + 0.5) if self.held_out_fraction > 0 else 0
 
 
 class SupernetConfig(_Strict):
@@ -270,6 +278,16 @@ class RunConfig(_Strict):
         if isinstance(data, dict) and isinstance(data.get("supernet"), str):  # supernet: cifar10
             data = {**data, "supernet": {"path": data["supernet"]}}
         return data
+
+    @model_validator(mode="after")
+    def _held_out(self) -> RunConfig:
+        """A held-out share that holds out at least one client and leaves at least one to train."""
+        c = self.clients
+        if c.held_out_fraction > 0 and not 1 <= c.held_out_count() <= c.n - 1:
+            raise ValueError(f"clients.held_out_fraction {c.held_out_fraction} of clients.n={c.n} holds out "
+                             f"{c.held_out_count()} client(s); allowed: 0 (off) or a fraction in (0, 0.5] that holds "
+                             f"out 1..{max(c.n - 1, 0)} of the {c.n} clients")
+        return self
 
     def resolved(self) -> dict[str, Any]:
         """Plain dict with every default filled in (what ``config.yaml`` holds)."""

@@ -229,7 +229,7 @@ def test_partition_load_missing_file(digits_labels, tmp_path):
     ({"scheme": "iid", "n_clients": 0}, "n_clients: is 0"),
     ({"scheme": "iid", "n_clients": -3}, "n_clients: is -3"),
     ({"scheme": "iid", "n_clients": 1798}, "n_clients: is 1798, but only 1797 samples"),
-    ({"scheme": "iid", "n_clients": 1500, "public_fraction": 0.3}, "after a public pool"),
+    ({"scheme": "iid", "n_clients": 1500, "public_fraction": 0.3}, "public_fraction: is 0.3: the server.s pool takes"),
     ({"scheme": "dirichlet", "n_clients": 200, "alpha": 1.0}, "200 clients x 10 samples"),
     ({"scheme": "iid", "n_clients": 5, "split": (0.8, 0.3, 0.1)}, "split"),
     ({"scheme": "iid", "n_clients": 5, "min_samples": 0}, "min_samples"),
@@ -250,3 +250,21 @@ def test_dirichlet_with_a_tiny_alpha_draws_extreme_skew_not_an_even_spread():
                      for c in part.clients])
     assert ((held > 0).sum(axis=0) == 1).all(), held  # each class wholly on one client
     assert held.sum() == 500
+
+
+def test_a_public_pool_that_leaves_clients_too_little_is_named_with_the_fraction_it_allows(digits_labels):
+    """The pool, not the clients, is what leaves fewer than clients x min_samples samples: the error
+    names public_fraction and the largest fraction that leaves that many (a Dirichlet draw may still
+    need a smaller one)."""
+    with pytest.raises(UserInputError, match=r"public_fraction: is 0.9: the server's pool takes \d+ samples and "
+                                             r"leaves \d+ to partition, fewer than 20 clients x min_samples 10 = 200; "
+                                             r"allowed: a fraction in \[0, 0\.\d+\]") as err:
+        make_partition(digits_labels, "dirichlet", 20, seed=0, alpha=0.5, min_samples=10, public_fraction=0.9)
+    largest = float(err.value.message.rsplit(", ", 1)[1].rstrip("]"))
+    part = make_partition(digits_labels, "iid", 20, seed=0, public_fraction=largest)   # the count is there
+    assert sum(len(c.all()) for c in part.clients) >= 200
+    with pytest.raises(UserInputError, match=r"fewer than one per client \(20 clients\)"):
+        make_partition(digits_labels, "iid", 20, seed=0, public_fraction=0.995)
+    with pytest.raises(UserInputError, match="lower --clients or --min-samples") as err:   # the clients' own limit
+        make_partition(digits_labels, "dirichlet", 20, seed=0, alpha=0.5, min_samples=100)
+    assert err.value.field == "min_samples"

@@ -265,15 +265,21 @@ def test_fair_headline_summary_names_whose_pick_a_seed_ran_with(tmp_path):
     assert "(headline_fair_smoke.png)" in text
     header = next(x for x in text.splitlines() if x.startswith("| method | seed 0 personalized"))
     assert header.endswith("| over seeds personalized | over seeds global |")
-    assert next(x for x in text.splitlines() if x.startswith("| standalone | +")).endswith("| +2.5 ± 3.0 | +0.0 ± 0.0 |")
+    # over 2 seeds: +1 and +4 points, SE 1.5, t(0.975, 1) = 12.71: ± 19.1, no mark
+    assert next(x for x in text.splitlines() if x.startswith("| standalone | +")).endswith("| +2.5 ± 19.1 | +0.0 ± 0.0 |")
+    again = fh.render(json.loads((tmp_path / "new" / "results" / "headline_fair_smoke.json").read_text()),
+                      tmp_path / "again")
+    assert again == text                                     # the JSON alone re-renders the same summary
+    assert "| norm_clip |" in line                           # the aggregation rule each row ran under
 
 
-def test_fair_headline_over_seeds_is_the_mean_of_the_seeds_differences_with_their_se():
-    """Over seeds: mean of per-seed paired differences, ± 2 SE over seeds (sd / sqrt(k)); one seed has none."""
+def test_fair_headline_over_seeds_is_the_mean_of_the_seeds_differences_with_their_t_interval():
+    """Over seeds: mean of per-seed paired differences ± t(0.975, k-1) x SE over seeds; one seed has none."""
     fh = _fair_headline()
-    assert fh.seeds_flag([0.01, 0.02, 0.03]) == "+2.0 ± 1.2 *"  # sd 0.01, SE 0.0058
-    assert fh.seeds_flag([0.01, 0.04]) == "+2.5 ± 3.0"  # within 2 SE: no flag
+    assert fh.seeds_flag([0.01, 0.02, 0.03]) == "+2.0 ± 2.5"  # SE 0.58 points x 4.30: 2 SE would have marked it
+    assert fh.seeds_flag([0.05, 0.06, 0.07]) == "+6.0 ± 2.5 *"  # the interval excludes 0: marked
     assert fh.seeds_flag([0.02]) == "-" and fh.seeds_flag([float("nan"), 0.02]) == "-"
+    assert fh.flag(0.03, 0.01, 20) == "+3.0 ± 2.1 *" and fh.flag(0.03, 0.01, 3) == "+3.0 ± 4.3"  # over clients
 
 
 def test_fair_headline_curves_plot_the_weight_sharing_methods_global_accuracy_by_round(tmp_path):

@@ -70,6 +70,11 @@ def print_table(summary: dict, run_dir: Path) -> None:
             con.print(f"{label}: mean over clients {fin[f'{prefix}.acc_mean_over_clients']:.3f}, "
                       f"sample-weighted {fin[f'{prefix}.acc_sample_weighted']:.3f}, std over clients "
                       f"{fin[f'{prefix}.acc_std_over_clients']:.3f}")
+    held = summary.get("new_clients")
+    if held and "model.acc_mean" in held:  # the new-clients protocol (clients.held_out_fraction)
+        ft = f", after one local fine-tune {held['model.acc_ft_mean']:.3f}" if "model.acc_ft_mean" in held else ""
+        con.print(f"new clients ({len(held['held_out'])} held out of training, each on its tier's final model): mean "
+                  f"over them {held['model.acc_mean']:.3f} as deployed{ft} (summary.json: new_clients)")
     co = summary.get("co_mb_to_target")
     # in the unit that shows each amount: prototype uploads of 440 bytes printed as 0.000 MB
     con.print(f"communication: {fmt_bytes(summary['cum_mb'] * 1e6)} total (up {fmt_bytes(summary['cum_bytes_up'])}, "

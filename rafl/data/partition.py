@@ -663,7 +663,26 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
     mask[public] = False
     mask[global_test] = False
     pool = np.flatnonzero(mask).astype(np.int64)
+
+    def pool_too_large(need: int, what: str) -> None:
+        """The public pool, not the clients, is what leaves fewer than ``need`` samples: say so, with the
+        largest ``public_fraction`` that leaves them (bisection over the same carving, 1e-3 precise)."""
+        if not len(public) or n_total - len(carve_global_test(labels, global_test_per_class, public_seed, origin,
+                                                               exclude=np.zeros(0, dtype=np.int64))) < need:
+            return
+        lo, hi = 0.0, float(public_fraction)
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            pub = carve_public_pool(labels, mid, public_seed, origin)
+            left = n_total - len(pub) - len(carve_global_test(labels, global_test_per_class, public_seed, origin,
+                                                               exclude=pub))
+            lo, hi = (mid, hi) if left >= need else (lo, mid)
+        raise UserInputError(f"is {public_fraction}: the server's pool takes {len(public)} samples and leaves "
+                             f"{len(pool)} to partition, fewer than {what} = {need}; allowed: a fraction in "
+                             f"[0, {math.floor(lo * 1000) / 1000}]", field="public_fraction")
+
     if n_clients is not None and n_clients > len(pool):
+        pool_too_large(n_clients, f"one per client ({n_clients} clients)")
         raise UserInputError(f"is {n_clients}, but only {len(pool)} samples are left to partition "
                              f"(after a public pool of {len(public)}); allowed 1..{len(pool)}", field="n_clients")
 
@@ -690,6 +709,7 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
             raise UserInputError(f"is {alpha}, allowed: a finite number > 0", field="alpha")
         params.update(alpha=alpha, min_samples=min_samples)
         if n_clients * min_samples > len(pool):
+            pool_too_large(n_clients * min_samples, f"{n_clients} clients x min_samples {min_samples}")
             raise UserInputError(
                 f"{n_clients} clients x {min_samples} samples > {len(pool)} samples to partition; "
                 "lower --clients or --min-samples", field="min_samples")

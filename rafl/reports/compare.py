@@ -210,8 +210,10 @@ def summarize_finetuned(base_row: dict[str, Any], clients: dict[str, dict[str, A
         key = "test_samples" if model == "model" else "global_test_samples"
         n = [int(c.get(key, 0) or 0) for c in clients.values() if c.get(f"{model}.acc") is not None]
         row[f"{model}.acc_pooled"] = float(np.dot(accs, n) / sum(n)) if sum(n) else float("nan")
+    if "new-ft.acc_mean" in base_row:  # the new-clients protocol's fine-tuned figure is this row's
+        row["new.acc_mean"] = base_row["new-ft.acc_mean"]
     for key in ("mb_up", "mb_down", "mb_total", "bytes_up_last_round", "rounds", "mb_up_per_client_round",
-                "mb_down_per_client_round", "subnets"):
+                "mb_down_per_client_round", "subnets", "new_clients"):
         if key in base_row:
             row[key] = base_row[key]
     row["wall_s"] = float(base_row.get("wall_s", 0.0)) + float(seconds)
@@ -254,7 +256,8 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
 _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
          ("model.acc_pooled", "pooled acc"), (f"model.acc_mean_last{LAST_EVALS}", f"acc mean, last {LAST_EVALS} evals"),
          (f"model{GLOBAL_SUFFIX}.acc_mean", "global acc mean"),
-         (f"model{GLOBAL_SUFFIX}.acc_mean_last{LAST_EVALS}", f"global acc mean, last {LAST_EVALS} evals")]
+         (f"model{GLOBAL_SUFFIX}.acc_mean_last{LAST_EVALS}", f"global acc mean, last {LAST_EVALS} evals"),
+         ("new.acc_mean", "new clients acc"), ("new-ft.acc_mean", "new clients acc, fine-tuned")]
 _COLS_AFTER = [("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
          ("settings", "non-default settings")]
 
@@ -427,6 +430,11 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     protocols = ("Two protocols: personalized = each client's deployed model on its own (label-skewed) test split "
                  "(acc); global = the same models on the held-out balanced global test set (global acc). "
                  if any(f"model{GLOBAL_SUFFIX}.acc_mean" in r for r in rows) else "")
+    if any("new.acc_mean" in r for r in rows):
+        protocols += ("New clients = clients held out of training (clients.held_out_fraction), each deployed its "
+                      "tier's final model (a global-model method's slice; a per-client method's trained client of the "
+                      "same tier with the final broadcast) and scored on its own test split, with no training and "
+                      "after one local fine-tune (rafl.federation.new_clients). ")
     lines = [(protocols + "Client test accuracy after the last round (mean/std over clients; pooled = correct / test "
               f"samples of all clients together, where a client counts by its test samples), models: {models}; "
               if measured else "No accuracy: no client holds test data (partition.split has no test share, or the "

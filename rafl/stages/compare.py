@@ -62,8 +62,8 @@ from rafl.reports.compare import (
     summarize_run,
     write_table,
 )
-from rafl.stages.prepare import engine_config, load_data_and_partition, prepare
-from rafl.stages.runs import export_federated_supernet, run_engine
+from rafl.stages.prepare import Prepared, engine_config, load_data_and_partition, prepare
+from rafl.stages.runs import export_federated_supernet, run_engine, score_new_clients
 
 DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
 
@@ -351,7 +351,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                     raise UserInputError(f"is {ecfg.rounds}, but {name} has completed {completed} rounds; allowed: "
                                          f"an integer >= {completed}", source=out / "config.yaml", field="engine.rounds")
             if done is not None and done.get("rounds") == ecfg.rounds:
-                rows.append(done)
+                rows.append(with_new_clients(done, prep, run_dir, ecfg.rounds, validation))
                 if finetune and fed.algorithm.global_model:
                     rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, done, table))
                 continue
@@ -374,7 +374,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             wall = time.perf_counter() - t0 + earlier_s
             if prep is not None:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
                 export_federated_supernet(prep, run_dir, summary)
-            rows.append(summarize_run(name, summary, read_history(run_dir), wall, table, subnets.get(name)))
+            rows.append(with_new_clients(summarize_run(name, summary, read_history(run_dir), wall, table,
+                                                       subnets.get(name)), prep, run_dir, ecfg.rounds, validation))
             if finetune and fed.algorithm.global_model:
                 rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, rows[-1], table))
             write_table(out, with_settings(rows, hparams), models)
@@ -387,6 +388,21 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         return rows
     finally:
         os.close(lock)
+
+
+def with_new_clients(row: dict[str, Any], prep: Prepared | None, run_dir: Path, rounds: int,
+                     validation: bool) -> dict[str, Any]:
+    """``row`` with the new-clients protocol's means (``new.acc_mean``: the held-out clients' deployed
+    models on their own test splits; ``new-ft.acc_mean``: after the local fine-tune) when the run holds
+    clients out (:func:`rafl.stages.runs.score_new_clients`); the tuning runs (``validation``) skip it."""
+    held = None if prep is None or validation else score_new_clients(prep, run_dir, rounds)
+    if held is None:
+        return row
+    row = {**row, "new_clients": len(held["held_out"])}
+    for key, column in (("model.acc_mean", "new.acc_mean"), ("model.acc_ft_mean", "new-ft.acc_mean")):
+        if key in held:
+            row[column] = held[key]
+    return row
 
 
 def _method_builder(cfg: RunConfig, hparams: dict[str, dict[str, Any]], members: list[str], feature_dim: int,

@@ -14,6 +14,7 @@ themselves (leakage, same data, resume) live in :mod:`rafl.federation.checks`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from rafl.federation.algorithms import get_algorithm
 from rafl.federation.build import build_federation, build_group_federation
 from rafl.federation.checks import check_clients_avoid_pool, check_disjoint, check_public_pool, check_same_data
 from rafl.federation.engine import EngineConfig, Federation, participation
+from rafl.federation.new_clients import held_out_clients
 from rafl.federation.workers import resolve_workers
 from rafl.models import resolve_models
 from rafl.search.evolution import COMMON, SearchConfig
@@ -65,6 +67,13 @@ class Prepared:
     #: the loaded dataset (images ``(N, 3, R, R)`` float32): what another preparation of the same
     #: ``data`` / ``partition`` / ``clients.n`` may share (:func:`prepare`'s ``data``)
     dataset: Any = None
+    #: the new-clients protocol (``clients.held_out_fraction`` > 0): the partition ids of the held-out
+    #: clients, and those clients as a federation of their own (ids ``0..h-1``; never trained, scored
+    #: at the end by :mod:`rafl.federation.new_clients`) with their clients table; the engine's
+    #: ``federation`` then holds the other clients, renumbered ``0..m-1`` in partition order
+    held_out: list[int] = field(default_factory=list)
+    new_clients: Federation | None = None
+    new_clients_table: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _load_supernet(cfg: RunConfig, dataset, progress: bool):
@@ -187,6 +196,10 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
     ds, part = load_data_and_partition(cfg, progress) if data is None else data
     check_public_pool(algorithm, cfg.algorithm.hparams(), part)
     if members is not None:
+        if cfg.clients.held_out_fraction > 0:
+            raise UserInputError(f"holds out clients of a model group ({cfg.clients.models}); allowed: 0 with "
+                                 "clients.models other than nas (the new-clients protocol deploys a tier's subnet)",
+                                 field="clients.held_out_fraction")
         prep = _prepare_group(cfg, ds, part, members, algorithm, device)
         prep.dataset = ds
         return prep
@@ -234,21 +247,37 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
         one = uniform_arch(supernet.space, arch_of, [p for p in profiles if p.name in set(prof_of)])
         arch_of = {name: {**v, "arch": one["arch"], "source": one["source"]} for name, v in arch_of.items()
                    if name != COMMON}
-    fed, table = build_federation(ds, part, supernet, [arch_of[pr]["arch"] for pr in prof_of], algorithm,
-                                  profiles=prof_of, batch_size=cfg.train.batch_size, device=device, seed=cfg.seed,
-                                  calib_images=calib)
-    for row in table:
+    held = held_out_clients(prof_of, cfg.clients.held_out_count(), cfg.seed)
+    kept = [cid for cid in range(len(part.clients)) if cid not in set(held)]
+    fed, table = build_federation(ds, dataclasses.replace(part, clients=[part.clients[c] for c in kept]), supernet,
+                                  [arch_of[prof_of[c]]["arch"] for c in kept], algorithm,
+                                  profiles=[prof_of[c] for c in kept], batch_size=cfg.train.batch_size, device=device,
+                                  seed=cfg.seed, calib_images=calib)
+    new_fed, new_table = None, []
+    if held:  # the new-clients protocol: the held-out clients as a federation of their own, never run by the engine
+        new_fed, new_table = build_federation(ds, dataclasses.replace(part, clients=[part.clients[c] for c in held]),
+                                              supernet, [arch_of[prof_of[c]]["arch"] for c in held], algorithm,
+                                              profiles=[prof_of[c] for c in held], batch_size=cfg.train.batch_size,
+                                              device=device, seed=cfg.seed, calib_images=calib, count_macs=False)
+        new_fed.global_test = None  # scored on their own test splits (the global set is the trained clients' row)
+        for rows, ids in ((table, kept), (new_table, held)):
+            for row, cid in zip(rows, ids):
+                row["partition_client"] = cid
+        counted = {r["arch"]: (r["macs_m"], r["params_m"]) for r in table}
+        for row in new_table:
+            row["macs_m"], row["params_m"] = counted.get(row["arch"], (None, None))
+    for row in [*table, *new_table]:
         row["subnet_source"] = arch_of[row["profile"]]["source"]
     used = {pr.name: pr for pr in profiles if pr.name in set(prof_of)}
     budgets = {name: subnet_budgets(supernet.space, arch_of[name]["arch"], pr) for name, pr in used.items()}
     ecfg = engine_config(cfg)
-    participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
+    participation(ecfg, len(kept))  # a count larger than the (trained) population is an error before writing
     return Prepared(cfg, fed, ecfg, table, part, {"profiles": {n: {"arch": v["arch"].to_string(), "source": v["source"],
                                                                    "search_accuracy": v["search_accuracy"],
                                                                    **({"budgets": budgets[n]} if n in budgets else {})}
                                                                for n, v in arch_of.items()},
                                                   "supernet": supernet_id},
-                    supernet_meta=meta, dataset=ds)
+                    supernet_meta=meta, dataset=ds, held_out=held, new_clients=new_fed, new_clients_table=new_table)
 
 
 __all__ = ["QUICKSTART_POOL", "Prepared", "engine_config", "load_data_and_partition", "prepare"]

@@ -4,6 +4,7 @@ per-client table, and the federated supernet a weight-sharing method leaves."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ import numpy as np
 from rafl.errors import UserInputError
 from rafl.federation.checks import DEPLOYMENT, check_resumable_here, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
-from rafl.federation.store import load_state
+from rafl.federation.new_clients import evaluate_new_clients, new_clients_summary
+from rafl.federation.payload import Payload
+from rafl.federation.store import ClientStore, load_state
 from rafl.io import atomic_write_json, atomic_write_yaml
 from rafl.reports.progress import round_progress
 from rafl.reports.run import RunReport
@@ -51,7 +54,12 @@ def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, p
     refuses the run dir (:func:`~rafl.federation.checks.check_resumable_here`).
 
     Raises:
-        UserInputError: resuming on other clients than the run started with (:func:`check_same_clients`)."""
+        UserInputError: resuming on other clients than the run started with (:func:`check_same_clients`),
+            or held-out clients on a deployment that keeps the client states on its nodes."""
+    if deployment is not None and prep.new_clients is not None:
+        raise UserInputError("holds out clients, whose scores need the trained clients' states in the run dir; a "
+                             "SuperLink deployment keeps them on its nodes; allowed there: 0",
+                             field="clients.held_out_fraction")
     if resume:
         if deployment is None:  # this process or the Simulation Runtime: the states must be in the run dir
             check_resumable_here(run_dir, "resume")
@@ -79,9 +87,42 @@ def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, p
     summary["means"] = {k: float(np.mean([r[k] for r in rows if r.get(k) is not None]))
                         for k in ("macs_m", "params_m", *acc_keys)
                         if any(r.get(k) is not None for r in rows)}
+    held = score_new_clients(prep, run_dir, prep.engine_config.rounds)
+    if held is not None:
+        summary["new_clients"] = held
     atomic_write_json(run_dir / "summary.json", summary)
     export_federated_supernet(prep, run_dir, summary)
     return summary
+
+
+#: a run dir's new-clients scores (:func:`score_new_clients`), kept so a resumed comparison reuses them
+NEW_CLIENTS = "new_clients.json"
+
+
+def score_new_clients(prep: Prepared, run_dir: Path, rounds: int, finetune: bool = True) -> dict[str, Any] | None:
+    """The new-clients protocol of a finished run (``clients.held_out_fraction`` > 0; None without it):
+    the held-out clients scored on the final checkpoint's broadcast and client states
+    (:func:`rafl.federation.new_clients.evaluate_new_clients`), as ``summary.json``'s ``new_clients``
+    (:func:`~rafl.federation.new_clients.new_clients_summary`), kept in ``run_dir/new_clients.json``
+    for ``rounds``."""
+    if prep.new_clients is None:
+        return None
+    path = Path(run_dir) / NEW_CLIENTS
+    if path.is_file():
+        try:
+            kept = json.loads(path.read_text())
+            if kept.get("rounds") == rounds and kept.get("finetune") == finetune:
+                return kept["new_clients"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # damaged: score again
+    ck = load_state(Path(run_dir) / CHECKPOINT)
+    store = ClientStore(Path(run_dir) / "clients", {int(k): int(v) for k, v in ck["committed"].items()})
+    broadcast = Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"]))
+    got = evaluate_new_clients(prep.federation, store, prep.new_clients, prep.engine_config.seed, rounds, broadcast,
+                               finetune=finetune)
+    result = new_clients_summary(got, prep.held_out, prep.new_clients_table)
+    atomic_write_json(path, {"rounds": rounds, "finetune": finetune, "new_clients": result})
+    return result
 
 
 def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, Any]) -> Path | None:
@@ -106,4 +147,4 @@ def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, 
                                                             "model.acc_mean_over_clients")}}
     return save_supernet(run_dir, net, config=meta.get("config", {}), metrics=metrics)
 
-__all__ = ["BACKENDS", "export_federated_supernet", "run_engine", "run_prepared"]
+__all__ = ["BACKENDS", "NEW_CLIENTS", "export_federated_supernet", "run_engine", "run_prepared", "score_new_clients"]
