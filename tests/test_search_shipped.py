@@ -307,3 +307,25 @@ def test_a_search_into_a_folder_of_another_supernet_is_refused(tmp_path):
     with pytest.raises(UserInputError, match="holds subnets of the supernet /somewhere/cifar10") as err:
         check_same_supernet(tmp_path, "/elsewhere/quickstart")
     assert err.value.field == "--out"
+
+
+@pytest.mark.slow
+def test_the_headline_config_deploys_the_documented_subnets(shared_cifar10_tarball, monkeypatch):
+    """``examples/cifar10-devices.yaml`` (the README's headline, seed 0) on a cold cache searches the
+    subnets the README names (pi4 4.45, jetson-nano 6.38, phone 8.54 M MACs) from the shipped
+    measurements, whatever the machine."""
+    import rafl.stages.prepare as prep
+    from rafl.federation.run_config import load_run_config
+
+    seen: dict = {}
+    real = prep.subnets_for_profiles
+
+    def spy(*args, **kwargs):
+        seen.update(real(*args, **kwargs))
+        return seen
+
+    monkeypatch.setattr(prep, "subnets_for_profiles", spy)
+    cfg = load_run_config(Path(__file__).resolve().parents[1] / "examples" / "cifar10-devices.yaml",
+                          [f"data.root={shared_cifar10_tarball}", "engine.rounds=1"])
+    prep.prepare(cfg, progress=False)
+    assert {name: rec["arch"].to_string() for name, rec in seen.items()} == DOCUMENTED_PICKS
