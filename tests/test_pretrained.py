@@ -25,7 +25,7 @@ def test_unknown_preset_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
     res = CliRunner().invoke(cli, ["supernet", "train", "--preset", "imagenet", "--out", str(out)])
     assert res.exit_code == 2
-    assert res.output.strip() == "error: --preset: is 'imagenet', allowed: one of cifar10, cifar10-short"
+    assert res.output.strip() == "error: --preset: is 'imagenet', allowed: one of cifar10, cifar10-proxy5k, cifar10-short"
     assert not out.exists()
     res = CliRunner().invoke(cli, ["supernet", "train", "--preset", "cifar10", "--out", str(out)],
                              env={"RAFL_DATA_ROOT": ""})
