@@ -28,7 +28,7 @@ images for digits and FEMNIST; ``Dataset.mean`` / ``Dataset.std`` record what wa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,16 +58,35 @@ class Images:
 
     ``images[idx]`` (any index torch accepts on the first dimension, or a full ``[...]`` slice)
     returns float32 normalized values; ``images.take(idx)`` returns another :class:`Images` over
-    the selected samples (no float copy). ``shape`` is the images' shape; ``dtype`` the dtype
-    indexing returns (float32); ``pixels`` the stored tensor; ``nbytes`` its size in bytes.
+    the selected samples (no float copy); ``images.view(idx)`` the same without copying pixels
+    (a row map); ``images.keep_only(idx)`` the same numbering with only the samples ``idx`` in
+    memory. ``shape`` is the images' shape; ``dtype`` the dtype indexing returns (float32);
+    ``pixels`` the stored tensor; ``nbytes`` its size in bytes.
+
+    Args:
+        pixels: stored ``(M, C, H, W)`` uint8 or float32.
+        mean, std: per-channel normalization constants (pixel scale [0, 1]).
+        rows: None (sample ``i`` is ``pixels[i]``), or int64 ``(N,)``: sample ``i`` is
+            ``pixels[rows[i]]``, ``-1`` a sample not kept in memory (indexing it raises
+            ``IndexError``).
+
+    Raises:
+        ValueError: pixels not uint8/float32 ``(M, C, H, W)``, mean/std of another channel count,
+            ``rows`` not 1-D or pointing past ``pixels``.
     """
 
-    def __init__(self, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]):
+    def __init__(self, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...],
+                 rows: torch.Tensor | None = None):
         if pixels.ndim != 4 or pixels.dtype not in (torch.uint8, torch.float32):
             raise ValueError(f"pixels must be uint8 or float32 (N, C, H, W), got {pixels.dtype} {tuple(pixels.shape)}")
         if len(mean) != pixels.shape[1] or len(std) != pixels.shape[1]:
             raise ValueError(f"mean/std need {pixels.shape[1]} channels, got {len(mean)}/{len(std)}")
+        if rows is not None:
+            rows = torch.as_tensor(rows, dtype=torch.int64)
+            if rows.ndim != 1 or (rows.numel() and int(rows.max()) >= pixels.shape[0]):
+                raise ValueError(f"rows must be 1-D indices < {pixels.shape[0]} (or -1), got {tuple(rows.shape)}")
         self.pixels = pixels
+        self.rows = rows
         self.mean, self.std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
         m = torch.tensor(self.mean, dtype=torch.float32).view(1, -1, 1, 1)
         sd = torch.tensor(self.std, dtype=torch.float32).view(1, -1, 1, 1)
@@ -79,7 +98,7 @@ class Images:
     @property
     def shape(self) -> torch.Size:
         """``(N, C, H, W)``."""
-        return self.pixels.shape
+        return torch.Size((len(self), *self.pixels.shape[1:]))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,11 +107,12 @@ class Images:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored pixels."""
-        return self.pixels.numel() * self.pixels.element_size()
+        """Bytes of the stored pixels (and the row map)."""
+        extra = 0 if self.rows is None else self.rows.numel() * 8
+        return self.pixels.numel() * self.pixels.element_size() + extra
 
     def __len__(self) -> int:
-        return int(self.pixels.shape[0])
+        return int(self.pixels.shape[0] if self.rows is None else self.rows.shape[0])
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalized float32 copy of stored-form ``pixels`` ``(B, C, H, W)`` (on their device)."""
@@ -103,22 +123,48 @@ class Images:
             return x.mul_(a).add_(b)
         return x.sub_(a).div_(b)
 
+    def _stored(self, idx):
+        """The stored rows of samples ``idx`` (an index of the first dimension)."""
+        if self.rows is None:
+            return self.pixels[idx]
+        rows = self.rows[idx]
+        if rows.numel() and int(rows.min()) < 0:
+            raise IndexError("a sample that is not kept in memory was indexed (Images.keep_only)")
+        return self.pixels[rows]
+
     def __getitem__(self, idx) -> torch.Tensor:
         rest: tuple = ()
         if isinstance(idx, tuple):  # (samples, channels, rows, cols): normalize the samples, then index the rest
             idx, rest = idx[0], idx[1:]
         if isinstance(idx, (int, np.integer)) or (torch.is_tensor(idx) and idx.ndim == 0):
             i = int(idx) % max(1, len(self))
-            return self.normalize(self.pixels[i:i + 1])[0][rest]
-        x = self.normalize(self.pixels[idx])
+            return self.normalize(self._stored(slice(i, i + 1)))[0][rest]
+        x = self.normalize(self._stored(idx))
         return x[(slice(None), *rest)] if rest else x
 
     def take(self, idx) -> Images:
         """The samples ``idx`` (first dimension) as another :class:`Images`, same storage form."""
-        return Images(self.pixels[idx].contiguous(), self.mean, self.std)
+        return Images(self._stored(idx).contiguous(), self.mean, self.std)
+
+    def view(self, idx) -> Images:
+        """The samples ``idx`` (1-D indices) as another :class:`Images` sharing these pixels (no copy):
+        sample ``j`` of the view is sample ``idx[j]`` here."""
+        idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        rows = idx if self.rows is None else self.rows[idx]
+        return Images(self.pixels, self.mean, self.std, rows=rows)
+
+    def keep_only(self, idx) -> Images:
+        """The same samples, numbered as here, with only those in ``idx`` held in memory (a copy of
+        their pixels, in index order); indexing another sample raises ``IndexError``. What a run
+        that uses part of a dataset keeps (:meth:`Dataset.keep_only`)."""
+        keep = np.unique(np.asarray(idx, dtype=np.int64))
+        rows = torch.full((len(self),), -1, dtype=torch.int64)
+        rows[torch.as_tensor(keep)] = torch.arange(len(keep))
+        return Images(self._stored(torch.as_tensor(keep)).contiguous(), self.mean, self.std, rows=rows)
 
     def __repr__(self) -> str:
-        return f"Images({tuple(self.shape)}, stored {str(self.pixels.dtype).removeprefix('torch.')})"
+        kept = "" if self.rows is None else f", {self.pixels.shape[0]} in memory"
+        return f"Images({tuple(self.shape)}, stored {str(self.pixels.dtype).removeprefix('torch.')}{kept})"
 
 
 @dataclass
@@ -153,6 +199,13 @@ class Dataset:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def keep_only(self, idx) -> Dataset:
+        """The same dataset (same sample numbering, labels, origin) with only the images of the
+        samples ``idx`` in memory (:meth:`Images.keep_only`): what a run keeps once it knows which
+        samples its partition, public pool and global test use. Indexing another sample's image
+        raises ``IndexError``; every kept image is bit-identical."""
+        return replace(self, images=self.images.keep_only(idx))
 
     def __repr__(self) -> str:
         n_train = int((self.origin == "train").sum())

@@ -29,6 +29,29 @@ def global_test_loader(dataset, partition):
     return make_loader(dataset, held, GLOBAL_BATCH, shuffle=False, seed=0) if len(held) else None
 
 
+def public_pool_images(dataset, public: np.ndarray, algorithm):
+    """The server's ``public_images``: a view of ``dataset``'s images of the pool samples
+    ``public`` (:meth:`rafl.data.Images.view`, no copy; normalized float32 ``(B, C, H, W)`` on
+    indexing, the same values as a normalized copy), or None when the pool is empty or the method
+    reads no pool (:meth:`~rafl.federation.algorithms.base.Algorithm.reads_public_pool`). A float32
+    copy of CIFAR-10's 25,000-image pool was 307 MB held for the whole run."""
+    if not len(public) or not algorithm.reads_public_pool():
+        return None
+    images = dataset.images
+    return images.view(public) if hasattr(images, "view") else images[torch.as_tensor(public)]
+
+
+def used_samples(partition, algorithm) -> np.ndarray:
+    """Sorted int64 indices of the samples a federation of ``partition`` reads: every client's
+    train / val / test split, the held-out global test set, and the public pool when the method
+    reads it (:meth:`~rafl.federation.algorithms.base.Algorithm.reads_public_pool`)."""
+    parts = [np.asarray(c.all(), dtype=np.int64) for c in partition.clients]
+    parts.append(np.asarray(getattr(partition, "global_test", ()), dtype=np.int64))
+    if algorithm.reads_public_pool():
+        parts.append(np.asarray(partition.public, dtype=np.int64))
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+
 def client_loaders(dataset, partition, batch_size: int):
     """The federation's ``loaders(cid, split, seed)``: a DataLoader over client ``cid``'s ``split``
     (train shuffled with ``seed``; no ``drop_last``), or ``None`` for an empty ``val`` split."""
@@ -77,8 +100,8 @@ def build_federation(dataset, partition, supernet, archs: list[ArchConfig], algo
     profiles = list(profiles) if profiles is not None else ["custom"] * n
     device = torch.device(device)
     public = np.asarray(partition.public, dtype=np.int64)
-    pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
-    if calib_images is None and pub_images is not None:
+    pub_images = public_pool_images(dataset, public, algorithm)
+    if calib_images is None and len(public):
         calib_images = dataset.images[torch.as_tensor(calibration_sample(public, CALIBRATION_IMAGES))]  # class-mixed
     bank = ModelBank(supernet, calib_images)
     infos, table = [], []
@@ -188,8 +211,7 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
             return make(names[0 if client_id is None else client_id]).train()
         return client_model(0, arch)
 
-    public = np.asarray(partition.public, dtype=np.int64)
-    pub_images = dataset.images[torch.as_tensor(public)] if len(public) else None
+    pub_images = public_pool_images(dataset, np.asarray(partition.public, dtype=np.int64), algorithm)
     server = ServerContext(clients=infos, make_model=server_model, public_images=pub_images, n_classes=n_classes,
                            space=None, supernet=None, device=device, seed=seed)
     fed = Federation(algorithm=algorithm, clients=infos, loaders=loaders, client_model=client_model, server=server,
@@ -199,4 +221,5 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
     return fed, table
 
 
-__all__ = ["build_federation", "build_group_federation", "client_loaders", "global_test_loader"]
+__all__ = ["build_federation", "build_group_federation", "client_loaders", "global_test_loader", "public_pool_images",
+           "used_samples"]

@@ -426,7 +426,7 @@ def _method_builder(cfg: RunConfig, hparams: dict[str, dict[str, Any]], members:
             c = cfg.model_copy(deep=True)
             c.algorithm = AlgorithmConfig(name=name, **hp)
             try:
-                prep = prepare(c, progress=progress, data=data[0] if data else None)
+                prep = prepare(c, progress=progress, data=data[0] if data else None, keep_all_images=True)
             except UserInputError as err:
                 if err.field != "algorithm.name":
                     raise

@@ -25,7 +25,7 @@ from rafl.config import RunConfig, client_profiles, partition_error, warn_about_
 from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError, warn
 from rafl.federation.algorithms import get_algorithm
-from rafl.federation.build import build_federation, build_group_federation
+from rafl.federation.build import build_federation, build_group_federation, used_samples
 from rafl.federation.checks import check_clients_avoid_pool, check_disjoint, check_public_pool, check_same_data
 from rafl.federation.engine import EngineConfig, Federation, participation
 from rafl.federation.new_clients import held_out_clients
@@ -165,14 +165,19 @@ def _prepare_group(cfg: RunConfig, ds, part, members: list[str], algorithm, devi
     return Prepared(cfg, fed, ecfg, table, part, {"models": cfg.clients.models, "feature_dim": cfg.clients.feature_dim})
 
 
-def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None = None) -> Prepared:
+def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None = None,
+            keep_all_images: bool = False) -> Prepared:
     """Validate ``cfg`` against the data, profiles and supernet and build the federation: one
     searched (or given) subnet per device profile, or with ``clients.models`` other than ``nas`` a
     heterogeneous model group (:func:`build_group_federation`; no supernet, profile or search).
 
     ``data``: ``(dataset, partition)`` of an earlier preparation whose ``data``, ``partition``,
     ``clients.n`` and ``seed`` are this config's (``rafl compare``'s methods share one copy of the
-    images: CIFAR-10 is 737 MB of float32 per copy); None loads them.
+    images: CIFAR-10 is 737 MB of float32 per copy); None loads them, and then only the images
+    the run reads stay in memory (:func:`~rafl.federation.build.used_samples`: the clients'
+    splits, the global test set, the public pool when the method reads it; CIFAR-10's whole
+    60,000 images are 184 MB of uint8) unless ``keep_all_images`` (a caller that hands the
+    dataset to other preparations, whose methods may read more of it).
 
     Raises:
         UserInputError: unknown algorithm/hyperparameter, unknown profile, an impossible
@@ -195,11 +200,14 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
                                  f"clients.profiles is {cfg.clients.profiles}", field=key)
     ds, part = load_data_and_partition(cfg, progress) if data is None else data
     check_public_pool(algorithm, cfg.algorithm.hparams(), part)
+    trim = data is None and not keep_all_images  # this preparation's own copy: keep what the run reads
     if members is not None:
         if cfg.clients.held_out_fraction > 0:
             raise UserInputError(f"holds out clients of a model group ({cfg.clients.models}); allowed: 0 with "
                                  "clients.models other than nas (the new-clients protocol deploys a tier's subnet)",
                                  field="clients.held_out_fraction")
+        if trim:
+            ds = ds.keep_only(used_samples(part, algorithm))
         prep = _prepare_group(cfg, ds, part, members, algorithm, device)
         prep.dataset = ds
         return prep
@@ -237,7 +245,9 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
     one_for_all = getattr(algo_cls, "one_model_for_all", False) or cfg.clients.subnets == "weakest"
     arch_of = subnets_for_profiles(cfg, supernet, profiles, val, search_calib, supernet_id, progress=progress,
                                    common=one_for_all, known=known)
-    del search_calib
+    del search_calib, val
+    if trim:  # the search's images are copies: the run reads its clients', global test's and pool's
+        ds = ds.keep_only(used_samples(part, algorithm))
     names = [pr.name for pr in profiles]
     prof_of = [names[cid % len(names)] if len(names) != cfg.clients.n else names[cid]
                for cid in range(len(part.clients))]

@@ -236,6 +236,12 @@ class Algorithm(ABC):
     def __init__(self, **hparams: Any) -> None:
         self.hparams = self.check_hparams(hparams)
 
+    def reads_public_pool(self) -> bool:
+        """Whether a server step of this instance reads ``ServerContext.public_images``: the class
+        says so (:attr:`uses_public_pool`) or its ``distill`` hyperparameter is on (RaFL Eqs. 8-9).
+        A run whose method does not keeps no public-pool images in memory (``public_images`` None)."""
+        return bool(self.uses_public_pool or self.hparams.get("distill"))
+
     @classmethod
     def check_hparams(cls, hparams: dict[str, Any]) -> dict[str, Any]:
         """The defaults merged with ``hparams``, checked by :attr:`hparams_model`

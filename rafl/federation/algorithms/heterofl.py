@@ -251,6 +251,10 @@ class HeteroFL(Algorithm):
         if self._server_bn:
             self._calibration_batches(server)
 
+    def reads_public_pool(self) -> bool:
+        """Static BN's ``sbn_statistics: server`` measures statistics on the public pool."""
+        return super().reads_public_pool() or self._server_bn
+
     # ------------------------------------------------------------------ server
     @property
     def _server_bn(self) -> bool:

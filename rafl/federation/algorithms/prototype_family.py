@@ -16,11 +16,11 @@ supplies its regularizer (:meth:`PrototypeFamily.regularizer`), its wire prefix 
 
 Where the per-class means come from (``class_means``, :class:`ClassMeansHparams`):
 
-* ``eval_pass`` (FedProto's and FedTGP's default): one more no-grad pass over the client's training data after local training, in
+* ``eval_pass`` (FedTGP's default): one more no-grad pass over the client's training data after local training, in
   eval mode (BN running statistics): Eq. 4 of FedProto taken literally, ``C_i^j = 1/|D_i,j| sum
   f_i(x)`` with the trained model ``f_i``, and what HtFLlib's FedTGP client computes
   (``collect_protos``);
-* ``last_epoch`` (FD's default): the forward passes of the last local epoch, which training runs anyway (train
+* ``last_epoch`` (FedProto's and FD's default): the forward passes of the last local epoch, which training runs anyway (train
   mode: BN normalizes with each batch's statistics; the weights move between batches): what the
   official FedProto code and HtFLlib's FedProto and FD clients upload, and one pass over the data
   fewer. With BN frozen and the weights unchanged (learning rate 0) the two are the same numbers.
