@@ -47,12 +47,12 @@ def _one_error_line(result):
     # a fixed arch for a profile no client uses is a typo (it used to be ignored: the client got a search)
     (["--set", "clients.n=3", "--set", "clients.archs={jetson_nano: r16_x}"],
      "error: clients.archs: names profile(s) ['jetson_nano'] that no client uses"),
-    # more clients per round than clients: an error, not a silent clamp to clients.n
+    # more clients per round than clients: an error, not a silent clamp to clients.n (before torch: test_checks.py)
     (["--set", "clients.n=3", "--set", "engine.clients_per_round=5"],
-     "error: engine.clients_per_round: is 5, more than the 3 clients (clients.n); allowed: a fraction in (0, 1] "
+     "error: --set: engine.clients_per_round: is 5, more than the 3 clients (clients.n); allowed: a fraction in (0, 1] "
      "or a count in 1..3"),
     (["--set", "clients.n=4", "--set", "engine.available=2", "--set", "engine.clients_per_round=3"],
-     "error: engine.clients_per_round: is 3, more than the 2 available clients"),
+     "error: --set: engine.clients_per_round: is 3, more than the 2 available clients"),
     # a negative seed was a bare ValueError from numpy in round 1; a huge one overflowed torch's generator
     (["--set", "seed=-1"], "error: --set: seed: Input should be greater than or equal to 0 (got -1); allowed: an "
                            "integer in 0..4294967295"),

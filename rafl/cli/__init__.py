@@ -115,10 +115,11 @@ def _set_hint(err: click.UsageError, words: list[str]) -> str | None:
 
 
 def _hyperparameter_names() -> list[str]:
-    """Every registered method's hyperparameter names (``local_epochs``, ``lr``, ``tau``, ...)."""
-    from rafl.federation.algorithms import ALGORITHMS
+    """Every registered method's hyperparameter names (``local_epochs``, ``lr``, ``tau``, ...),
+    from the methods' source without importing torch (:mod:`rafl.federation.catalog`)."""
+    from rafl.federation.catalog import hyperparameter_names
 
-    return sorted({k for cls in ALGORITHMS.values() for k in cls.defaults})
+    return hyperparameter_names()
 
 
 def _exit_on_sigterm(signum, frame):  # noqa: ARG001 (signal handler signature)
