@@ -90,3 +90,39 @@ def test_a_data_root_is_checked_for_the_datasets_layout_by_file_names(tmp_path):
     (tmp_path / "cifar-10-batches-py").mkdir()
     (tmp_path / "cifar-10-batches-py" / "batches.meta").write_bytes(b"")  # the names only: no file is read
     assert check_data_root("cifar10", tmp_path) == tmp_path
+
+
+@pytest.mark.parametrize(("torch_v", "vision_v", "command"), [
+    ("2.14.1", "0.28.0", "pip install torch==2.14.1 torchvision==0.29.1"),
+    ("2.13.0+cpu", "0.28.0", "pip install torch==2.13.0 torchvision==0.28.0 --index-url "
+                             "https://download.pytorch.org/whl/cpu"),
+])
+def test_a_torchvision_built_for_another_torch_is_one_line_and_the_pip_command(monkeypatch, torch_v, vision_v,
+                                                                             command):
+    """What `import torchvision` raises on a torch it was not built for (simulated: the import is
+    patched, the installed pair is not touched): one line with both versions and the fix, exit 2."""
+    import builtins
+
+    from click.testing import CliRunner
+
+    import rafl.cli
+    import rafl.cli.data
+
+    real_import = builtins.__import__
+
+    def broken_torchvision(name, *args, **kwargs):
+        if name.split(".")[0] == "torchvision":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return real_import(name, *args, **kwargs)
+
+    def command_that_loads_torchvision(**kwargs):
+        import torchvision  # noqa: F401
+
+    monkeypatch.setattr(builtins, "__import__", broken_torchvision)
+    monkeypatch.setattr(rafl.cli, "installed_version", {"torch": torch_v, "torchvision": vision_v}.__getitem__)
+    monkeypatch.setattr(rafl.cli.data.data, "callback", command_that_loads_torchvision)
+    res = CliRunner().invoke(rafl.cli.cli, ["data"])
+    assert res.exit_code == 2
+    assert res.output == (f"error: torchvision {vision_v} was not built for the installed torch {torch_v} (operator "
+                          f"torchvision::nms does not exist); install the matching pair: {command}\n")
+    assert rafl.cli.torch_pair_error(RuntimeError("another failure")) is None
