@@ -22,9 +22,9 @@ from rafl.cli._types import DATA_ROOT_HELP
 ROOT = Path(__file__).resolve().parents[1]
 
 #: options of other programs that rafl's messages tell the user to pass there (Flower's `flwr`,
-#: `flower-supernode` and SuperLink, torchrun), and click's own --help
+#: `flower-supernode` and SuperLink, torchrun, pip), and click's own --help
 FOREIGN = {"--help", "--run-config", "--node-config", "--isolation", "--stream", "--host", "--port", "--ssl-",
-           "--superlink", "--run-id", "--format", "--disable-runtime-dependency-installation", "--nproc",
+           "--index-url", "--superlink", "--run-id", "--format", "--disable-runtime-dependency-installation", "--nproc",
            "--insecure", "--root-certificates"}
 
 #: the commands that read a dataset
@@ -184,6 +184,7 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path, args):
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written: no run dir, no cache
 
 
+@pytest.mark.slow
 def test_compare_picks_sliceable_client_models_for_weight_sharing_methods(tmp_path, tiny_supernet):
     """`rafl compare --algorithms heterofl,fedrolex,uniform,rafl` with no --models runs every method on
     one supernet's subnets (htfe-tiny's models are not width-slices of one another) and says so."""

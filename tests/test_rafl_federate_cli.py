@@ -34,7 +34,8 @@ def _one_error_line(result):
     (["--set", "partition.public_fraction=0.2", "--set", "clients.n=3"], "overlap the supernet's training data"),
     (["--set", "name=../escape"], "name: is '../escape'; allowed: a plain folder name"),
     (["--set", "algorithm.lr=abc"], "algorithm.lr: is 'abc'; allowed: a number"),
-    (["--set", "algorithm.knowledge_arch=huge", "--set", "clients.n=3"], "algorithm.knowledge_arch"),
+    pytest.param(["--set", "algorithm.knowledge_arch=huge", "--set", "clients.n=3"], "algorithm.knowledge_arch",
+                 marks=pytest.mark.slow),  # the supernet's space decides it: the run is prepared first
     # YAML reads yes/on as True; pydantic's lax mode would take it as 1 client / 1 round
     (["--set", "clients.n=yes"], "clients.n: a boolean is not allowed here (got True (YAML reads yes/no"),
     (["--set", "engine.rounds=on"], "engine.rounds: a boolean is not allowed here"),
@@ -88,6 +89,7 @@ def test_profile_no_subnet_fits_exits_2(tmp_path, tiny_supernet):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     path, space = tiny_supernet
     cfg = {
@@ -433,6 +435,7 @@ def test_parallel_runs_claim_distinct_run_dirs_and_never_remove_another(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["fedgh-digits-20260101-000000"]  # only its own removed
 
 
+@pytest.mark.slow
 def test_a_partition_file_whose_clients_hold_the_supernets_pool_is_refused(tmp_path, tiny_supernet):
     """The supernet trained on carve_public_pool(labels, 0.3, seed 0). A saved split is checked by its
     clients' indices (its own pool need not match the config's public_fraction): one that hands
