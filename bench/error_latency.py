@@ -171,7 +171,7 @@ def write_report(out: Path, rows: list[dict], repeats: int) -> None:
     lines = [
         "# Bad input answered before torch loads (issue 57)",
         "",
-        f"`python bench/error_latency.py --repeats {repeats}` on {platform.node() and 'a'} {os.cpu_count()}-core "
+        f"`python bench/error_latency.py --repeats {repeats}` on a {os.cpu_count()}-core "
         f"{platform.machine()} machine, Python {platform.python_version()}, load average {load:.1f} at the end. "
         f"Each case is `rafl ARGS` in a subprocess with an empty `RAFL_CACHE_DIR` and `RAFL_DATA_ROOT` naming a "
         f"missing folder, paired back to back with `rafl --help`; seconds are the median of {repeats} runs, the "
