@@ -23,6 +23,7 @@ Example (every key optional)::
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Iterable, Mapping
@@ -561,7 +562,8 @@ def read_run_config(path: str | Path | None = None, overrides: list[str] | tuple
 
     Raises:
         UserInputError: unreadable/malformed YAML, an unknown key outside ``algorithm``, a value
-            out of range -- naming the file and the dotted field and listing the allowed values.
+            out of range, fields that contradict each other (:func:`check_cross_fields`) -- naming
+            the file and the dotted field and listing the allowed values.
     """
     data = read_config_file(path)
     reject_compare_record(data, path)
@@ -576,8 +578,72 @@ def read_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     except ValidationError as err:
         e = _error(err, source)
         raise UserInputError(e.message, source=blame(e.field, set_keys, source), field=e.field) from None
+    try:
+        check_cross_fields(cfg)
+    except UserInputError as e:
+        raise UserInputError(e.message, source=blame(e.field, set_keys, source), field=e.field) from None
     file_base = Path(base) if base is not None else (Path(path).parent if path is not None else Path.cwd())
     return absolute_paths(cfg, file_base, set_keys), ConfigSource(source, tuple(set_keys), moved)
+
+
+def _count(spec: float | int, n: int, name: str, of: str) -> int:
+    if isinstance(spec, float) and 0 < spec <= 1:
+        return max(1, int(math.ceil(spec * n - 1e-9)))
+    if isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= n:
+        return spec
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec > n:
+        raise UserInputError(f"is {spec}, more than the {n} {of}; allowed: a fraction in (0, 1] or a count "
+                             f"in 1..{n}", field=f"engine.{name}")
+    raise UserInputError(f"is {shown(spec)}; allowed: a fraction in (0, 1] or a count >= 1", field=f"engine.{name}")
+
+
+def participation(engine: EngineSection, n_clients: int) -> tuple[int, int]:
+    """``(available, sampled per round)`` client counts of an ``engine`` section for ``n_clients``
+    clients.
+
+    Raises:
+        UserInputError: ``engine.available`` or ``engine.clients_per_round`` is not a fraction in
+            (0, 1] or a count >= 1, or a count larger than the clients it picks from (the
+            population, resp. the available clients).
+    """
+    available = _count(engine.available, n_clients, "available", "clients (clients.n)")
+    return available, _count(engine.clients_per_round, available, "clients_per_round",
+                             "available clients" if available < n_clients else "clients (clients.n)")
+
+
+def check_cross_fields(cfg: RunConfig) -> None:
+    """The checks of a run config that involve several fields and need neither data, a model nor
+    the algorithm registry (each field alone is checked by its own model), so that
+    :func:`read_run_config` answers them before any training, search or data decoding:
+
+    - ``engine.available`` / ``engine.clients_per_round`` as counts within ``clients.n``
+      (:func:`participation`);
+    - ``engine.min_valid_uploads`` at most the clients sampled per round (else every round fails);
+    - ``engine.supernodes`` at most ``clients.n`` with ``engine.backend: flower``;
+    - ``partition.k`` given for ``partition.scheme: pathological``, ``partition.alpha`` for
+      ``dirichlet``.
+
+    Raises:
+        UserInputError: naming the field at fault and its allowed values.
+    """
+    n = cfg.clients.n
+    _, sampled = participation(cfg.engine, n)
+    e = cfg.engine
+    if e.min_valid_uploads > sampled:
+        raise UserInputError(f"is {e.min_valid_uploads}, more than the {sampled} client(s) sampled per round "
+                             "(engine.clients_per_round), so every round would fail; allowed: an integer in "
+                             f"1..{sampled}", field="engine.min_valid_uploads")
+    if e.backend == "flower" and e.supernodes is not None and e.supernodes > n:
+        raise UserInputError(f"is {e.supernodes} but the run has {n} clients (clients.n); allowed: 1..{n} (virtual "
+                             "SuperNode I hosts clients I, I+P, I+2P, ...), or null for one per client",
+                             field="engine.supernodes")
+    p = cfg.partition
+    if p.scheme == "pathological" and p.k is None:
+        raise UserInputError("is required for partition.scheme pathological (classes per client); allowed: "
+                             f"{PartitionConfig.model_fields['k'].description}", field="partition.k")
+    if p.scheme == "dirichlet" and p.alpha is None:
+        raise UserInputError("is required for partition.scheme dirichlet (the concentration); allowed: "
+                             f"{PartitionConfig.model_fields['alpha'].description}", field="partition.alpha")
 
 
 def client_profiles(cfg: RunConfig) -> list[DeviceProfile]:
@@ -645,7 +711,8 @@ def warn_about_test_data(cfg: RunConfig, partition: Any) -> None:
 
 __all__ = ["warn_about_test_data", "partition_error", "RunConfig", "DataConfig", "PartitionConfig", "ClientsConfig",
            "SupernetConfig", "SearchSection", "AlgorithmConfig", "ConfigSource", "EngineConfig", "EngineSection",
-           "TrainSection", "merge_method_sections", "read_run_config", "parse_overrides", "client_profiles"]
+           "TrainSection", "merge_method_sections", "read_run_config", "parse_overrides", "client_profiles",
+           "check_cross_fields", "participation"]
 
 
 def config_keys() -> dict[str, str]:

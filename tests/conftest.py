@@ -83,11 +83,10 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark ``integration`` (see pyproject's markers) every test that starts other processes or
-    services (the slow tests of test_flower.py: Ray, a SuperLink with SuperNodes) or reads the shared
-    CIFAR-10 tarball; tests mark a rafl subprocess themselves. ``-m "not slow and not integration"``
-    is the quick subset (docs/development.md, "Tests")."""
+    """Mark ``integration`` (see pyproject's markers) every test that reads the shared CIFAR-10
+    tarball; tests that start other processes or services (Ray, a SuperLink with SuperNodes, a rafl
+    subprocess) mark themselves. ``-m "not slow and not integration"`` is the quick subset
+    (docs/development.md, "Tests")."""
     for item in items:
-        starts_services = item.module.__name__.endswith("test_flower") and item.get_closest_marker("slow")
-        if starts_services or "shared_cifar10_tarball" in getattr(item, "fixturenames", ()):
+        if "shared_cifar10_tarball" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.integration)

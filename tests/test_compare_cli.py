@@ -159,6 +159,7 @@ def test_version_and_help_exit_0(capsys):
     assert "Usage: rafl compare" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_resume_keeps_finished_methods_and_continues_an_interrupted_one(tmp_path, monkeypatch):
     """Interrupt fedtgp in round 2 of 2 (after fedgh finished): --resume keeps fedgh's row, continues
     fedtgp from its round-1 checkpoint, runs standalone, and ends with the same table as an

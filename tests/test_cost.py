@@ -56,6 +56,7 @@ def test_lut_macs_and_params_match_fvcore_on_50_extracted_subnets(supernet, mode
         assert abs(costs["params_m"][i] - params) <= 1e-9, arch
 
 
+@pytest.mark.slow
 def test_peak_memory_equals_fx_analysis_of_the_whole_subnet_and_the_measurement(supernet, model):
     for arch in _archs(5, seed=1):
         sub = extract_subnet(supernet, arch).eval()

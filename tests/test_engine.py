@@ -47,6 +47,7 @@ def test_sampling_sporadic_dropout_are_seeded():
     assert seed_of(1, 2, 3) != seed_of(1, 3, 2)
 
 
+@pytest.mark.slow
 def test_rafl_round_metrics_comm_and_files(tiny, tmp_path):
     space, supernet, ds, part = tiny
     archs = [space.smallest(), space.middle(), space.smallest()]
@@ -99,6 +100,7 @@ class _CrashingRaFL(RaFL):
         return super().client_update(state, broadcast, client)
 
 
+@pytest.mark.slow
 def test_resume_after_crash_gives_the_same_metrics(tiny, tmp_path):
     space, supernet, ds, part = tiny
     archs = [space.smallest(), space.middle(), space.smallest()]

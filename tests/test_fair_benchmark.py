@@ -125,6 +125,7 @@ def test_compare_scores_both_protocols_with_a_floor_and_a_finetuned_row(tmp_path
     assert "global acc" in (out / "compare.md").read_text()
 
 
+@pytest.mark.slow
 def test_weakest_subnets_put_every_client_on_the_uniform_subnet(tmp_path, tiny_supernet):
     path, _ = tiny_supernet
     out = tmp_path / "cmp"

@@ -248,6 +248,7 @@ def test_flower_run_config_rounds_accepts_whole_numbers_and_out_must_be_a_folder
         flower_app._load_from_run_config({"out": str(tmp_path / "file")})
 
 
+@pytest.mark.slow
 def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, deployed):
     from rafl.federation.run_config import load_run_config
 
@@ -267,6 +268,7 @@ def test_flower_run_config_resume_rounds_and_yaml_relative_paths(tmp_path, deplo
     assert cfg.supernet.path == str(tmp_path / "cfg" / "sn") and cfg.data.root == str(tmp_path / "data")
 
 
+@pytest.mark.slow
 def test_a_superlink_run_records_its_backend_and_rafl_federate_resume_refuses_it(deployed, in_process):
     """A run made on a SuperLink (the Flower App) records it: config.yaml's engine.backend: flower,
     clients.json's deployment, summary.json's backend. `rafl federate --resume` of it, on either
@@ -334,8 +336,8 @@ def test_more_virtual_supernodes_than_clients_is_an_error_before_anything_is_wri
                                    "--set", "engine.supernodes=4"])
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
-    assert lines[0] == ("error: engine.supernodes: is 4 but the run has 3 clients; allowed: 1..3 (virtual SuperNode I "
-                        "hosts clients I, I+P, I+2P, ...), or null for one per client")
+    assert lines[0] == ("error: --set: engine.supernodes: is 4 but the run has 3 clients (clients.n); allowed: 1..3 "
+                        "(virtual SuperNode I hosts clients I, I+P, I+2P, ...), or null for one per client")
     assert not (tmp_path / "runs").exists()
 
 
@@ -370,7 +372,14 @@ ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", 
                "fedavg", "fedprox", "fednova", "heterofl", "fedrolex", "uniform", "pretrained"]
 
 
-@pytest.mark.parametrize("method", ALL_METHODS)
+#: the methods whose Flower equivalence the fast loop keeps (12-35 s each on 2 loaded cores), one per kind of
+#: exchange: a knowledge network (rafl), class-wise representations and a global header (fedgh), whole models
+#: (fedavg); the others are `slow` (CI runs all)
+QUICK_METHODS = ("rafl", "fedgh", "fedavg")
+
+
+@pytest.mark.parametrize("method", [m if m in QUICK_METHODS else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in ALL_METHODS])
 def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, supernet_dir, task_identity, method):
     """Each registered method, its broadcasts, uploads and client states carried by Flower
     messages to ClientApps on two nodes (three clients), ends with the in-process numbers."""
@@ -424,6 +433,7 @@ def _tiny_sets(supernet_dir, method="fedgh", rounds=3):
             "phone: r16_k5e4.k3e4|k3e4.k5e6.k7e3|k7e3.k7e4.k5e4.k5e6|k5e6.k7e4.k7e4|k5e6.k5e6.k3e4.k3e4}"]
 
 
+@pytest.mark.slow
 def test_interrupted_evaluation_keeps_the_checkpointed_client_states(tmp_path, supernet_dir, task_identity):
     """Ctrl-C while round 2 is being evaluated: the nodes keep the round-1 states the checkpoint
     names (evaluation deletes nothing), and the resumed run ends with the uninterrupted numbers."""
@@ -458,6 +468,7 @@ def test_a_run_stopped_before_its_first_complete_round_leaves_no_client_states_o
     assert list((tmp_path / "node-states").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_dir, task_identity):
     """Node 2 (client 1) stops replying in round 2: client 1 counts as failed in training and is
     left out of the evaluation (named with the reason); the run still ends after 3 rounds."""
@@ -473,6 +484,7 @@ def test_a_dead_node_loses_its_clients_and_the_run_completes(tmp_path, supernet_
     assert sorted(summary["clients"]) == ["0", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_disk", [False, True], ids=["superlink", "simulation"])
 def test_one_clients_error_on_its_node_is_that_clients_failure_as_in_process(tmp_path, supernet_dir, task_identity,
                                                                              monkeypatch, shared_disk):
@@ -513,6 +525,7 @@ def test_one_clients_error_on_its_node_is_that_clients_failure_as_in_process(tmp
     assert got["final"] == ref["final"] and got["rejected_uploads"] == 2
 
 
+@pytest.mark.slow
 def test_a_client_error_of_every_client_stops_the_run_as_in_process(tmp_path, supernet_dir, task_identity):
     """Diverged local training of every client (fewer than engine.min_valid_uploads clients remain)
     is the run's fault: the same one-line error as in-process (naming the first client in job order,
@@ -550,6 +563,7 @@ class CountingGrid(DirectGrid):
         return super().answer(m)
 
 
+@pytest.mark.slow
 def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_loses_that_client_only(
         tmp_path, supernet_dir, task_identity, monkeypatch):
     """Five clients on two nodes: each round sends one train and one evaluate message per node
@@ -596,6 +610,7 @@ def test_one_message_per_node_carries_all_its_clients_and_a_failed_client_step_l
     assert rows[1]["lost"] == {"2": "node 1 (partition-id=0): node error: RuntimeError: CUDA out of memory"}
 
 
+@pytest.mark.slow
 def test_a_node_whose_uploads_would_pass_the_reply_bound_gets_several_train_messages(
         tmp_path, supernet_dir, task_identity, monkeypatch):
     """With the reply bound below two clients' upload limits, each train message carries one
@@ -637,6 +652,7 @@ def test_reply_batches_fill_up_to_the_bound_in_job_order(monkeypatch):
     assert [[cid for cid, _ in b] for b in flower_runner.FlowerClients._batches(clients, "evaluate", jobs)] == [[0, 1, 2, 3, 4]]
 
 
+@pytest.mark.slow
 def test_a_slow_node_replies_with_the_clients_done_before_the_round_timeout(tmp_path, supernet_dir, task_identity,
                                                                             monkeypatch):
     """Node 1 hosts clients 0, 2, 4 and each training step takes 0.4 s on its clock (moved by the
@@ -686,6 +702,7 @@ class RestartGrid(DirectGrid):
         return reply
 
 
+@pytest.mark.slow
 def test_a_restarted_supernode_takes_its_clients_back(tmp_path, supernet_dir, task_identity):
     """Node 2 leaves after round 1 and rejoins as node 3 with the same partition-id: from round 2
     on its clients are sent to node 3 (they used to stay lost for the rest of the run), and with
@@ -839,6 +856,7 @@ def test_a_run_the_nodes_refuse_stops_with_the_nodes_reason(tmp_path, supernet_d
 
 # ---------------------------------------------------------------------- whole runs
 @pytest.mark.slow
+@pytest.mark.integration  # Ray, or a SuperLink with SuperNodes
 def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, supernet_dir, in_process):
     """Flower's Simulation Runtime (Ray) computes the in-process engine's numbers; a run started on
     Flower resumes in-process from the same client states (the run dir's clients/)."""
@@ -853,6 +871,7 @@ def test_simulation_backend_matches_in_process_and_resumes_on_either(tmp_path, s
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # Ray, or a SuperLink with SuperNodes
 def test_a_model_group_on_the_simulation_backend_matches_in_process(tmp_path):
     """Issue 7's model groups (`clients.models`) run on Flower too: the nodes rebuild the group from
     the run config, and every metric of every round equals the in-process run's."""
@@ -865,6 +884,7 @@ def test_a_model_group_on_the_simulation_backend_matches_in_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # Ray, or a SuperLink with SuperNodes
 def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, in_process):
     """`rafl flower-app` + `flwr run` against a real SuperLink and two SuperNodes hosting the three
     clients (node 0: clients 0 and 2, node 1: client 1), each node with `rafl flower-superexec`,
@@ -915,6 +935,7 @@ def test_deployment_on_a_superlink_with_two_supernodes(tmp_path, supernet_dir, i
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # Ray, or a SuperLink with SuperNodes
 def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
     """As in-process: a run whose round 1 fails (a client's local training diverges) leaves no
     half-made run dir behind on the ServerApp's side (it left config.yaml and clients.json, which
@@ -937,6 +958,7 @@ def test_a_client_failure_in_round_1_on_a_superlink_leaves_no_run_dir(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # Ray, or a SuperLink with SuperNodes
 def test_a_failed_serverapp_is_reported_as_failed_although_flwr_run_exits_0(tmp_path, monkeypatch):
     """`flwr run` exits 0 when the ServerApp raises (Flower 1.42); LocalFleet.run reads the run's
     status from the SuperLink instead: finished:failed, with rafl's one-line error as the details.
@@ -958,6 +980,7 @@ def test_a_failed_serverapp_is_reported_as_failed_although_flwr_run_exits_0(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # Ray, or a SuperLink with SuperNodes
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_interrupting_the_simulation_backend_exits_promptly_and_resumes(tmp_path, supernet_dir, sig):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) or SIGTERM (to the driver
@@ -1045,6 +1068,7 @@ class HostileGrid(DirectGrid):
         return reply
 
 
+@pytest.mark.slow
 def test_hostile_uploads_on_flower_are_rejected_counted_and_the_rounds_complete(tmp_path, supernet_dir, task_identity):
     """On Flower as in-process: an oversized blob is refused before it is parsed, a NaN upload is
     rejected, a 10**12-sample claim weighs the registered count; each rejection names the client

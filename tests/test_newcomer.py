@@ -22,9 +22,9 @@ from rafl.cli._types import DATA_ROOT_HELP
 ROOT = Path(__file__).resolve().parents[1]
 
 #: options of other programs that rafl's messages tell the user to pass there (Flower's `flwr`,
-#: `flower-supernode` and SuperLink, torchrun), and click's own --help
+#: `flower-supernode` and SuperLink, torchrun, pip), and click's own --help
 FOREIGN = {"--help", "--run-config", "--node-config", "--isolation", "--stream", "--host", "--port", "--ssl-",
-           "--superlink", "--run-id", "--format", "--disable-runtime-dependency-installation", "--nproc",
+           "--index-url", "--superlink", "--run-id", "--format", "--disable-runtime-dependency-installation", "--nproc",
            "--insecure", "--root-certificates"}
 
 #: the commands that read a dataset
@@ -126,6 +126,7 @@ def test_search_reads_the_shipped_supernets_data_from_data_root(tmp_path):
     assert res.exit_code == 2 and "--data-root" in res.output, res.output
 
 
+#: bad input of every command, answered in one line before torch loads (bench/error_latency.py times them)
 BAD_INPUT = [
     ["federate", "--config", "{tmp}/none.yaml"],
     ["federate", "--config", "{tmp}/bad.yaml"],
@@ -143,13 +144,34 @@ BAD_INPUT = [
     ["search", "--device-profile", "pi4", "--supernet", "cifar10", "--data-root", "{tmp}/none"],
     ["search", "--device-profile", "pi4", "--supernet", "cifar10", "--remeasure"],  # (without it: no data read)
     ["data", "--dataset", "cifar11"],
+    # issue 57: answered after torch loaded (6-19 s), or only after supernet training and the search
+    ["federate", "--set", "algorithm.name=fedx"],
+    ["federate", "--set", "algorithm.lrr=0.1"],
+    ["federate", "--rounds", "3"],
+    ["federate", "--resume", "{tmp}/none"],
+    ["federate", "--resume", "{tmp}/run"],
+    ["federate", "--set", "supernet.path=cifar10", "--set", "data.dataset=cifar10", "--data-root", "{tmp}/none"],
+    ["federate", "--set", "supernet.path=cifar10", "--set", "data.dataset=cifar10", "--data-root", "{tmp}/bad.yaml"],
+    ["federate", "--set", "engine.clients_per_round=20"],
+    ["federate", "--set", "engine.min_valid_uploads=11"],
+    ["federate", "--set", "partition.scheme=pathological"],
+    ["federate", "--set", "partition.public_fraction=0"],
+    ["federate", "--set", "data.dataset=cifar10"],
+    ["compare", "--out", "{tmp}/c", "--algorithms", "rafl,fedx"],
+    ["compare", "--out", "{tmp}/c", "--set", "engine.backend=flower"],
+    ["profile", "--device-profile", "pi4", "--arch", "r32_k9e9", "--out", "{tmp}/c"],
+    ["supernet", "train", "--dataset", "cifar10", "--data-root", "{tmp}/none", "--out", "{tmp}/c"],
 ]
 
 
-@pytest.mark.parametrize("args", BAD_INPUT, ids=[" ".join(a[:3]) for a in BAD_INPUT])
+@pytest.mark.parametrize("args", BAD_INPUT, ids=[" ".join(a[:3]) + (f" {a[-1]}" if len(a) > 3 else "")
+                                                  for a in BAD_INPUT])
 def test_bad_input_is_answered_before_torch_loads(tmp_path, args):
     """One error line, exit 2, and torch never imported (what makes the answer take seconds)."""
     (tmp_path / "bad.yaml").write_text("engine: [1\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("not a run dir\n")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     code = ("import sys, json\nfrom rafl.cli import main\ntry:\n    main(json.loads(sys.argv[1]))\n"
             "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n")
@@ -159,9 +181,10 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path, args):
     lines = res.stderr.strip().splitlines()
     assert lines[-1] == "exit 2 False", res.stderr
     assert len(lines) == 2 and lines[0].startswith("error: "), res.stderr
-    assert not (tmp_path / "c").exists()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written: no run dir, no cache
 
 
+@pytest.mark.slow
 def test_compare_picks_sliceable_client_models_for_weight_sharing_methods(tmp_path, tiny_supernet):
     """`rafl compare --algorithms heterofl,fedrolex,uniform,rafl` with no --models runs every method on
     one supernet's subnets (htfe-tiny's models are not width-slices of one another) and says so."""

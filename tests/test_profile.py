@@ -115,6 +115,7 @@ def test_train_ram_is_the_training_memory_limit_when_no_budget_is_given():
     assert dict(q.effective_budgets()) == {"train_memory_mb": 50}
 
 
+@pytest.mark.slow
 def test_budgets_give_different_feasible_sets_on_the_quickstart_space():
     """pi4 is tighter than jetson-nano, tighter than phone, tighter than server-gpu; mcu admits nothing."""
     for wm in (0.35, 0.5):  # the widths the budgets are derived for (the shipped supernets': 0.35)

@@ -52,6 +52,7 @@ def test_report_has_every_section_and_consistent_numbers(tmp_path):
     assert all(b["passed"] == (b["value"] <= b["limit"]) for b in budgets.values())
 
 
+@pytest.mark.slow
 def test_mcu_is_reported_infeasible_and_model_inputs(tmp_path):
     from rafl.stages.search import save_subnet_weights
     from rafl.supernet import subnet_from_arch
@@ -115,6 +116,7 @@ def test_pt_without_arch_and_foreign_out_folder(tmp_path):
     assert res.exit_code == 2 and "other files" in res.output and (busy / "keep.txt").exists()
 
 
+@pytest.mark.slow
 def test_build_lut_measures_every_layer_and_a_profile_uses_it(tmp_path):
     space = SearchSpace(width_mult=0.25)
     lut = tmp_path / "host-lut.yaml"
@@ -238,6 +240,7 @@ def test_search_space_shares_the_bounds():
         TrainConfig(width_mult=0.05)
 
 
+@pytest.mark.slow
 def test_search_subnet_yaml_carries_its_space_else_the_error_says_pass_supernet(tmp_path):
     """A subnet.yaml from `rafl search` records its search space: `rafl profile --arch subnet.yaml`
     uses it without --supernet (here a 16 px space the default 24-32 px one rejects); an arch file

@@ -34,7 +34,8 @@ def _one_error_line(result):
     (["--set", "partition.public_fraction=0.2", "--set", "clients.n=3"], "overlap the supernet's training data"),
     (["--set", "name=../escape"], "name: is '../escape'; allowed: a plain folder name"),
     (["--set", "algorithm.lr=abc"], "algorithm.lr: is 'abc'; allowed: a number"),
-    (["--set", "algorithm.knowledge_arch=huge", "--set", "clients.n=3"], "algorithm.knowledge_arch"),
+    pytest.param(["--set", "algorithm.knowledge_arch=huge", "--set", "clients.n=3"], "algorithm.knowledge_arch",
+                 marks=pytest.mark.slow),  # the supernet's space decides it: the run is prepared first
     # YAML reads yes/on as True; pydantic's lax mode would take it as 1 client / 1 round
     (["--set", "clients.n=yes"], "clients.n: a boolean is not allowed here (got True (YAML reads yes/no"),
     (["--set", "engine.rounds=on"], "engine.rounds: a boolean is not allowed here"),
@@ -47,12 +48,12 @@ def _one_error_line(result):
     # a fixed arch for a profile no client uses is a typo (it used to be ignored: the client got a search)
     (["--set", "clients.n=3", "--set", "clients.archs={jetson_nano: r16_x}"],
      "error: clients.archs: names profile(s) ['jetson_nano'] that no client uses"),
-    # more clients per round than clients: an error, not a silent clamp to clients.n
+    # more clients per round than clients: an error, not a silent clamp to clients.n (before torch: test_checks.py)
     (["--set", "clients.n=3", "--set", "engine.clients_per_round=5"],
-     "error: engine.clients_per_round: is 5, more than the 3 clients (clients.n); allowed: a fraction in (0, 1] "
+     "error: --set: engine.clients_per_round: is 5, more than the 3 clients (clients.n); allowed: a fraction in (0, 1] "
      "or a count in 1..3"),
     (["--set", "clients.n=4", "--set", "engine.available=2", "--set", "engine.clients_per_round=3"],
-     "error: engine.clients_per_round: is 3, more than the 2 available clients"),
+     "error: --set: engine.clients_per_round: is 3, more than the 2 available clients"),
     # a negative seed was a bare ValueError from numpy in round 1; a huge one overflowed torch's generator
     (["--set", "seed=-1"], "error: --set: seed: Input should be greater than or equal to 0 (got -1); allowed: an "
                            "integer in 0..4294967295"),
@@ -88,6 +89,7 @@ def test_profile_no_subnet_fits_exits_2(tmp_path, tiny_supernet):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     path, space = tiny_supernet
     cfg = {
@@ -432,6 +434,7 @@ def test_parallel_runs_claim_distinct_run_dirs_and_never_remove_another(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["fedgh-digits-20260101-000000"]  # only its own removed
 
 
+@pytest.mark.slow
 def test_a_partition_file_whose_clients_hold_the_supernets_pool_is_refused(tmp_path, tiny_supernet):
     """The supernet trained on carve_public_pool(labels, 0.3, seed 0). A saved split is checked by its
     clients' indices (its own pool need not match the config's public_fraction): one that hands

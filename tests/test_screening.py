@@ -226,6 +226,7 @@ def _run(tiny, tmp_path, algo, **cfg):
     return summary, rows, load_state(tmp_path / "checkpoint.safetensors")
 
 
+@pytest.mark.slow
 def test_engine_a_huge_claim_changes_nothing_and_a_bad_upload_leaves_the_others(tiny, tmp_path):
     _, _, honest = _run(tiny, tmp_path / "honest", FedAvg())
     _Claims.claim = 10**12

@@ -161,6 +161,7 @@ def test_search_config_rejects_bad_values():
     assert SearchConfig().population == 100 and SearchConfig().parent_ratio == 0.25
 
 
+@pytest.mark.slow
 def test_predictor_ranks_held_out_archs(tmp_path):
     rng = np.random.default_rng(0)
     pop = Population.sample(SPACE, 120, rng)

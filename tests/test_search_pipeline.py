@@ -47,6 +47,7 @@ def searched(supernet_dir, tmp_path_factory):
     return out, results
 
 
+@pytest.mark.slow
 def test_every_profile_gets_a_complete_folder(searched, supernet_dir):
     out, results = searched
     assert list(results) == PROFILES
@@ -130,6 +131,7 @@ def test_no_profile_ends_below_a_finalist_it_can_run(searched):
         assert summary["profiles"][name]["found_for"] == res.found_for
 
 
+@pytest.mark.slow
 def test_second_search_into_the_same_out_keeps_search_json_complete(searched, supernet_dir, tmp_path):
     """A later `rafl search` into the same --out replaces only its own profiles' folders, and
     search.json lists every profile folder present (rebuilt from their result.json files)."""
@@ -274,6 +276,7 @@ def test_cli_bad_inputs_exit_2_and_write_nothing(supernet_dir, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_cli_small_search(supernet_dir, tmp_path):
     out = tmp_path / "out"
     res = _run(["--device-profile", "jetson-nano", "--supernet", str(supernet_dir), "--out", str(out),
@@ -299,6 +302,7 @@ def test_search_json_records_profile_folders_absolute(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "s1" / "search.json").read_text()) == doc
 
 
+@pytest.mark.slow
 def test_common_search_finds_one_subnet_for_budgets_that_are_not_nested(supernet_dir):
     """The common search (one model for every device) meets both devices' budgets at once (one
     bounds MACs, the other peak memory) and leaves each profile's own pick as it is without it;

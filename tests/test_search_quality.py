@@ -85,6 +85,7 @@ def test_measurements_are_cached_per_supernet_on_disk(tmp_path):
     assert np.allclose(plain.measure(archs), acc)
 
 
+@pytest.mark.slow
 def test_measuring_in_forked_workers_gives_the_same_accuracies(tmp_path):
     torch.manual_seed(0)
     space = SearchSpace(width_mult=0.25, resolutions=(12, 16), n_classes=10)

@@ -47,6 +47,7 @@ def measured_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_write_measurements_records_the_sample_halves_and_the_calibration(measured_dir):
     doc = json.loads((measured_dir / pt.MEASUREMENTS_NAME).read_text())
     keys = [a.to_string() for a in sample_across_space(SPACE, 8, 0)]
@@ -62,6 +63,7 @@ def test_write_measurements_records_the_sample_halves_and_the_calibration(measur
     assert doc["measurement"] == {"batch_size": 64, "calib_batches": 1} and doc["calibration"]["n"] == 64
 
 
+@pytest.mark.slow
 def test_search_on_the_measurements_reads_no_data_and_equals_the_measured_search(measured_dir, tmp_path,
                                                                                  monkeypatch):
     cfg = SearchConfig(**TINY)
@@ -88,6 +90,7 @@ def test_search_on_the_measurements_reads_no_data_and_equals_the_measured_search
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_finalist_not_measured_keeps_its_prediction_without_data(measured_dir, tmp_path, monkeypatch):
     def no_data(*args, **kwargs):
         raise UserInputError("no dataset here", field="data_root")
@@ -144,6 +147,7 @@ def test_measurements_of_other_weights_or_altered_files_are_refused(measured_dir
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.slow
 def test_ctrl_c_and_sigterm_stop_search_while_workers_measure(tmp_path, signum, code):
     torch.manual_seed(0)
     d = tmp_path / "supernet"
@@ -174,6 +178,7 @@ def test_ctrl_c_and_sigterm_stop_search_while_workers_measure(tmp_path, signum, 
     assert len(cache) == 1 and len(json.loads(cache[0].read_text())["accuracy"]) >= 2  # what was measured is kept
 
 
+@pytest.mark.slow
 def test_shipped_cifar10_measurements_answer_a_search_without_data(tmp_path, monkeypatch):
     """`rafl search --supernet cifar10 --device-profile pi4` with the default options: no dataset is
     read and nothing is measured; the pick is a shipped measured subnet (a finalist, or one measured
@@ -207,6 +212,7 @@ def test_shipped_cifar10_measurements_answer_a_search_without_data(tmp_path, mon
     assert (out / "pi4" / "subnet.onnx").is_file()
 
 
+@pytest.mark.slow
 def test_federate_searches_on_the_measurements_beside_the_supernet_when_it_reads_all_of_server_val(tmp_path,
                                                                                                 monkeypatch):
     """``rafl federate`` / ``rafl compare`` search on the supernet's whole server-val split (as

@@ -85,6 +85,7 @@ def test_cutout_zeroes_one_clipped_square_per_sample():
     assert int(holes.sum(dim=(1, 2)).lt(16).sum()) > 0  # some squares were clipped at the border
 
 
+@pytest.mark.slow
 def test_a_run_started_before_a_field_existed_resumes_with_its_default(tmp_path):
     cfg = TrainConfig(**TINY)
     torch.set_num_threads(1)
@@ -98,6 +99,7 @@ def test_a_run_started_before_a_field_existed_resumes_with_its_default(tmp_path)
         train_supernet(cfg.model_copy(update={"cutout": 8}), tmp_path / "a", resume=True, progress=False)
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_result(tmp_path):
     cfg = TrainConfig(**TINY)
     torch.set_num_threads(1)
@@ -129,6 +131,7 @@ def test_resume_gives_the_same_result(tmp_path):
         train_supernet(cfg.model_copy(update={"seed": 5}), tmp_path / "a", resume=True, progress=False)
 
 
+@pytest.mark.slow
 def test_cli_smoke_digits(tmp_path):
     out = tmp_path / "run"
     res = CliRunner().invoke(cli, ["supernet", "train", "--dataset", "digits", "--out", str(out),
@@ -179,6 +182,7 @@ def test_cli_bad_input_exits_2(tmp_path, args, needle):
     assert not (tmp_path / "X").exists()
 
 
+@pytest.mark.slow
 def test_quickstart_trains_once_then_loads_from_cache(tmp_path, monkeypatch, capsys):
     from rafl.supernet import quickstart as qs
 
@@ -246,6 +250,7 @@ def test_cli_diverged_training_is_one_error_naming_the_phase_lr_and_leaves_nothi
         assert (not out.exists()) if out.name == "run" else (out.is_dir() and not any(out.iterdir()))
 
 
+@pytest.mark.slow
 def test_cli_resume_with_a_config_that_does_not_fit_the_checkpoint_is_one_error(tmp_path):
     out = tmp_path / "run"
     args = ["--epochs-per-phase", "1", "--width-mult", "0.25", "--resolutions", "12", "--limit-per-class", "10",
@@ -274,6 +279,7 @@ def test_a_dataset_without_data_root_is_one_clear_line_and_honours_rafl_data_roo
     assert TrainConfig.from_options(dataset="cifar10", data_root="/given").data_root == "/given"
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_foreign_folder_and_resumes_a_run_stopped_before_its_first_checkpoint(tmp_path):
     """--out into a non-empty folder that is no supernet run is refused (data, search and profile
     refuse it too); a run killed before its first epoch ended (config.json, no resume.pt) starts over
@@ -321,6 +327,7 @@ def test_cli_data_root_is_taken_against_the_current_folder_or_the_config_file(tm
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_a_resolution_whose_largest_subnet_cannot_train_in_memory_is_refused_before_writing(tmp_path, monkeypatch):
     """``--resolutions 1024`` filled this machine's 23 GiB within 25 s: the cost model's training
     memory of the largest subnet (a lower bound) over the device's memory is one error naming
@@ -342,6 +349,7 @@ def test_a_resolution_whose_largest_subnet_cannot_train_in_memory_is_refused_bef
                                     torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_a_resume_of_a_folder_a_live_run_writes_into_is_refused(tmp_path):
     """The writing run holds rafl.io.lock_dir on its folder (here: this process holds it, as a live
     training would): --resume is one error naming the folder, nothing changes; once released (the

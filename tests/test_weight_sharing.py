@@ -135,6 +135,7 @@ def test_masked_coordinatewise_rules_use_the_holders_of_each_element(name):
 
 
 @pytest.mark.parametrize("kind,aggregation", [("nas", "mean"), ("sliced", "mean"), ("nas", "norm_clip")])
+@pytest.mark.slow
 def test_heterofl_with_every_client_holding_the_full_model_is_fedavg(kind, aggregation, tiny, tmp_path):
     """Bit for bit under plain averaging; under the default norm_clip up to float32 rounding."""
     space, supernet, ds, part = tiny
@@ -197,6 +198,7 @@ def _recalibrated_slice(fed, algo, global_state, layout, info, round_):
 
 
 @pytest.mark.parametrize("name", ["heterofl", "fedrolex"])
+@pytest.mark.slow
 def test_static_bn_server_statistics_are_the_floors_then_follow_the_global_weights(name, tiny, tmp_path):
     """``sbn_statistics: server``: a client evaluates its slice with BN statistics recalibrated on the
     server's public sample (before round 1 for the smallest subnet, whose slice is the supernet's
@@ -252,6 +254,7 @@ def test_static_bn_server_statistics_bad_input(tiny):
 
 
 @pytest.mark.parametrize("name", ["heterofl", "fedrolex"])
+@pytest.mark.slow
 def test_merge_then_extract_returns_each_clients_trained_weights(name, tiny):
     """One client per element: the merged supernet, cut by ofa's own extraction (what `rafl search`
     does with the federated supernet), gives back exactly the weights the client uploaded."""
@@ -313,6 +316,7 @@ def test_fedrolex_window_rolls_one_channel_per_round(tiny):
 
 
 @pytest.mark.parametrize("name", ["heterofl", "fedrolex"])
+@pytest.mark.slow
 def test_two_rounds_on_width_sliced_cnn4_and_nas_subnets(name, tiny, tmp_path):
     space, supernet, ds, part = tiny
     algo = get_algorithm(name)(local_epochs=1)
@@ -412,6 +416,7 @@ def test_uniform_on_a_model_group_gives_everyone_the_smallest_member(tiny):
     assert {row["model"] for row in table} == {"cnn4@0.25"}
 
 
+@pytest.mark.slow
 def test_federated_supernet_is_saved_and_searchable(tmp_path, tiny_supernet):
     from rafl.supernet import load_supernet
 
@@ -433,6 +438,7 @@ def test_federated_supernet_is_saved_and_searchable(tmp_path, tiny_supernet):
     np.testing.assert_equal(len(ck["server_state"]["global"]), len(build_supernet(space).state_dict()))
 
 
+@pytest.mark.slow
 def test_compare_of_nas_subnets_reports_accuracy_per_device_tier(tmp_path, tiny_supernet):
     path, space = tiny_supernet
     out = tmp_path / "cmp"

@@ -105,6 +105,7 @@ def test_uint8_images_kept_as_loaded_give_the_same_metrics_and_states(tmp_path):
     _same_states(runs["view"][1], runs["copy"][1])
 
 
+@pytest.mark.slow
 def test_one_and_two_workers_agree_on_supernet_subnets(tmp_path):
     torch.manual_seed(0)
     space = SearchSpace(width_mult=0.25, resolutions=(16,), n_classes=10)
@@ -138,6 +139,7 @@ class _DyingInWorker(get_algorithm("fedproto")):
         return super().client_update(state, broadcast, client)
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_fails_its_client_and_the_run_goes_on(digits, tmp_path):
     ds, part = digits
     fed, _ = build_group_federation(ds, part, MEMBERS, _DyingInWorker(local_epochs=1, lr=0.01), feature_dim=16,
@@ -172,6 +174,7 @@ def default_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_workers_and_resume_gives_the_same_metrics(digits, tmp_path, default_sigint):
     ds, part = digits
     # seed 6: client 5 is sampled in round 3 and survives the dropout draw (it presses Ctrl-C)

@@ -68,6 +68,12 @@ class LazyGroup(click.Group):
         except click.ClickException as err:
             err.show()
             sys.exit(err.exit_code)
+        except RuntimeError as err:  # torchvision built for another torch: one line, not 30 of traceback
+            line = torch_pair_error(err)
+            if line is None:
+                raise
+            click.echo(line, err=True)
+            sys.exit(2)
         except click.exceptions.Abort:  # Ctrl-C: the shell's convention, 128 + SIGINT
             # (a command that had written something says so itself; this is Ctrl-C before it could:
             # while its module loads or its options are read)
@@ -118,10 +124,48 @@ def _set_hint(err: click.UsageError, words: list[str]) -> str | None:
 
 
 def _hyperparameter_names() -> list[str]:
-    """Every registered method's hyperparameter names (``local_epochs``, ``lr``, ``tau``, ...)."""
-    from rafl.federation.algorithms import ALGORITHMS
+    """Every registered method's hyperparameter names (``local_epochs``, ``lr``, ``tau``, ...),
+    from the methods' source without importing torch (:mod:`rafl.federation.catalog`)."""
+    from rafl.federation.catalog import hyperparameter_names
 
-    return sorted({k for cls in ALGORITHMS.values() for k in cls.defaults})
+    return hyperparameter_names()
+
+
+def installed_version(dist: str) -> str:
+    """The installed version of distribution ``dist`` (its metadata: nothing is imported)."""
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+def torch_pair_error(err: BaseException) -> str | None:
+    """For torchvision failing to load on a torch it was not built for (``operator
+    torchvision::nms does not exist``: what pip installs when the CPU torch comes from one index
+    and torchvision from another), one ``error:`` line naming both installed versions and the pip
+    command that installs the matching pair: torchvision 0.(N+15).P goes with torch 2.N.P (as
+    since torch 2.0 / torchvision 0.15), from the index of torch's local build (``+cpu``,
+    ``+cu126``) if it has one. None for any other error (``err`` and its causes)."""
+    seen, e = [], err
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    if not any("torchvision::" in str(x) and "does not exist" in str(x) for x in seen):
+        return None
+    try:
+        torch_v, vision_v = installed_version("torch"), installed_version("torchvision")
+    except ImportError:  # importlib.metadata.PackageNotFoundError: no metadata, say what is known
+        torch_v, vision_v = "?", "?"
+    base, _, local = torch_v.partition("+")
+    parts = base.split(".")
+    if len(parts) >= 2 and parts[0] == "2" and parts[1].isdigit():
+        patch = parts[2] if len(parts) > 2 and parts[2].isdigit() else "0"
+        cmd = f"pip install torch=={base} torchvision==0.{int(parts[1]) + 15}.{patch}"
+    else:
+        cmd = "pip install torch torchvision (the torchvision release made for the installed torch)"
+    if local:
+        cmd += f" --index-url https://download.pytorch.org/whl/{local}"
+    return (f"error: torchvision {vision_v} was not built for the installed torch {torch_v} (operator "
+            f"torchvision::nms does not exist); install the matching pair: {cmd}")
 
 
 def _exit_on_sigterm(signum, frame):  # noqa: ARG001 (signal handler signature)

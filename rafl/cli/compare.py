@@ -58,7 +58,8 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         if out is None:
             raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
         check_output_dir(out)
-        _precheck_config(config_path, (f"data.root={data_root}", *overrides) if data_root is not None else overrides)
+        _precheck_config(config_path, (f"data.root={data_root}", *overrides) if data_root is not None else overrides,
+                         algorithms, data_root is not None)
     from rafl.models import resolve_models
     from rafl.stages.compare import (
         default_models,
@@ -128,21 +129,37 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         raise click.exceptions.Exit(FAILED_ROUNDS_EXIT)
 
 
-def _precheck_config(config_path: Path | None, overrides: tuple[str, ...]) -> None:
-    """The run config's file, ``--set`` keys and values outside ``algorithm`` (whose per-method
-    sections :func:`rafl.stages.compare.load_compare_config` reads) checked without torch.
+def _precheck_config(config_path: Path | None, overrides: tuple[str, ...], algorithms: str,
+                     data_root_given: bool) -> None:
+    """What can be checked without torch: the run config's file, ``--set`` keys and values outside
+    ``algorithm`` (whose per-method sections :func:`rafl.stages.compare.load_compare_config`
+    reads), the fields that contradict each other, the names in ``--algorithms``
+    (:func:`rafl.federation.catalog.check_method`), ``engine.backend`` (in-process) and the data
+    root (:func:`rafl.stages.checks.check_data`).
 
     Raises:
-        UserInputError: what :func:`rafl.config.read_run_config` raises, except for ``algorithm``.
+        UserInputError: what :func:`rafl.config.read_run_config` raises, except for ``algorithm``;
+            an unknown method (field ``--algorithms``); another backend; a missing data root.
     """
     from rafl.config import read_run_config
     from rafl.errors import UserInputError
+    from rafl.federation.catalog import check_method
+    from rafl.stages.checks import check_data
 
     try:
-        read_run_config(config_path, overrides)
+        cfg, _ = read_run_config(config_path, overrides)
     except UserInputError as err:
         if not (err.field or "").startswith("algorithm"):
             raise
+        cfg = None
+    for name in (a for a in algorithms.split(",") if a.strip()):
+        check_method(name, field="--algorithms")
+    if cfg is None:
+        return
+    if cfg.engine.backend != "in-process":
+        raise UserInputError(f"is {cfg.engine.backend!r}; rafl compare runs its methods in-process (allowed: "
+                             "in-process); run one method on Flower with rafl federate", field="engine.backend")
+    check_data(cfg, "--data-root" if data_root_given else "data.root")
 
 
 @contextlib.contextmanager

@@ -134,6 +134,23 @@ def _list_algorithms(ctx: click.Context, param: click.Parameter, value: bool) ->
         ctx.exit(0)
 
 
+def _check_resume_options(config_path: Path | None, show_config: bool) -> None:
+    """The options ``--resume`` cannot be combined with (the run dir's ``config.yaml`` is the run's
+    config, and the run continues in its own dir).
+
+    Raises:
+        UserInputError: naming the option (``--show-config``, ``--out``, ``--config``).
+    """
+    if show_config:
+        raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is the run's config)",
+                             field="--show-config")
+    source = click.get_current_context().get_parameter_source("out")
+    if source is not None and source.name == "COMMANDLINE":
+        raise UserInputError("cannot be combined with --resume (the run continues in its own dir)", field="--out")
+    if config_path is not None:
+        raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)", field="--config")
+
+
 @click.command("federate", epilog=(
     "Config keys and their allowed values: rafl federate --show-config (add --config/--set to see the resolved "
     "run). Methods (algorithm.name) and their hyperparameters: rafl federate --list-algorithms. Ready-made run "
@@ -170,33 +187,27 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
                                  field="--data-root")
         overrides = (f"data.root={data_root}", *overrides)  # a --set data.root given too comes after it and wins
     if resume_dir is None:
-        from rafl.config import client_profiles, read_run_config
+        from rafl.stages.checks import precheck_run
 
-        # the file, --set, every key and value but the method's hyperparameters, and the profiles: checked
-        # before torch and the models load (a typo answers at once); the registry checks the rest below
-        cfg, _ = read_run_config(config_path, overrides)
-        if cfg.clients.models.strip() == "nas":
-            client_profiles(cfg)
+        # the file, --set, every key and value but the method's hyperparameters, the fields that contradict each
+        # other, the method's name, the profiles and the data root: checked before torch and the models load (a
+        # typo answers at once); the registry checks the hyperparameters below
+        precheck_run(config_path, overrides, data_root_given=data_root is not None, data=not show_config)
+    else:
+        from rafl.stages.checks import check_resume_dir
+
+        _check_resume_options(config_path, show_config)
+        check_resume_dir(resume_dir)
     from rafl.federation.run_config import load_run_config
     from rafl.stages import federate as stage
 
     if show_config:
         from rafl.config import commented_config
 
-        if resume_dir is not None:
-            raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is the run's config)",
-                                 field="--show-config")
         click.echo(commented_config(load_run_config(config_path, overrides)), nl=False)
         return
     try:
         if resume_dir is not None:
-            source = click.get_current_context().get_parameter_source("out")
-            if source is not None and source.name == "COMMANDLINE":
-                raise UserInputError("cannot be combined with --resume (the run continues in its own dir)",
-                                     field="--out")
-            if config_path is not None:
-                raise UserInputError("cannot be combined with --resume (the run dir's config.yaml is used)",
-                                     field="--config")
             summary, run_dir = stage.resume(resume_dir, overrides, progress=progress)
         else:
             summary, run_dir = stage.start(load_run_config(config_path, overrides), out, progress=progress)

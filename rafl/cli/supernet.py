@@ -54,6 +54,10 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
     import os
 
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0  # torchrun's rank
+    if resume is None and config_file is None and preset is None:  # the data root before torch loads
+        from rafl.stages.checks import check_supernet_data
+
+        check_supernet_data(dataset, data_root)
     from rafl.stages import supernet as stage
 
     try:

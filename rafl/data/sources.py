@@ -251,10 +251,12 @@ def _read_tarball(name: str, path: Path, limit: int | None, progress: bool = Tru
 
 def check_data_root(name: str, root: str | Path | None) -> Path:
     """Where dataset ``name`` (not digits) is read from: ``root``, else :func:`default_data_root`;
-    checked to exist without reading it (the commands call this before torch loads).
+    checked to exist and to hold one of the dataset's layouts (:data:`EXPECTED`) by file names
+    alone, without reading a file (the commands call this before torch loads).
 
     Raises:
-        UserInputError: the root (given or default) does not exist (field ``data_root``).
+        UserInputError: the root (given or default) does not exist, or holds none of the dataset's
+            layouts (field ``data_root``).
     """
     if root is None:
         root = default_data_root()
@@ -265,6 +267,10 @@ def check_data_root(name: str, root: str | Path | None) -> Path:
     root = Path(root).expanduser()
     if not root.exists():
         raise UserInputError(f"does not exist; expected {EXPECTED[name]}", source=root, field="data_root")
+    if name in _PICKLE_FILES:
+        _locate_cifar(name, root)
+    elif name == "femnist":
+        _locate_femnist(root)
     return root
 
 
@@ -393,6 +399,20 @@ def _leaf_shards(root: Path) -> list[tuple[str, Path]]:
     return []
 
 
+def _locate_femnist(root: Path) -> list[tuple[str, Path]]:
+    """The LEAF shards under ``root`` (:func:`_leaf_shards`).
+
+    Raises:
+        UserInputError: ``root`` is not a folder or holds no json shards (field ``data_root``).
+    """
+    if not root.is_dir():
+        raise UserInputError(f"is not a folder; expected {EXPECTED['femnist']}", source=root, field="data_root")
+    shards = _leaf_shards(root)
+    if not shards:
+        raise UserInputError(f"holds no json shards; expected {EXPECTED['femnist']}", source=root, field="data_root")
+    return shards
+
+
 def load_femnist(root: str | Path, limit_per_class: int | None = None, progress: bool = True) -> RawImages:
     """FEMNIST from LEAF json shards (module docstring), via the uint8 cache.
 
@@ -410,11 +430,7 @@ def load_femnist(root: str | Path, limit_per_class: int | None = None, progress:
     """
 
     root = Path(root).expanduser()
-    if not root.is_dir():
-        raise UserInputError(f"is not a folder; expected {EXPECTED['femnist']}", source=root, field="data_root")
-    shards = _leaf_shards(root)
-    if not shards:
-        raise UserInputError(f"holds no json shards; expected {EXPECTED['femnist']}", source=root, field="data_root")
+    shards = _locate_femnist(root)
     key = _cache_key("femnist", root, [f for _, f in shards], limit_per_class)
     cache = cache_dir() / "datasets" / f"femnist-{key}.npz"
     if cache.exists():

@@ -59,7 +59,6 @@ the tests check); on CUDA, cuDNN's default convolution algorithms are not determ
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,12 +69,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rafl.config import EngineConfig
-from rafl.errors import DivergedError, UserInputError, shown, warn
+from rafl.config import EngineConfig, participation
+from rafl.errors import DivergedError, UserInputError, warn
 from rafl.federation.aggregation import AggregationRule, ClipBounds
 from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.events import report
 from rafl.federation.payload import CountedPayload, Payload
+from rafl.federation.run_files import CHECKPOINT
 from rafl.federation.runners import Federation, RunnerFactory
 from rafl.federation.screening import ClientError, UploadPolicy, screen_uploads
 from rafl.federation.seeds import SeedTree
@@ -83,36 +83,11 @@ from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
 from rafl.io import remove_orphaned_tmp
 
-CHECKPOINT = "checkpoint.safetensors"
 #: Added to a NaN/Inf upload's error: an honest client's non-finite upload is training that
 #: diverged (e.g. one step at a huge learning rate leaves finite but huge weights, whose features
 #: then overflow), which the loss check cannot see.
 DIVERGED_UPLOAD = (" (the client's local training diverged); allowed: a smaller algorithm.lr, or a model whose "
                    "features stay finite")
-
-
-def _count(spec: float | int, n: int, name: str, of: str) -> int:
-    if isinstance(spec, float) and 0 < spec <= 1:
-        return max(1, int(math.ceil(spec * n - 1e-9)))
-    if isinstance(spec, int) and not isinstance(spec, bool) and 1 <= spec <= n:
-        return spec
-    if isinstance(spec, int) and not isinstance(spec, bool) and spec > n:
-        raise UserInputError(f"is {spec}, more than the {n} {of}; allowed: a fraction in (0, 1] or a count "
-                             f"in 1..{n}", field=f"engine.{name}")
-    raise UserInputError(f"is {shown(spec)}; allowed: a fraction in (0, 1] or a count >= 1", field=f"engine.{name}")
-
-
-def participation(config: EngineConfig, n_clients: int) -> tuple[int, int]:
-    """``(available, sampled per round)`` client counts of ``config`` for ``n_clients`` clients.
-
-    Raises:
-        UserInputError: ``engine.available`` or ``engine.clients_per_round`` is not a fraction in
-            (0, 1] or a count >= 1, or a count larger than the clients it picks from (the
-            population, resp. the available clients).
-    """
-    available = _count(config.available, n_clients, "available", "clients (clients.n)")
-    return available, _count(config.clients_per_round, available, "clients_per_round",
-                             "available clients" if available < n_clients else "clients (clients.n)")
 
 
 def sporadic_update(available: list[int], population: int, rate: float, rng: np.random.Generator) -> list[int]:
@@ -651,6 +626,6 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
 
 
 __all__ = ["Engine", "EngineConfig", "eval_coverage", "failed_round_reason", "unusable_state", "upload_names",
-           "participation", "RoundResult", "RoundTimes", "RunState",
+           "RoundResult", "RoundTimes", "RunState",
            "summarize_eval", "summarize_untrained",
            "make_summary", "RunObserver", "sample_clients", "sporadic_update"]

@@ -34,6 +34,7 @@ from rafl.config import (
     RunConfig,
     blame,
     parse_overrides,
+    participation,
     read_config_file,
     reject_compare_record,
     section_keys_that_apply,
@@ -43,7 +44,7 @@ from rafl.federation.algorithms import ALGORITHMS, get_algorithm
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, with_group_lr
 from rafl.federation.build import build_group_federation
 from rafl.federation.checks import check_public_pool, check_same_clients
-from rafl.federation.engine import CHECKPOINT, Federation, participation
+from rafl.federation.engine import CHECKPOINT, Federation
 from rafl.federation.finetune import finetune_evaluate
 from rafl.federation.payload import Payload
 from rafl.federation.run_config import load_run_config, without_unused_pool

@@ -21,19 +21,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from rafl.config import RunConfig, client_profiles, partition_error, warn_about_test_data
+from rafl.config import RunConfig, participation, partition_error, warn_about_test_data
 from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError, warn
 from rafl.federation.algorithms import get_algorithm
 from rafl.federation.build import build_federation, build_group_federation, used_samples
 from rafl.federation.checks import check_clients_avoid_pool, check_disjoint, check_public_pool, check_same_data
-from rafl.federation.engine import EngineConfig, Federation, participation
+from rafl.federation.engine import EngineConfig, Federation
 from rafl.federation.new_clients import held_out_clients
 from rafl.federation.workers import resolve_workers
 from rafl.models import resolve_models
 from rafl.search.evolution import COMMON, SearchConfig
 from rafl.search.federation_search import search_split, subnet_budgets, subnets_for_profiles, uniform_arch
-from rafl.search.profile import list_profiles
+from rafl.stages.checks import check_nas_config
 from rafl.supernet import load_supernet, quickstart_supernet
 from rafl.supernet.checkpoint import load_meta
 from rafl.supernet.pretrained import measured_alike, resolve_supernet, supernet_measurements
@@ -84,10 +84,7 @@ def _load_supernet(cfg: RunConfig, dataset, progress: bool):
             ``data.limit_per_class``): the same pool fraction and seed then carve other images,
             and client data would hold the supernet's training images.
     """
-    if cfg.supernet.path is None:
-        if cfg.data.dataset != "digits":
-            raise UserInputError("the quickstart supernet is for digits; give supernet.path for "
-                                 f"{cfg.data.dataset!r}", field="supernet.path")
+    if cfg.supernet.path is None:  # digits (rafl.stages.checks.check_nas_config)
         check_same_data(cfg, quickstart_config().model_dump(), "the quickstart supernet")
         supernet, path = quickstart_supernet(progress=progress)
         return supernet, f"quickstart:{path}", QUICKSTART_POOL
@@ -190,14 +187,7 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
     algorithm = algo_cls(**cfg.algorithm.hparams())
     device = torch.device(cfg.train.device)  # validated by the run config (TrainSection)
     members = _group_members(cfg)  # None: nas
-    profiles = client_profiles(cfg) if members is None else []
-    # Budgets or archs for shipped profiles that this run does not use are fine (the defaults name
-    # pi4 and jetson-nano); any other name is a typo.
-    known = set(cfg.clients.profiles) | {pr.name for pr in profiles} | set(list_profiles())
-    for key, named in (("clients.budgets", cfg.clients.budgets), ("clients.archs", cfg.clients.archs)):
-        if members is None and set(named) - known:
-            raise UserInputError(f"names profile(s) {sorted(set(named) - known)} that no client uses; "
-                                 f"clients.profiles is {cfg.clients.profiles}", field=key)
+    profiles = check_nas_config(cfg) if members is None else []  # what needs no data or model, first
     ds, part = load_data_and_partition(cfg, progress) if data is None else data
     check_public_pool(algorithm, cfg.algorithm.hparams(), part)
     trim = data is None and not keep_all_images  # this preparation's own copy: keep what the run reads

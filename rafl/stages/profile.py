@@ -296,8 +296,6 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
             ``n_classes`` that contradict the space the arch file records, an arch outside the
             space, or what :func:`load_space`, :func:`load_arch` and :func:`load_model` refuse.
     """
-    import torch
-
     if arch_text is None and model_path is None:
         raise UserInputError("give --arch ARCH (file or string) or --model SUBNET", field="--arch/--model")
     if arch_text is not None and model_path is not None and model_path.suffix not in (".pt", ".pth"):
@@ -330,6 +328,9 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
         supernet = None
     else:
         arch = load_arch(arch_text, space, hint)
+    # torch from here on: without --supernet or --model, a bad --arch was answered before it loads
+    import torch
+
     from rafl.io import atomic_dir
     from rafl.reports.profile_report import write_profile_report
 

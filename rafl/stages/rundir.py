@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from rafl.config import RunConfig, is_compare_record, parse_overrides
+from rafl.config import RunConfig, parse_overrides
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.checks import (
     check_checkpoint_readable,
@@ -29,27 +27,15 @@ from rafl.federation.checks import (
     check_resume_rounds,
     completed_rounds,
 )
-from rafl.federation.engine import CHECKPOINT
 from rafl.federation.run_config import load_run_config
-from rafl.io import atomic_write_yaml, check_output_dir, load_yaml, lock_dir, read_text_file
-
-#: the file a run dir is recognised by
-CONFIG = "config.yaml"
+from rafl.federation.run_files import CHECKPOINT
+from rafl.io import atomic_write_yaml, check_output_dir, lock_dir
+from rafl.stages.checks import CONFIG, check_resume_dir, is_compare_folder
 
 
 def default_name(cfg: Any) -> str:
     """``<algorithm>-<dataset>-<YYYYmmdd-HHMMSS>``: a run's name when its config sets none."""
     return f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def is_compare_folder(path: str | Path) -> bool:
-    """Whether ``path`` holds the ``config.yaml`` that ``rafl compare`` writes
-    (:func:`rafl.config.is_compare_record`), not a run dir's."""
-    cfg_file = Path(path) / CONFIG
-    try:
-        return is_compare_record(load_yaml(read_text_file(cfg_file), cfg_file))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, UserInputError):
-        return False  # not readable as a compare config: the caller's checks say what it is
 
 
 def resumed_config(run_dir: str | Path, overrides: tuple[str, ...] | list[str] = (), *,
@@ -160,17 +146,7 @@ class RunDir:
             UserInputError: ``path`` does not exist, is not a run dir, is a ``rafl compare``
                 folder (naming the command that continues it), never completed a round, has a
                 checkpoint cut short, ran on a SuperLink (``here``), or is held by a live run."""
-        path = Path(path)
-        if is_compare_folder(path):
-            raise UserInputError("is a rafl compare folder, not a rafl federate run dir; continue it with: rafl "
-                                 f"compare --resume {shlex.quote(str(path))}", source=path, field=field)
-        if (path / CONFIG).is_file() and not (path / CHECKPOINT).is_file():
-            raise UserInputError("never completed a round (no checkpoint.safetensors), so there is nothing to "
-                                 "resume: run the command again under the same name (the folder is reused)",
-                                 source=path, field=field)
-        if not (path / CONFIG).is_file():
-            raise UserInputError("does not exist" if not path.exists() else
-                                 "is not a rafl federate run dir (no config.yaml)", source=path, field=field)
+        path = check_resume_dir(path, field)
         if here:
             check_resumable_here(path)  # a SuperLink's run: its client states are on the nodes
         check_checkpoint_readable(path)  # cut short by a copy: say how to recover, before any work

@@ -24,6 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticCustomError
 
 from rafl.errors import UserInputError, shown
+from rafl.federation.catalog import unknown_hyperparameters
 
 #: the largest ``*_dim`` hyperparameter (a layer width; as ``clients.feature_dim``'s bound)
 MAX_DIM = 4096
@@ -138,8 +139,7 @@ class Hyperparameters(BaseModel):
         keys = cls.keys()
         unknown = sorted(set(given) - set(keys))
         if unknown:
-            raise UserInputError(f"unknown hyperparameter(s) {unknown} for {method!r}; allowed: {sorted(keys)}",
-                                 field=f"algorithm.{unknown[0]}")
+            raise unknown_hyperparameters(unknown, method, keys)
         try:
             model = cls.model_validate(dict(given))
         except ValidationError as err:
