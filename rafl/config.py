@@ -33,7 +33,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rafl.data.partition import validate_split
+from rafl.data.partition import SCHEMES, validate_split
 from rafl.errors import DuplicateKeyError, UserInputError, shown, warn, yaml_error_detail
 from rafl.io import load_yaml, read_text_file
 from rafl.schema import NoBoolNumbers
@@ -61,8 +61,9 @@ class DataConfig(_Strict):
 class PartitionConfig(_Strict):
     """How the data is split over clients (see :func:`rafl.data.make_partition`)."""
 
-    scheme: str = Field("dirichlet", description="iid, pathological, dirichlet, natural or file:PATH")
-    alpha: float | None = Field(0.5, gt=0, description="a number > 0 (dirichlet)")
+    scheme: str = Field("dirichlet", description="iid, pathological, dirichlet, balanced-dirichlet, natural or "
+                        "file:PATH")
+    alpha: float | None = Field(0.5, gt=0, description="a number > 0 (dirichlet, balanced-dirichlet)")
     k: int | None = Field(None, ge=1, description="an integer >= 1 (pathological: classes per client)")
     min_samples: int = Field(10, ge=1, description="an integer >= 1")
     public_fraction: float = Field(0.3, ge=0, lt=1, description="a fraction in [0, 1)")
@@ -86,8 +87,8 @@ class PartitionConfig(_Strict):
     @field_validator("scheme")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        if v not in ("iid", "pathological", "dirichlet", "natural") and not v.startswith("file:"):
-            raise ValueError("allowed: iid, pathological, dirichlet, natural, file:PATH")
+        if v not in SCHEMES and not v.startswith("file:"):
+            raise ValueError(f"allowed: {', '.join(SCHEMES)}, file:PATH")
         return v
 
 

@@ -117,7 +117,7 @@ def load_data_and_partition(cfg: RunConfig, progress: bool = True):
     p = cfg.partition
     try:
         part = make_partition(labels, p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
-                              k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
+                              k=p.k, alpha=p.alpha if p.scheme in ("dirichlet", "balanced-dirichlet") else None, min_samples=p.min_samples,
                               public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
                               split=tuple(p.split), dataset=ds.name, origin=ds.origin,
                               global_test_per_class=p.global_test_per_class)
