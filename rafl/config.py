@@ -237,6 +237,11 @@ class TrainSection(_Strict):
     device: str = Field("cpu", description="cpu, cuda or cuda:N (a CUDA device this machine has)")
     threads: int | None = Field(1, ge=1, description="torch CPU threads (default 1: the small subnets gain little from intra-op "
                                    "threads, and lose a lot on a shared CPU), or null (torch's default)")
+    bn_statistics: Literal["client", "server", "local"] | None = Field(
+        None, description="client, server, local or null: where the BatchNorm statistics of every deployed model come "
+        "from -- re-estimated on the client's own training split (client), on the server's public pool (server), or "
+        "FedBN's local BN layers, never averaged (local); null: the method's own rule (averaged for fedavg, uniform, "
+        "heterofl, fedrolex; client for standalone, fedgh, fedtgp, fedproto, rafl; server for pretrained)")
 
     @field_validator("device")
     @classmethod
