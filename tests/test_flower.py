@@ -367,7 +367,7 @@ class DirectGrid(FakeGrid):
 
 
 ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", "fedkd", "feddf", "standalone",
-               "fedavg", "fedprox", "fednova", "heterofl", "fedrolex", "uniform", "pretrained"]
+               "fedavg", "fedprox", "fednova", "heterofl", "fedrolex", "uniform", "pretrained", "centralized"]
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)

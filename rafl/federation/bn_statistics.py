@@ -55,8 +55,9 @@ from rafl.supernet.server_data import CALIBRATION_BATCH, CALIBRATION_IMAGES, cal
 
 #: the policies ``train.bn_statistics`` accepts (null: the method's own)
 POLICIES: tuple[str, ...] = ("client", "server", "local")
-#: what a method's own rule may be called in a summary: the policies, and FedAvg's averaging
-RULES: tuple[str, ...] = (*POLICIES, "averaged")
+#: what a method's own rule may be called in a summary: the policies, FedAvg's averaging, and the
+#: centralized ceiling's statistics re-estimated on the pooled client data
+RULES: tuple[str, ...] = (*POLICIES, "averaged", "pooled")
 
 
 def check_policy(policy: Any) -> str | None:
