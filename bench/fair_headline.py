@@ -97,7 +97,8 @@ def compare(args, out: Path, methods: str, extra: list[str]) -> None:
         cmd = [sys.executable, "-m", "rafl", "compare", "--no-progress"]
         if (out / "config.yaml").is_file():
             return cmd + ["--resume", str(out)]
-        return cmd + ["--config", str(CONFIG.relative_to(ROOT)), "--data-root", str(args.data_root), "--out",
+        config = getattr(args, "config", CONFIG)  # bench/where_federation_pays.py runs another config
+        return cmd + ["--config", str(config.relative_to(ROOT)), "--data-root", str(args.data_root), "--out",
                       str(out), "--algorithms", methods, *extra, *(SMOKE if args.smoke else []), *sets, *device_sets]
 
     log = out.parent / f"{out.name}.log"

@@ -34,7 +34,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rafl.data.partition import validate_split
+from rafl.data.partition import SCHEMES, validate_split
 from rafl.errors import DuplicateKeyError, UserInputError, shown, warn, yaml_error_detail
 from rafl.io import load_yaml, read_text_file
 from rafl.schema import NoBoolNumbers
@@ -62,8 +62,9 @@ class DataConfig(_Strict):
 class PartitionConfig(_Strict):
     """How the data is split over clients (see :func:`rafl.data.make_partition`)."""
 
-    scheme: str = Field("dirichlet", description="iid, pathological, dirichlet, natural or file:PATH")
-    alpha: float | None = Field(0.5, gt=0, description="a number > 0 (dirichlet)")
+    scheme: str = Field("dirichlet", description="iid, pathological, dirichlet, balanced-dirichlet, natural or "
+                        "file:PATH")
+    alpha: float | None = Field(0.5, gt=0, description="a number > 0 (dirichlet, balanced-dirichlet)")
     k: int | None = Field(None, ge=1, description="an integer >= 1 (pathological: classes per client)")
     min_samples: int = Field(10, ge=1, description="an integer >= 1")
     public_fraction: float = Field(0.3, ge=0, lt=1, description="a fraction in [0, 1)")
@@ -87,8 +88,8 @@ class PartitionConfig(_Strict):
     @field_validator("scheme")
     @classmethod
     def _scheme(cls, v: str) -> str:
-        if v not in ("iid", "pathological", "dirichlet", "natural") and not v.startswith("file:"):
-            raise ValueError("allowed: iid, pathological, dirichlet, natural, file:PATH")
+        if v not in SCHEMES and not v.startswith("file:"):
+            raise ValueError(f"allowed: {', '.join(SCHEMES)}, file:PATH")
         return v
 
 
@@ -237,6 +238,11 @@ class TrainSection(_Strict):
     device: str = Field("cpu", description="cpu, cuda or cuda:N (a CUDA device this machine has)")
     threads: int | None = Field(1, ge=1, description="torch CPU threads (default 1: the small subnets gain little from intra-op "
                                    "threads, and lose a lot on a shared CPU), or null (torch's default)")
+    bn_statistics: Literal["client", "server", "local"] | None = Field(
+        None, description="client, server, local or null: where the BatchNorm statistics of every deployed model come "
+        "from -- re-estimated on the client's own training split (client), on the server's public pool (server), or "
+        "FedBN's local BN layers, never averaged (local); null: the method's own rule (averaged for fedavg, uniform, "
+        "heterofl, fedrolex; client for standalone, fedgh, fedtgp, fedproto, rafl; server for pretrained)")
 
     @field_validator("device")
     @classmethod

@@ -111,7 +111,7 @@ BAD = [
     (["--clients", "5000", "--partition", "iid"], "--clients: is 5000, but only 1797 samples"),
     (["--clients", "0"], "--clients: is 0, allowed: an integer >= 1"),
     (["--clients", "-4"], "--clients: is -4"),
-    (["--partition", "shards"], "--partition: is 'shards', allowed: one of iid, pathological, dirichlet, natural"),
+    (["--partition", "shards"], "--partition: is 'shards', allowed: one of iid, pathological, dirichlet, balanced-dirichlet, natural"),
     (["--partition", "natural"], "natural needs writer ids"),
     (["--public-fraction", "1.5"], "--public-fraction: is 1.5"),
     (["--split", "8:1"], "--split"),

@@ -33,7 +33,8 @@ def _same(a: Partition, b: Partition) -> bool:
                for s in ("train", "val", "test"))
 
 
-SCHEMES = [("iid", {}), ("pathological", {"k": 2}), ("dirichlet", {"alpha": 0.1}), ("dirichlet", {"alpha": 1.0})]
+SCHEMES = [("iid", {}), ("pathological", {"k": 2}), ("dirichlet", {"alpha": 0.1}), ("dirichlet", {"alpha": 1.0}),
+           ("balanced-dirichlet", {"alpha": 0.1}), ("balanced-dirichlet", {"alpha": 1.0})]
 
 
 @pytest.mark.parametrize("scheme,kw", SCHEMES)
@@ -219,13 +220,17 @@ def test_partition_load_missing_file(digits_labels, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"scheme": "shards", "n_clients": 5}, "allowed: one of iid, pathological, dirichlet, natural, file:PATH"),
+    ({"scheme": "shards", "n_clients": 5}, "allowed: one of iid, pathological, dirichlet, balanced-dirichlet, natural, file:PATH"),
     ({"scheme": "pathological", "n_clients": 5, "k": 11}, r"k: is 11, allowed: an integer 1..10"),
     ({"scheme": "pathological", "n_clients": 5, "k": 0}, r"k: is 0"),
     ({"scheme": "pathological", "n_clients": 5}, "k: is required"),
     ({"scheme": "dirichlet", "n_clients": 5, "alpha": 0.0}, "alpha: is 0.0, allowed"),
     ({"scheme": "dirichlet", "n_clients": 5, "alpha": -1.0}, "alpha: is -1.0"),
     ({"scheme": "dirichlet", "n_clients": 5}, "alpha: is required"),
+    ({"scheme": "balanced-dirichlet", "n_clients": 5}, "alpha: is required for --partition balanced-dirichlet"),
+    ({"scheme": "balanced-dirichlet", "n_clients": 5, "alpha": float("nan")}, "alpha: is nan, allowed"),
+    ({"scheme": "balanced-dirichlet", "n_clients": 100, "alpha": 0.1, "min_samples": 18},
+     r"min_samples: is 18, but 1797 samples over 100 equal clients give each 17; allowed: 1..17"),
     ({"scheme": "iid", "n_clients": 0}, "n_clients: is 0"),
     ({"scheme": "iid", "n_clients": -3}, "n_clients: is -3"),
     ({"scheme": "iid", "n_clients": 1798}, "n_clients: is 1798, but only 1797 samples"),
@@ -268,3 +273,50 @@ def test_a_public_pool_that_leaves_clients_too_little_is_named_with_the_fraction
     with pytest.raises(UserInputError, match="lower --clients or --min-samples") as err:   # the clients' own limit
         make_partition(digits_labels, "dirichlet", 20, seed=0, alpha=0.5, min_samples=100)
     assert err.value.field == "min_samples"
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.5])
+def test_balanced_dirichlet_gives_equal_clients_every_sample_once(digits_labels, alpha):
+    """Hsu et al. 2019's scheme: near-equal client sizes (floor or ceil of N/n, the first N mod n
+    clients one larger), every non-pool sample with exactly one client, deterministic for the seed;
+    where the per-class dirichlet scheme leaves a client a handful of samples."""
+    y = digits_labels
+    part = make_partition(y, "balanced-dirichlet", 100, seed=0, alpha=alpha, min_samples=17, public_fraction=0.0)
+    sizes = np.array([c.n_samples for c in part.clients])
+    assert sizes.tolist() == [18] * (len(y) % 100) + [17] * (100 - len(y) % 100)
+    assert np.array_equal(np.sort(np.concatenate([c.all() for c in part.clients])), np.arange(len(y)))
+    assert part.meta["params"] == {"alpha": alpha, "min_samples": 17} and part.meta["unassigned"] == 0
+    assert _same(part, make_partition(y, "balanced-dirichlet", 100, seed=0, alpha=alpha, min_samples=17))
+    # the per-class scheme at the same alpha: clients of very unequal size, or at 0.05 some client empty
+    if alpha < 0.1:
+        with pytest.raises(UserInputError, match="no Dirichlet.*>= 1 samples"):
+            make_partition(y, "dirichlet", 100, seed=0, alpha=alpha, min_samples=1)
+    else:
+        per_class = make_partition(y, "dirichlet", 100, seed=0, alpha=alpha, min_samples=1)
+        assert max(c.n_samples for c in per_class.clients) - min(c.n_samples for c in per_class.clients) > 5
+
+
+def test_balanced_dirichlet_skew_follows_alpha(digits_labels):
+    """Small alpha: a client's labels concentrate on few classes; large alpha: near the pool's class
+    frequencies (every client holds about the same mixture as IID)."""
+    y = digits_labels
+
+    def top_share(alpha: float) -> float:
+        cc = make_partition(y, "balanced-dirichlet", 20, seed=1, alpha=alpha).class_counts(y)
+        return float((cc.max(axis=1) / cc.sum(axis=1)).mean())
+
+    skewed, mixed, flat = top_share(0.05), top_share(1.0), top_share(1000.0)
+    assert skewed > 0.6 > mixed > flat
+    assert flat < 0.2                                       # about 1/10: the prior, as IID gives
+    held = (make_partition(y, "balanced-dirichlet", 20, seed=1, alpha=0.05).class_counts(y) > 0).sum(axis=1)
+    assert held.mean() < 5
+
+
+def test_balanced_dirichlet_with_a_tiny_alpha_still_fills_every_client():
+    """alpha -> 0: each client's mixture is one class; when its class is used up it takes the samples
+    left (in proportion to the classes' counts), so every client is still filled to its size."""
+    labels = np.repeat(np.arange(10), 50)
+    part = make_partition(labels, "balanced-dirichlet", 7, 0, alpha=1e-9, min_samples=5)
+    assert sorted(c.n_samples for c in part.clients) == [71] * 4 + [72] * 3
+    assert part.meta["pool_draws"] > 0
+    _assert_disjoint(part)

@@ -52,6 +52,8 @@ def test_cross_device_examples_carve_a_5000_image_pool_and_give_the_other_train_
     assert not np.isin(clients, part.public).any() and not np.isin(clients, part.global_test).any()
     train = sum(len(c.train) for c in part.clients)
     assert abs(train / n - 45000 / n) <= 0.01 * 45000 / n     # ~90 / ~450 train images per client
+    assert p.scheme == "balanced-dirichlet"                  # equal clients: 50,000 / n images each
+    assert {c.n_samples for c in part.clients} == {50000 // n} and p.min_samples <= 50000 // n
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

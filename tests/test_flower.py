@@ -369,7 +369,7 @@ class DirectGrid(FakeGrid):
 
 
 ALL_METHODS = ["rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "fml", "fedkd", "feddf", "standalone",
-               "fedavg", "fedprox", "fednova", "heterofl", "fedrolex", "uniform", "pretrained"]
+               "fedavg", "fedprox", "fednova", "heterofl", "fedrolex", "uniform", "pretrained", "centralized"]
 
 
 #: the methods whose Flower equivalence the fast loop keeps (12-35 s each on 2 loaded cores), one per kind of

@@ -35,7 +35,7 @@ def test_views_and_kept_images_index_like_the_whole_set():
         kept[torch.tensor([1, 2])]
 
 
-def _config(method: str, **hp) -> RunConfig:
+def _config(method: str, train: dict | None = None, **hp) -> RunConfig:
     return RunConfig.model_validate({
         "seed": 0, "data": {"dataset": "digits", "limit_per_class": 30},
         "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_samples": 10, "public_fraction": 0.3,
@@ -43,16 +43,18 @@ def _config(method: str, **hp) -> RunConfig:
         "clients": {"n": 4, "models": "cnn4-small", "feature_dim": 16},
         "algorithm": {"name": method, "local_epochs": 1, **hp},
         "engine": {"rounds": 2, "clients_per_round": 2, "workers": 1},
-        "train": {"batch_size": 8, "threads": 1},
+        "train": {"batch_size": 8, "threads": 1, **(train or {})},
     })
 
 
-@pytest.mark.parametrize("method,hp,reads_pool", [("fedproto", {}, False),
-                                                  ("feddf", {"distill_epochs": 1}, True)])
-def test_a_run_on_the_kept_images_equals_one_on_all(tmp_path, method, hp, reads_pool):
+@pytest.mark.parametrize("method,hp,train,reads_pool", [("fedproto", {}, {}, False),
+                                                        ("feddf", {"distill_epochs": 1}, {}, True),
+                                                        ("fedavg", {}, {"bn_statistics": "server"}, True)])
+def test_a_run_on_the_kept_images_equals_one_on_all(tmp_path, method, hp, train, reads_pool):
     """The same metrics (bit for bit) with only the used images in memory as with all of them; the
-    pool stays only for a method that distils on it (FedDF)."""
-    cfg = _config(method, **hp)
+    pool stays only for a method that reads it: FedDF distils on it, ``train.bn_statistics: server``
+    re-estimates every deployed model's BN statistics on it."""
+    cfg = _config(method, train, **hp)
     summaries = {}
     for keep_all in (True, False):
         prep = prepare(cfg, progress=False, keep_all_images=keep_all)

@@ -16,12 +16,14 @@ from rafl.cli._types import data_root_option
 @click.option("--clients", type=int, default=None,
               help="Number of clients [default: 20; natural: one per eligible writer].")
 @click.option("--partition", "scheme", default="dirichlet", show_default=True,
-              help="iid | pathological | dirichlet | natural | file:PATH (a saved partition.json).")
+              help="iid | pathological | dirichlet | balanced-dirichlet (equal client sizes) | natural | file:PATH (a saved "
+                   "partition.json).")
 @click.option("--k", type=int, default=None, help="Classes per client (pathological), 1..C.")
 @click.option("--alpha", type=float, default=0.5, show_default=True,
               help="Dirichlet concentration (> 0; smaller = more label skew).")
 @click.option("--min-samples", type=int, default=10, show_default=True,
-              help="Smallest client (dirichlet redraws) / smallest writer kept (natural).")
+              help="Smallest client (dirichlet redraws; balanced-dirichlet: <= samples/clients) / smallest writer kept "
+                   "(natural).")
 @click.option("--public-fraction", type=float, default=0.0, show_default=True,
               help="Share of every class carved first into the server's public pool, 0 <= f < 1.")
 @click.option("--public-seed", type=int, default=0, show_default=True, help="Seed of the public pool.")

@@ -86,6 +86,8 @@ def print_table(summary: dict, run_dir: Path) -> None:
               + f"; failed clients: {summary['failures']}")
     if not group:
         con.print("subnets: " + ", ".join(sorted({f"{r['profile']}={r['arch']}" for r in rows})), soft_wrap=True)
+    if summary.get("bn_statistics"):
+        con.print(f"BN statistics of the deployed models: {summary['bn_statistics']} (train.bn_statistics)", soft_wrap=True)
     con.print(f"run dir: {run_dir}", soft_wrap=True)
 
 

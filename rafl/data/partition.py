@@ -19,6 +19,23 @@ Partitioners (all deterministic for a seed; one ``numpy.random.Generator`` per c
   client), the class's shares are drawn from ``Dir(alpha)`` over the clients that are not full, so
   ``alpha -> 0`` gives one client per class, never an even spread. The whole draw is repeated until every client has ``>= min_samples``
   samples, at most :data:`MAX_DIRICHLET_TRIES` times, then :class:`~rafl.errors.UserInputError`.
+* ``balanced-dirichlet`` -- equal client sizes with Dirichlet label mixtures (Hsu, Qi & Brown,
+  "Measuring the Effects of Non-Identical Data Distribution for Federated Visual Classification",
+  2019, Sec. 3; FedLab's "balanced Dirichlet", ``balance=True, partition="dir"``): every client
+  ``j`` draws class proportions ``q_j ~ Dir(alpha * C * p)``, ``p`` the class frequencies of the
+  samples to partition (Hsu et al.'s ``Dir(alpha_H * p)`` with ``alpha_H = C * alpha``: under a
+  uniform prior every class gets concentration ``alpha``, as in the ``dirichlet`` scheme and in
+  FedLab, so one ``alpha`` means the same per-class skew in both schemes). Client sizes are
+  near-equal (``floor(N/n)`` or ``ceil(N/n)``, the first ``N mod n`` clients one larger) and every
+  sample is used exactly once: the ``N`` slots (client ``j`` repeated ``size_j`` times) are
+  visited in a random order, and each slot draws a class from its client's ``q_j`` restricted to
+  the classes that still have samples (Hsu et al.: sampling without replacement from the class
+  pools), then takes that class's next sample of a shuffled pool. A client whose remaining classes
+  all carry zero mass (``q_j`` underflows to 0 at tiny ``alpha``) draws from the remaining samples
+  in proportion to the classes' counts (``meta["pool_draws"]`` counts these). The cross-device
+  corner's scheme: with 500 clients, ``dirichlet`` at ``alpha = 0.1`` leaves some client a single
+  image in every draw, this one gives every client ``floor(N/n)``. It cannot fill every client with
+  ``min_samples`` only when ``N < n * min_samples``.
 * ``natural`` -- one client per writer (FEMNIST, LEAF; Caldas et al., 2018). Writers with fewer than
   ``min_samples`` samples are skipped; if ``n_clients`` is smaller than the number of eligible
   writers, ``n_clients`` of them are drawn at random (the rest stay unassigned). Client order is
@@ -65,7 +82,7 @@ import numpy as np
 from rafl.errors import UserInputError, allowed, brief
 from rafl.io import atomic_write_text, read_json_file
 
-SCHEMES: tuple[str, ...] = ("iid", "pathological", "dirichlet", "natural")
+SCHEMES: tuple[str, ...] = ("iid", "pathological", "dirichlet", "balanced-dirichlet", "natural")
 MAX_DIRICHLET_TRIES: int = 100
 FORMAT = "rafl.partition"
 VERSION = 1
@@ -575,6 +592,69 @@ def _dirichlet(pool: np.ndarray, labels: np.ndarray, n_clients: int, alpha: floa
         "--min-samples or lower --clients", field="min_samples")
 
 
+def _balanced_dirichlet(pool: np.ndarray, labels: np.ndarray, n_clients: int, alpha: float, n_classes: int,
+                        rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """Near-equal clients with ``Dir(alpha * C * p)`` label mixtures (the module docstring's
+    ``balanced-dirichlet``; Hsu et al. 2019, Sec. 3).
+
+    Args:
+        pool: int64 (N,) the indices to partition.
+        labels: int (N_total,) labels of the whole dataset.
+        n_clients: clients (1..N, checked by the caller).
+        alpha: per-class concentration under a uniform prior (> 0).
+        n_classes: C.
+        rng: the partition's generator (the only source of randomness).
+
+    Returns:
+        one sorted int64 index array per client, of ``floor(N/n)`` or ``ceil(N/n)`` samples, pairwise
+        disjoint and together exactly ``pool``; ``{"pool_draws": int}``.
+    """
+    import bisect
+
+    n = len(pool)
+    pool_labels = labels[pool]
+    per_class = [rng.permutation(pool[pool_labels == c]) for c in range(n_classes)]
+    remaining = np.array([len(a) for a in per_class], dtype=np.int64)
+    prior = remaining / max(n, 1)
+    conc = np.maximum(alpha * n_classes * prior, 0.0)
+    present = conc > 0                                    # a class absent from the pool gets no mass
+    q = np.zeros((n_clients, n_classes))
+    if present.any():
+        q[:, present] = rng.dirichlet(conc[present], size=n_clients)
+    sizes = np.full(n_clients, n // n_clients, dtype=np.int64)
+    sizes[: n % n_clients] += 1
+    slots = rng.permutation(np.repeat(np.arange(n_clients), sizes))
+    draws = rng.random(n)
+    taken = np.zeros(n_classes, dtype=np.int64)           # next position in each class's shuffled pool
+    open_mask = remaining > 0
+
+    def cumulative(weights: np.ndarray) -> list[float]:
+        return np.cumsum(weights * open_mask).tolist()
+
+    cums = [cumulative(q[j]) for j in range(n_clients)]
+    out: list[list[int]] = [[] for _ in range(n_clients)]
+    pool_draws = 0
+    for j, u in zip(slots.tolist(), draws.tolist()):
+        cum = cums[j]
+        if cum[-1] > 0:
+            c = min(bisect.bisect_right(cum, u * cum[-1]), n_classes - 1)
+            while not open_mask[c]:                       # float ties at a closed class's edge
+                c -= 1
+        else:                                             # none of the client's classes is left
+            pool_draws += 1
+            left = np.cumsum(remaining).tolist()
+            c = min(bisect.bisect_right(left, u * left[-1]), n_classes - 1)
+            while remaining[c] == 0:
+                c -= 1
+        out[j].append(int(per_class[c][taken[c]]))
+        taken[c] += 1
+        remaining[c] -= 1
+        if remaining[c] == 0:                             # class exhausted: renormalize every client over the rest
+            open_mask[c] = False
+            cums = [cumulative(q[i]) for i in range(n_clients)]
+    return [np.sort(np.asarray(o, dtype=np.int64)) for o in out], {"pool_draws": pool_draws}
+
+
 def _natural(pool: np.ndarray, writers: np.ndarray, n_clients: int | None, min_samples: int,
              rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
     pool_writers = np.asarray(writers)[pool]
@@ -601,6 +681,22 @@ def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
     return int(value)
 
 
+def _check_alpha(alpha: Any, scheme: str) -> float:
+    """``alpha`` as a finite float > 0.
+
+    Raises:
+        UserInputError: missing, not a number, <= 0 or not finite (field ``alpha``)."""
+    if alpha is None:
+        raise UserInputError(f"is required for --partition {scheme} (concentration > 0)", field="alpha")
+    try:
+        alpha = float(alpha)
+    except (TypeError, ValueError):
+        raise UserInputError(f"is {alpha!r}, allowed: a number > 0", field="alpha") from None
+    if not (alpha > 0) or not math.isfinite(alpha):
+        raise UserInputError(f"is {alpha}, allowed: a finite number > 0", field="alpha")
+    return alpha
+
+
 def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed: int, *, k: int | None = None,
                    alpha: float | None = None, min_samples: int = 10, public_fraction: float = 0.0,
                    public_seed: int = 0, writers: np.ndarray | None = None,
@@ -610,13 +706,15 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
 
     Args:
         labels: int (N,) class labels of the whole dataset.
-        scheme: ``"iid"``, ``"pathological"``, ``"dirichlet"``, ``"natural"`` or ``"file:PATH"``.
+        scheme: ``"iid"``, ``"pathological"``, ``"dirichlet"``, ``"balanced-dirichlet"``, ``"natural"`` or
+            ``"file:PATH"``.
         n_clients: number of clients (>= 1). ``natural`` accepts None = one client per eligible writer.
         seed: seed of the partition's generator (the split uses an independent child stream).
         k: classes per client (``pathological``; 1..C).
-        alpha: Dirichlet concentration (``dirichlet``; > 0; small = more skew).
+        alpha: Dirichlet concentration (``dirichlet``, ``balanced-dirichlet``; > 0; small = more skew).
         min_samples: ``dirichlet``: smallest allowed client (redraws up to
-            :data:`MAX_DIRICHLET_TRIES`); ``natural``: smallest eligible writer.
+            :data:`MAX_DIRICHLET_TRIES`); ``balanced-dirichlet``: smallest allowed client (clients hold
+            ``floor(N/n)`` or more, so ``N >= n * min_samples``); ``natural``: smallest eligible writer.
         public_fraction: share of every class carved FIRST into the server's public pool
             (:func:`carve_public_pool` with ``public_seed``).
         writers: (N,) writer ids, required by ``natural``.
@@ -629,7 +727,7 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
 
     Returns:
         :class:`Partition`; disjoint client index sets, complete over the non-public indices for
-        ``iid`` and ``dirichlet`` (and ``pathological`` when ``n_clients*k >= C``).
+        ``iid``, ``dirichlet`` and ``balanced-dirichlet`` (and ``pathological`` when ``n_clients*k >= C``).
 
     Raises:
         UserInputError: unknown scheme; n_clients <= 0 or more clients than samples; k missing or
@@ -699,14 +797,7 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         params["k"] = k
         shares, extra = _pathological(pool, labels, n_clients, k, n_classes, part_rng)
     elif scheme == "dirichlet":
-        if alpha is None:
-            raise UserInputError("is required for --partition dirichlet (concentration > 0)", field="alpha")
-        try:
-            alpha = float(alpha)
-        except (TypeError, ValueError):
-            raise UserInputError(f"is {alpha!r}, allowed: a number > 0", field="alpha") from None
-        if not (alpha > 0) or not math.isfinite(alpha):
-            raise UserInputError(f"is {alpha}, allowed: a finite number > 0", field="alpha")
+        alpha = _check_alpha(alpha, scheme)
         params.update(alpha=alpha, min_samples=min_samples)
         if n_clients * min_samples > len(pool):
             pool_too_large(n_clients * min_samples, f"{n_clients} clients x min_samples {min_samples}")
@@ -714,6 +805,16 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
                 f"{n_clients} clients x {min_samples} samples > {len(pool)} samples to partition; "
                 "lower --clients or --min-samples", field="min_samples")
         shares, extra = _dirichlet(pool, labels, n_clients, alpha, min_samples, n_classes, part_rng)
+    elif scheme == "balanced-dirichlet":
+        alpha = _check_alpha(alpha, scheme)
+        params.update(alpha=alpha, min_samples=min_samples)
+        if n_clients * min_samples > len(pool):
+            pool_too_large(n_clients * min_samples, f"{n_clients} clients x min_samples {min_samples}")
+            raise UserInputError(
+                f"is {min_samples}, but {len(pool)} samples over {n_clients} equal clients give each "
+                f"{len(pool) // n_clients}; allowed: 1..{max(len(pool) // n_clients, 1)} (or lower clients.n)",
+                field="min_samples")
+        shares, extra = _balanced_dirichlet(pool, labels, n_clients, alpha, n_classes, part_rng)
     else:  # natural
         if writers is None:
             raise UserInputError("the natural partition needs writer ids (dataset 'femnist')", field="partition")

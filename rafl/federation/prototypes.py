@@ -29,7 +29,7 @@ from torch import nn
 
 from rafl.errors import UserInputError
 from rafl.federation.losses import DIST_EPS, pairwise_distances, safe_distance, stack_targets, target_bank
-from rafl.federation.training import evaluate_accuracy, hits
+from rafl.federation.training import deployed_statistics, evaluate_accuracy, hits
 from rafl.models.split import features_then_head
 from rafl.models.zoo import HeteroModel
 from rafl.supernet.model import Subnet
@@ -283,6 +283,7 @@ def evaluate_prototype_accuracy(model: nn.Module, loader: Iterable[Batch], proto
     rather than report 0."""
     if not protos:
         return 0, 0
+    deployed_statistics(model)
     was = model.training
     model.eval()
     correct = total = 0
@@ -314,6 +315,7 @@ def evaluate_head_and_prototypes(model: nn.Module, loader: Iterable[Batch], prot
     if not forward_is_head_of_features(model):
         return (evaluate_accuracy(model, loader, device=device),
                 evaluate_prototype_accuracy(model, loader, protos, device=device))
+    deployed_statistics(model)
     was = model.training
     model.eval()
     head = proto = total = 0

@@ -30,6 +30,7 @@ import torch
 
 from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
+from rafl.federation.bn_statistics import deployment, overrides
 from rafl.federation.events import report
 from rafl.federation.payload import Payload
 from rafl.federation.screening import ClientError
@@ -65,6 +66,8 @@ class Federation:
         device: torch device of local computation.
         global_test: a loader over the held-out balanced global test set (the same images for
             every client; :func:`rafl.federation.build.global_test_loader`), or None.
+        bn_statistics: ``train.bn_statistics``: where the deployed models' BatchNorm statistics
+            come from (:mod:`rafl.federation.bn_statistics`; None: the method's own rule).
     """
 
     algorithm: Algorithm
@@ -75,6 +78,7 @@ class Federation:
     n_classes: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     global_test: Loader | None = None
+    bn_statistics: str | None = None
 
 
 def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
@@ -153,12 +157,15 @@ GLOBAL_SUFFIX = "@global"
 def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str, float]:
     """``evaluate`` of a prepared client state on the client's own test split, and, when the
     federation has a held-out global test set (``fed.global_test``), on it too,
-    its models renamed ``m@global`` (:data:`GLOBAL_SUFFIX`)."""
+    its models renamed ``m@global`` (:data:`GLOBAL_SUFFIX`). The deployed models' BatchNorm statistics
+    follow ``fed.bn_statistics`` (:func:`rafl.federation.bn_statistics.deployment`)."""
     algo = fed.algorithm
-    out = dict(algo.evaluate(state, ctx))
+    with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
+        out = dict(algo.evaluate(state, ctx))
     held = fed.global_test
     if held is not None:
-        counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
+        with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
+            counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
         for key, value in counts.items():
             model, dot, stat = key.rpartition(".")
             if dot and stat in ("correct", "total"):
@@ -319,7 +326,10 @@ class PooledLoader:
 
 def initial_groups(fed, ids: list[int]) -> list[list[int]]:
     """``ids`` (clients without a state) grouped by model (``ClientInfo.model_key``), each group
-    sorted, groups ordered by their first client."""
+    sorted, groups ordered by their first client. Every client alone when its deployed model's BN
+    statistics are re-estimated on its own data (``fed.bn_statistics: client`` over another rule)."""
+    if getattr(fed, "bn_statistics", None) == "client" and overrides(fed.algorithm, "client"):
+        return [[cid] for cid in sorted(ids)]
     groups: dict[str, list[int]] = {}
     for cid in sorted(ids):
         groups.setdefault(fed.clients[cid].model_key, []).append(cid)

@@ -11,7 +11,8 @@
 * :func:`train_sgd` -- plain SGD epochs on server-held data (FedGH's header, FedTGP's prototypes);
 * :func:`distill_kl` -- KL distillation of a student into given soft targets (RaFL Eq. 9, FedDF);
 * :func:`predict_logits` -- logits of a model on a tensor of images, batched;
-* :func:`evaluate_accuracy` -- ``(correct, total)`` on a loader;
+* :func:`evaluate_accuracy` -- ``(correct, total)`` on a loader (every scoring helper first calls
+  :func:`deployed_statistics`: the run's ``train.bn_statistics``, :mod:`rafl.federation.bn_statistics`);
 * :func:`extract_representations` -- ``(features (N, D), labels (N,))`` from ``model.features``
   (FedGH's LARs, FedProto/FedTGP prototypes).
 
@@ -28,6 +29,7 @@ one sample whose feature map is 1x1 (and a batch of 2-3 samples there diverges).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -381,11 +383,28 @@ def hits(logits: torch.Tensor, labels: torch.Tensor) -> int:
     return int(right.sum())
 
 
+#: what a deployed model's BatchNorm statistics become before it is scored: set by
+#: :func:`rafl.federation.bn_statistics.deployment` around a client's evaluation (None: as the method
+#: left them). Every scoring helper (:func:`evaluate_accuracy`, :func:`evaluate_header_rules`,
+#: :func:`rafl.federation.prototypes.evaluate_prototype_accuracy`) calls :func:`deployed_statistics`.
+DEPLOYED_STATISTICS: ContextVar[Callable[[nn.Module], None] | None] = ContextVar("rafl_deployed_statistics",
+                                                                                  default=None)
+
+
+def deployed_statistics(model: nn.Module) -> None:
+    """Apply the deployment's BatchNorm statistics policy to ``model`` (in place) when one is set
+    (:data:`DEPLOYED_STATISTICS`); a model already handled in this evaluation is left as it is."""
+    apply = DEPLOYED_STATISTICS.get()
+    if apply is not None:
+        apply(model)
+
+
 @torch.no_grad()
 def evaluate_accuracy(model: nn.Module, loader: Iterable[Batch], *,
                       device: torch.device | str = "cpu") -> tuple[int, int]:
     """``(correct, total)`` of ``model`` (eval mode; logits (B, K)) over ``loader``; the model's mode
     is restored. A sample whose logits are not all finite is never correct (:func:`hits`)."""
+    deployed_statistics(model)
     was_training = model.training
     model.eval()
     correct = total = 0
@@ -411,6 +430,7 @@ def evaluate_header_rules(model: nn.Module, loader: Iterable[Batch],
         rules: name -> ``(header (B, D) -> (B, K), offset (K,) or None)``; headers run in eval mode
             and get their modes restored too.
     """
+    deployed_statistics(model)
     modules = [model, *(h for h, _ in rules.values())]
     modes = [m.training for m in modules]
     for m in modules:
@@ -614,5 +634,6 @@ def train_mutual(model_a: nn.Module, model_b: nn.Module, loader: Iterable[Batch]
 
 __all__ = ["TrainStats", "NoSingletonBatches", "train_regularized", "train_mutual", "train_ce", "train_mode",
            "loader_size", "evaluate_header_rules", "check_finite_loss", "check_finite_params", "train_sgd",
-           "recalibrate_local_bn", "predict_logits", "distill_kl", "evaluate_accuracy",
+           "recalibrate_local_bn", "predict_logits", "distill_kl", "evaluate_accuracy", "DEPLOYED_STATISTICS",
+           "deployed_statistics",
            "extract_representations", "class_means", "make_optimizer"]

@@ -135,6 +135,8 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     evals = [r for r in history if "model.acc_mean_over_clients" in r]
     last = evals[-1] if evals else {}
     row: dict[str, Any] = {"algorithm": name}
+    if summary.get("bn_statistics"):  # the deployed models' BN statistics rule (train.bn_statistics)
+        row["bn_statistics"] = summary["bn_statistics"]
     for base in reported_accuracies():  # every accuracy a method may report: the deployed model's first
         for model in (base, f"{base}{GLOBAL_SUFFIX}"):
             if f"{model}.acc_mean_over_clients" in last:
@@ -213,7 +215,7 @@ def summarize_finetuned(base_row: dict[str, Any], clients: dict[str, dict[str, A
     if "new-ft.acc_mean" in base_row:  # the new-clients protocol's fine-tuned figure is this row's
         row["new.acc_mean"] = base_row["new-ft.acc_mean"]
     for key in ("mb_up", "mb_down", "mb_total", "bytes_up_last_round", "rounds", "mb_up_per_client_round",
-                "mb_down_per_client_round", "subnets", "new_clients"):
+                "mb_down_per_client_round", "subnets", "new_clients", "bn_statistics"):
         if key in base_row:
             row[key] = base_row[key]
     row["wall_s"] = float(base_row.get("wall_s", 0.0)) + float(seconds)
@@ -258,7 +260,7 @@ _COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_st
          (f"model{GLOBAL_SUFFIX}.acc_mean", "global acc mean"),
          (f"model{GLOBAL_SUFFIX}.acc_mean_last{LAST_EVALS}", f"global acc mean, last {LAST_EVALS} evals"),
          ("new.acc_mean", "new clients acc"), ("new-ft.acc_mean", "new clients acc, fine-tuned")]
-_COLS_AFTER = [("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
+_COLS_AFTER = [("bn_statistics", "BN statistics"), ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
          ("settings", "non-default settings")]
 
 
@@ -439,7 +441,11 @@ def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
               f"samples of all clients together, where a client counts by its test samples), models: {models}; "
               if measured else "No accuracy: no client holds test data (partition.split has no test share, or the "
               f"clients are too small to get a test sample); models: {models}; ")
-             + "MB = payload bytes up + down / 1e6.", "",
+             + "MB = payload bytes up + down / 1e6."
+             + (" BN statistics = where the deployed models' BatchNorm statistics came from (train.bn_statistics or "
+                "the method's own rule: client = re-estimated on the client's own training split, server = on the "
+                "server's pool, local = FedBN's own BN layers, averaged = averaged like the weights)."
+                if any(r.get("bn_statistics") for r in rows) else ""), "",
              "| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(k), k) for k, _ in cols) + " |" for r in rows]
     lines += tier_tables(rows)

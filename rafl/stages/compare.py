@@ -42,6 +42,7 @@ from rafl.config import (
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
 from rafl.federation.algorithms._common import LOCAL_DEFAULTS, with_group_lr
+from rafl.federation.bn_statistics import apply_policy
 from rafl.federation.build import build_group_federation
 from rafl.federation.checks import check_public_pool, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Federation
@@ -442,6 +443,7 @@ def _method_builder(cfg: RunConfig, hparams: dict[str, dict[str, Any]], members:
             check_public_pool(algo, hp, part)
             fed, table = build_group_federation(ds, part, members, algo, feature_dim=feature_dim,
                                                 batch_size=cfg.train.batch_size, device=device, seed=cfg.seed)
+            apply_policy(fed, cfg.train.bn_statistics)
         if validation:
             fed.loaders, fed.global_test = validation_loaders(fed.loaders), None
         return fed, table, prep

@@ -120,7 +120,7 @@ def check_options(dataset: str, scheme: str, *, data_root: Path | None = None, c
             raise UserInputError("is required with --partition pathological (classes per client, 1..C)", field="--k")
         if k <= 0:
             raise UserInputError(f"is {k}, allowed: an integer 1..C (number of classes)", field="--k")
-    if scheme == "dirichlet" and not (alpha > 0 and math.isfinite(alpha)):
+    if scheme in ("dirichlet", "balanced-dirichlet") and not (alpha > 0 and math.isfinite(alpha)):
         raise UserInputError(f"is {alpha}, allowed: a finite number > 0", field="--alpha")
     if min_samples < 1:
         raise UserInputError(f"is {min_samples}, allowed: an integer >= 1", field="--min-samples")

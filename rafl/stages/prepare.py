@@ -25,6 +25,7 @@ from rafl.config import RunConfig, participation, partition_error, warn_about_te
 from rafl.data import load_dataset, make_partition
 from rafl.errors import UserInputError, warn
 from rafl.federation.algorithms import get_algorithm
+from rafl.federation.bn_statistics import apply_policy
 from rafl.federation.build import build_federation, build_group_federation, used_samples
 from rafl.federation.checks import check_clients_avoid_pool, check_disjoint, check_public_pool, check_same_data
 from rafl.federation.engine import EngineConfig, Federation
@@ -114,7 +115,7 @@ def load_data_and_partition(cfg: RunConfig, progress: bool = True):
     p = cfg.partition
     try:
         part = make_partition(labels, p.scheme, cfg.clients.n, cfg.seed if p.seed is None else p.seed,
-                              k=p.k, alpha=p.alpha if p.scheme == "dirichlet" else None, min_samples=p.min_samples,
+                              k=p.k, alpha=p.alpha if p.scheme in ("dirichlet", "balanced-dirichlet") else None, min_samples=p.min_samples,
                               public_fraction=p.public_fraction, public_seed=p.public_seed, writers=ds.writers,
                               split=tuple(p.split), dataset=ds.name, origin=ds.origin,
                               global_test_per_class=p.global_test_per_class)
@@ -157,6 +158,7 @@ def _prepare_group(cfg: RunConfig, ds, part, members: list[str], algorithm, devi
     """:func:`prepare` for a model group: client ``i`` gets ``members[i % len(members)]``."""
     fed, table = build_group_federation(ds, part, members, algorithm, feature_dim=cfg.clients.feature_dim,
                                         batch_size=cfg.train.batch_size, device=device, seed=cfg.seed)
+    apply_policy(fed, cfg.train.bn_statistics)
     ecfg = engine_config(cfg)
     participation(ecfg, len(part.clients))  # a count larger than the population is an error before writing
     return Prepared(cfg, fed, ecfg, table, part, {"models": cfg.clients.models, "feature_dim": cfg.clients.feature_dim})
@@ -185,6 +187,7 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
         torch.set_num_threads(cfg.train.threads)
     algo_cls = get_algorithm(cfg.algorithm.name)
     algorithm = algo_cls(**cfg.algorithm.hparams())
+    algorithm.bn_policy = cfg.train.bn_statistics  # before the images are trimmed: `server` reads the pool
     device = torch.device(cfg.train.device)  # validated by the run config (TrainSection)
     members = _group_members(cfg)  # None: nas
     profiles = check_nas_config(cfg) if members is None else []  # what needs no data or model, first
@@ -253,12 +256,14 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
                                   [arch_of[prof_of[c]]["arch"] for c in kept], algorithm,
                                   profiles=[prof_of[c] for c in kept], batch_size=cfg.train.batch_size, device=device,
                                   seed=cfg.seed, calib_images=calib)
+    apply_policy(fed, cfg.train.bn_statistics)
     new_fed, new_table = None, []
     if held:  # the new-clients protocol: the held-out clients as a federation of their own, never run by the engine
         new_fed, new_table = build_federation(ds, dataclasses.replace(part, clients=[part.clients[c] for c in held]),
                                               supernet, [arch_of[prof_of[c]]["arch"] for c in held], algorithm,
                                               profiles=[prof_of[c] for c in held], batch_size=cfg.train.batch_size,
                                               device=device, seed=cfg.seed, calib_images=calib, count_macs=False)
+        apply_policy(new_fed, cfg.train.bn_statistics)
         new_fed.global_test = None  # scored on their own test splits (the global set is the trained clients' row)
         for rows, ids in ((table, kept), (new_table, held)):
             for row, cid in zip(rows, ids):

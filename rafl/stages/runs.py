@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from rafl.errors import UserInputError
+from rafl.federation.bn_statistics import effective
 from rafl.federation.checks import DEPLOYMENT, check_resumable_here, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
 from rafl.federation.new_clients import evaluate_new_clients, new_clients_summary
@@ -33,10 +34,17 @@ def run_engine(fed: Federation, config: EngineConfig, run_dir: Path, *, resume: 
     """The engine's rounds of ``fed`` in ``run_dir`` (which exists), with the run's reports
     (:class:`rafl.reports.run.RunReport`: metrics files, summary, plots) and the round's progress
     bar; ``clients``: the client runner factory (:class:`~rafl.federation.engine.Engine`).
-    Returns the engine's summary."""
+    Returns the engine's summary, with ``bn_statistics``: where the deployed models' BatchNorm statistics
+    came from (``train.bn_statistics`` or the method's own rule, :func:`rafl.federation.bn_statistics.effective`),
+    also in ``summary.json``."""
     engine = Engine(fed, config, run_dir, progress=progress, clients=clients, observers=[RunReport(run_dir)])
     with round_progress(progress):  # clients done / sampled and the local epoch, inside each round
-        return engine.run(resume=resume)
+        summary = engine.run(resume=resume)
+    summary["bn_statistics"] = effective(fed.algorithm, fed.bn_statistics)
+    path = Path(run_dir) / "summary.json"
+    if path.is_file():
+        atomic_write_json(path, {**json.loads(path.read_text()), "bn_statistics": summary["bn_statistics"]})
+    return summary
 
 
 def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,

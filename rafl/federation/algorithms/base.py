@@ -213,6 +213,14 @@ class Algorithm(ABC):
         static_models: True when no client's deployed model changes over the rounds (the
             no-training floor): the engine evaluates once, after the last round, whatever
             ``engine.eval_every`` says (its curve is flat; its last-3 figure is its final one).
+        bn_statistics: where the BatchNorm statistics of the model a client deploys come from
+            under the method's own rule (``train.bn_statistics: null``; :mod:`rafl.federation.bn_statistics`):
+            ``client`` (re-estimated on the client's data at the end of local training: the private
+            models), ``averaged`` (averaged by the server like every other weight: FedAvg's rule),
+            ``server`` (re-estimated on the server's pool: the no-training floor).
+        bn_policy: the run's ``train.bn_statistics`` (None: the method's own rule), set on the
+            instance by the stage that builds the federation; the methods that average their
+            deployed model read it for FedBN (``local``).
         global_model: True when every client deploys the server's global model (or its slice)
             and keeps no client state; the fine-tuned variant (``<name>-ft``,
             :func:`rafl.federation.finetune.finetune_evaluate`) is then one more local step from
@@ -228,6 +236,8 @@ class Algorithm(ABC):
     static_models: ClassVar[bool] = False
     accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
     global_model: ClassVar[bool] = False
+    bn_statistics: ClassVar[str] = "client"
+    bn_policy: str | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -238,9 +248,10 @@ class Algorithm(ABC):
 
     def reads_public_pool(self) -> bool:
         """Whether a server step of this instance reads ``ServerContext.public_images``: the class
-        says so (:attr:`uses_public_pool`) or its ``distill`` hyperparameter is on (RaFL Eqs. 8-9).
-        A run whose method does not keeps no public-pool images in memory (``public_images`` None)."""
-        return bool(self.uses_public_pool or self.hparams.get("distill"))
+        says so (:attr:`uses_public_pool`), its ``distill`` hyperparameter is on (RaFL Eqs. 8-9), or
+        the run re-estimates deployed BN statistics on the pool (:attr:`bn_policy` ``server``). A run
+        whose method does not keeps no public-pool images in memory (``public_images`` None)."""
+        return bool(self.uses_public_pool or self.hparams.get("distill") or self.bn_policy == "server")
 
     @classmethod
     def check_hparams(cls, hparams: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +263,16 @@ class Algorithm(ABC):
                 ``algorithm.<key>``.
         """
         return cls.hparams_model.check(hparams, cls.name)
+
+    def deployed_bn_statistics(self) -> str:
+        """The method's own rule for its deployed models' BatchNorm statistics (:attr:`bn_statistics`;
+        a method whose rule depends on its hyperparameters, HeteroFL's static BN, overrides this)."""
+        return self.bn_statistics
+
+    def supports_local_bn(self) -> bool:
+        """Whether ``train.bn_statistics: local`` (FedBN) can be followed: by default where the
+        deployed model never leaves the client (its BN layers are its own already)."""
+        return self.deployed_bn_statistics() != "averaged"
 
     def check_population(self, clients: list[ClientInfo]) -> None:
         """Reject populations this method cannot handle (called once before round 1).

@@ -16,7 +16,10 @@ with a UserInputError saying so).
   ``tau_eff = sum_l p_l ||a_l||_1`` and ``p_l = n_l / n``. Buffers (BatchNorm statistics) are
   averaged as in FedAvg.
 
-Client state is ``{}`` (the model is the global one); evaluation uses the latest global model.
+Client state is ``{}`` (the model is the global one); evaluation uses the latest global model. Under
+``train.bn_statistics: local`` (FedBN, Li et al., ICLR 2021, Alg. 1) the client state is ``{"bn": its
+BatchNorm layers}`` after its first training, put into every download it trains or is scored on
+(:func:`rafl.federation.bn_statistics.with_own_bn`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from rafl.federation.aggregation import clip_scales, payload_weights, server_ave
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded
+from rafl.federation.bn_statistics import own_bn, with_own_bn
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
 
@@ -41,6 +45,19 @@ class FedAvg(Algorithm):
     hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
     requires_homogeneous: ClassVar[bool] = True
     global_model: ClassVar[bool] = True
+    bn_statistics: ClassVar[str] = "averaged"
+
+    def supports_local_bn(self) -> bool:
+        return True
+
+    def _start(self, state, broadcast: Payload) -> dict[str, torch.Tensor]:
+        """The weights a client starts from: the broadcast, with its own BN layers under FedBN."""
+        weights = broadcast.state_dict()
+        return with_own_bn(weights, state.get("bn")) if self.bn_policy == "local" else weights
+
+    def _kept(self, model) -> dict:
+        """The client state after training: its BN layers under FedBN, else nothing."""
+        return {"bn": own_bn(model)} if self.bn_policy == "local" else {}
 
     def init_server(self, server: ServerContext):
         first = server.clients[0].client_id if server.clients else 0
@@ -58,9 +75,9 @@ class FedAvg(Algorithm):
                         epochs=self.hparams["local_epochs"], device=client.device, bn_recalibration=False)
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
-        model = build(client, broadcast.state_dict())
+        model = build(client, self._start(state, broadcast))
         self._local_train(model, broadcast, client)
-        return {}, Payload.from_state_dict(cpu_state(model), meta={"n_samples": client.n_samples})
+        return self._kept(model), Payload.from_state_dict(cpu_state(model), meta={"n_samples": client.n_samples})
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         if not uploads:
@@ -72,7 +89,7 @@ class FedAvg(Algorithm):
         return {k: tuple(v.shape) for k, v in server_state["global"].items()}
 
     def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
-        return {"model": broadcast.state_dict()}
+        return {"model": self._start(state, broadcast)}
 
     def evaluate(self, state, client: ClientContext):
         model = build(client, state["model"])
@@ -117,7 +134,7 @@ class FedNova(FedAvg):
     global_model: ClassVar[bool] = False
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
-        start = broadcast.state_dict()
+        start = self._start(state, broadcast)
         model = build(client, start)
         stats = self._local_train(model, broadcast, client)
         a_norm = _a_norm(stats.steps, float(self.hparams["momentum"]) if self.hparams["optimizer"] == "sgd" else 0.0)
@@ -128,7 +145,7 @@ class FedNova(FedAvg):
                 out[k] = (start[k].float() - v.float()) / max(a_norm, 1e-12)
             else:  # buffers travel as values
                 out[k] = v
-        return {}, Payload(out, {"n_samples": client.n_samples, "tau": int(stats.steps), "a_norm": float(a_norm)})
+        return self._kept(model), Payload(out, {"n_samples": client.n_samples, "tau": int(stats.steps), "a_norm": float(a_norm)})
 
     def server_aggregate(self, uploads, server_state, server: ServerContext):
         uploads = [u for u in uploads if float(u.meta.get("a_norm", 0.0)) > 0]

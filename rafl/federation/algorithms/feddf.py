@@ -47,6 +47,7 @@ class FedDF(Algorithm):
     name: ClassVar[str] = "feddf"
     hparams_model: ClassVar[type[Hyperparameters]] = FedDFHparams
     uses_public_pool: ClassVar[bool] = True
+    bn_statistics: ClassVar[str] = "averaged"
 
     def init_server(self, server: ServerContext):
         if server.public_images is None or len(server.public_images) == 0:

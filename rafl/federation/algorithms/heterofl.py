@@ -60,6 +60,11 @@ statistics of the model a client evaluates (its slice of the latest global model
   balanced global test set (pi4 / jetson-nano / phone) with these statistics, 0.747 / 0.740 /
   0.722 with the averaged ones.
 
+``train.bn_statistics`` (:mod:`rafl.federation.bn_statistics`) replaces this rule for every method:
+``client`` / ``server`` re-estimate the deployed slice's statistics when it is scored (with averaged
+or static BN alike), ``local`` is FedBN (not with ``static_bn``): the client state holds the client's
+BN layers after its first training, put into every slice it downloads.
+
 With ``local`` on digits (the
 quickstart pipeline, 6 clients, Dirichlet 0.5, 1 round of 1 epoch) sBN with per-client statistics
 measured 0.679 mean client accuracy against 0.892 with averaged statistics (one subnet for every
@@ -89,6 +94,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms._common import cpu_state, eval_counts, optimizer_for
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Bool, Hyperparameters, LocalTraining, choice
+from rafl.federation.bn_statistics import own_bn, with_own_bn
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, recalibrate_local_bn, train_ce
 from rafl.federation.weight_sharing import (
@@ -255,6 +261,16 @@ class HeteroFL(Algorithm):
         """Static BN's ``sbn_statistics: server`` measures statistics on the public pool."""
         return super().reads_public_pool() or self._server_bn
 
+    def deployed_bn_statistics(self) -> str:
+        """``averaged`` (default), or static BN's ``server`` / ``client`` (``sbn_statistics: local``)."""
+        if not self.hparams["static_bn"]:
+            return "averaged"
+        return "server" if self.hparams["sbn_statistics"] == "server" else "client"
+
+    def supports_local_bn(self) -> bool:
+        """FedBN keeps a client's BN layers, statistics included: not with static BN (never sent)."""
+        return not self.hparams["static_bn"]
+
     # ------------------------------------------------------------------ server
     @property
     def _server_bn(self) -> bool:
@@ -368,16 +384,21 @@ class HeteroFL(Algorithm):
     def init_client(self, client: ClientContext):
         return {}
 
+    def _start(self, state, broadcast: Payload) -> dict[str, torch.Tensor]:
+        """The client's slice as downloaded, with its own BN layers under FedBN (``train.bn_statistics: local``)."""
+        weights = dict(broadcast.tensors)
+        return with_own_bn(weights, state.get("bn")) if self.bn_policy == "local" else weights
+
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         hp = self.hparams
-        model = self._model(client, broadcast.tensors)
+        model = self._model(client, self._start(state, broadcast))
         train_ce(model, client.train_loader, optimizer_for(model, hp), epochs=hp["local_epochs"], device=client.device,
                  bn_recalibration=False)
         upload = {k: v for k, v in cpu_state(model).items() if self._sent(k)}
-        return {}, Payload(upload, {"n_samples": client.n_samples})
+        return ({"bn": own_bn(model)} if self.bn_policy == "local" else {}), Payload(upload, {"n_samples": client.n_samples})
 
     def prepare_evaluation(self, state, broadcast: Payload, client: ClientContext):
-        return {"model": dict(broadcast.tensors)}
+        return {"model": self._start(state, broadcast)}
 
     def evaluate(self, state, client: ClientContext):
         model = self._model(client, state["model"])

@@ -28,6 +28,7 @@ class Pretrained(Standalone):
     name: ClassVar[str] = "pretrained"
     hparams_model: ClassVar[type[Hyperparameters]] = Hyperparameters
     static_models: ClassVar[bool] = True
+    bn_statistics: ClassVar[str] = "server"
 
     def client_update(self, state, broadcast: Payload, client: ClientContext):
         return state, Payload()

@@ -1,0 +1,330 @@
+"""Where federation pays (issue 56, items 5 and 8): the map of server-pool size x images per client, for
+the floor, standalone, FedAvg with server BN statistics, the best HtFL method and RaFL, under all three
+protocols, at 10 % participation.
+
+Cells: pool size {5,000 (``cifar10-proxy5k``, ``partition.public_fraction 0.1``), 20,000 (the shipped
+``cifar10``, ``public_fraction 0.5``: 20,000 train + 5,000 server-val)} x images per client {~90, ~450,
+1,500}. Every cell is one ``rafl compare`` per method on ``examples/cifar10-cross-device-500.yaml``
+(balanced-dirichlet label skew, alpha ``--alpha``; 20 % of the clients held out as new clients) with
+``clients.n`` = the cell's clients: the clients' images (the train split outside the pool and the test
+split outside the 5,000 global test images, 90 % of each client's share for training) over the images
+per client. One seed per cell (``--seed``). Methods (``--methods``): ``pretrained`` (the floor),
+``standalone``, ``uniform+sbn`` (FedAvg, ``train.bn_statistics=server``), the HtFL method ``--htfl``
+(default fedgh, the fair headline's best), ``rafl+kw1`` (RaFL, knowledge network at full width). Every
+method but the floor is tuned on the clients' validation splits over ``--grid`` (``rafl compare --tune``,
+as ``bench/fair_headline.py``).
+
+Resumable: the comparisons are ``bench/fair_headline.py``'s (:func:`fair_headline.compare`): a finished
+cell-method (``compare.json``) is skipped, an interrupted one resumes with the same command. Before it
+starts it prints its CPU budget estimate (image-steps x :data:`SECONDS_PER_IMAGE_STEP`, an assumed rate
+to calibrate on the first finished cell) and refuses bad input (one line, exit 2, nothing written).
+
+Writes ``bench/results/where_federation_pays.md`` / ``.json`` / ``.png``: per cell and method the mean over
+clients in each protocol, and the paired gain over the floor and over standalone (points, mean over the
+clients both scored ± the 95 % Student's t half-width, ``*`` where the interval excludes 0,
+:mod:`rafl.reports.stats`); the figure shows the gain over the floor on the global protocol and over
+standalone on new clients per cell, with those intervals; the (20,000, 1,500) cell is marked as the fair
+headline's null result.
+
+Run: ``python bench/where_federation_pays.py --data-root R --jobs 2`` (CPU); ``bench/gpu_map.sh`` on a lent
+GPU (several cells at once); ``--from OUT`` summarizes what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fair_headline as fh  # noqa: E402
+
+from rafl.reports.stats import Interval, format_points, paired_interval  # noqa: E402
+
+ROOT = fh.ROOT
+CONFIG = ROOT / "examples" / "cifar10-cross-device-500.yaml"
+#: pool size -> (supernet, partition.public_fraction, client images: train outside the pool + test outside the global set)
+POOLS = {5000: ("cifar10-proxy5k", 0.1, 45_000 + 5_000), 20000: ("cifar10", 0.5, 25_000 + 5_000)}
+PER_CLIENT = (90, 450, 1500)
+HTFL = ("fedgh", "fedtgp", "fedproto")
+#: the cell the fair headline measured (20 clients x ~1,500 images, the shipped 20,000-image pool): no method
+#: beat the floor there
+NULL_CELL = (20000, 1500)
+#: train share of a client's images (the config's partition.split)
+TRAIN_SHARE = 0.9
+#: the smallest client partition.min_samples allows (the config's)
+MIN_SAMPLES = 20
+#: assumed CPU seconds per image-step (forward + backward of one 32 px image on a small subnet, one
+#: core), for the budget estimate only; calibrate it on the first finished cell's wall_s
+SECONDS_PER_IMAGE_STEP = 0.004
+#: ``--methods`` entries beyond fair_headline's METHOD+VARIANT: their --set arguments
+MAP_VARIANTS = {"uniform+sbn": ("uniform", ["--set", "train.bn_statistics=server"])}
+PROTOCOLS = (("model.acc", "personalized"), ("model@global.acc", "global"), ("new", "new clients"))
+
+
+def die(message: str) -> None:
+    """Bad input: one line on stderr, exit 2, nothing written."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def cell_clients(pool: int, per_client: int) -> int:
+    """Clients of a cell: the clients' training images over ``per_client`` (at least 1)."""
+    return max(1, round(POOLS[pool][2] * TRAIN_SHARE / per_client))
+
+
+def method_sets(method: str, htfl: str) -> tuple[str, list[str]]:
+    """``(algorithm, --set arguments)`` of a map method (``htfl`` names the HtFL method's row)."""
+    if method in MAP_VARIANTS:
+        return MAP_VARIANTS[method]
+    return fh.variant_sets(method)
+
+
+def check_args(args) -> tuple[list[int], list[int], list[str]]:
+    """Parsed ``(pools, per_client, methods)``; bad input exits 2 with one line (:func:`die`)."""
+    try:
+        pools = [int(p) for p in args.pools.split(",") if p.strip()]
+        per = [int(p) for p in args.per_client.split(",") if p.strip()]
+    except ValueError:
+        die(f"--pools {args.pools!r} / --per-client {args.per_client!r}: allowed: comma-separated integers")
+    bad = [p for p in pools if p not in POOLS]
+    if not pools or bad:
+        die(f"--pools: {bad or 'none'} not allowed; allowed: {', '.join(map(str, POOLS))}")
+    if not per or any(p < MIN_SAMPLES for p in per):
+        die(f"--per-client: {args.per_client}; allowed: integers >= {MIN_SAMPLES} (partition.min_samples)")
+    if args.htfl not in HTFL:
+        die(f"--htfl: {args.htfl!r}; allowed: {', '.join(HTFL)}")
+    methods = [m.strip() for m in args.methods.replace("HTFL", args.htfl).split(",") if m.strip()]
+    for m in methods:
+        if m in MAP_VARIANTS:
+            continue
+        algorithm, _, variant = m.partition("+")
+        if variant and variant not in fh.VARIANTS:
+            die(f"--methods: unknown variant {variant!r} in {m!r}; allowed: {', '.join([*fh.VARIANTS, 'uniform+sbn'])}")
+    if "pretrained" not in methods or "standalone" not in methods:
+        die("--methods: the map's references pretrained and standalone must be in it")
+    if args.rounds < 1 or not 0 < args.participation <= 1:
+        die(f"--rounds {args.rounds} / --participation {args.participation}: allowed: rounds >= 1, participation "
+            "in (0, 1]")
+    for pool in pools:
+        for p in per:
+            n = cell_clients(pool, p)
+            need = n * MIN_SAMPLES
+            if need > POOLS[pool][2]:
+                die(f"cell (pool {pool}, {p} per client): {n} clients x partition.min_samples {MIN_SAMPLES} = {need} > "
+                    f"{POOLS[pool][2]} client images; allowed: --per-client >= {MIN_SAMPLES}")
+    return pools, per, methods
+
+
+def budget(pools: list[int], per: list[int], methods: list[str], args) -> float:
+    """Estimated CPU hours: per cell and trained method, (trials + final run) x rounds x sampled clients x
+    images x local epochs image-steps (the floor trains nothing), x :data:`SECONDS_PER_IMAGE_STEP`."""
+    trials = len(args.grid.split(",")) + 1
+    steps = 0.0
+    for pool in pools:
+        for p in per:
+            n = cell_clients(pool, p)
+            sampled = max(1, round(n * (1 - 0.2) * args.participation))
+            trained = sum(1 for m in methods if m != "pretrained")
+            steps += trained * trials * args.rounds * sampled * p * args.local_epochs
+    return steps * SECONDS_PER_IMAGE_STEP / 3600
+
+
+def cell_dir(out: Path, pool: int, per: int, method: str) -> Path:
+    return out / f"pool{pool}-pc{per}" / method
+
+
+def cell_sets(pool: int, per: int, args) -> list[str]:
+    supernet, fraction, _ = POOLS[pool]
+    sets = [f"supernet={supernet}", f"partition.public_fraction={fraction}", f"clients.n={cell_clients(pool, per)}",
+            f"engine.rounds={args.rounds}", f"engine.clients_per_round={args.participation}",
+            f"partition.alpha={args.alpha}", f"seed={args.seed}", f"algorithm.local_epochs={args.local_epochs}"]
+    return [x for s in sets for x in ("--set", s)]
+
+
+def run_cell(args, pool: int, per: int, method: str) -> None:
+    algorithm, hp = method_sets(method, args.htfl)
+    how = [] if method == "pretrained" else ["--tune", f"lr={args.grid}"]
+    folder = cell_dir(args.out, pool, per, method)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    fh.compare(args, folder, algorithm, how + ["--no-finetune", *cell_sets(pool, per, args), *hp])
+
+
+def new_clients(folder: Path, row: dict) -> dict[str, float]:
+    """held-out client id -> its accuracy as deployed (``new_clients.json``), empty without one."""
+    path = folder / row["algorithm"] / "new_clients.json"
+    if not path.is_file():
+        return {}
+    clients = json.loads(path.read_text())["new_clients"]["clients"]
+    return {c: v["model.acc"] for c, v in clients.items() if v.get("model.acc") is not None}
+
+
+def scores(folder: Path) -> dict[str, dict[str, float]] | None:
+    """protocol -> client -> accuracy of the comparison in ``folder`` (its first row), or None unfinished."""
+    result = folder / "compare.json"
+    if not result.is_file():
+        return None
+    row = json.loads(result.read_text())["rows"][0]
+    return {"model.acc": fh.per_client(folder, row, "model.acc"),
+            "model@global.acc": fh.per_client(folder, row, "model@global.acc"),
+            "new": new_clients(folder, row)}
+
+
+def summarize(out: Path, pools: list[int], per: list[int], methods: list[str]) -> dict:
+    """The map's JSON: per cell, method and protocol the mean over clients and the paired gains (points,
+    ``[mean, half-width, n]``) over the floor and over standalone."""
+    cells = []
+    for pool in pools:
+        for p in per:
+            got = {m: scores(cell_dir(out, pool, p, m)) for m in methods}
+            entry = {"pool": pool, "per_client": p, "clients": cell_clients(pool, p),
+                     "null_result": (pool, p) == NULL_CELL, "methods": {}}
+            for m, s in got.items():
+                if s is None:
+                    continue
+                rec = {"mean": {k: (sum(v.values()) / len(v) if v else None) for k, v in s.items()}}
+                for ref in ("pretrained", "standalone"):
+                    if m == ref or got.get(ref) is None:
+                        continue
+                    gains = {}
+                    for key, _ in PROTOCOLS:
+                        iv = paired_interval(s[key], got[ref][key])
+                        gains[key] = ([100 * iv.mean, None if math.isnan(iv.half) else 100 * iv.half, iv.n]
+                                      if iv.n else None)
+                    rec[f"vs_{ref}"] = gains
+                entry["methods"][m] = rec
+            cells.append(entry)
+    return {"cells": cells, "methods": methods}
+
+
+def _points(g) -> str:
+    """A stored gain ``[mean, half-width, n]`` (points) as :func:`format_points` writes it."""
+    if not g:
+        return "-"
+    mean, half, n = g
+    return format_points(Interval(mean / 100, float("nan"), n, half / 100 if half is not None else float("nan")))
+
+
+def render(result: dict, results: Path, command: str) -> str:
+    """``where_federation_pays.md`` / ``.json`` / ``.png`` in ``results``; returns the Markdown."""
+    results.mkdir(parents=True, exist_ok=True)
+    lines = ["# Where federation pays: the map", "", f"Command: `{command}`. One seed per cell; 10 % participation "
+             "by default; balanced-dirichlet label skew; 20 % of the clients held out (new clients). Gains are paired "
+             "over the clients both methods scored, in points: mean ± the 95 % Student's t half-width over the clients "
+             "(t(0.975, n−1) × SE); `*` where the interval excludes 0. The (20,000, 1,500) cell is the fair headline's "
+             "null result: no trained method beat the floor there.", "", "![gain per cell](where_federation_pays.png)", "",
+             "| pool | images / client | clients | method | personalized | global | new clients | vs floor: pers. | global "
+             "| new | vs standalone: pers. | global | new |", "|" + "---|" * 13]
+    for cell in result["cells"]:
+        tag = " (null result)" if cell["null_result"] else ""
+        for m, rec in cell["methods"].items():
+            means = [f"{rec['mean'][k]:.3f}" if rec["mean"].get(k) is not None else "-" for k, _ in PROTOCOLS]
+            gains = [_points((rec.get(f"vs_{ref}") or {}).get(k)) for ref in ("pretrained", "standalone")
+                     for k, _ in PROTOCOLS]
+            lines.append(f"| {cell['pool']:,}{tag} | {cell['per_client']} | {cell['clients']} | {m} | "
+                         + " | ".join(means + gains) + " |")
+    text = "\n".join(lines) + "\n"
+    (results / "where_federation_pays.md").write_text(text)
+    (results / "where_federation_pays.json").write_text(json.dumps({**result, "command": command}, indent=2) + "\n")
+    figure(results / "where_federation_pays.png", result)
+    return text
+
+
+def figure(path: Path, result: dict) -> None:
+    """Two panels, one group of bars per cell, one bar per trained method: the gain over the floor on the
+    global protocol, and over standalone on new clients (points, error bars: the t half-widths)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = result["cells"]
+    shown = [m for m in result["methods"] if m not in ("pretrained", "standalone")] + ["standalone"]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(cells) + 3), 3.8), layout="constrained", sharey=False)
+    for ax, (ref, key, title) in zip(axes, (("pretrained", "model@global.acc", "gain over the floor, global"),
+                                            ("standalone", "new", "gain over standalone, new clients"))):
+        methods = [m for m in shown if m != ref]
+        width = 0.8 / max(1, len(methods))
+        for j, m in enumerate(methods):
+            xs, ys, es = [], [], []
+            for i, cell in enumerate(cells):
+                g = ((cell["methods"].get(m) or {}).get(f"vs_{ref}") or {}).get(key)
+                if g:
+                    xs.append(i + (j - (len(methods) - 1) / 2) * width)
+                    ys.append(g[0])
+                    es.append(g[1] if g[1] is not None else 0.0)
+            ax.bar(xs, ys, width=width, yerr=es, capsize=2, label=m)
+        ax.axhline(0, color="black", linewidth=0.8)
+        labels = [f"{c['pool'] // 1000}k pool\n{c['per_client']}/client" + ("\n(null result)" if c["null_result"] else "")
+                  for c in cells]
+        ax.set_xticks(range(len(cells)), labels, fontsize=7)
+        ax.set_ylabel("points")
+        ax.set_title(title, fontsize=9)
+        for i, c in enumerate(cells):
+            if c["null_result"]:
+                ax.axvspan(i - 0.45, i + 0.45, color="grey", alpha=0.15)
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data-root", type=Path, default=Path.home() / ".cache" / "rafl-data" / "cifar10")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "where-federation-pays")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--pools", default="5000,20000")
+    ap.add_argument("--per-client", default=",".join(map(str, PER_CLIENT)))
+    ap.add_argument("--methods", default="pretrained,standalone,uniform+sbn,HTFL,rafl+kw1",
+                    help="HTFL stands for --htfl")
+    ap.add_argument("--htfl", default="fedgh", help="the HtFL method of the map (the fair headline's best: fedgh)")
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--participation", type=float, default=0.1)
+    ap.add_argument("--local-epochs", type=int, default=1)
+    ap.add_argument("--alpha", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grid", default=fh.GRID)
+    ap.add_argument("--jobs", type=int, default=1, help="comparisons at once")
+    ap.add_argument("--device", default="cpu", help="train.device (cuda: falls back to the CPU per job)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every rafl compare")
+    ap.add_argument("--from", dest="from_dir", type=Path, default=None, help="summarize finished cells only")
+    args = ap.parse_args(argv)
+    args.smoke = False
+    args.config = CONFIG
+    pools, per, methods = check_args(args)
+    command = "python bench/where_federation_pays.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.from_dir is not None:
+        args.out = args.from_dir
+        print(render(summarize(args.out, pools, per, methods), args.results, command))
+        return 0
+    hours = budget(pools, per, methods, args)
+    print(f"budget estimate: {hours:.1f} CPU hours ({len(pools) * len(per)} cells x {len(methods)} methods, "
+          f"{len(args.grid.split(','))} lr trials + the final run each, {args.rounds} rounds; "
+          f"{SECONDS_PER_IMAGE_STEP} s per image-step assumed); about {hours / max(1, args.jobs):.1f} h wall with "
+          f"--jobs {args.jobs}", flush=True)
+    jobs = [(pool, p, m) for pool in pools for p in per for m in methods]
+    failed: list[str] = []
+    start = time.time()
+
+    def job(cell: tuple[int, int, str]) -> None:
+        try:
+            run_cell(args, *cell)
+        except SystemExit as err:
+            failed.append(str(err))
+            print(err, flush=True)
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(job, jobs))
+    print(render(summarize(args.out, pools, per, methods), args.results, command))
+    print(f"{len(jobs) - len(failed)} of {len(jobs)} comparisons finished in {(time.time() - start) / 3600:.1f} h",
+          flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

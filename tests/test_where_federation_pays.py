@@ -1,0 +1,75 @@
+"""bench/where_federation_pays.py: bad input refused (one line, exit 2, nothing written), its budget, and its
+summary and figure from a small fake result set (no training)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import where_federation_pays as wfp  # noqa: E402
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--pools", "7000"], "--pools: [7000] not allowed; allowed: 5000, 20000"),
+    (["--per-client", "5"], "--per-client: 5; allowed: integers >= 20"),
+    (["--htfl", "fedavg"], "--htfl: 'fedavg'; allowed: fedgh, fedtgp, fedproto"),
+    (["--methods", "standalone,uniform"], "pretrained and standalone must be in it"),
+    (["--methods", "pretrained,standalone,rafl+wide"], "unknown variant 'wide'"),
+    (["--participation", "0"], "allowed: rounds >= 1, participation in (0, 1]"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, argv, match):
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "where_federation_pays.py"), "--out", str(tmp_path / "o"),
+                          "--results", str(tmp_path / "r"), *argv], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and match in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
+
+
+def test_cells_and_budget():
+    assert [wfp.cell_clients(5000, p) for p in (90, 450, 1500)] == [500, 100, 30]
+    assert [wfp.cell_clients(20000, p) for p in (90, 450, 1500)] == [300, 60, 18]
+
+    class A:
+        grid, rounds, participation, local_epochs = "0.01,0.03", 10, 0.1, 1
+
+    # one cell, one trained method: 3 runs x 10 rounds x 8 sampled of 80 trained clients x 450 images
+    assert wfp.budget([5000], [450], ["pretrained", "standalone"], A()) == pytest.approx(
+        3 * 10 * 8 * 450 * wfp.SECONDS_PER_IMAGE_STEP / 3600)
+
+
+def _fake(out, pool, per, method, accs, new):
+    folder = wfp.cell_dir(out, pool, per, method)
+    (folder / method.partition("+")[0]).mkdir(parents=True)
+    alg = method.partition("+")[0]
+    (folder / "compare.json").write_text(json.dumps({"rows": [{"algorithm": alg}]}))
+    clients = {str(i): {"model.acc": a, "model@global.acc": a - 0.1} for i, a in enumerate(accs)}
+    (folder / alg / "summary.json").write_text(json.dumps({"clients": clients}))
+    held = {str(10 + i): {"model.acc": a} for i, a in enumerate(new)}
+    (folder / alg / "new_clients.json").write_text(json.dumps({"new_clients": {"clients": held}}))
+
+
+def test_summary_and_figure_from_a_fake_result_set(tmp_path):
+    out, results = tmp_path / "runs", tmp_path / "results"
+    for pool, per in ((5000, 90), (20000, 1500)):
+        _fake(out, pool, per, "pretrained", [0.5, 0.6, 0.7], [0.5, 0.5])
+        _fake(out, pool, per, "standalone", [0.4, 0.5, 0.6], [0.3, 0.35])
+        _fake(out, pool, per, "fedgh", [0.6, 0.72, 0.79], [0.6, 0.62])
+    assert wfp.main(["--from", str(out), "--results", str(results), "--pools", "5000,20000", "--per-client", "90,1500",
+                     "--methods", "pretrained,standalone,HTFL"]) == 0
+    got = json.loads((results / "where_federation_pays.json").read_text())
+    cell = got["cells"][0]
+    assert (cell["pool"], cell["per_client"], cell["clients"]) == (5000, 90, 500) and not cell["null_result"]
+    assert got["cells"][-1]["null_result"]                               # (20,000, 1,500): the fair headline's cell
+    gain = cell["methods"]["fedgh"]["vs_pretrained"]["model@global.acc"]
+    assert gain[0] == pytest.approx(100 * (0.7033333 - 0.6), abs=1e-3) and gain[2] == 3 and gain[1] > 0
+    new = cell["methods"]["fedgh"]["vs_standalone"]["new"]
+    assert new[0] == pytest.approx(28.5) and new[2] == 2
+    md = (results / "where_federation_pays.md").read_text()
+    assert "null result" in md and "| fedgh |" in md and "+28.5 ±" in md
+    assert (results / "where_federation_pays.png").stat().st_size > 0
