@@ -140,6 +140,14 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{key}: {err.message}" if key else err.message) from None
         return self
 
+    @classmethod
+    def as_recorded_now(cls, recorded: dict[str, Any]) -> dict[str, Any]:
+        """A config recorded as JSON (a run's ``config.json``, a shipped supernet's) with every field
+        added to :class:`TrainConfig` since set to its default: what that run trained with, in
+        today's fields (``cutout`` did not exist before, and 0 is what those runs did)."""
+        added = {k: f.default for k, f in cls.model_fields.items() if k not in recorded}
+        return json.loads(json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in added.items()})) | recorded
+
     def phase_epochs(self) -> list[int]:
         """Epochs of (full, kernel, depth, expand)."""
         return [self.epochs_full, self.epochs_kernel, self.epochs_depth, self.epochs_expand]
@@ -447,8 +455,7 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
     if resume:
         saved_cfg = read_json_file(out / CONFIG_NAME)
         now_cfg = json.loads(config.model_dump_json())
-        # a field added after the run started has its default in the run's config
-        saved_cfg = {k: _json_default(k) for k in now_cfg if k not in saved_cfg} | saved_cfg
+        saved_cfg = TrainConfig.as_recorded_now(saved_cfg)
         diff = [k for k in set(saved_cfg) | set(now_cfg) if k != "device" and saved_cfg.get(k) != now_cfg.get(k)]
         if diff:
             raise UserInputError(f"the run in this directory has another config (fields {diff}); "
@@ -564,12 +571,6 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
                       json.loads(config.model_dump_json()), metrics)
     ctx.barrier()
     return net, metrics
-
-
-def _json_default(field: str) -> Any:
-    """The JSON value of :class:`TrainConfig` field ``field``'s default."""
-    default = TrainConfig.model_fields[field].default
-    return json.loads(json.dumps(list(default) if isinstance(default, tuple) else default))
 
 
 def _diverged(name: str, epoch: int, loss: float, config: TrainConfig, phase: int) -> UserInputError:
