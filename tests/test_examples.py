@@ -28,17 +28,20 @@ def test_cross_device_examples_carve_a_5000_image_pool_and_give_the_other_train_
     """The cross-device configs (issue 56) on CIFAR-10's shape (50,000 train + 10,000 test labels): the
     server's pool is 5,000 train images, the clients hold the other 45,000 train images (and the test
     images outside the global set), pool, clients and global test set pairwise disjoint; about 90 (500
-    clients) or 450 (100 clients) train images per client; loadable with the shipped cifar10 supernet
-    substituted for cifar10-proxy5k (not shipped yet)."""
+    clients) or 450 (100 clients) train images per client; the pool is the one the shipped small-proxy
+    supernet cifar10-proxy5k trained on (its preset's)."""
     import numpy as np
+    import yaml
 
     from rafl.data import make_partition
     from rafl.federation.checks import check_disjoint
 
     path = REPO / "examples" / f"cifar10-cross-device-{n}.yaml"
     cfg = load_run_config(path, [f"partition.alpha={alpha}"])
-    assert cfg.supernet.path.endswith("cifar10-proxy5k") and cfg.engine.clients_per_round == 0.1
-    assert load_run_config(path, ["supernet=cifar10"]).supernet.path == "cifar10"
+    assert cfg.supernet.path == "cifar10-proxy5k" and cfg.engine.clients_per_round == 0.1
+    preset = yaml.safe_load((REPO / "rafl" / "supernet" / "presets" / "cifar10-proxy5k.yaml").read_text())
+    assert (cfg.partition.public_fraction, cfg.partition.public_seed) == (preset["public_fraction"],
+                                                                           preset["public_seed"])
     labels = np.concatenate([np.repeat(np.arange(10), 5000), np.repeat(np.arange(10), 1000)])
     origin = np.array(["train"] * 50000 + ["test"] * 10000)
     p = cfg.partition

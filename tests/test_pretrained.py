@@ -32,24 +32,28 @@ def test_unknown_preset_is_one_line_and_writes_nothing(tmp_path):
     assert res.exit_code == 2 and "needs a data root" in res.output and not out.exists()
 
 
-def test_preset_cifar10_is_the_recipe_of_the_shipped_supernet(tmp_path):
+@pytest.mark.parametrize("name", ["cifar10", "cifar10-proxy5k"])
+def test_each_shipped_supernet_is_its_presets_recipe(tmp_path, name):
     from rafl.io import load_yaml
 
-    recipe = load_yaml(preset_path("cifar10").read_text(), preset_path("cifar10"))
+    recipe = load_yaml(preset_path(name).read_text(), preset_path(name))
     cfg = TrainConfig.from_options(**recipe, data_root=str(tmp_path))
-    shipped = TrainConfig.as_recorded_now(json.loads((pt.PRETRAINED_DIR / "cifar10" / "config.json").read_text()))
+    shipped = TrainConfig.as_recorded_now(json.loads((pt.PRETRAINED_DIR / name / "config.json").read_text()))
     mine = json.loads(cfg.model_dump_json())
     assert {k: v for k, v in mine.items() if k != "data_root"} == {k: v for k, v in shipped.items() if k != "data_root"}
     assert shipped["dataset"] == "cifar10" and shipped["test_samples"] == 10000
+    # the server's pool: 25,000 train images for cifar10, 5,000 (its server-val included) for the small proxy
+    assert shipped["public_fraction"] * 50_000 == {"cifar10": 25_000, "cifar10-proxy5k": 5_000}[name]
     assert 0 < shipped["public_fraction"] < 1 and shipped["hflip"] is True and shipped["crop_padding"] == 4
 
 
-def test_shipped_cifar10_loads_by_name_and_classifies_real_test_images(shared_cifar10_tarball):
+@pytest.mark.parametrize("name", ["cifar10", "cifar10-proxy5k"])
+def test_each_shipped_supernet_loads_by_name_and_classifies_real_test_images(shared_cifar10_tarball, name):
     """Top-1 on 1,000 CIFAR-10 test images (100 per class), BN recalibrated on train images, as
     `rafl supernet info` reports for the whole test split: fails if the weights are wrong."""
-    net = load_supernet("cifar10")
+    net = load_supernet(name)
     space = net.space
-    meta = json.loads((pt.PRETRAINED_DIR / "cifar10" / "supernet.json").read_text())
+    meta = json.loads((pt.PRETRAINED_DIR / name / "supernet.json").read_text())
     ds = load_dataset("cifar10", shared_cifar10_tarball, limit_per_class=100)
     test = np.flatnonzero(ds.origin == "test")
     train = np.flatnonzero(ds.origin == "train")

@@ -36,6 +36,7 @@ CALIBRATION_NAME = "calibration.safetensors"
 #: name -> SHA-256 of its ``supernet.safetensors`` (the shipped bytes).
 PRETRAINED: dict[str, str] = {
     "cifar10": "db62210efb8f2f202f369738d99277abf2747727ef2f6a881396ff824465bcec",
+    "cifar10-proxy5k": "cca0529f534b955e4e44ab48a4611920fb382d481229c8a4086ceab4dd1330df",
 }
 
 #: name -> SHA-256 of its ``measurements.json`` (made by ``bench/predictor_table.py``; it records
