@@ -51,6 +51,21 @@ spinning at the same niceness). Memory (``--memory-limit``): the same method on 
 (default the whole CIFAR-10, 60,000 images) for 1 round, bare loop vs rafl workers 1 and 2: peak
 RSS / PSS only (the clients trained differ in number: rafl samples ``--memory-per-round``).
 
+Cross-device (``--scenario crossdevice``, issue 60): 50 clients of about 90 CIFAR-10 training
+images each, every client every round -- the 35,000 images outside the shipped ``cifar10``
+supernet's server pool (``public_fraction`` 0.5), Dirichlet alpha 0.5 over the clients, each
+client's images split 0.13 / 0.84 / 0.03 (train / val, never read / test) -- the clients on the
+pi4 / jetson-nano / phone picks of ``rafl search --supernet cifar10`` (docs/search.md) round-robin
+(``uniform``: the pi4 pick for every client), one local epoch, batch 32, ``engine.workers: 1``.
+Methods standalone, uniform, heterofl, fedproto, fedtgp, fedgh, rafl. The bare loops are the ones
+above on copies of the same nn.Modules rafl trains (the parent writes rafl's BN-recalibrated tier
+subnets and RaFL's knowledge network into the data file); for ``uniform`` FedAvg's server step, for
+``heterofl`` a FedAvg per tier subnet (the same client arithmetic; a cheaper server step than
+HeteroFL's masked average into the supernet). Both variants warm every distinct model up (two SGD
+steps, one eval forward) before the timer; the figures are img/s of the last round without its
+evaluation. Writes ``bench/results/round_speed_crossdevice.md`` and ``.json``; one round per
+variant and one repeat by default (about 12 minutes on 2 busy cores).
+
 Run: ``nice -n 10 python bench/round_speed.py`` (about 5-10 minutes on 2 cores); writes
 ``bench/results/round_speed.md`` and ``.json``. ``--big-clients 3000`` adds the 3,000-client
 evaluation round of issue 35 (``round_speed_eval.md``).
