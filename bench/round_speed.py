@@ -51,6 +51,21 @@ spinning at the same niceness). Memory (``--memory-limit``): the same method on 
 (default the whole CIFAR-10, 60,000 images) for 1 round, bare loop vs rafl workers 1 and 2: peak
 RSS / PSS only (the clients trained differ in number: rafl samples ``--memory-per-round``).
 
+Cross-device (``--scenario crossdevice``, issue 60): 50 clients of about 90 CIFAR-10 training
+images each, every client every round -- the 35,000 images outside the shipped ``cifar10``
+supernet's server pool (``public_fraction`` 0.5), Dirichlet alpha 0.5 over the clients, each
+client's images split 0.13 / 0.84 / 0.03 (train / val, never read / test) -- the clients on the
+pi4 / jetson-nano / phone picks of ``rafl search --supernet cifar10`` (docs/search.md) round-robin
+(``uniform``: the pi4 pick for every client), one local epoch, batch 32, ``engine.workers: 1``.
+Methods standalone, uniform, heterofl, fedproto, fedtgp, fedgh, rafl. The bare loops are the ones
+above on copies of the same nn.Modules rafl trains (the parent writes rafl's BN-recalibrated tier
+subnets and RaFL's knowledge network into the data file); for ``uniform`` FedAvg's server step, for
+``heterofl`` a FedAvg per tier subnet (the same client arithmetic; a cheaper server step than
+HeteroFL's masked average into the supernet). Both variants warm every distinct model up (two SGD
+steps, one eval forward) before the timer; the figures are img/s of the last round without its
+evaluation. Writes ``bench/results/round_speed_crossdevice.md`` and ``.json``; one round per
+variant and one repeat by default (about 12 minutes on 2 busy cores).
+
 Run: ``nice -n 10 python bench/round_speed.py`` (about 5-10 minutes on 2 cores); writes
 ``bench/results/round_speed.md`` and ``.json``. ``--big-clients 3000`` adds the 3,000-client
 evaluation round of issue 35 (``round_speed_eval.md``).
@@ -59,6 +74,7 @@ evaluation round of issue 35 (``round_speed_eval.md``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -73,10 +89,25 @@ ROOT = Path(__file__).resolve().parents[1]
 TREE = Path.home() / ".cache" / "rafl-data" / "cifar10"
 TARBALL = ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz"
 METHODS = ["standalone", "fedproto", "fedtgp", "fd", "fedgh", "lg-fedavg", "rafl"]
+#: the cross-device workload: the shipped cifar10 supernet's subnets of `rafl search --supernet cifar10`
+#: for the three shipped profiles (docs/search.md), fixed so no search runs
+XD_ARCHS = {
+    "pi4": "r28_k7e6.k3e6.k7e4.k5e3|k5e6.k7e6.k7e4.k5e6|k7e6.k5e4.k7e3|k5e4.k3e3|k7e3.k5e3",
+    "jetson-nano": "r32_k5e6.k7e6.k7e6|k7e6.k7e6.k5e6.k5e6|k7e6.k7e4.k7e3|k5e6.k3e6|k7e6.k7e6",
+    "phone": "r28_k7e6.k7e6.k7e6.k7e6|k7e6.k7e6.k7e6.k7e6|k7e6.k7e4.k5e6.k7e6|k7e6.k3e6.k7e6.k7e6|"
+             "k7e6.k7e6.k7e6.k7e6",
+}
+XD_METHODS = ["standalone", "uniform", "heterofl", "fedproto", "fedtgp", "fedgh", "rafl"]
+FEDAVG_FAMILY = ("uniform", "heterofl")
+#: per-client (train, val, test) shares: the 35,000 non-pool CIFAR-10 images over 50 clients give
+#: about 90 training images each; val is never read; ~20 test images each
+XD_SPLIT = (0.13, 0.84, 0.03)
 
 
 def overrides(args, method: str, clients: int, limit: int | None, workers: int, rounds: int,
               per_round: int | None = None) -> list[str]:
+    if args.scenario == "crossdevice":
+        return crossdevice_overrides(args, method, clients, workers, rounds)
     method, _, means = method.partition("@")  # fedproto@last_epoch: the method with class_means set
     out = [f"algorithm.name={method}", *([f"algorithm.class_means={means}"] if means else []), "data.dataset=cifar10", f"data.root={args.cifar}",
            "partition.scheme=pathological", "partition.k=2", f"clients.n={clients}", f"clients.models={args.model}",
@@ -87,6 +118,46 @@ def overrides(args, method: str, clients: int, limit: int | None, workers: int, 
     if per_round is not None:
         out.append(f"engine.clients_per_round={per_round}")
     return out
+
+
+def crossdevice_overrides(args, method: str, clients: int, workers: int, rounds: int) -> list[str]:
+    """The cross-device workload (module docstring): every client a tier subnet of the shipped
+    ``cifar10`` supernet, about ``XD_TRAIN_IMAGES`` training images each, all sampled every round."""
+    method, _, means = method.partition("@")
+    archs = "{" + ",".join(f"{p}: '{a}'" for p, a in XD_ARCHS.items()) + "}"
+    out = [f"algorithm.name={method}", *([f"algorithm.class_means={means}"] if means else []), "data.dataset=cifar10",
+           f"data.root={args.cifar}", "supernet=cifar10", "partition.scheme=dirichlet", f"partition.alpha={args.alpha}",
+           "partition.public_fraction=0.5", "partition.public_seed=0", "partition.min_samples=10",
+           f"partition.split={list(XD_SPLIT)}", f"clients.n={clients}", "clients.models=nas",
+           # uniform: every client on the pi4 pick (the pi4 profile for all: the shipped profiles do not nest)
+           "clients.profiles=[pi4]" if method == "uniform" else "clients.profiles=[pi4, jetson-nano, phone]",
+           f"clients.archs={archs}",
+           f"train.batch_size={args.batch_size}", "train.threads=1", "algorithm.local_epochs=1",
+           f"engine.rounds={rounds}", f"engine.workers={workers}", f"seed={args.seed}", "engine.target_accuracy=null"]
+    return out
+
+
+def _warm_up(models) -> None:
+    """Two SGD steps and one eval-mode forward of a throwaway copy of every model on random batches
+    of 32: the process's one-time costs (allocator, oneDNN primitives per shape) before the timer,
+    the same in the bare loop and in rafl."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+    for m in models:
+        m = copy.deepcopy(m).train()
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        for _ in range(2):
+            loss = F.cross_entropy(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            m.eval()(x)
 
 
 # ---------------------------------------------------------------------- variants (child processes)
@@ -101,6 +172,15 @@ def run_rafl(args) -> dict:
     cfg = load_run_config(None, overrides(args, args.method, args.clients, args.limit_per_class, args.workers,
                                           args.rounds, per_round))
     prep = federate.prepare(cfg, progress=False)
+    if args.scenario == "crossdevice":  # every tier's model built (BN-recalibrated once) and warmed up
+        fed = prep.federation
+        firsts = {c.model_key: c.client_id for c in fed.clients}
+        models = [fed.client_model(cid) for cid in firsts.values()]
+        if args.method == "rafl":
+            from rafl.supernet.model import narrow_width
+
+            models.append(narrow_width(fed.server.make_model(fed.server.space.smallest()), 0.375))
+        _warm_up(models)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         summary = federate.run(prep, Path(d) / "run", progress=False)
@@ -109,6 +189,9 @@ def run_rafl(args) -> dict:
     return {"wall_s": wall, "rounds_s": sum(r["time_s"] for r in hist),
             "client_update_s": sum(r["time_client_update_s"] for r in hist),
             "evaluate_s": sum(r["time_evaluate_s"] for r in hist), "engine_s": sum(r["time_engine_s"] for r in hist),
+            "rounds": [{"round_s": r["time_s"], "client_update_s": r["time_client_update_s"],
+                        "aggregate_s": r["time_aggregate_s"], "evaluate_s": r["time_evaluate_s"],
+                        "engine_s": r["time_engine_s"]} for r in hist],
             "final": {k: v for k, v in summary["final"].items() if k.endswith("acc_mean_over_clients")}}
 
 
@@ -170,7 +253,7 @@ def _bare_server(st, rnd, uploads, kn_states) -> None:
             gp = tgp["net"](tgp["emb"](torch.tensor(seen)))
             glob = {k: gp[i] for i, k in enumerate(seen)}
     elif method == "fedgh":  # global header: one SGD step per LAR, clients in order
-        hdr = torch.nn.Linear(D, K)
+        hdr = copy.deepcopy(models[0].head).train()  # cnn4: a Linear(D, K); a subnet: dropout + linear
         hdr.load_state_dict(head)
         opt_s = torch.optim.SGD(hdr.parameters(), lr=hp["server_lr"])
         for cls, v, _ in uploads:
@@ -191,11 +274,44 @@ def _bare_server(st, rnd, uploads, kn_states) -> None:
     st.glob, st.head, st.local_heads = glob, head, local_heads
 
 
+def _fedavg_server(fedavg: dict, uploads: list, models: list, arch_of: list[str]) -> None:
+    """FedAvg per arch: the sample-weighted average of the uploads of each arch (float tensors; BN's
+    batch counters from the first upload), loaded into every client model of that arch."""
+    for key in fedavg:
+        ups = [(s, w) for a, s, w in uploads if a == key]
+        if ups:
+            tot = sum(w for _, w in ups)
+            fedavg[key] = {k: (sum(s[k] * (w / tot) for s, w in ups) if v.is_floating_point() else v)
+                           for k, v in ups[0][0].items()}
+    for cid, m in enumerate(models):
+        m.load_state_dict(fedavg[arch_of[cid]])
+
+
+def _bare_models(args, d, method: str, n: int):
+    """``(client models, knowledge network or None, arch key of every client or None, FedAvg global
+    states per arch or None)``: cnn4 members built from scratch, or the cross-device tier subnets."""
+    from rafl.models import KNOWLEDGE_MODEL, make_member
+
+    K, D = d["n_classes"], d["feature_dim"]
+    if "tiers" not in d:
+        models = [make_member(args.model, K, D, 3, 32) for _ in range(n)]
+        return models, make_member(KNOWLEDGE_MODEL, K, D, 3, 32) if method == "rafl" else None, None, None
+    arch_of = d["arch_of"] if method != "uniform" else [d["uniform"]] * n
+    models = [copy.deepcopy(d["tiers"][arch_of[cid]]) for cid in range(n)]
+    know = copy.deepcopy(d["knowledge"]) if method == "rafl" else None
+    fedavg = None
+    if method in FEDAVG_FAMILY:  # one global state per arch
+        fedavg = {}
+        for cid, m in enumerate(models):
+            fedavg.setdefault(arch_of[cid], {k: v.detach().clone() for k, v in m.state_dict().items()})
+    return models, know, arch_of, fedavg
+
+
 def _bare_evaluate(st, d, n) -> dict[str, list[float]]:
     """Every client's accuracies on its test split, per inference rule."""
     import torch
 
-    method, K, D, glob, head, local_heads = st.method, st.K, st.D, st.glob, st.head, st.local_heads
+    method, K, glob, head, local_heads = st.method, st.K, st.glob, st.head, st.local_heads
     pix, a, b, labels, bs, models, know = d["pixels"], d["a"], d["b"], d["labels"], d["batch_size"], st.models, st.know
     res: dict[str, list[float]] = {}
     if glob and method in ("fedproto", "fedtgp"):
@@ -209,7 +325,7 @@ def _bare_evaluate(st, d, n) -> dict[str, list[float]]:
         total = 0
         with torch.no_grad():
             if method == "fedgh":
-                loc = torch.nn.Linear(D, K)
+                loc = copy.deepcopy(model.head).eval()
                 loc.load_state_dict(local_heads[cid])
             for x, y in _batches(pix, a, b, labels, d["test"][cid], bs):
                 feats = model.features(x)
@@ -242,10 +358,14 @@ def run_bare(args) -> dict:
     a, b = d["a"], d["b"]
     K, D, bs = d["n_classes"], d["feature_dim"], d["batch_size"]
     n = min(len(d["train"]), args.bare_clients or len(d["train"]))
+    xd = "tiers" in d  # the cross-device workload: the parent's tier subnets, copied per client
+    if xd:
+        _warm_up([*d["tiers"].values(), *([d["knowledge"]] if method == "rafl" else [])])
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    models = [make_member(args.model, K, D, 3, 32) for _ in range(n)]
-    know = make_member(KNOWLEDGE_MODEL, K, D, 3, 32) if method == "rafl" else None
+    # FedAvg family (uniform: one subnet for all; heterofl: here a FedAvg per tier subnet, a cheaper
+    # server step than HeteroFL's masked average into the supernet): a global state per arch
+    models, know, arch_of, fedavg = _bare_models(args, d, method, n)
     head = {k: v.clone() for k, v in models[0].head.state_dict().items()} if method in ("fedgh", "lg-fedavg") else None
     tgp = None
     if method == "fedtgp":
@@ -255,6 +375,7 @@ def run_bare(args) -> dict:
     glob: dict[int, torch.Tensor] = {}  # global prototypes / logits by class
     st = types.SimpleNamespace(method=method, hp=hp, K=K, D=D, glob=glob, head=head, tgp=tgp, know=know, models=models,
                                local_heads=None)
+    rounds_t: list[dict] = []
 
     def sgd(params):
         return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
@@ -276,15 +397,18 @@ def run_bare(args) -> dict:
 
     acc: dict[str, float] = {}
     for rnd in range(1, args.rounds + 1):
+        t_round = time.perf_counter()
         uploads = []
         kn_states = []
         for cid in range(n):
             model = models[cid].train()
             if head is not None:
                 model.head.load_state_dict(head)
+            if fedavg is not None:
+                model.load_state_dict(fedavg[arch_of[cid]])
             opt = sgd(model.parameters())
             if know is not None:
-                k_model = make_member(KNOWLEDGE_MODEL, K, D, 3, 32)
+                k_model = copy.deepcopy(know) if xd else make_member(KNOWLEDGE_MODEL, K, D, 3, 32)
                 k_model.load_state_dict(know.state_dict())
                 k_model.train()
                 k_opt = sgd(k_model.parameters())
@@ -326,11 +450,22 @@ def run_bare(args) -> dict:
                 uploads.append(({k: v.detach().clone() for k, v in model.head.state_dict().items()}, len(d["train"][cid])))
             elif method == "rafl":
                 kn_states.append((k_model.state_dict(), len(d["train"][cid])))
-        _bare_server(st, rnd, uploads, kn_states)
+            elif fedavg is not None:
+                uploads.append((arch_of[cid], {k: v.detach().clone() for k, v in model.state_dict().items()},
+                                len(d["train"][cid])))
+        t_update = time.perf_counter() - t_round
+        if fedavg is not None:
+            _fedavg_server(fedavg, uploads, models, arch_of)
+        else:
+            _bare_server(st, rnd, uploads, kn_states)
         glob, head = st.glob, st.head
+        t_eval = time.perf_counter()
         res = _bare_evaluate(st, d, n)
         acc = {f"{k}.acc_mean_over_clients": statistics.mean(v) for k, v in res.items()}
-    return {"wall_s": time.perf_counter() - t0, "final": acc}
+        now = time.perf_counter()
+        rounds_t.append({"round_s": now - t_round, "client_update_s": t_update, "evaluate_s": now - t_eval})
+    return {"wall_s": time.perf_counter() - t0, "final": acc, "rounds": rounds_t,
+            "train_images": sum(len(d["train"][cid]) for cid in range(n))}
 
 
 def run_big(args) -> dict:
@@ -397,16 +532,33 @@ def write_data(args, limit: int | None, clients: int, path: Path) -> None:
     cfg = load_run_config(None, overrides(args, "fedproto", clients, limit, 1, 1))
     ds, part = load_data_and_partition(cfg, progress=False)
     hps = {}
-    for m in METHODS:
+    for m in {*(XD_METHODS if args.scenario == "crossdevice" else METHODS), *(x.partition("@")[0] for x in args.methods)}:
         c = load_run_config(None, overrides(args, m, clients, limit, 1, 1))
         hps[m] = dict(get_algorithm(m).check_hparams(c.algorithm.hparams()))
     mean = torch.tensor(ds.mean).view(1, -1, 1, 1)
     std = torch.tensor(ds.std).view(1, -1, 1, 1)
+    extra = {}
+    if args.scenario == "crossdevice":  # rafl's own initial tier subnets (BN-recalibrated) and knowledge network
+        from rafl.stages import federate
+        from rafl.supernet.arch import ArchConfig
+        from rafl.supernet.model import narrow_width
+
+        fed = federate.prepare(cfg, progress=False).federation
+        tiers = {}
+        for c in fed.clients:
+            if c.model_key not in tiers:
+                tiers[c.model_key] = fed.client_model(c.client_id).cpu()
+        space = fed.server.space
+        uniform = ArchConfig.from_string(XD_ARCHS["pi4"], space).to_string()
+        assert uniform in tiers
+        extra = {"tiers": tiers, "arch_of": [c.model_key for c in fed.clients], "uniform": uniform,
+                 "knowledge": narrow_width(fed.server.make_model(space.smallest()), 0.375).cpu(),
+                 "feature_dim": next(iter(tiers.values())).feature_dim, "batch_size": args.batch_size}
     torch.save({"pixels": ds.images.pixels.contiguous(), "labels": ds.labels, "a": 1.0 / (255.0 * std), "b": -mean / std,
                 "train": [torch.as_tensor(s.train, dtype=torch.int64) for s in part.clients],
                 "test": [torch.as_tensor(s.test, dtype=torch.int64) for s in part.clients],
                 "n_classes": ds.num_classes, "feature_dim": cfg.clients.feature_dim, "batch_size": 10,
-                "hparams": hps}, path)
+                "hparams": hps, **extra}, path)
 
 
 def child(args, extra: list[str], base: list[str]) -> dict:
@@ -414,8 +566,10 @@ def child(args, extra: list[str], base: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = Path(fh.name)
     cmd = [sys.executable, __file__, "--cifar", str(args.cifar), "--seed", str(args.seed), "--model", args.model,
+           "--scenario", args.scenario, "--alpha", str(args.alpha), "--batch-size", str(args.batch_size),
            *base, *extra, "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    load = f"{os.getloadavg()[0]:.1f}"
     proc = subprocess.Popen(cmd, env=env)
     peak = [0, 0]
     while proc.poll() is None:
@@ -427,6 +581,7 @@ def child(args, extra: list[str], base: list[str]) -> dict:
     res = json.loads(out.read_text())
     out.unlink()
     res["peak_rss_mb"], res["peak_pss_mb"] = peak[0] / 2**20, peak[1] / 2**20
+    res["load"] = load
     print(f"  {' '.join(base[-6:] + extra)}: {json.dumps({k: v for k, v in res.items() if k != 'row'})}", flush=True)
     return res
 
@@ -530,6 +685,77 @@ def report(args, res: dict) -> str:
     return "\n".join(lines)
 
 
+def report_xd(args, res: dict) -> str:
+    """The cross-device tables: per method, img/s of the last round (its training, server step and
+    engine work; evaluation apart) of the bare loop and of rafl's engine."""
+    niceness = os.nice(0)
+    cmd = ((f"nice -n {niceness} " if niceness else "") + "OMP_NUM_THREADS=1 python bench/round_speed.py "
+           f"--scenario crossdevice --clients {args.clients} --rounds {args.rounds} --repeats {args.repeats} "
+           f"--alpha {args.alpha} --batch-size {args.batch_size} --methods {','.join(args.methods)}")
+    images = res["train_images"]
+    lines = [
+        "# Round speed, cross-device: 50 small clients per round, rafl's engine vs a bare PyTorch loop",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average (1, 5, 15 min) "
+        f"{res['load_start']} at the start and {res['load_end']} at the end (other jobs on the machine add to it): "
+        "ratios of variants run back to back are what this measures; absolute img/s depend on the load.",
+        "",
+        f"Workload: CIFAR-10 minus the shipped `cifar10` supernet's server pool (35,000 images), Dirichlet "
+        f"alpha {args.alpha} over {args.clients} clients, each client's images split {XD_SPLIT[0]} / {XD_SPLIT[1]} / "
+        f"{XD_SPLIT[2]} (train / val, never read / test): {images:,} training images in all, "
+        f"{images / args.clients:.0f} per client on average; every client every round. Clients get the "
+        "pi4 / jetson-nano / phone picks of `rafl search --supernet cifar10` (docs/search.md; 4.45 / 6.38 / "
+        "8.54 M MACs) round-robin (`uniform`: the pi4 pick for everyone), BN-recalibrated as rafl builds them. "
+        f"One local epoch, batch {args.batch_size}, each method's default hyperparameters, one torch thread, "
+        f"`engine.workers: 1`. {args.rounds} round(s) per variant after an in-process warm-up (two SGD steps and "
+        f"one eval forward of every distinct model, the same in both), each variant in its own process, "
+        f"{args.repeats} time(s) in alternating order, medians; the figures are the last round's.",
+        "",
+        "img/s = training images / (the round's time minus its evaluation): the clients' training plus the "
+        "server step plus, for rafl, the engine's work (state files, payloads, screening, metrics, checkpoint). "
+        "`client steps` counts the clients' training only (rafl: the round's `time_client_update_s`).",
+        "",
+        "| method | bare img/s | rafl img/s | **rafl / bare** | client steps img/s bare / rafl | "
+        "rafl's round: client steps / server + engine / evaluation s | peak RSS MB bare / rafl | "
+        "final acc bare / rafl |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in args.methods:
+        b, r = res["methods"][m]["bare"], res["methods"][m]["w1"]
+
+        def rate(runs, key=None):
+            return statistics.median(images / ((x["rounds"][-1]["round_s"] - x["rounds"][-1]["evaluate_s"])
+                                               if key is None else x["rounds"][-1][key]) for x in runs)
+
+        rr = [x["rounds"][-1] for x in r]
+        upd = statistics.median(x["client_update_s"] for x in rr)
+        ev = statistics.median(x["evaluate_s"] for x in rr)
+        rest = statistics.median(x["round_s"] - x["client_update_s"] - x["evaluate_s"] for x in rr)
+        ratios = [rate([y]) / rate([x]) for x, y in zip(b, r)]
+        fb, fr = b[-1]["final"].get("model.acc_mean_over_clients"), r[-1]["final"].get("model.acc_mean_over_clients")
+        lines.append(
+            f"| {m} | {rate(b):.1f} | {rate(r):.1f} | **{statistics.median(ratios):.2f}x** | "
+            f"{rate(b, 'client_update_s'):.1f} / {rate(r, 'client_update_s'):.1f} | {upd:.1f} / {rest:.1f} / {ev:.1f} | "
+            f"{max(x['peak_rss_mb'] for x in b):.0f} / {max(x['peak_rss_mb'] for x in r):.0f} | "
+            f"{fb:.3f} / {fr:.3f} |")
+    lines += [
+        "",
+        "Load average (1 min) when each variant started: " + "; ".join(
+            f"{m} " + ", ".join(f"{x['load']}" for x in res["methods"][m]["bare"]) + " / "
+            + ", ".join(f"{x['load']}" for x in res["methods"][m]["w1"]) for m in args.methods) + " (bare / rafl).",
+        "",
+        "The bare loops are the cnn4 scenario's (`run_bare`, the same nn.Modules rafl trains, copied per client), "
+        "with FedAvg's server step for `uniform`, and for `heterofl` a FedAvg per tier subnet: the same client "
+        "arithmetic, a cheaper server step than HeteroFL's masked average into the supernet (rafl's extra server "
+        "work is in its `server + engine` column). Accuracies after one round differ between the two (their own "
+        "shuffling; FedProto's prototypes from the training pass in the bare loop); they only show both learn.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def import_rss() -> dict[str, float]:
     out = {}
     for mods in ("torch", "torch,torchvision", "torch,rafl.models", "rafl.stages.federate"):
@@ -542,13 +768,17 @@ def import_rss() -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cifar", type=Path, default=TREE if TREE.is_dir() else TARBALL)
+    ap.add_argument("--scenario", choices=["cnn4", "crossdevice"], default="cnn4",
+                    help="crossdevice: 50 clients of ~90 images on the cifar10 supernet's tier subnets (docstring)")
     ap.add_argument("--model", default="cnn4")
     ap.add_argument("--limit-per-class", type=int, default=100)
-    ap.add_argument("--clients", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--clients", type=int, default=None, help="default 10 (cnn4), 50 (crossdevice)")
+    ap.add_argument("--rounds", type=int, default=None, help="default 3 (cnn4), 1 (crossdevice)")
+    ap.add_argument("--repeats", type=int, default=None, help="default 2 (cnn4), 1 (crossdevice)")
+    ap.add_argument("--alpha", type=float, default=0.5, help="crossdevice: Dirichlet alpha")
+    ap.add_argument("--batch-size", type=int, default=32, help="crossdevice: local batch size")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", type=lambda s: s.split(","), default=METHODS)
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=None)
     ap.add_argument("--workers-method", default="fedproto")
     ap.add_argument("--hog", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
                     help="spinning processes beside the workers run (0: skip)")
@@ -569,6 +799,15 @@ def main() -> None:
     ap.add_argument("--shared", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    xd = args.scenario == "crossdevice"
+    for key, cnn4, crossdevice in (("clients", 10, 50), ("rounds", 3, 1), ("repeats", 2, 1),
+                                   ("methods", METHODS, XD_METHODS)):
+        if getattr(args, key) is None:
+            setattr(args, key, crossdevice if xd else cnn4)
+    if xd:
+        args.limit_per_class, args.hog, args.memory_limit = None, -1, 0
+        if args.out == ROOT / "bench" / "results" / "round_speed":
+            args.out = ROOT / "bench" / "results" / "round_speed_crossdevice"
     if args.variant:
         out = {"bare": run_bare, "rafl": run_rafl, "big": run_big}[args.variant](args)
         args.json.write_text(json.dumps(out))
@@ -577,8 +816,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data.pt"
         write_data(args, args.limit_per_class, args.clients, data)
-        base = ["--limit-per-class", str(args.limit_per_class), "--clients", str(args.clients),
-                "--rounds", str(args.rounds)]
+        if xd:
+            import torch
+
+            res["train_images"] = sum(len(t) for t in torch.load(data, weights_only=False)["train"])
+        base = [*(["--limit-per-class", str(args.limit_per_class)] if args.limit_per_class else []),
+                "--clients", str(args.clients), "--rounds", str(args.rounds)]
         for m in args.methods:
             variants = {"bare": ["--variant", "bare", "--data", str(data), "--method", m],
                         "w1": ["--variant", "rafl", "--method", m, "--workers", "1"]}
@@ -622,7 +865,7 @@ def main() -> None:
             mm["imports"] = import_rss()
             res["memory"] = mm
     res["load_end"] = load_now()
-    text = report(args, res)
+    text = report_xd(args, res) if xd else report(args, res)
     args.out.with_suffix(".md").write_text(text + "\n")
     args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                          **res}, indent=1) + "\n")
