@@ -179,29 +179,30 @@ def test_ctrl_c_and_sigterm_stop_search_while_workers_measure(tmp_path, signum, 
 
 
 @pytest.mark.slow
-def test_shipped_cifar10_measurements_answer_a_search_without_data(tmp_path, monkeypatch):
-    """`rafl search --supernet cifar10 --device-profile pi4` with the default options: no dataset is
+@pytest.mark.parametrize("name,n_val", [("cifar10", 5000), ("cifar10-proxy5k", 1000)])
+def test_shipped_measurements_answer_a_search_without_data(tmp_path, monkeypatch, name, n_val):
+    """`rafl search --supernet NAME --device-profile pi4` with the default options: no dataset is
     read and nothing is measured; the pick is a shipped measured subnet (a finalist, or one measured
     before) with its shipped accuracy, at least as accurate as every shipped finalist of pi4."""
     from click.testing import CliRunner
 
     from rafl.cli import cli
 
-    folder = pt.pretrained_path("cifar10")
+    folder = pt.pretrained_path(name)
     doc = pt.supernet_measurements(folder)
     from rafl.supernet import load_supernet
 
     space = load_supernet(folder).space
     n, seed = doc["predictor_samples"]["n"], doc["predictor_samples"]["seed"]
     assert doc["predictor_samples"]["archs"] == [a.to_string() for a in sample_across_space(space, n, seed)]
-    assert all(0.0 <= v <= 1.0 for v in doc["accuracy"].values()) and doc["data"]["n_val"] == 5000
+    assert all(0.0 <= v <= 1.0 for v in doc["accuracy"].values()) and doc["data"]["n_val"] == n_val
 
     def no_data(*args, **kwargs):
         raise AssertionError("a dataset was read")
 
     monkeypatch.setattr(stage, "load_dataset", no_data)
     out = tmp_path / "out"
-    res = CliRunner().invoke(cli, ["search", "--supernet", "cifar10", "--device-profile", "pi4", "--out", str(out),
+    res = CliRunner().invoke(cli, ["search", "--supernet", name, "--device-profile", "pi4", "--out", str(out),
                                    "--quiet"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     result = json.loads((out / "pi4" / "result.json").read_text())

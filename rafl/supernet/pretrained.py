@@ -43,6 +43,7 @@ PRETRAINED: dict[str, str] = {
 #: the SHA-256 of the weights it was measured on and of its ``calibration.safetensors``).
 PRETRAINED_MEASUREMENTS: dict[str, str] = {
     "cifar10": "dc77c67b4bc36b5456ef3f835d1caa440626277feef90542ee53c6a62d06f773",
+    "cifar10-proxy5k": "c43bc7c9eb1bee26e2099ed3bb3fbfe1a40d61bbed4ccdc0e29b9243a648aeed",
 }
 
 
