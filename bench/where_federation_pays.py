@@ -139,11 +139,14 @@ def cell_dir(out: Path, pool: int, per: int, method: str) -> Path:
     return out / f"pool{pool}-pc{per}" / method
 
 
-def cell_sets(pool: int, per: int, args) -> list[str]:
+def cell_sets(pool: int, per: int, args, method: str) -> list[str]:
+    """The cell's ``--set`` arguments for ``method`` (the floor trains nothing: no local epochs)."""
     supernet, fraction, _ = POOLS[pool]
     sets = [f"supernet={supernet}", f"partition.public_fraction={fraction}", f"clients.n={cell_clients(pool, per)}",
             f"engine.rounds={args.rounds}", f"engine.clients_per_round={args.participation}",
-            f"partition.alpha={args.alpha}", f"seed={args.seed}", f"algorithm.local_epochs={args.local_epochs}"]
+            f"partition.alpha={args.alpha}", f"seed={args.seed}"]
+    if method != "pretrained":
+        sets.append(f"algorithm.local_epochs={args.local_epochs}")
     return [x for s in sets for x in ("--set", s)]
 
 
@@ -152,7 +155,7 @@ def run_cell(args, pool: int, per: int, method: str) -> None:
     how = [] if method == "pretrained" else ["--tune", f"lr={args.grid}"]
     folder = cell_dir(args.out, pool, per, method)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    fh.compare(args, folder, algorithm, how + ["--no-finetune", *cell_sets(pool, per, args), *hp])
+    fh.compare(args, folder, algorithm, how + ["--no-finetune", *cell_sets(pool, per, args, method), *hp])
 
 
 def new_clients(folder: Path, row: dict) -> dict[str, float]:

@@ -43,6 +43,16 @@ def test_cells_and_budget():
         3 * 10 * 8 * 450 * wfp.SECONDS_PER_IMAGE_STEP / 3600)
 
 
+def test_a_cells_settings_give_local_epochs_to_the_trained_methods_only():
+    """The floor (`pretrained`) has no hyperparameters: `rafl compare` refuses algorithm.local_epochs for it."""
+    class A:
+        rounds, participation, alpha, seed, local_epochs = 200, 0.1, 0.1, 0, 1
+
+    floor, trained = wfp.cell_sets(5000, 90, A(), "pretrained"), wfp.cell_sets(5000, 90, A(), "standalone")
+    assert "algorithm.local_epochs=1" not in floor and "algorithm.local_epochs=1" in trained
+    assert "supernet=cifar10-proxy5k" in floor and "clients.n=500" in floor
+
+
 def _fake(out, pool, per, method, accs, new):
     folder = wfp.cell_dir(out, pool, per, method)
     (folder / method.partition("+")[0]).mkdir(parents=True)
