@@ -397,7 +397,9 @@ def test_every_method_computes_the_same_run_through_flower_messages(tmp_path, su
     prep = federate.prepare(load_run_config(None, sets), progress=False)
     ref = federate.run(prep, tmp_path / "ref", progress=False)
     got = flower_app.run_on_grid(DirectGrid(2), prep, tmp_path / "msg", progress=False)  # nodes prepare their own
-    assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref")
+    rows = _rows(tmp_path / "ref")
+    assert [r.get("rejected", 0) for r in rows] == [0] * len(rows), rows[0].get("rejected_reasons")  # honest clients
+    assert _rows(tmp_path / "msg") == rows
     assert got["final"] == ref["final"] and got["cum_bytes_up"] == ref["cum_bytes_up"]
     assert sorted(f.name for f in (tmp_path / "node-states").rglob("*.st")) == [
         "0000000.r00002.st", "0000001.r00002.st", "0000002.r00002.st"]

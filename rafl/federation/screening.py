@@ -331,7 +331,8 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
                 raise UserInputError(f"holds {size} bytes; allowed: at most {limits[cid]} (engine.max_upload_mb)")
             check_meta(upload)
             check_values(upload, policy.max_abs_value)
-            check_bn_stats(upload)
+            if algorithm.uploads_bn_statistics:
+                check_bn_stats(upload)
             upload.validate(algorithm.upload_spec(server_state, info))
             algorithm.check_upload(upload, server_state, info, n_classes)
             sent = upload.count()  # what was sent; frozen from here on
@@ -353,7 +354,8 @@ def screen_uploads(results: Sequence[tuple[int, Payload | RejectedUpload]], algo
             out.claims_overridden.append(cid)
         out.accepted.append(sent.with_meta(n_samples=int(info.n_samples), client_id=cid))
         out.accepted_ids.append(cid)
-    for cid, why in bn_outliers(list(zip(out.accepted_ids, out.accepted))).items():  # 5. BN statistics
+    screened_bn = bn_outliers(list(zip(out.accepted_ids, out.accepted))) if algorithm.uploads_bn_statistics else {}
+    for cid, why in screened_bn.items():  # 5. BN statistics
         i = out.accepted_ids.index(cid)
         out.bytes_up -= sizes[cid]
         out.bytes_rejected += sizes[cid]

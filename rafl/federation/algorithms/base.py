@@ -218,6 +218,10 @@ class Algorithm(ABC):
             ``client`` (re-estimated on the client's data at the end of local training: the private
             models), ``averaged`` (averaged by the server like every other weight: FedAvg's rule),
             ``server`` (re-estimated on the server's pool: the no-training floor).
+        uploads_bn_statistics: True when an upload's ``*running_var`` / ``*running_mean`` tensors are
+            BatchNorm statistics (the engine screens them as state: variances >= 0, near the round's
+            median: :func:`rafl.federation.screening.check_bn_stats`); False when they are updates of
+            them, which may be negative (FedKD's compressed deltas).
         bn_policy: the run's ``train.bn_statistics`` (None: the method's own rule), set on the
             instance by the stage that builds the federation; the methods that average their
             deployed model read it for FedBN (``local``).
@@ -237,6 +241,7 @@ class Algorithm(ABC):
     accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
     global_model: ClassVar[bool] = False
     bn_statistics: ClassVar[str] = "client"
+    uploads_bn_statistics: ClassVar[bool] = True
     bn_policy: str | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -109,6 +109,7 @@ class FedKD(PrivateAndSharedModel):
 
     name: ClassVar[str] = "fedkd"
     hparams_model: ClassVar[type[Hyperparameters]] = FedKDHparams
+    uploads_bn_statistics: ClassVar[bool] = False  # the mentee's compressed deltas: a variance's update may be < 0
 
     def _energy(self, rnd: int) -> float:
         hp = self.hparams
