@@ -796,25 +796,20 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         k = _check_int(k, "k", 1, n_classes)
         params["k"] = k
         shares, extra = _pathological(pool, labels, n_clients, k, n_classes, part_rng)
-    elif scheme == "dirichlet":
+    elif scheme in ("dirichlet", "balanced-dirichlet"):
         alpha = _check_alpha(alpha, scheme)
         params.update(alpha=alpha, min_samples=min_samples)
         if n_clients * min_samples > len(pool):
             pool_too_large(n_clients * min_samples, f"{n_clients} clients x min_samples {min_samples}")
             raise UserInputError(
                 f"{n_clients} clients x {min_samples} samples > {len(pool)} samples to partition; "
-                "lower --clients or --min-samples", field="min_samples")
-        shares, extra = _dirichlet(pool, labels, n_clients, alpha, min_samples, n_classes, part_rng)
-    elif scheme == "balanced-dirichlet":
-        alpha = _check_alpha(alpha, scheme)
-        params.update(alpha=alpha, min_samples=min_samples)
-        if n_clients * min_samples > len(pool):
-            pool_too_large(n_clients * min_samples, f"{n_clients} clients x min_samples {min_samples}")
-            raise UserInputError(
+                "lower --clients or --min-samples" if scheme == "dirichlet" else
                 f"is {min_samples}, but {len(pool)} samples over {n_clients} equal clients give each "
                 f"{len(pool) // n_clients}; allowed: 1..{max(len(pool) // n_clients, 1)} (or lower clients.n)",
                 field="min_samples")
-        shares, extra = _balanced_dirichlet(pool, labels, n_clients, alpha, n_classes, part_rng)
+        shares, extra = (_dirichlet(pool, labels, n_clients, alpha, min_samples, n_classes, part_rng)
+                         if scheme == "dirichlet" else
+                         _balanced_dirichlet(pool, labels, n_clients, alpha, n_classes, part_rng))
     else:  # natural
         if writers is None:
             raise UserInputError("the natural partition needs writer ids (dataset 'femnist')", field="partition")
