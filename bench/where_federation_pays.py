@@ -12,7 +12,9 @@ per client. One seed per cell (``--seed``). Methods (``--methods``): ``pretraine
 ``standalone``, ``uniform+sbn`` (FedAvg, ``train.bn_statistics=server``), the HtFL method ``--htfl``
 (default fedgh, the fair headline's best), ``rafl+kw1`` (RaFL, knowledge network at full width). Every
 method but the floor is tuned on the clients' validation splits over ``--grid`` (``rafl compare --tune``,
-as ``bench/fair_headline.py``).
+as ``bench/fair_headline.py``); with ``--lr-from PER_CLIENT`` only that images-per-client cell of each pool
+is tuned, and the pool's other cells run each method once at its pick there (the same budget for every
+method; the fair headline's ``--tune-seeds 0``, over cells instead of seeds).
 
 Resumable: the comparisons are ``bench/fair_headline.py``'s (:func:`fair_headline.compare`): a finished
 cell-method (``compare.json``) is skipped, an interrupted one resumes with the same command. Before it
@@ -108,6 +110,8 @@ def check_args(args) -> tuple[list[int], list[int], list[str]]:
             die(f"--methods: unknown variant {variant!r} in {m!r}; allowed: {', '.join([*fh.VARIANTS, 'uniform+sbn'])}")
     if "pretrained" not in methods or "standalone" not in methods:
         die("--methods: the map's references pretrained and standalone must be in it")
+    if args.lr_from is not None and args.lr_from not in per:
+        die(f"--lr-from {args.lr_from}: allowed: one of --per-client ({args.per_client})")
     if args.rounds < 1 or not 0 < args.participation <= 1:
         die(f"--rounds {args.rounds} / --participation {args.participation}: allowed: rounds >= 1, participation "
             "in (0, 1]")
@@ -124,10 +128,10 @@ def check_args(args) -> tuple[list[int], list[int], list[str]]:
 def budget(pools: list[int], per: list[int], methods: list[str], args) -> float:
     """Estimated CPU hours: per cell and trained method, (trials + final run) x rounds x sampled clients x
     images x local epochs image-steps (the floor trains nothing), x :data:`SECONDS_PER_IMAGE_STEP`."""
-    trials = len(args.grid.split(",")) + 1
     steps = 0.0
     for pool in pools:
         for p in per:
+            trials = 1 if args.lr_from is not None and args.lr_from != p else len(args.grid.split(",")) + 1
             n = cell_clients(pool, p)
             sampled = max(1, round(n * (1 - 0.2) * args.participation))
             trained = sum(1 for m in methods if m != "pretrained")
@@ -150,9 +154,27 @@ def cell_sets(pool: int, per: int, args, method: str) -> list[str]:
     return [x for s in sets for x in ("--set", s)]
 
 
+def picked_lr(folder: Path) -> float:
+    """The learning rate ``rafl compare --tune`` picked in ``folder`` (its ``tune.json``).
+
+    Raises:
+        SystemExit: the folder's tuning has not finished (exit 2, one line)."""
+    path = folder / "tune.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    if not record.get("picked"):
+        die(f"--lr-from: {folder} has no finished tuning (tune.json with a pick); run that cell first")
+    (method, pick), = record["picked"].items()
+    return float(record["trials"][method][pick["trial"]]["hparams"]["lr"])
+
+
 def run_cell(args, pool: int, per: int, method: str) -> None:
     algorithm, hp = method_sets(method, args.htfl)
-    how = [] if method == "pretrained" else ["--tune", f"lr={args.grid}"]
+    if method == "pretrained":
+        how = []
+    elif args.lr_from is not None and args.lr_from != per:  # the pick of the same pool's tuned cell
+        how = ["--set", f"algorithm.lr={picked_lr(cell_dir(args.out, pool, args.lr_from, method))}"]
+    else:
+        how = ["--tune", f"lr={args.grid}"]
     folder = cell_dir(args.out, pool, per, method)
     folder.parent.mkdir(parents=True, exist_ok=True)
     fh.compare(args, folder, algorithm, how + ["--no-finetune", *cell_sets(pool, per, args, method), *hp])
@@ -292,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grid", default=fh.GRID)
+    ap.add_argument("--lr-from", type=int, default=None, metavar="PER_CLIENT",
+                    help="tune only the cells of this images-per-client value; the other cells of the same pool run "
+                         "each method once at that cell's pick (the fair headline's --tune-seeds 0, over cells)")
     ap.add_argument("--jobs", type=int, default=1, help="comparisons at once")
     ap.add_argument("--device", default="cpu", help="train.device (cuda: falls back to the CPU per job)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every rafl compare")
@@ -321,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(str(err))
             print(err, flush=True)
 
+    # with --lr-from the tuned cells first: the other cells read their picks
+    phases = ([[j for j in jobs if j[1] == args.lr_from], [j for j in jobs if j[1] != args.lr_from]]
+              if args.lr_from is not None else [jobs])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        list(pool.map(job, jobs))
+        for phase in phases:
+            list(pool.map(job, phase))
     print(render(summarize(args.out, pools, per, methods), args.results, command))
     print(f"{len(jobs) - len(failed)} of {len(jobs)} comparisons finished in {(time.time() - start) / 3600:.1f} h",
           flush=True)
