@@ -14,7 +14,9 @@ per client. One seed per cell (``--seed``). Methods (``--methods``): ``pretraine
 method but the floor is tuned on the clients' validation splits over ``--grid`` (``rafl compare --tune``,
 as ``bench/fair_headline.py``); with ``--lr-from PER_CLIENT`` only that images-per-client cell of each pool
 is tuned, and the pool's other cells run each method once at its pick there (the same budget for every
-method; the fair headline's ``--tune-seeds 0``, over cells instead of seeds).
+method; the fair headline's ``--tune-seeds 0``, over cells instead of seeds). A pick at the edge of the
+grid extends that method's grid by the next half-decade value (:data:`LADDER`, at most
+:data:`MAX_EXTENSIONS` times) and makes its final run again.
 
 Resumable: the comparisons are ``bench/fair_headline.py``'s (:func:`fair_headline.compare`): a finished
 cell-method (``compare.json``) is skipped, an interrupted one resumes with the same command. Before it
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +67,10 @@ MIN_SAMPLES = 20
 #: assumed CPU seconds per image-step (forward + backward of one 32 px image on a small subnet, one
 #: core), for the budget estimate only; calibrate it on the first finished cell's wall_s
 SECONDS_PER_IMAGE_STEP = 0.004
+#: the learning rates a grid is extended with, in half-decade steps, when a pick sits at its edge
+LADDER = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+#: how many times one method's grid may be extended in one cell
+MAX_EXTENSIONS = 2
 #: ``--methods`` entries beyond fair_headline's METHOD+VARIANT: their --set arguments
 MAP_VARIANTS = {"uniform+sbn": ("uniform", ["--set", "train.bn_statistics=server"])}
 PROTOCOLS = (("model.acc", "personalized"), ("model@global.acc", "global"), ("new", "new clients"))
@@ -167,17 +174,53 @@ def picked_lr(folder: Path) -> float:
     return float(record["trials"][method][pick["trial"]]["hparams"]["lr"])
 
 
+def tuned_grid(folder: Path) -> list[float]:
+    """The learning rates the tuning in ``folder`` tried (``tune.json``), in trial order."""
+    record = json.loads((folder / "tune.json").read_text())
+    (trials,) = record["trials"].values()
+    return [float(t["hparams"]["lr"]) for t in trials]
+
+
+def wider(grid: list[float], pick: float) -> list[float] | None:
+    """``grid`` with the next :data:`LADDER` value beyond ``pick`` appended when ``pick`` is the grid's
+    lowest or highest value (and the ladder goes on), else None: the pick is inside the grid."""
+    lo, hi = min(grid), max(grid)
+    if pick not in LADDER:
+        return None
+    if pick == lo and pick != hi and LADDER.index(pick) > 0:
+        return [*grid, LADDER[LADDER.index(pick) - 1]]
+    if pick == hi and pick != lo and LADDER.index(pick) < len(LADDER) - 1:
+        return [*grid, LADDER[LADDER.index(pick) + 1]]
+    return None
+
+
 def run_cell(args, pool: int, per: int, method: str) -> None:
+    """One method of one cell: the floor as it is; a tuned method over ``--grid``, the grid extended
+    by one :data:`LADDER` step (and the final run made again) while its pick sits at an edge, at
+    most :data:`MAX_EXTENSIONS` times; with ``--lr-from`` the pool's other cells once at that pick."""
     algorithm, hp = method_sets(method, args.htfl)
-    if method == "pretrained":
-        how = []
-    elif args.lr_from is not None and args.lr_from != per:  # the pick of the same pool's tuned cell
-        how = ["--set", f"algorithm.lr={picked_lr(cell_dir(args.out, pool, args.lr_from, method))}"]
-    else:
-        how = ["--tune", f"lr={args.grid}"]
     folder = cell_dir(args.out, pool, per, method)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    fh.compare(args, folder, algorithm, how + ["--no-finetune", *cell_sets(pool, per, args, method), *hp])
+    rest = ["--no-finetune", *cell_sets(pool, per, args, method), *hp]
+    if method == "pretrained":
+        fh.compare(args, folder, algorithm, rest)
+        return
+    if args.lr_from is not None and args.lr_from != per:  # the pick of the same pool's tuned cell
+        lr = picked_lr(cell_dir(args.out, pool, args.lr_from, method))
+        fh.compare(args, folder, algorithm, ["--set", f"algorithm.lr={lr}", *rest])
+        return
+    grid = [float(v) for v in args.grid.split(",")]
+    for _ in range(MAX_EXTENSIONS + 1):
+        fh.compare(args, folder, algorithm, ["--tune", "lr=" + ",".join(f"{v:g}" for v in grid), *rest])
+        grid = tuned_grid(folder)
+        grown = wider(grid, picked_lr(folder))
+        if grown is None:
+            return
+        print(f"  {folder}: pick {picked_lr(folder):g} at the edge of {grid}; the grid extended to {grown}", flush=True)
+        for item in folder.iterdir():  # the final run is made again at the new pick; the trials stay
+            if item.name != "tune":
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+        grid = grown
 
 
 def new_clients(folder: Path, row: dict) -> dict[str, float]:
