@@ -144,5 +144,10 @@ def test_out_must_not_clobber_foreign_folder(tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     res = run("--out", str(out))
-    assert res.exit_code == 2 and "not a previous `rafl data` output" in res.output
+    assert res.exit_code == 2 and "holds files that are not `rafl data` output (notes.txt)" in res.output
+    assert (out / "notes.txt").read_text() == "keep me"
+    # an earlier output beside a foreign file: refused too (the output replaces the whole folder)
+    (out / "partition.json").write_text("{}")
+    res = run("--out", str(out))
+    assert res.exit_code == 2 and "not `rafl data` output (notes.txt)" in res.output
     assert (out / "notes.txt").read_text() == "keep me"

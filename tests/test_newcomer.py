@@ -161,6 +161,11 @@ BAD_INPUT = [
     ["compare", "--out", "{tmp}/c", "--set", "engine.backend=flower"],
     ["profile", "--device-profile", "pi4", "--arch", "r32_k9e9", "--out", "{tmp}/c"],
     ["supernet", "train", "--dataset", "cifar10", "--data-root", "{tmp}/none", "--out", "{tmp}/c"],
+    # an output folder holding someone else's files (rafl compare answered it after torch loaded)
+    ["compare", "--out", "{tmp}/run"],
+    ["compare", "--out", "{tmp}/run", "--tune", "lr=0.01,0.1"],
+    ["data", "--out", "{tmp}/run"],
+    ["search", "--device-profile", "pi4", "--out", "{tmp}/run"],
 ]
 
 

@@ -121,7 +121,7 @@ def test_tiny_run_then_resume(tmp_path, tiny_supernet):
     assert "already exists" in _one_error_line(_invoke(["--config", str(cfile), "--out", str(out)]))
     (out / "other").mkdir()
     (out / "other" / "x").write_text("not a run")
-    assert "other: already exists and is not a rafl federate run dir" in _one_error_line(
+    assert "other: name: already exists and is not a rafl federate run dir" in _one_error_line(
         _invoke(["--config", str(cfile), "--out", str(out), "--set", "name=other"]))
     res = _invoke(["--resume", str(run_dir), "--set", "engine.rounds=2"])
     assert res.exit_code == 0, res.output

@@ -52,12 +52,12 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
     """Run several FL methods on the same data partition, client models and seed, and write a
     comparison table (mean/std client accuracy, MB communicated, wall time) and a plot."""
     from rafl.errors import UserInputError
-    from rafl.io import check_output_dir
+    from rafl.folders import Comparison
 
     if resume_dir is None:  # the checks that need no torch first: a typo answers at once
         if out is None:
             raise UserInputError("is required (the output folder), or --resume a previous one", field="--out")
-        check_output_dir(out)
+        Comparison.check_new(out)  # new or empty (or holding only its --tune trials), and writable
         _precheck_config(config_path, (f"data.root={data_root}", *overrides) if data_root is not None else overrides,
                          algorithms, data_root is not None)
     from rafl.models import resolve_models

@@ -10,18 +10,6 @@ from rafl.cli._types import FiniteFloatRange, data_root_option
 from rafl.errors import UserInputError
 
 
-def _check_out(out: Path, names: list[str]) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if out.is_dir():
-        foreign = [p.name for p in out.iterdir()
-                   if not (p.name in ("search.json", "pareto.png") or (p / "result.json").is_file() or p.name.startswith("."))]
-        if foreign:
-            raise UserInputError(f"is a folder holding files that are not `rafl search` output "
-                                 f"({', '.join(sorted(foreign)[:3])}); choose a new or empty folder",
-                                 source=out, field="--out")
-
-
 def _check_data(supernet_dir: Path, data_root: Path | None) -> None:
     """The supernet's dataset can be found (``--data-root``, else the root its training config
     recorded, else the default), checked before torch loads; its contents are checked when read."""
@@ -106,7 +94,9 @@ def search(profiles: tuple[str, ...], supernet_dir: Path | None, data_root: Path
     names = [p.name for p in profs]
     if len(set(names)) != len(names):
         raise UserInputError(f"profile names repeat: {', '.join(names)}", field="--device-profile")
-    _check_out(out, names)
+    from rafl.stages.checks import SEARCH_OUTPUT
+
+    SEARCH_OUTPUT.check(out)
     from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
 
     if supernet_dir is not None and is_pretrained_name(str(supernet_dir)):

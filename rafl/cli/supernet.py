@@ -65,7 +65,7 @@ def train(dataset, data_root, out, epochs_per_phase, device, seed, width_mult, r
             out, dataset=dataset, data_root=data_root, epochs_per_phase=epochs_per_phase, device=device, seed=seed,
             width_mult=width_mult, resolutions=stage.parse_resolutions(resolutions, "--resolutions"),
             batch_size=batch_size, limit_per_class=limit_per_class, config_file=config_file, preset=preset,
-            resume=resume, progress=not no_progress, rank=rank)
+            resume=resume, progress=not no_progress)
     except UserInputError:
         # every rank says it: torchrun stops the other ranks as soon as one exits, so a rank left
         # silent could be the only one that got to say it (the same line at most once per rank)

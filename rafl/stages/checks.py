@@ -22,11 +22,27 @@ from rafl.data.sources import DATASETS, check_data_root
 from rafl.errors import UserInputError
 from rafl.federation.catalog import check_hyperparameter_names, method_names
 from rafl.federation.run_files import CHECKPOINT
+from rafl.folders import OnceKind, RunKind
 from rafl.io import load_yaml, read_text_file
 from rafl.search.profile import DeviceProfile, list_profiles
 
 #: the file a run dir is recognised by
 CONFIG = "config.yaml"
+
+#: a ``rafl federate`` run dir as an output folder (:class:`rafl.folders.RunFolder`): ``config.yaml``
+#: is written first, ``checkpoint.safetensors`` once a round completed; a new run under the name of a
+#: run killed before its first checkpoint takes its folder over
+FEDERATE_RUN = RunKind(
+    started=lambda p: (p / CONFIG).is_file(),
+    completed=lambda p: (p / CHECKPOINT).is_file(),
+    foreign="already exists and is not a rafl federate run dir (choose another name or --out)",
+    taken="already exists (choose another name or --out, or --resume it)")
+
+#: ``rafl search``'s output folder (:class:`rafl.folders.OnceKind`): ``search.json`` (the index),
+#: ``pareto.png`` and one folder per profile (with its ``result.json``), each written once and
+#: replaced by a later search of that profile; the other profiles' folders are kept
+SEARCH_OUTPUT = OnceKind("`rafl search`", owns=lambda p: p.name in ("search.json", "pareto.png")
+                         or (p / "result.json").is_file())
 
 
 def is_compare_folder(path: str | Path) -> bool:
@@ -160,4 +176,5 @@ def precheck_run(config_path: str | Path | None, overrides: Sequence[str], *, da
     return cfg, source
 
 
-__all__ = ["CONFIG", "check_data", "check_nas_config", "check_supernet_data", "check_resume_dir", "is_compare_folder", "precheck_run"]
+__all__ = ["CONFIG", "FEDERATE_RUN", "SEARCH_OUTPUT", "check_data", "check_nas_config", "check_supernet_data", "check_resume_dir",
+           "is_compare_folder", "precheck_run"]

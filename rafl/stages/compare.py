@@ -18,10 +18,8 @@ profile); any other value is a model group / list for :mod:`rafl.models`, assign
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +48,8 @@ from rafl.federation.finetune import finetune_evaluate
 from rafl.federation.payload import Payload
 from rafl.federation.run_config import load_run_config, without_unused_pool
 from rafl.federation.store import load_state
-from rafl.io import atomic_write_json, atomic_write_yaml, claim_file, lock_dir
+from rafl.folders import COMPARISON_RECORD, TUNE_DIR, TUNE_RECORD, Comparison, RunKind, check_folder
+from rafl.io import atomic_write_json, atomic_write_yaml
 from rafl.models import resolve_models
 from rafl.models.plugin import is_plugin_spec, load_factory
 from rafl.reports.compare import (
@@ -291,12 +290,9 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     """
     out = Path(out)
     if resume:
-        if not (out / "config.yaml").is_file():
-            raise UserInputError("does not exist" if not out.exists() else "is not a rafl compare output (no config.yaml)",
-                                 source=out, field="--resume")
-    elif out.exists() and (not out.is_dir() or any(p.name not in ("tune", TUNE_RECORD) for p in out.iterdir())):
-        # (a folder holding only the --tune trials is this comparison's own)
-        raise UserInputError("already exists and is not empty; choose another --out (or --resume it)", source=out)
+        Comparison.check_resume(out)
+    else:  # (a folder holding only the --tune trials is this comparison's own)
+        Comparison.check_new(out)
     members = resolve_models(models)
     cfg = cfg.model_copy(deep=True)  # the record (config.yaml) says in clients.models which models ran
     cfg.clients.models, cfg.clients.feature_dim = models, feature_dim
@@ -319,23 +315,19 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                              "in-process); run one method on Flower with rafl federate", field="engine.backend")
     ecfg = engine_config(cfg)
     participation(ecfg, cfg.clients.n)  # a count larger than the population is an error before writing
-    out_existed = out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     # held while this comparison writes (the kernel drops it when the process ends, also on kill -9):
-    # a second live compare or --resume of the same folder is refused, a dead one's folder resumes
-    lock = lock_dir(out, "--resume" if resume else "--out")
-    try:
+    # a second live compare or --resume of the same folder is refused, a dead one's folder resumes; a
+    # compare started together into the same --out stops at the claim of config.yaml: one error, not a mix
+    with Comparison.open(out, resume=resume, field="--resume" if resume else "--out") as comparison:
         previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
         shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
         if not resume:
-            claim_file(out / "config.yaml")  # a compare started together into the same --out: one error, not a mix
-            atomic_write_yaml(out / "config.yaml", {**shared, "algorithms": hparams})
+            atomic_write_yaml(out / COMPARISON_RECORD, {**shared, "algorithms": hparams})
         rows = []
         for name, table in tables.items():
             fed, _, prep = built.pop(name) if name in built else build(name)
             run_dir = out / name
-            if run_dir.exists() and not run_dir.is_dir():
-                raise UserInputError("is not a folder (a method's run dir); remove it to rerun the method", source=run_dir)
+            check_folder(run_dir, None)  # a method's run dir
             # what the method's run was started with: a resumed run must continue with the same settings
             # (engine left out: only the number of rounds may differ, and it is checked per row)
             # (clients.models / clients.feature_dim are the top-level models / feature_dim: compared there,
@@ -358,21 +350,22 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
                     rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, done, table))
                 continue
             earlier_s = sum(r.get("time_s", 0.0) for r in read_history(run_dir)) if continuing else 0.0
-            if not continuing:
-                if run_dir.exists():  # an attempt that never completed round 1
-                    shutil.rmtree(run_dir)
-                run_dir.mkdir()
-                group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
-                atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
-                atomic_write_json(run_dir / STARTED_WITH, started)
-            t0 = time.perf_counter()
+            # a new run takes over an attempt that never completed round 1
+            run = comparison.method(name, METHOD_RUN, resume=continuing)
             try:
+                if not continuing:
+                    group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
+                    atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
+                    atomic_write_json(run_dir / STARTED_WITH, started)
+                t0 = time.perf_counter()
                 summary = run_engine(fed, ecfg, run_dir, resume=continuing, progress=progress)
             except BaseException as err:
-                _clean_failed(out, run_dir, fresh=not resume and not rows, out_existed=out_existed)
+                comparison.discard_failed(run)
                 if isinstance(err, UserInputError):  # say which method failed; its keys as compare names them
                     raise _method_error(err, name, hparams[name], out) from None
                 raise
+            finally:
+                run.close()
             wall = time.perf_counter() - t0 + earlier_s
             if prep is not None:  # heterofl / fedrolex over NAS subnets: the federated supernet, as rafl federate writes it
                 export_federated_supernet(prep, run_dir, summary)
@@ -388,8 +381,6 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         plot_compare(out / "compare.png", rows)
         plot_accuracy_vs_mb(out / "compare_curve.png", {r["algorithm"]: read_history(out / r["algorithm"]) for r in rows})
         return rows
-    finally:
-        os.close(lock)
 
 
 def with_new_clients(row: dict[str, Any], prep: Prepared | None, run_dir: Path, rounds: int,
@@ -531,10 +522,6 @@ def parse_grid(specs: list[str] | tuple[str, ...], hparams: dict[str, dict[str, 
     return trials
 
 
-#: tuning's record in the comparison's folder: every trial's validation score and the pick
-TUNE_RECORD = "tune.json"
-
-
 def run_tuning(cfg: RunConfig, hparams: dict[str, dict[str, Any]], trials: dict[str, list[dict[str, Any]]],
                out: str | Path, *, models: str = "htfe-tiny", feature_dim: int = 128,
                progress: bool = True) -> dict[str, dict[str, Any]]:
@@ -548,15 +535,20 @@ def run_tuning(cfg: RunConfig, hparams: dict[str, dict[str, Any]], trials: dict[
 
     Returns:
         ``hparams`` with each tuned method's pick; the record ``OUT/tune.json`` lists every trial.
+
+    Raises:
+        UserInputError: ``out`` cannot take a comparison (:meth:`rafl.folders.Comparison.check_new`:
+            checked before the first trial), or what :func:`run_compare` refuses.
     """
     out = Path(out)
+    Comparison.check_new(out)  # the comparison that follows the trials writes there too
     n = len(next(iter(trials.values())))
     record: dict[str, Any] = {"criterion": "pooled accuracy over all clients' validation splits, mean of the last 3 "
                                            "evaluated rounds", "trials": {m: [] for m in trials}}
     for i in range(n):
-        folder = out / "tune" / f"trial{i}"
+        folder = out / TUNE_DIR / f"trial{i}"
         hp_i = {m: trials[m][i] for m in trials}
-        resume = (folder / "config.yaml").is_file()
+        resume = (folder / COMPARISON_RECORD).is_file()
         rows = run_compare(cfg, hp_i, folder, models=models, feature_dim=feature_dim, progress=progress,
                            resume=resume, finetune=False, validation=True)
         for r in rows:
@@ -619,21 +611,17 @@ def _method_error(err: UserInputError, name: str, hp: dict[str, Any], out: Path)
     return UserInputError(message, source=f"{name}, {err.source}" if err.source else name, field=field)
 
 
-def _clean_failed(out: Path, run_dir: Path, *, fresh: bool, out_existed: bool) -> None:
-    """After a method's run failed: leave nothing half-made. Its run dir goes unless it holds a
-    checkpoint (a completed round, which ``--resume`` continues); when this was the comparison's
-    first method and nothing survived, ``config.yaml`` (and ``out`` if this call created it) go too,
-    so the same command can simply be run again. Finished methods are never touched."""
-    if run_dir.is_dir() and not (run_dir / CHECKPOINT).is_file():
-        shutil.rmtree(run_dir, ignore_errors=True)
-    if fresh and not run_dir.exists():
-        (out / "config.yaml").unlink(missing_ok=True)
-        if not out_existed and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-
-
 #: a method's run dir keeps the settings it was started with (compared on ``--resume``)
 STARTED_WITH = "compare_started_with.json"
+
+#: a method's run dir in a comparison, as an output folder (:class:`rafl.folders.RunFolder`):
+#: ``clients.json`` and :data:`STARTED_WITH` first, ``checkpoint.safetensors`` once a round completed;
+#: a new run of the method takes over an attempt that never completed a round
+METHOD_RUN = RunKind(
+    started=lambda p: any((p / f).is_file() for f in ("clients.json", STARTED_WITH, CHECKPOINT)),
+    completed=lambda p: (p / CHECKPOINT).is_file(),
+    foreign="already exists and is not a method's run dir of rafl compare; remove it to rerun the method",
+    taken="already holds a method's run that completed a round; rafl compare --resume continues it")
 
 
 def _previous_rows(out: Path) -> dict[str, dict[str, Any]]:
@@ -685,10 +673,8 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
             validates (e.g. an unknown method).
     """
     out = Path(out)
-    path = out / "config.yaml"
-    if not path.is_file():
-        raise UserInputError("does not exist" if not out.exists() else "is not a rafl compare output (no config.yaml)",
-                             source=out, field="--resume")
+    Comparison.check_resume(out)
+    path = out / COMPARISON_RECORD
     data = read_config_file(path)
     if not isinstance(data.get("algorithms"), dict) or "models" not in data:
         raise UserInputError("is not a rafl compare config (no algorithms / models)", source=path, field="--resume")

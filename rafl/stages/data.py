@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from rafl.errors import UserInputError, allowed
+from rafl.folders import OnceKind
 
 #: the files an output folder receives
 OUT_FILES = ("partition.json", "class_heatmap.png")
+
+#: ``rafl data``'s output folder, written once (:class:`rafl.folders.OnceKind`): a new or empty
+#: folder, or an earlier output (:data:`OUT_FILES`), which is replaced
+DATA_OUTPUT = OnceKind("`rafl data`", owns=lambda p: p.name in OUT_FILES)
 
 #: :func:`rafl.data.make_partition`'s argument names -> this command's options, for its errors
 PARTITION_OPTIONS = {"k": "--k", "alpha": "--alpha", "min_samples": "--min-samples", "n_clients": "--clients",
@@ -44,19 +49,6 @@ class Partitioned:
     labels: Any
     partition: Any
     counts: Any
-
-
-def check_out(out: Path) -> None:
-    """``out`` can take the output: a new or empty folder, or a previous ``rafl data`` output.
-
-    Raises:
-        UserInputError: (field ``--out``) a file, or a non-empty folder without a partition.json.
-    """
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if out.is_dir() and any(out.iterdir()) and not (out / "partition.json").is_file():
-        raise UserInputError("is a non-empty folder that is not a previous `rafl data` output; "
-                             "choose a new or empty folder", source=out, field="--out")
 
 
 def parse_split(text: str) -> tuple[float, float, float]:
@@ -94,7 +86,7 @@ def check_options(dataset: str, scheme: str, *, data_root: Path | None = None, c
         UserInputError: an unknown dataset or scheme, a missing partition file, an option that
             shapes a partition given with a saved one, a bad option value, a non-digits dataset
             without a data root, a natural partition of a dataset without writers, or an ``out``
-            that :func:`check_out` refuses.
+            that :data:`DATA_OUTPUT` refuses (a file, or a folder holding other files).
     """
     from rafl.data import DATASETS, SCHEMES
 
@@ -138,7 +130,7 @@ def check_options(dataset: str, scheme: str, *, data_root: Path | None = None, c
     if scheme == "natural" and dataset != "femnist":
         raise UserInputError(f"natural needs writer ids; allowed with --dataset femnist, not {dataset}",
                              field="--partition")
-    check_out(out)
+    DATA_OUTPUT.check(out)
     return clients, split
 
 
@@ -179,19 +171,22 @@ def partition_dataset(dataset: str, scheme: str, clients: int | None, seed: int,
 
 
 def write_partition(out: Path, made: Partitioned) -> list[Path]:
-    """Write ``out``/:data:`OUT_FILES` atomically: everything lands under ``out`` at once (a
-    previous ``rafl data`` output is replaced), or nothing does. Returns the files' paths."""
+    """Write ``out``/:data:`OUT_FILES` atomically (:meth:`DATA_OUTPUT.write <rafl.folders.OnceKind.write>`):
+    everything lands under ``out`` at once (a previous ``rafl data`` output is replaced), or nothing
+    does. Returns the files' paths.
+
+    Raises:
+        UserInputError: ``out`` holds other files by now (:data:`DATA_OUTPUT`)."""
     from rafl.data.report import plot_class_heatmap
-    from rafl.io import atomic_dir
 
     part = made.partition
     params = ", ".join(f"{k_}={v}" for k_, v in part.meta.get("params", {}).items())
     title = f"{made.dataset}: {part.meta.get('scheme')}{f' ({params})' if params else ''}, {part.n_clients} clients"
-    with atomic_dir(out, overwrite=True) as tmp:
+    with DATA_OUTPUT.write(out) as tmp:
         part.save(tmp / "partition.json")
         plot_class_heatmap(made.counts, made.ds.classes, tmp / "class_heatmap.png", title=title)
     return [out / name for name in OUT_FILES]
 
 
-__all__ = ["DEFAULT_CLIENTS", "OUT_FILES", "PARTITION_OPTIONS", "SHAPING_OPTIONS", "Partitioned", "check_options",
-           "check_out", "parse_split", "partition_dataset", "write_partition"]
+__all__ = ["DATA_OUTPUT", "DEFAULT_CLIENTS", "OUT_FILES", "PARTITION_OPTIONS", "SHAPING_OPTIONS", "Partitioned",
+           "check_options", "parse_split", "partition_dataset", "write_partition"]

@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from rafl.errors import UserInputError, load_error_detail
+from rafl.folders import OnceKind
 
 #: the files a report folder holds (a folder holding anything else is refused as ``--out``)
 REPORT_FILES = ("cost_report.md", "cost_report.json", "cost_report.png")
+
+#: ``rafl profile``'s report folder, written once (:class:`rafl.folders.OnceKind`): a new or empty
+#: folder, or an earlier report (:data:`REPORT_FILES`), which is replaced
+PROFILE_REPORT = OnceKind("`rafl profile`", owns=lambda p: p.name in REPORT_FILES)
 
 #: the search space's defaults without --supernet or a recorded space (the command's option defaults)
 DEFAULT_WIDTH_MULT = 1.0
@@ -263,21 +268,6 @@ def build_lut(prof, out: Path, *, supernet_dir: str | Path | None = None, width_
                      warning=method if "two-term fit gave" in method else None)
 
 
-def check_report_out(out: Path) -> None:
-    """``out`` can take a cost report: a new folder, or one holding only :data:`REPORT_FILES`.
-
-    Raises:
-        UserInputError: (field ``--out``) a file, or a folder holding other files.
-    """
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if out.is_dir():
-        foreign = [p.name for p in out.iterdir() if p.name not in REPORT_FILES]
-        if foreign:
-            raise UserInputError(f"folder holds other files ({', '.join(sorted(foreign)[:3])}); choose a new "
-                                 "or empty folder", source=out, field="--out")
-
-
 def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path: Path | None = None,
                    supernet_dir: str | Path | None = None, width_mult: float | None = None,
                    n_classes: int | None = None, batch_size: int | None = None, threads: int = 1, warmup: int = 5,
@@ -292,7 +282,7 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
 
     Raises:
         UserInputError: neither ``arch_text`` nor ``model_path``, both with a safetensors model,
-            ``out`` refused (:func:`check_report_out`), a ``supernet_dir`` or ``width_mult``/
+            ``out`` refused (:data:`PROFILE_REPORT`: a file, or a folder holding other files), a ``supernet_dir`` or ``width_mult``/
             ``n_classes`` that contradict the space the arch file records, an arch outside the
             space, or what :func:`load_space`, :func:`load_arch` and :func:`load_model` refuse.
     """
@@ -301,7 +291,7 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
     if arch_text is not None and model_path is not None and model_path.suffix not in (".pt", ".pth"):
         raise UserInputError("a subnet.safetensors carries its own arch; drop --arch (only a .pt state dict "
                              "takes --arch)", field="--arch/--model")
-    check_report_out(out)
+    PROFILE_REPORT.check(out)
     space, supernet = load_space(supernet_dir, width_mult, n_classes)
     recorded = recorded_space(arch_text)
     hint = None
@@ -331,11 +321,10 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
     # torch from here on: without --supernet or --model, a bad --arch was answered before it loads
     import torch
 
-    from rafl.io import atomic_dir
     from rafl.reports.profile_report import write_profile_report
 
     torch.set_num_threads(threads)
-    with atomic_dir(out, overwrite=True) as tmp:
+    with PROFILE_REPORT.write(out) as tmp:
         doc = write_profile_report(arch, prof, tmp, space=space, model=model, supernet=supernet,
                                    batch_size=batch_size, measure=measure, warmup=warmup, repeats=repeats)
     from rafl.search.cost import Cost
@@ -345,5 +334,5 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
 
 
 __all__ = ["DEFAULT_N_CLASSES", "DEFAULT_WIDTH_MULT", "REPORT_FILES", "LutResult", "ProfileResult", "build_lut",
-           "check_lut_out", "check_report_out", "is_latency_lut", "load_arch", "load_model", "load_space",
+           "check_lut_out", "PROFILE_REPORT", "is_latency_lut", "load_arch", "load_model", "load_space",
            "profile_subnet", "recorded_space", "space_note"]

@@ -1,26 +1,24 @@
 """A run dir's lifecycle, in one place for every stage that writes one (``rafl federate``, the
 Flower App's ServerApp, ``rafl compare``'s per-method runs).
 
-A run dir is created and claimed (:meth:`RunDir.claim`) or opened to continue
-(:meth:`RunDir.resume`); while a stage holds it, an exclusive ``flock`` on the folder
-(:func:`rafl.io.lock_dir`) tells a live run's folder from a dead one's (the kernel releases it on
-``kill -9``). A run that fails or is interrupted before its first complete round leaves nothing
-(:meth:`RunDir.discard_if_incomplete`); a resumed run rewrites its ``config.yaml`` atomically once
-it succeeds (:meth:`RunDir.write_config`); what a resume may change is checked in one place
-(:func:`resumed_config`).
+A run dir is a run folder (:mod:`rafl.folders`, kind "run": its checks, lock and cleanup on
+failure are there): created and claimed (:meth:`RunDir.claim`) or opened to continue
+(:meth:`RunDir.resume`); while a stage holds it, an exclusive ``flock`` on the folder tells a live
+run's folder from a dead one's (the kernel releases it on ``kill -9``). A run that fails or is
+interrupted before its first complete round leaves nothing (:meth:`RunDir.discard_if_incomplete`);
+a resumed run rewrites its ``config.yaml`` atomically once it succeeds (:meth:`RunDir.write_config`);
+what a resume may change is checked in one place (:func:`resumed_config`).
 """
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from rafl.config import RunConfig, parse_overrides
-from rafl.errors import UserInputError, shown, warn
+from rafl.errors import UserInputError, shown
 from rafl.federation.checks import (
     check_checkpoint_readable,
     check_resumable_here,
@@ -29,8 +27,9 @@ from rafl.federation.checks import (
 )
 from rafl.federation.run_config import load_run_config
 from rafl.federation.run_files import CHECKPOINT
-from rafl.io import atomic_write_yaml, check_output_dir, lock_dir
-from rafl.stages.checks import CONFIG, check_resume_dir, is_compare_folder
+from rafl.folders import RunFolder, RunKind, check_creatable
+from rafl.io import atomic_write_yaml
+from rafl.stages.checks import CONFIG, FEDERATE_RUN, check_resume_dir, is_compare_folder
 
 
 def default_name(cfg: Any) -> str:
@@ -67,73 +66,43 @@ def resumed_config(run_dir: str | Path, overrides: tuple[str, ...] | list[str] =
     return cfg
 
 
-class RunDir:
-    """One run dir held by this process: its path, whether it continues an earlier run, and the
-    lock on it (held until :meth:`close`; a ``with`` block closes it and, on an exception, first
-    :meth:`discard_if_incomplete`).
+class RunDir(RunFolder):
+    """A ``rafl federate`` run dir held by this process (a :class:`rafl.folders.RunFolder` of
+    :data:`~rafl.stages.checks.FEDERATE_RUN`, or of another kind of the same files): its path,
+    whether it continues an earlier run, and the lock on it (held until :meth:`close`; a ``with``
+    block closes it and, on an exception, first :meth:`discard_if_incomplete`).
 
     Attributes:
         path: the run dir.
         resumed: it continues a run that completed at least one round.
     """
 
-    def __init__(self, path: Path, *, resumed: bool, lock_fd: int, out_created: Path | None = None):
-        self.path, self.resumed = Path(path), resumed
-        self._fd: int | None = lock_fd
-        self._out_created = out_created  # the parent folder this claim created (removed again if left empty)
-
     # ------------------------------------------------------------------ opening
     @classmethod
-    def claim(cls, out: str | Path, name: str | None, *, default: str, field: str = "name") -> RunDir:
+    def claim(cls, out: str | Path, name: str | None, *, default: str, field: str = "name",
+              kind: RunKind = FEDERATE_RUN) -> RunDir:
         """Create and claim the run dir ``out/name`` for a new run.
 
         ``name`` None: ``out/default``, or ``default-2``, ``-3``, ... when runs started in the same
-        second (a sweep) took it; each is claimed with an atomic ``mkdir``, so parallel runs never
-        share (or clean up) one run dir. A named run dir that never completed a round (its run was
-        killed before the first checkpoint, and no live run holds its lock) is emptied and reused,
-        with a warning.
+        second (a sweep) took it (:meth:`RunFolder.start_unique`), so parallel runs never share (or
+        clean up) one run dir. A named run dir is checked by ``kind``'s rules
+        (:meth:`RunFolder.start`): with :data:`~rafl.stages.checks.FEDERATE_RUN`, one that never
+        completed a round (its run was killed before the first checkpoint, and no live run holds
+        its lock) is emptied and reused, with a warning.
 
         Raises:
             UserInputError: ``out`` cannot be created or written; ``name`` is not a plain folder
-                name; the run dir exists with a checkpoint (resume it instead), holds something that
-                is not a run dir, or is held by a live run (``field`` names the setting)."""
+                name; the run dir holds something that is not a run dir, a run that completed a
+                round (resume it instead), one ``kind`` refuses, or is held by a live run
+                (``field`` names the setting)."""
         out = Path(out)
-        check_output_dir(out)  # a file, or a folder nothing can be created in: before any work
+        check_creatable(out)  # a file, or a folder nothing can be created in: before any work
         if name is not None and (Path(name).name != name or name in (".", "..")):
             raise UserInputError(f"is {shown(name)}; allowed: a plain folder name (no '/' or '..'), created under "
                                  "--out", field=field)
-        made_out = None if out.exists() else out  # removed again if the run leaves it empty
-        run_dir = out / (name or default)
         if name is None:
-            stem, i = default, 1
-            while True:
-                try:
-                    run_dir.mkdir(parents=True)
-                    break
-                except FileExistsError:
-                    i += 1
-                    run_dir = out / f"{stem}-{i}"
-            return cls(run_dir, resumed=False, lock_fd=lock_dir(run_dir, field), out_created=made_out)
-        if run_dir.exists():
-            if not (run_dir / CONFIG).is_file() and any(run_dir.iterdir()):
-                raise UserInputError("already exists and is not a rafl federate run dir (choose another name or --out)",
-                                     source=run_dir)
-            if (run_dir / CHECKPOINT).is_file():
-                raise UserInputError("already exists (choose another name or --out, or --resume it)", source=run_dir)
-            # never completed a round: a run killed (kill -9) before its first checkpoint, whose lock the
-            # kernel released; a live run holds it, and lock_dir refuses then
-            fd = lock_dir(run_dir, field)
-            for p in list(run_dir.iterdir()):
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-            warn(f"{run_dir} never completed a round (its run was killed before the first checkpoint): "
-                 "starting it afresh")
-            return cls(run_dir, resumed=False, lock_fd=fd)
-        try:
-            run_dir.mkdir(parents=True)
-        except FileExistsError:  # another run took this name a moment ago
-            raise UserInputError("already exists: another run took this name (choose another name or --out)",
-                                 source=run_dir) from None
-        return cls(run_dir, resumed=False, lock_fd=lock_dir(run_dir, field), out_created=made_out)
+            return cls.start_unique(out, default, kind, field=field)
+        return cls.start(out / name, kind, field=field)
 
     @classmethod
     def resume(cls, path: str | Path, *, field: str = "--resume", here: bool = True) -> RunDir:
@@ -150,7 +119,7 @@ class RunDir:
         if here:
             check_resumable_here(path)  # a SuperLink's run: its client states are on the nodes
         check_checkpoint_readable(path)  # cut short by a copy: say how to recover, before any work
-        return cls(path, resumed=True, lock_fd=lock_dir(path, field))
+        return cls.reopen(path, FEDERATE_RUN, field=field)
 
     def resumed_config(self, overrides: tuple[str, ...] | list[str] = (), *, rounds_field: str = "engine.rounds",
                        base: Path | None = None) -> RunConfig:
@@ -183,38 +152,6 @@ class RunDir:
             return None
         return (f"interrupted: {self.completed_rounds()} complete round(s) checkpointed in {self.path}; continue "
                 f"with: {command} {shlex.quote(str(self.path))}")
-
-    # ------------------------------------------------------------------ ending
-    def discard_if_incomplete(self) -> bool:
-        """Remove the run dir of a new run that never completed a round (and the parent folder this
-        claim created, if it is left empty); a resumed run, or one with a checkpoint, stays.
-        Returns whether it removed it."""
-        if self.resumed or not self.path.exists() or self.has_checkpoint():
-            return False
-        shutil.rmtree(self.path, ignore_errors=True)  # ours, with no complete round: leave nothing half-made
-        out = self._out_created
-        if out is not None and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        return True
-
-    def close(self) -> None:
-        """Release the lock (idempotent)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> RunDir:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is not None:
-                self.discard_if_incomplete()
-        finally:
-            self.close()
-
-    def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r}, resumed={self.resumed})"
 
 
 __all__ = ["CONFIG", "RunDir", "default_name", "is_compare_folder", "resumed_config"]

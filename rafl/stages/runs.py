@@ -49,7 +49,8 @@ def run_engine(fed: Federation, config: EngineConfig, run_dir: Path, *, resume: 
 
 def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
                  clients: Any = None, backend: str = "in-process", deployment: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run the prepared federation in ``run_dir`` (created here unless resuming); returns the
+    """Run the prepared federation in ``run_dir``, the run dir its caller holds (a new run's is
+    empty: :meth:`rafl.stages.rundir.RunDir.claim` checks it; created here if missing); returns the
     summary extended with the per-client table (``summary["table"]``), the means and the
     ``backend`` that ran this session (:data:`BACKENDS`).
 
@@ -74,9 +75,6 @@ def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, p
         check_same_clients(run_dir, prep.clients_table, prep.cfg.partition.scheme)
     run_dir = Path(run_dir)
     if not resume:
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise UserInputError("already exists and is not empty (use --resume to continue it, or "
-                                 "another --out / name)", source=run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_yaml(run_dir / "config.yaml", prep.cfg.resolved())
         atomic_write_json(run_dir / "clients.json", {"clients": prep.clients_table, **prep.extra,

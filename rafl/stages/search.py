@@ -43,7 +43,7 @@ import torch
 
 from rafl.data import load_dataset
 from rafl.errors import UserInputError
-from rafl.io import atomic_dir, atomic_write_bytes, atomic_write_json, atomic_write_text, safetensors_damage
+from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text, safetensors_damage
 from rafl.reports.profile_report import write_profile_report
 from rafl.search.cost import CostModel
 from rafl.search.estimators import MeasuredAccuracy, measurement_cache_dir, sample_across_space, supernet_fingerprint
@@ -52,6 +52,7 @@ from rafl.search.genome import Population
 from rafl.search.pareto import save_fronts, save_picks_plot
 from rafl.search.predictor import kendall_tau, tau_meaning, train_predictor
 from rafl.search.profile import load_profile
+from rafl.stages.checks import SEARCH_OUTPUT
 from rafl.supernet import extract_subnet, load_supernet, quickstart_supernet, recalibrate_bn, subnet_from_arch
 from rafl.supernet.arch import ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import load_meta
@@ -310,13 +311,15 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
     Raises:
         UserInputError: unknown or malformed profile, a supernet checkpoint that does not load or
             does not match the space, an empty validation split, unreachable budgets, altered
-            shipped measurements, an ``out`` holding another supernet's subnets
+            shipped measurements, an ``out`` holding files that are not ``rafl search`` output
+            (:data:`~rafl.stages.checks.SEARCH_OUTPUT`) or another supernet's subnets
             (:func:`check_same_supernet`). Raised before anything is written.
     """
     config = config or SearchConfig()
     if not profiles:
         raise UserInputError("give at least one --device-profile", field="device_profile")
     profs = [load_profile(p) for p in profiles]  # bad profiles fail before any work
+    SEARCH_OUTPUT.check(out)
     if supernet is None:
         supernet, meta = load_search_supernet(supernet_dir, progress=config.progress)
     meta = meta or {}
@@ -370,7 +373,7 @@ def run_search(profiles: Sequence[str | Path], out: str | Path, config: SearchCo
 
     for prof in profs:
         res = results[prof.name]
-        with atomic_dir(out / prof.name, overwrite=True) as tmp, torch_threads(config.threads):
+        with SEARCH_OUTPUT.write(out, entry=prof.name) as tmp, torch_threads(config.threads):
             _write_profile(tmp, res, prof, supernet, calib, config, meta, data_info, models[prof.name], names)
         write_search_index(out, run, names)  # after every folder: the index always matches the folders
 

@@ -54,10 +54,10 @@ def train(out: Path | None, *, dataset: str | None = None, data_root: Path | Non
           epochs_per_phase: int | None = None, device: str | None = None, seed: int | None = None,
           width_mult: float | None = None, resolutions: tuple[int, ...] | None = None, batch_size: int | None = None,
           limit_per_class: int | None = None, config_file: Path | None = None, preset: str | None = None,
-          resume: Path | None = None, progress: bool = True, rank: int = 0) -> tuple[Path, dict[str, Any]]:
+          resume: Path | None = None, progress: bool = True) -> tuple[Path, dict[str, Any]]:
     """Train a supernet by progressive shrinking into the run folder ``out`` (or continue the run
     in ``resume``); the options (None: not given) override ``preset`` or ``config_file``, whose
-    paths are recorded absolute. ``rank`` is torchrun's (only rank 0 writes).
+    paths are recorded absolute. Under torchrun only rank 0 writes (and cleans up).
 
     Returns:
         ``(run folder, metrics)`` (:func:`rafl.supernet.train.train_supernet`'s metrics).
@@ -66,17 +66,19 @@ def train(out: Path | None, *, dataset: str | None = None, data_root: Path | Non
         UserInputError: ``resume`` with ``config_file`` or ``preset``, ``preset`` with
             ``config_file``, an unknown preset, a missing or malformed config file, a ``resume``
             folder that is not a supernet run (or ``out`` another folder, or options that differ
-            from its saved config but ``device``), no ``out``, an ``out`` that is a file or a
-            non-empty folder not holding a supernet run, what
+            from its saved config but ``device``), no ``out``, an ``out`` that
+            :data:`~rafl.supernet.train.SUPERNET_RUN` refuses for a new run (a file, a non-empty
+            folder not holding a supernet run, or one holding a run: ``--resume`` it), what
             :meth:`~rafl.supernet.train.TrainConfig.from_options` refuses, or what
             :func:`~rafl.supernet.train.train_supernet` refuses (a new run that diverged is
             removed first: its checkpoints cannot be resumed with another learning rate).
     """
     import yaml
 
+    from rafl.folders import RunFolder
     from rafl.io import load_yaml
     from rafl.search.cost import check_training_memory
-    from rafl.supernet.train import CONFIG_NAME, TrainConfig, holds_supernet_run, train_supernet
+    from rafl.supernet.train import CONFIG_NAME, SUPERNET_RUN, TrainConfig, holds_supernet_run, train_supernet
 
     # paths are recorded absolute (config.json), so --resume works from any folder: --data-root
     # against the current folder, a config file's data_root against the file's folder
@@ -139,28 +141,12 @@ def train(out: Path | None, *, dataset: str | None = None, data_root: Path | Non
                                  "with the saved config (only --device may change)", source=saved, field="--resume")
     if out is None:
         raise UserInputError("is required (the run folder to write)", field="--out")
-    if out.exists() and not out.is_dir():
-        raise UserInputError("exists and is not a folder", source=out, field="--out")
-    if resume is None and out.is_dir() and any(out.iterdir()) and not holds_supernet_run(out):
-        raise UserInputError("is not empty; allowed: a new or empty folder (or --resume a supernet run)",
-                             source=out, field="--out")
+    if resume is None:
+        RunFolder.check_new(out, SUPERNET_RUN, "--out")
     config = TrainConfig.from_options(source=source, **{**base, **given})
-
-    fresh = resume is None and (not out.exists() or not any(out.iterdir()))
-    existed = out.exists()
-    try:
-        _, metrics = train_supernet(config, out, resume=resume is not None, progress=progress,
-                                    check_memory=check_training_memory)
-    except UserInputError as err:
-        if fresh and rank == 0 and (err.field or "").startswith("lr_"):  # diverged: its checkpoints cannot be resumed
-            import shutil  # with another lr, so leave nothing behind
-
-            if existed:
-                for child in out.iterdir():
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
-            else:
-                shutil.rmtree(out, ignore_errors=True)
-        raise
+    # a new run that fails before its first epoch completed, or diverges, leaves nothing (train_supernet)
+    _, metrics = train_supernet(config, out, resume=resume is not None, progress=progress,
+                                check_memory=check_training_memory)
     return out, metrics
 
 

@@ -42,7 +42,8 @@ from tqdm.auto import tqdm
 
 from rafl.data import load_dataset
 from rafl.errors import UserInputError, load_error_detail
-from rafl.io import atomic_write_bytes, atomic_write_json, claim_file, lock_dir
+from rafl.folders import RunFolder, RunKind
+from rafl.io import atomic_write_bytes, atomic_write_json
 from rafl.supernet.arch import WIDTH_MULT_MAX, WIDTH_MULT_MIN, ArchConfig, SearchSpace
 from rafl.supernet.checkpoint import META_NAME, read_json_file, save_supernet
 from rafl.supernet.distributed import (
@@ -344,22 +345,31 @@ def holds_supernet_run(out: str | Path) -> bool:
     return isinstance(data, dict) and {"ks_choices", "e_choices", "d_choices", "epochs_full"} <= set(data)
 
 
+#: a ``rafl supernet train`` run folder as an output folder (:class:`rafl.folders.RunFolder`):
+#: ``config.json`` first (:func:`holds_supernet_run`), ``resume.pt`` once an epoch completed and
+#: ``supernet.json`` when finished; a new run never takes over a run's folder (``--resume`` restarts
+#: one that never completed an epoch)
+SUPERNET_RUN = RunKind(
+    started=holds_supernet_run,
+    completed=lambda p: (p / RESUME_NAME).exists() or (p / META_NAME).exists(),
+    foreign="is not empty; allowed: a new or empty folder (or --resume a supernet run)",
+    taken="already holds a supernet run; use --resume to continue it or another --out",
+    dead="already holds a supernet run; use --resume to continue it or another --out",
+    step="epoch")
+
+
 def _check_out(out: Path, resume: bool) -> bool:
     """Whether to continue from ``out/resume.pt``. Resuming a run that was stopped before its first
     epoch ended (``config.json`` but no checkpoint: killed early, or out of memory) starts it over
-    with its saved config; such a folder could otherwise be neither resumed nor reused."""
+    with its saved config; such a folder could otherwise be neither resumed nor reused. A new run
+    needs a folder :data:`SUPERNET_RUN` accepts (:meth:`rafl.folders.RunFolder.check_new`)."""
     if resume:
         if (out / RESUME_NAME).is_file():
             return True
         if (out / CONFIG_NAME).is_file() and not (out / META_NAME).exists():
             return False
         raise UserInputError(f"has no {RESUME_NAME} to resume from", source=out, field="resume")
-    if out.exists() and holds_supernet_run(out):
-        raise UserInputError("already holds a supernet run; use --resume to continue it or another --out",
-                             source=out, field="out")
-    if out.exists() and (out / CONFIG_NAME).exists():
-        raise UserInputError(f"holds another tool's {CONFIG_NAME}, not a supernet run; allowed: a new or empty folder",
-                             source=out, field="out")
+    RunFolder.check_new(out, SUPERNET_RUN, "out")
     return False
 
 
@@ -394,24 +404,36 @@ def train_supernet(config: TrainConfig, out: str | Path, *, resume: bool = False
         ``test_source`` saying which held-out samples were used.
 
     Raises:
-        UserInputError: bad data options, an ``out`` that already holds a run (without ``resume``),
-            ``resume`` without a checkpoint, an ``out`` a live run writes into (the writing rank
-            holds :func:`rafl.io.lock_dir` on it while it trains), or a NaN/Inf loss (training
-            diverged: the error names the phase's learning rate ``lr_<phase>``).
+        UserInputError: bad data options, an ``out`` that already holds a run or anything else
+            (without ``resume``: :data:`SUPERNET_RUN`), ``resume`` without a checkpoint, an ``out``
+            a live run writes into (the writing rank holds it, a :class:`rafl.folders.RunFolder`,
+            while it trains), or a NaN/Inf loss (training diverged: the error names the phase's
+            learning rate ``lr_<phase>``; a new run's folder is removed first, since its checkpoints
+            cannot be resumed with another learning rate).
+
+    A new run that fails before its first epoch completed leaves nothing (its folder is removed,
+    or emptied where it was there, empty, before).
     """
-    locks: list[int] = []  # the writing rank's lock_dir on ``out``, released when training ends
+    held: list[RunFolder] = []  # the writing rank's run folder, released when training ends
     try:
         return _train_supernet(config, Path(out), resume=resume, progress=progress,
-                               stop_after_epochs=stop_after_epochs, check_memory=check_memory, locks=locks)
+                               stop_after_epochs=stop_after_epochs, check_memory=check_memory, held=held)
+    except BaseException as err:
+        for run in held:
+            if not run.resumed and isinstance(err, UserInputError) and (err.field or "").startswith("lr_"):
+                run.discard()  # diverged: its checkpoints cannot be resumed with another lr
+            else:
+                run.discard_if_incomplete()
+        raise
     finally:
-        for fd in locks:
-            os.close(fd)
+        for run in held:
+            run.close()
 
 
 def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: bool, stop_after_epochs: int | None,
                     check_memory: Callable[[TrainConfig, int, torch.device], None] | None,
-                    locks: list[int]) -> tuple[Supernet, dict[str, Any]]:
-    """:func:`train_supernet` (its lock list filled once the writing rank holds ``out``)."""
+                    held: list[RunFolder]) -> tuple[Supernet, dict[str, Any]]:
+    """:func:`train_supernet` (``held`` gets the run folder once the writing rank holds ``out``)."""
     out = Path(out)
     requested = resume
     if config.device == "cuda" and not torch.cuda.is_available():
@@ -419,7 +441,7 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
     ctx = init_distributed(config.device, config.batch_size)  # torchrun: one rank of several
     resume = _check_out(out, resume)  # every rank checks before rank 0 writes anything
     if resume and ctx.is_writer:  # a live run of this folder (training, or resumed elsewhere) refuses a second
-        locks.append(lock_dir(out, "resume"))
+        held.append(RunFolder.reopen(out, SUPERNET_RUN, field="resume"))
     device = ctx.device(config.device)
     cuda = device.type == "cuda"
 
@@ -481,9 +503,11 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
             sched.load_state_dict(ckpt["scheduler"])
         _set_rng_state(ckpt["rng"], arch_rng, aug_gen)
     elif ctx.is_writer:
-        if not requested:  # a fresh run claims the folder: a second run started into it stops here
-            claim_file(out / CONFIG_NAME)
-        locks.append(lock_dir(out, "out"))  # and holds it: a --resume of it while it trains is refused
+        # a fresh run claims the folder (a second run started into it stops here) and holds it: a
+        # --resume of it while it trains is refused; --resume of a run that never completed an
+        # epoch starts it over in its own folder
+        held.append(RunFolder.reopen(out, SUPERNET_RUN, field="resume") if requested else
+                    RunFolder.start(out, SUPERNET_RUN, field="out", claim=CONFIG_NAME))
         atomic_write_json(out / CONFIG_NAME, json.loads(config.model_dump_json()))
     ctx.barrier()
     params = [p for p in net.parameters() if p.requires_grad]

@@ -28,11 +28,24 @@ from rafl.federation.flower_runner import FlowerClients, Stopped, discover_nodes
 from rafl.federation.flower_wire import one_line, whole_number
 from rafl.federation.run_config import load_run_config
 from rafl.federation.store import ClientStore
-from rafl.io import atomic_write_text, check_output_dir
+from rafl.folders import RunFolder, check_creatable
+from rafl.io import atomic_write_text
+from rafl.stages.checks import FEDERATE_RUN
 from rafl.stages.flower.node import _make_client_app
 from rafl.stages.prepare import prepare
 from rafl.stages.rundir import RunDir, default_name, resumed_config
 from rafl.stages.runs import run_prepared
+
+#: the Flower App's run dir: a ``rafl federate`` run dir (:data:`~rafl.stages.checks.FEDERATE_RUN`)
+#: whose errors name the run config's keys; one whose run never completed a round is refused (its
+#: nodes may still hold that run's client states), not taken over
+FLOWER_RUN = dataclasses.replace(
+    FEDERATE_RUN,
+    foreign="already exists and is not a rafl run dir; set another name (run YAML) or out (run config)",
+    taken="already exists; continue it with --run-config \"resume='{path}'\", or set another name (run YAML) or "
+          "out (run config)",
+    dead="already exists and its run never completed a round (nothing to resume); remove it, or set another name "
+         "(run YAML) or out (run config)")
 
 
 def run_key_of(run_dir: Path, resolved: dict[str, Any]) -> str:
@@ -192,11 +205,9 @@ def _load_from_run_config(run_config: dict[str, Any]) -> tuple[Any, Path, bool]:
     out = _absolute(run_config.get("out"), "out")
     if out is None:
         raise UserInputError("is empty; allowed: an absolute folder for run dirs", field="run_config.out")
-    check_output_dir(out, "run_config.out")  # a file, or a folder nothing can be created in: before any work
+    check_creatable(out, "run_config.out")  # a file, or a folder nothing can be created in: before any work
     run_dir = out / (cfg.name or default_name(cfg))
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise UserInputError(f"already exists; continue it with --run-config \"resume='{run_dir}'\", or set another "
-                             "name (run YAML) or out (run config)", source=run_dir, field="run_config.out")
+    RunFolder.check_new(run_dir, FLOWER_RUN, "run_config.out")  # claimed (RunDir.claim) once prepared
     return prepare(cfg, progress=False), run_dir, False
 
 
@@ -233,7 +244,8 @@ def _make_server_app() -> Any:
                   f"~/.cache/rafl/flower-states/{key}/: delete it when the run is no longer needed)", flush=True)
             # held while the run writes; removed when it fails before its first complete round
             with (RunDir.resume(run_dir, field="run_config.resume", here=False) if resume else
-                  RunDir.claim(run_dir.parent, run_dir.name, default=run_dir.name, field="run_config.out")) as rd:
+                  RunDir.claim(run_dir.parent, run_dir.name, default=run_dir.name, field="run_config.out",
+                               kind=FLOWER_RUN)) as rd:
                 summary = run_on_grid(grid, prep, run_dir, resume=resume, progress=False)
                 if resume:  # with its new engine.rounds, as `rafl federate --resume` (not when it failed)
                     rd.write_config(prep.cfg)
