@@ -111,7 +111,7 @@ LEAVES: dict[str, Leaf] = {leaf.name: leaf for leaf in (
     # the search
     Leaf("search-split", SEED, "rafl.search.federation_search.search_split: the validation subset", tag=5),
     Leaf("search-probe", SEED, "rafl.search.evolution.check_satisfiable: the random archs of the feasibility "
-         "probe"),
+         "probe", tag=31),
     Leaf("search-evolution", SEED, "rafl.search.evolution.evolve: the evolution (first population, "
          "mutation, crossover)"),
     Leaf("largest-feasible", SEED, "rafl.search.federation_search.largest_feasible: the random archs"),
@@ -124,9 +124,9 @@ LEAVES: dict[str, Leaf] = {leaf.name: leaf for leaf in (
     Leaf("calibration", FIXED, "rafl.supernet.server_data.calibration_sample: the BN recalibration images of "
          "a deployed subnet and of the search", tag=84242),
     Leaf("export-input", FIXED, "rafl.stages.search.export_onnx: the sample input of the ONNX check",
-         family=TORCH, offset=0),
+         family=TORCH, tag=37),
     Leaf("profile-weights", FIXED, "rafl.reports.profile_report: the random weights of a profiled arch",
-         family=TORCH, offset=0),
+         family=TORCH, tag=38),
     # the supernet's training (seed: its training seed)
     Leaf("supernet-weights", SEED, "rafl.supernet.train.train_supernet: torch's global generator (the "
          "weights' initialization, dropout)", family=TORCH, offset=0),
@@ -140,9 +140,10 @@ LEAVES: dict[str, Leaf] = {leaf.name: leaf for leaf in (
     Leaf("supernet-calibration", SEED, "rafl.supernet.server_data.calibration_sample: the recalibration "
          "images of the training's validation", tag=84242),
     # a measured latency LUT (seed: the LUT's seed)
-    Leaf("latency-archs", SEED, "rafl.search.latency.build_latency_lut: the whole subnets of the network correction"),
+    Leaf("latency-archs", SEED, "rafl.search.latency.build_latency_lut: the whole subnets of the network correction",
+         tag=35),
     Leaf("latency-layers", SEED, "rafl.search.latency.build_latency_lut: the layers' random weights and inputs",
-         family=TORCH, offset=0),
+         family=TORCH, tag=36),
 )}
 
 #: groups of leaves that draw one stream when their roots have the same value (``seed ==

@@ -476,7 +476,8 @@ def split_client(indices: np.ndarray, labels: np.ndarray, split: Sequence[float]
         indices: int (n,) the client's sample indices.
         labels: int (N,) labels of the whole dataset.
         split: (train, val, test) fractions summing to 1.
-        rng: generator for the within-stratum shuffles (default: seed 0).
+        rng: generator for the within-stratum shuffles (default: the seed tree's ``client-split`` leaf
+            of seed 0).
 
     Returns:
         :class:`ClientSplit` with sorted int64 arrays.
@@ -485,7 +486,7 @@ def split_client(indices: np.ndarray, labels: np.ndarray, split: Sequence[float]
         UserInputError: malformed ``split``.
     """
     fr_train, fr_val, fr_test = validate_split(split)
-    rng = rng if rng is not None else np.random.default_rng(0)
+    rng = rng if rng is not None else seeds.generator("client-split", 0)
     indices = np.sort(np.asarray(indices, dtype=np.int64))
     n = len(indices)
     if n < 3:
