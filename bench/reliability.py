@@ -73,7 +73,7 @@ def honest_round(method: str, supernet: Path):
     from rafl.federation.run_config import load_run_config
     from rafl.federation.runners import client_context
     from rafl.federation.screening import UploadPolicy
-    from rafl.federation.seeds import SeedTree
+    from rafl.seeds import SeedTree
     from rafl.stages import federate
 
     sets = [f"supernet.path={supernet}", "data.limit_per_class=10", "clients.n=3", "engine.rounds=1",
@@ -147,7 +147,7 @@ def attacks(up, limit: int) -> dict:
 
 
 def aggregate(algo, accepted, state, server):
-    from rafl.federation.seeds import SeedTree
+    from rafl.seeds import SeedTree
 
     torch.manual_seed(SeedTree(0).server(1))  # as the engine seeds round 1's server step
     server.round, server.seed = 1, SeedTree(0).server(1)

@@ -22,8 +22,8 @@ from rafl.federation.algorithms.rafl import RaFL
 from rafl.federation.build import build_federation
 from rafl.federation.checks import check_disjoint
 from rafl.federation.engine import Engine, EngineConfig, sample_clients, sporadic_update
-from rafl.federation.runners import seed_of
 from rafl.reports.run import RunReport
+from rafl.seeds import SeedTree
 from rafl.supernet import SearchSpace, build_supernet
 
 TIME_KEYS = ("time_s", "time_client_update_s", "time_aggregate_s", "time_evaluate_s", "time_engine_s")
@@ -38,13 +38,13 @@ def _read_history(run_dir):
 
 
 def test_sampling_sporadic_dropout_are_seeded():
-    rng_a, rng_b = np.random.default_rng(seed_of(3, 1, 1)), np.random.default_rng(seed_of(3, 1, 1))
+    rng_a, rng_b = SeedTree(3).sampling_generator(1), SeedTree(3).sampling_generator(1)
     assert sample_clients(list(range(50)), 7, rng_a) == sample_clients(list(range(50)), 7, rng_b)
     avail = list(range(10))
     new = sporadic_update(avail, 40, 0.3, np.random.default_rng(0))
     assert len(new) == 10 and len(set(new) - set(avail)) == 3 and new == sorted(new)
     assert new == sporadic_update(avail, 40, 0.3, np.random.default_rng(0))
-    assert seed_of(1, 2, 3) != seed_of(1, 3, 2)
+    assert SeedTree(1).node(2, 3) != SeedTree(1).node(3, 2)
 
 
 @pytest.mark.slow

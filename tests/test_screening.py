@@ -242,7 +242,7 @@ def test_engine_a_huge_claim_changes_nothing_and_a_bad_upload_leaves_the_others(
 
 
 def test_engine_below_min_valid_uploads_the_round_fails_and_keeps_the_server_state(tiny, tmp_path):
-    from rafl.federation.seeds import SeedTree
+    from rafl.seeds import SeedTree
 
     _Claims.claim = None
     summary, rows, ck = _run(tiny, tmp_path, _Claims(), min_valid_uploads=3)

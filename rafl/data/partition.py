@@ -79,6 +79,7 @@ from typing import Any
 
 import numpy as np
 
+from rafl import seeds
 from rafl.errors import UserInputError, allowed, brief
 from rafl.io import atomic_write_text, read_json_file
 
@@ -347,7 +348,8 @@ def carve_global_test(labels: np.ndarray, per_class: int, seed: int = 0, origin:
     Drawn from the source's *test* split (``origin == "test"``: CIFAR's 10,000 test images), so
     the supernet's public pool (train split only) never overlaps it; a source without a test split
     (digits) draws from the samples outside ``exclude`` (the public pool). The draw uses its own
-    generator seeded by ``seed`` (the public seed), so every run seed scores on the same images.
+    generator (the seed tree's ``global-test`` leaf of ``seed``, the public seed), so every run seed
+    scores on the same images.
 
     Args:
         labels: int (N,) class labels of the whole dataset.
@@ -372,7 +374,7 @@ def carve_global_test(labels: np.ndarray, per_class: int, seed: int = 0, origin:
         candidates &= np.asarray(origin) == "test"
     if exclude is not None and len(exclude):
         candidates[np.asarray(exclude, dtype=np.int64)] = False
-    rng = np.random.default_rng([int(seed), 5_0_0_5])
+    rng = seeds.generator("global-test", seed)
     taken = []
     for c in range(int(labels.max()) + 1):
         idx = np.flatnonzero(candidates & (labels == c))
@@ -399,7 +401,7 @@ def carve_public_pool(labels: np.ndarray, fraction: float, seed: int = 0,
     Args:
         labels: int (N,) class labels of the whole dataset.
         fraction: share of every class (of its train-split samples) that goes to the pool, ``0 <= fraction < 1``.
-        seed: seed of the pool's own ``numpy.random.Generator`` (independent of the partition seed).
+        seed: the public seed (the seed tree's ``pool`` leaf: independent of the partition seed).
         origin: (N,) str ``"train"``/``"test"`` (:attr:`rafl.data.Dataset.origin`); None = every
             sample may go to the pool.
 
@@ -418,7 +420,7 @@ def carve_public_pool(labels: np.ndarray, fraction: float, seed: int = 0,
     if origin is not None and len(np.asarray(origin)) != len(labels):
         raise UserInputError(f"has {len(np.asarray(origin))} entries for {len(labels)} labels", field="origin")
     eligible = np.ones(len(labels), dtype=bool) if origin is None else (np.asarray(origin) == "train")
-    rng = np.random.default_rng(seed)
+    rng = seeds.generator("pool", seed)
     picked = []
     for c in np.unique(labels):
         idx = np.flatnonzero((labels == c) & eligible)
@@ -474,7 +476,8 @@ def split_client(indices: np.ndarray, labels: np.ndarray, split: Sequence[float]
         indices: int (n,) the client's sample indices.
         labels: int (N,) labels of the whole dataset.
         split: (train, val, test) fractions summing to 1.
-        rng: generator for the within-stratum shuffles (default: seed 0).
+        rng: generator for the within-stratum shuffles (default: the seed tree's ``client-split`` leaf
+            of seed 0).
 
     Returns:
         :class:`ClientSplit` with sorted int64 arrays.
@@ -483,7 +486,7 @@ def split_client(indices: np.ndarray, labels: np.ndarray, split: Sequence[float]
         UserInputError: malformed ``split``.
     """
     fr_train, fr_val, fr_test = validate_split(split)
-    rng = rng if rng is not None else np.random.default_rng(0)
+    rng = rng if rng is not None else seeds.generator("client-split", 0)
     indices = np.sort(np.asarray(indices, dtype=np.int64))
     n = len(indices)
     if n < 3:
@@ -709,7 +712,8 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         scheme: ``"iid"``, ``"pathological"``, ``"dirichlet"``, ``"balanced-dirichlet"``, ``"natural"`` or
             ``"file:PATH"``.
         n_clients: number of clients (>= 1). ``natural`` accepts None = one client per eligible writer.
-        seed: seed of the partition's generator (the split uses an independent child stream).
+        seed: the partition's seed (the seed tree's ``partition`` leaf; the split draws from its
+            ``client-split`` leaf).
         k: classes per client (``pathological``; 1..C).
         alpha: Dirichlet concentration (``dirichlet``, ``balanced-dirichlet``; > 0; small = more skew).
         min_samples: ``dirichlet``: smallest allowed client (redraws up to
@@ -784,8 +788,7 @@ def make_partition(labels: np.ndarray, scheme: str, n_clients: int | None, seed:
         raise UserInputError(f"is {n_clients}, but only {len(pool)} samples are left to partition "
                              f"(after a public pool of {len(public)}); allowed 1..{len(pool)}", field="n_clients")
 
-    ss = np.random.SeedSequence(seed)
-    part_rng, split_rng = (np.random.default_rng(s) for s in ss.spawn(2))
+    part_rng, split_rng = seeds.generator("partition", seed), seeds.generator("client-split", seed)
     params: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     if scheme == "iid":

@@ -7,7 +7,7 @@ server steps and knows no algorithm by name. One round ``t``:
    available clients leaves and is replaced by clients drawn from the rest of the population.
 2. *Sampling*: ``clients_per_round`` clients (a count, or a fraction of the available ones) are
    drawn without replacement, seeded by round ``t``'s sampling node of the run's seed tree
-   (:mod:`rafl.federation.seeds`: run -> round -> sampling / server / client).
+   (:class:`rafl.seeds.SeedTree`: run -> round -> sampling / server / client).
 3. *Dropout*: each sampled client fails with probability ``dropout`` after downloading; it uploads
    nothing and its state is not updated. The round completes with the rest (failures counted).
 4. Every surviving client: its committed state is loaded from disk (or ``init_client`` on first
@@ -78,10 +78,10 @@ from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.run_files import CHECKPOINT
 from rafl.federation.runners import Federation, RunnerFactory
 from rafl.federation.screening import ClientError, UploadPolicy, screen_uploads
-from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore, load_state, save_state
 from rafl.federation.workers import runner
 from rafl.io import remove_orphaned_tmp
+from rafl.seeds import SeedTree
 
 #: Added to a NaN/Inf upload's error: an honest client's non-finite upload is training that
 #: diverged (e.g. one step at a huge learning rate leaves finite but huge weights, whose features
@@ -201,7 +201,7 @@ class Engine:
         self.policy = UploadPolicy(config.max_upload_mb, config.max_abs_value, config.min_valid_uploads)
         fed.algorithm.check_population(fed.clients)
         self.store = ClientStore(self.run_dir / "clients")
-        self.seeds = SeedTree(config.seed)  # every random stream of the run (rafl.federation.seeds)
+        self.seeds = SeedTree(config.seed)  # the engine's streams of the run's seed tree (rafl.seeds)
         if clients is None:
             clients = runner(config.workers, self.n_sampled, fed.device)
         self.clients = clients(fed, self.store, config.seed)
@@ -303,7 +303,7 @@ class Engine:
                             counters=json.loads(ck["counters"])), int(ck["round"]) + 1
         torch.manual_seed(self.seeds.server(0))
         server_state, broadcast = algo.init_server(self._server_ctx(0))
-        rng0 = np.random.default_rng(self.seeds.sampling(0))
+        rng0 = self.seeds.sampling_generator(0)
         available = sorted(int(v) for v in rng0.choice(len(fed.clients), size=self.n_available, replace=False))
         return RunState(server_state=server_state, broadcast=broadcast, available=available, history=[],
                         counters={"cum_bytes_up": 0, "cum_bytes_down": 0, "failures": 0, "co_mb_to_target": None,
@@ -381,7 +381,7 @@ class Engine:
         (available set, server state, broadcast, counters); the record's timing is the caller's."""
         fed, cfg, algo = self.fed, self.cfg, self.fed.algorithm
         times = RoundTimes()
-        rng = np.random.default_rng(self.seeds.sampling(rnd))
+        rng = self.seeds.sampling_generator(rnd)
         if cfg.sporadic_rate > 0 and rnd > 1:
             st.available = sporadic_update(st.available, len(fed.clients), cfg.sporadic_rate, rng)
         sampled = sample_clients(st.available, self.n_sampled, rng)

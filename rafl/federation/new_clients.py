@@ -37,20 +37,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from rafl import seeds
 from rafl.federation.algorithms.base import ClientInfo
 from rafl.federation.payload import Payload
 from rafl.federation.runners import Federation, client_context, evaluate_state, naming_client
-from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore
-
-#: the seed-tree label of the held-out draw (its own stream, never shared with a round's sampling)
-HELD_OUT_STREAM = 56
+from rafl.seeds import SeedTree
 
 
 def held_out_clients(tiers: list[str], count: int, seed: int) -> list[int]:
     """Which ``count`` of the clients ``0..len(tiers)-1`` are held out, spread over the device tiers.
 
-    Each tier's clients are shuffled (NumPy ``default_rng([seed, HELD_OUT_STREAM])``); the held-out
+    Each tier's clients are shuffled (the seed tree's ``held-out`` leaf of ``seed``); the held-out
     clients are then taken one tier at a time in turn (tiers in sorted order), so the tiers lose
     clients in proportion, to within one. ``tiers``: each client's tier (device profile or model
     key). Returns the sorted client ids. Raises ``ValueError`` for ``count`` outside
@@ -58,7 +56,7 @@ def held_out_clients(tiers: list[str], count: int, seed: int) -> list[int]:
     """
     if not 0 <= count <= len(tiers) - 1:
         raise ValueError(f"can hold out 0..{len(tiers) - 1} of {len(tiers)} clients, not {count}")
-    rng = np.random.default_rng([seed, HELD_OUT_STREAM])
+    rng = seeds.generator("held-out", seed)
     queues = {t: list(rng.permutation([i for i, x in enumerate(tiers) if x == t])) for t in sorted(set(tiers))}
     picked: list[int] = []
     while len(picked) < count:
@@ -160,4 +158,4 @@ def new_clients_summary(result: dict[str, Any], held_out: list[int], table: list
     return {"held_out": list(held_out), **means, "clients": clients}
 
 
-__all__ = ["HELD_OUT_STREAM", "donors", "evaluate_new_clients", "held_out_clients", "new_clients_summary"]
+__all__ = ["donors", "evaluate_new_clients", "held_out_clients", "new_clients_summary"]

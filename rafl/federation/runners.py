@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from rafl.errors import UserInputError
@@ -34,8 +33,8 @@ from rafl.federation.bn_statistics import deployment, overrides
 from rafl.federation.events import report
 from rafl.federation.payload import Payload
 from rafl.federation.screening import ClientError
-from rafl.federation.seeds import SeedTree
 from rafl.federation.store import ClientStore
+from rafl.seeds import SeedTree
 
 #: Test samples per batch of the shared evaluation of never-trained clients.
 POOLED_BATCH = 256
@@ -45,11 +44,6 @@ POOLED_BATCH = 256
 LoaderFactory = Callable[[int, str, int], Loader | None]
 #: ``client_model(client_id, arch=None) -> nn.Module`` (see ``ClientContext.make_model``).
 ClientModelFactory = Callable[..., torch.nn.Module]
-
-
-def seed_of(*parts: int) -> int:
-    """A 63-bit seed derived from integers (numpy SeedSequence), stable across runs/platforms."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
 @dataclass
@@ -83,7 +77,7 @@ class Federation:
 
 def client_context(fed: Federation, seed: int, cid: int, rnd: int) -> ClientContext:
     """The :class:`ClientContext` of client ``cid`` in round ``rnd`` of a run seeded ``seed``:
-    loaders and ``seed`` from the run's seed tree (:meth:`~rafl.federation.seeds.SeedTree.client`). Every runner (in this process, or a
+    loaders and ``seed`` from the run's seed tree (:meth:`~rafl.seeds.SeedTree.client`). Every runner (in this process, or a
     Flower ClientApp on a SuperNode) builds the same context, so the backends draw the same numbers."""
     tree = SeedTree(seed)
     cseed = tree.client(rnd, cid)
@@ -355,6 +349,6 @@ def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[i
     return [(g, evaluate_group(fed, store, seed, rnd, g, broadcast)) for g in initial_groups(fed, ids)]
 
 
-__all__ = ["Federation", "LoaderFactory", "ClientModelFactory", "seed_of", "client_context", "naming_client",
+__all__ = ["Federation", "LoaderFactory", "ClientModelFactory", "client_context", "naming_client",
            "load_or_init", "train_client", "evaluate_client", "InProcessClients", "PooledLoader", "initial_groups",
            "evaluate_group", "evaluate_untrained", "POOLED_BATCH", "GLOBAL_SUFFIX", "evaluate_state"]

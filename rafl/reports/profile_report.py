@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rafl import seeds
 from rafl.io import atomic_write_json, atomic_write_text
 from rafl.reports.plots import new_figure, save_figure
 from rafl.reports.tables import fmt, markdown_table
@@ -83,7 +84,7 @@ def _build_model(arch: ArchConfig, space: SearchSpace, model: nn.Module | None, 
 
     if supernet is not None:
         return extract_subnet(supernet, arch).eval()
-    torch.manual_seed(0)
+    torch.manual_seed(seeds.int_seed("profile-weights"))
     return subnet_from_arch(space, arch).eval()  # random weights: costs do not depend on them
 
 

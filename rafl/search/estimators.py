@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from rafl import seeds
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_json
 from rafl.search.genome import Population
@@ -135,7 +136,7 @@ class MeasuredAccuracy:
         # (seed 0) and the rest; from the same predictions as the accuracy (no extra pass)
         n_val = self.images.shape[0]
         self.half_a = torch.zeros(n_val, dtype=torch.bool)
-        self.half_a[torch.as_tensor(np.random.default_rng(0).permutation(n_val)[: n_val // 2])] = True
+        self.half_a[torch.as_tensor(seeds.generator("measurement-halves").permutation(n_val)[: n_val // 2])] = True
         self.cache_path: Path | None = None
         self.n_measured = 0  # archs measured by this object (cache hits excluded)
         self._resized: dict[int, tuple[Tensor, list[Tensor]]] = {}
@@ -381,7 +382,7 @@ def sample_across_space(space: SearchSpace, n: int, seed: int = 0) -> list[ArchC
     measures only the archs a smaller one did not: the quickstart's 16 are the first 16 of 500).
     Fewer than ``n`` only if the space has fewer distinct archs.
     """
-    rng = np.random.default_rng(seed)
+    rng = seeds.generator("predictor-samples", seed)
     archs: dict[str, ArchConfig] = {}
     for a in (space.smallest(), space.largest()):
         archs[a.canonical(space).to_string()] = a.canonical(space)

@@ -40,6 +40,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm.auto import tqdm
 
+from rafl import seeds
 from rafl.errors import UserInputError
 from rafl.search.cost import CostModel, energy_per_epoch_j
 from rafl.search.estimators import MeasuredAccuracy, PredictedAccuracy, measurement_cache_dir, sample_across_space
@@ -203,7 +204,7 @@ def check_satisfiable(space: SearchSpace, cost_fn: CostFn, limits: dict[str, flo
     """
     if not limits:
         return
-    probe = Population.sample(space, n_probe, np.random.default_rng(seed))
+    probe = Population.sample(space, n_probe, seeds.generator("search-probe", seed))
     c = cost_fn(Population.concat([Population.from_archs(space, [space.smallest()]), probe]))
     missing = [k for k in limits if k not in c]
     if missing:
@@ -351,7 +352,7 @@ def _single_threaded_blas() -> Iterator[None]:
 
 def _evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[str, float],
             config: SearchConfig, profile_name: str, seed: int) -> EvolutionOutcome:
-    rng = np.random.default_rng(seed)
+    rng = seeds.generator("search-evolution", seed)
     counter = _Counter(cost_fn)
     probe_keys = counter(Population.from_archs(space, [space.smallest()]))
     missing = [k for k in limits if k not in probe_keys]

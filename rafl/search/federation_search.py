@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rafl import seeds
 from rafl.errors import UserInputError, warn
 from rafl.io import atomic_write_json
 from rafl.search.cost import CostModel, check_budgets
@@ -50,7 +51,7 @@ def largest_feasible(space: SearchSpace, profile, samples: int, seed: int) -> tu
         UserInputError: no sampled arch (not even the smallest) meets the profile's budgets.
     """
     cm = CostModel(space, profile)
-    rng = np.random.default_rng(seed)
+    rng = seeds.generator("largest-feasible", seed)
     archs = [space.smallest()] + [space.sample(rng) for _ in range(samples)]
     costs = cm.batch(archs)
     ok = cm.feasible(archs, profile)
@@ -96,7 +97,7 @@ def search_split(cfg: Any, ds, public: np.ndarray, pool: tuple[float, int] | Non
     then receives as True, the measurements shipped beside the supernet). Otherwise: ``search.val_samples`` random public-pool images, and the
     calibration on the public pool.
     """
-    rng = np.random.default_rng([cfg.seed, 5])
+    rng = seeds.generator("search-split", cfg.seed)
     if pool is not None:
         conf = supernet_config.get("data", supernet_config) if isinstance(supernet_config.get("data"), dict) \
             else supernet_config

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from rafl import seeds
 from rafl.errors import UserInputError, brief, shown, yaml_error_detail
 from rafl.io import atomic_write_yaml, load_yaml, read_text_file
 from rafl.search.profile import DeviceProfile
@@ -259,7 +260,7 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
     torch.set_num_threads(threads)
     correction = None
     try:
-        torch.manual_seed(seed)
+        torch.manual_seed(seeds.int_seed("latency-layers", seed))
         built = [(build_unit_module(spec).eval(), torch.randn(unit_input_shape(spec)))
                  for spec in tqdm(unique.values(), desc="build layers", unit="layer", disable=not progress)]
         # Round-robin: every round runs each layer once, so between two runs of a layer the others
@@ -268,9 +269,7 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
         lat = _time_round_robin(built, warmup, repeats, now, statistic, progress, "latency LUT")
         entries = {key: round(v, 6) for key, v in zip(unique, lat)}
         if space is not None and calibrate > 0:
-            import numpy as np
-
-            rng = np.random.default_rng(seed)
+            rng = seeds.generator("latency-archs", seed)
             archs = [space.sample(rng) for _ in range(calibrate)]
             supernet = build_supernet(space).eval()
             nets = [(extract_subnet(supernet, a).eval(), torch.randn(1, 3, a.r, a.r)) for a in archs]

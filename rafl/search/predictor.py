@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rafl import seeds
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes
 from rafl.threads import torch_threads
@@ -102,7 +103,7 @@ class AccuracyPredictor(nn.Module):
             raise UserInputError(f"expected x (N, {self.n_inputs}) and y (N,), got {tuple(x_t.shape)} "
                                  f"and {tuple(y_t.shape)}", field="predictor.fit")
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.manual_seed(seeds.int_seed("predictor-init", seed))
             for m in self.layers:
                 if isinstance(m, nn.Linear):
                     m.reset_parameters()
@@ -226,7 +227,7 @@ def train_predictor(x: np.ndarray, y: np.ndarray, *, folds: int = 4, hidden: int
     folds = min(int(folds), n) if folds >= 2 else 0
     tau, rmse, n_train = float("nan"), float("nan"), n
     if folds:
-        perm = np.random.default_rng(seed).permutation(n)
+        perm = seeds.generator("predictor-folds", seed).permutation(n)
         oof = np.empty(n)
         for f in range(folds):
             test = perm[f::folds]

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rafl import seeds
 from rafl.data import load_dataset
 from rafl.errors import UserInputError
 from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text, safetensors_damage
@@ -207,7 +208,7 @@ def export_onnx(subnet, path: str | Path, sample: torch.Tensor | None = None, in
     r = subnet.arch.r
     subnet = subnet.eval()
     if sample is None:
-        sample = torch.randn(2, in_channels, r, r, generator=torch.Generator().manual_seed(0))
+        sample = torch.randn(2, in_channels, r, r, generator=torch.Generator().manual_seed(seeds.int_seed("export-input")))
     x = prepare_input(sample[:8].float(), r).contiguous()
     buf = io.BytesIO()
     with torch.no_grad(), warnings.catch_warnings():

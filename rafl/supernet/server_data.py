@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rafl import seeds
 from rafl.data import Dataset, carve_public_pool
 from rafl.errors import UserInputError
 
@@ -68,7 +69,7 @@ def server_split(dataset: Dataset, public_fraction: float = 0.3, public_seed: in
     if not 0.0 <= val_fraction < 1.0:
         raise UserInputError(f"is {val_fraction}, allowed 0 <= fraction < 1", field="val_fraction")
     pool = carve_public_pool(labels, public_fraction, public_seed, dataset.origin)
-    rng = np.random.default_rng([public_seed, 90_10])
+    rng = seeds.generator("server-val", public_seed)
     pool_val, pool_train = _stratified_take(pool, labels, val_fraction, rng)
     if len(pool_train) < 2:
         raise UserInputError(f"the public pool has only {len(pool)} samples", field="public_fraction")
@@ -78,7 +79,7 @@ def server_split(dataset: Dataset, public_fraction: float = 0.3, public_seed: in
     candidates = held_test if len(held_test) else non_pool
     if test_samples is not None and len(candidates) > test_samples:
         test, _ = _stratified_take(candidates, labels, test_samples / len(candidates),
-                                   np.random.default_rng([public_seed, 7357]))
+                                   seeds.generator("server-test", public_seed))
         source = f"a fixed stratified sample of {len(test)} {source}"
     else:
         test = candidates.astype(np.int64)
@@ -92,15 +93,18 @@ def server_split(dataset: Dataset, public_fraction: float = 0.3, public_seed: in
 CALIBRATION_IMAGES, CALIBRATION_BATCH = 512, 64
 
 
-def calibration_sample(indices: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+def calibration_sample(indices: np.ndarray, n: int, seed: int | None = None) -> np.ndarray:
     """A fixed random sample of ``min(n, len(indices))`` entries of ``indices`` for BN
     recalibration, in random order.
 
     Never the first ``n``: a source stored class by class (CIFAR's ImageFolder JPEG tree) would
-    recalibrate BatchNorm on one class only. Deterministic for ``(indices, n, seed)``.
+    recalibrate BatchNorm on one class only. Deterministic for ``(indices, n, seed)``: ``seed``
+    None draws from the seed tree's fixed ``calibration`` leaf (a deployed subnet, the search),
+    an int from its ``supernet-calibration`` leaf (a supernet's training seed); the two are one
+    stream for ``seed`` 0.
     """
     indices = np.asarray(indices, dtype=np.int64)
-    rng = np.random.default_rng([int(seed), 8_4242])
+    rng = seeds.generator("calibration") if seed is None else seeds.generator("supernet-calibration", seed)
     return indices[rng.permutation(len(indices))[:max(0, int(n))]]
 
 

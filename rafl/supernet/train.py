@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from rafl import seeds
 from rafl.data import load_dataset
 from rafl.errors import UserInputError, load_error_detail
 from rafl.folders import RunFolder, RunKind
@@ -460,11 +461,11 @@ def _train_supernet(config: TrainConfig, out: Path, *, resume: bool, progress: b
                                                    config.seed))  # class-mixed; the training's RNG is not touched
     calib = [train_x[calib_idx[i:i + config.batch_size]] for i in range(0, len(calib_idx), config.batch_size)]
 
-    torch.manual_seed(config.seed)
-    np.random.seed(config.seed % 2**32)
-    random.seed(config.seed)
-    arch_rng = np.random.default_rng([config.seed, 1])
-    aug_gen = torch.Generator().manual_seed(config.seed + 2)
+    torch.manual_seed(seeds.int_seed("supernet-weights", config.seed))
+    np.random.seed(seeds.int_seed("supernet-numpy-global", config.seed))
+    random.seed(seeds.int_seed("supernet-python-random", config.seed))
+    arch_rng = seeds.generator("supernet-arch", config.seed)
+    aug_gen = torch.Generator().manual_seed(seeds.int_seed("supernet-loader", config.seed))
 
     net = build_supernet(space).to(device)
     if cuda:

@@ -165,7 +165,7 @@ class ServerContext:
         space: the supernet's search space, or None.
         supernet: the supernet (read-only for algorithms), or None.
         device: torch device for server computation.
-        seed: this round's server seed (:meth:`rafl.federation.seeds.SeedTree.server`: run ->
+        seed: this round's server seed (:meth:`rafl.seeds.SeedTree.server`: run ->
             round -> server); torch's global RNG is seeded with it before the server step, and a
             method's own generators (shuffles, distillation batches) start from it.
         round: the round whose uploads are being aggregated (0 during ``init_server``).
