@@ -193,26 +193,26 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
 
         # the file, --set, every key and value but the method's hyperparameters, the fields that contradict each
         # other, the method's name, the profiles and the data root: checked before torch and the models load (a
-        # typo answers at once); the registry checks the hyperparameters below
-        precheck_run(config_path, overrides, data_root_given=data_root is not None, data=not show_config)
+        # typo answers at once); the registry checks the hyperparameters' values below, on the config read here
+        read = precheck_run(config_path, overrides, data_root_given=data_root is not None, data=not show_config)
     else:
         from rafl.stages.checks import check_resume_dir
 
         _check_resume_options(config_path, show_config)
         check_resume_dir(resume_dir)
-    from rafl.federation.run_config import load_run_config
+    from rafl.federation.run_config import resolve_algorithm
     from rafl.stages import federate as stage
 
     if show_config:
         from rafl.config import commented_config
 
-        click.echo(commented_config(load_run_config(config_path, overrides)), nl=False)
+        click.echo(commented_config(resolve_algorithm(*read)), nl=False)
         return
     try:
         if resume_dir is not None:
             summary, run_dir = stage.resume(resume_dir, overrides, progress=progress)
         else:
-            summary, run_dir = stage.start(load_run_config(config_path, overrides), out, progress=progress)
+            summary, run_dir = stage.start(resolve_algorithm(*read), out, progress=progress)
     except (KeyboardInterrupt, SystemExit) as err:  # the stage said what was kept and how to continue
         raise exit_interrupted(err) from None
     print_table(summary, run_dir)

@@ -251,12 +251,19 @@ class Algorithm(ABC):
     def __init__(self, **hparams: Any) -> None:
         self.hparams = self.check_hparams(hparams)
 
+    @classmethod
+    def needs_public_pool(cls, hparams: dict[str, Any]) -> bool:
+        """Whether the method with ``hparams`` distils on the server's unlabeled public pool: the
+        class says so (:attr:`uses_public_pool`: FedDF) or its ``distill`` hyperparameter is on
+        (RaFL Eqs. 8-9)."""
+        return bool(cls.uses_public_pool or hparams.get("distill"))
+
     def reads_public_pool(self) -> bool:
-        """Whether a server step of this instance reads ``ServerContext.public_images``: the class
-        says so (:attr:`uses_public_pool`), its ``distill`` hyperparameter is on (RaFL Eqs. 8-9), or
-        the run re-estimates deployed BN statistics on the pool (:attr:`bn_policy` ``server``). A run
-        whose method does not keeps no public-pool images in memory (``public_images`` None)."""
-        return bool(self.uses_public_pool or self.hparams.get("distill") or self.bn_policy == "server")
+        """Whether a server step of this instance reads ``ServerContext.public_images``: it distils
+        on the pool (:meth:`needs_public_pool`), or the run re-estimates deployed BN statistics on the
+        pool (:attr:`bn_policy` ``server``). A run whose method does not keeps no public-pool images
+        in memory (``public_images`` None)."""
+        return self.needs_public_pool(self.hparams) or self.bn_policy == "server"
 
     @classmethod
     def check_hparams(cls, hparams: dict[str, Any]) -> dict[str, Any]:
