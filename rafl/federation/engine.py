@@ -387,9 +387,8 @@ class Engine:
         sampled = sample_clients(st.available, self.n_sampled, rng)
         failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
         jobs, limits, bytes_down = self._downloads(sampled, failed, st)
-        self.clients.upload_limits = limits  # a runner that receives wire bytes checks them unparsed
         report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
-        results, lost, times.client_update = self.clients.train(rnd, jobs)
+        results, lost, times.client_update = self.clients.train(rnd, jobs, limits)
         report("trained", done=len(results))
         del jobs
         failed = failed + sorted(lost)

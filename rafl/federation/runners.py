@@ -8,10 +8,11 @@ here (one client after the other, in this process), :class:`rafl.federation.work
 and :func:`evaluate_client`, and for clients that never trained the shared evaluation per
 architecture (:func:`evaluate_untrained`). So the backends draw the same numbers.
 
-Every runner is a :class:`ClientRunner`: ``train(rnd, jobs)`` and ``evaluate(rnd, ids,
+Every runner is a :class:`ClientRunner`: ``train(rnd, jobs, limits)`` (``limits``: the round's
+upload limits, which a runner that receives wire bytes checks unparsed) and ``evaluate(rnd, ids,
 broadcast)``, plus hooks with defaults: ``evaluate_untrained`` (where
 :attr:`ClientRunner.shares_initial_evaluation`), ``where(cid)``, ``take_traffic()`` (a runner
-that sends messages), ``upload_limits`` (a runner that checks wire bytes unparsed) and ``close()``.
+that sends messages) and ``close()``.
 The engine gets one from a :data:`RunnerFactory`.
 """
 
@@ -21,7 +22,7 @@ import contextlib
 import dataclasses
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -206,19 +207,16 @@ class ClientRunner(ABC):
     Class attributes:
         shares_initial_evaluation: :meth:`evaluate_untrained` evaluates clients that never trained
             together, one evaluation per model (else the engine evaluates them one by one).
-
-    Attributes:
-        upload_limits: ``client id -> largest upload in bytes`` the server accepts this round (set
-            by the engine before :meth:`train`; a runner receiving wire bytes checks them unparsed).
     """
 
     shares_initial_evaluation: ClassVar[bool] = False
-    upload_limits: dict[int, int]
 
     @abstractmethod
-    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> Trained:
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]) -> Trained:
         """``client_update`` of every ``(client_id, download)`` in ``jobs``; the new states are
-        pending versions of round ``rnd`` in the store."""
+        pending versions of round ``rnd`` in the store. ``limits``: ``client id -> largest upload in
+        bytes`` the server accepts this round (a runner that receives wire bytes checks them before
+        parsing; the engine's screening checks every upload again)."""
 
     @abstractmethod
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> Evaluated:
@@ -260,11 +258,12 @@ class InProcessClients(ClientRunner):
 
     def __init__(self, fed: Federation, store: ClientStore, seed: int):
         self.fed, self.store, self.seed = fed, store, seed
-        self.upload_limits = {}
         store.background = True
 
-    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
-        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]
+              ) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs`` (``limits``: unused
+        here, the uploads are objects in this process, which the engine's screening checks).
 
         Returns:
             ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order (a

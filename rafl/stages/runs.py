@@ -140,11 +140,11 @@ def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, 
     ``supernet.path: RUN_DIR`` then use it. It keeps the original supernet's training config (its
     data and public pool) and metrics, plus ``metrics.federated`` (method, rounds, source supernet).
     Returns the JSON path, or None."""
-    export = getattr(prep.federation.algorithm, "federated_supernet", None)
-    if export is None or prep.supernet_meta is None:
+    algorithm = prep.federation.algorithm
+    if not algorithm.exports_supernet or prep.supernet_meta is None:
         return None
     ck = load_state(Path(run_dir) / CHECKPOINT)
-    net = export(ck["server_state"], prep.federation.server)
+    net = algorithm.federated_supernet(ck["server_state"], prep.federation.server)
     if net is None:
         return None
     meta = prep.supernet_meta

@@ -229,6 +229,13 @@ class Algorithm(ABC):
             and keeps no client state; the fine-tuned variant (``<name>-ft``,
             :func:`rafl.federation.finetune.finetune_evaluate`) is then one more local step from
             the final broadcast, its upload evaluated as a broadcast.
+        one_model_for_all: True when every client deploys the same model, the one the weakest
+            client can run (Uniform): the pipeline searches one subnet that meets every profile's
+            budgets (:mod:`rafl.stages.prepare`), a model group gives everyone its smallest member
+            (:func:`rafl.federation.build.build_group_federation`).
+        exports_supernet: True when the server's global model may be a supernet's weights (HeteroFL
+            and FedRolex over NAS subnets): :meth:`federated_supernet` returns it, and the run writes
+            it into its run dir (:func:`rafl.stages.runs.export_federated_supernet`).
     """
 
     name: ClassVar[str] = ""
@@ -240,6 +247,8 @@ class Algorithm(ABC):
     static_models: ClassVar[bool] = False
     accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
     global_model: ClassVar[bool] = False
+    one_model_for_all: ClassVar[bool] = False
+    exports_supernet: ClassVar[bool] = False
     bn_statistics: ClassVar[str] = "client"
     uploads_bn_statistics: ClassVar[bool] = True
     bn_policy: str | None = None
@@ -365,6 +374,11 @@ class Algorithm(ABC):
         """Hook run before :meth:`evaluate` on clients (default: state unchanged). Methods whose
         evaluated model depends on the latest broadcast (e.g. a global header) apply it here."""
         return state
+
+    def federated_supernet(self, server_state: State, server: ServerContext) -> nn.Module | None:
+        """The server's global model in ``server_state`` as a supernet in eval mode, or None when it is
+        not one (default; a method that can give one sets :attr:`exports_supernet`)."""
+        return None
 
 
 # ---------------------------------------------------------------------- registry

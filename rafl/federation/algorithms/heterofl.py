@@ -171,6 +171,7 @@ class HeteroFL(Algorithm):
     #: FedRolex's rolling window instead of HeteroFL's fixed prefix
     rolling: ClassVar[bool] = False
     global_model: ClassVar[bool] = True
+    exports_supernet: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ layout
     def layout(self, server: ServerContext) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
