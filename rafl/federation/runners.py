@@ -33,6 +33,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.bn_statistics import deployment, overrides
 from rafl.federation.events import report
+from rafl.federation.metric_keys import GLOBAL_SUFFIX, global_count
 from rafl.federation.payload import Payload
 from rafl.federation.screening import ClientError
 from rafl.federation.seeds import SeedTree
@@ -149,17 +150,11 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
     return upload, seconds
 
 
-#: the suffix of a model's name in the evaluation contract when it is scored on the held-out
-#: global test set (``model@global.correct``): the global-accuracy protocol beside the
-#: personalized one (the client's own test split, ``model.correct``)
-GLOBAL_SUFFIX = "@global"
-
-
 def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str, float]:
     """``evaluate`` of a prepared client state on the client's own test split, and, when the
-    federation has a held-out global test set (``fed.global_test``), on it too,
-    its models renamed ``m@global`` (:data:`GLOBAL_SUFFIX`). The deployed models' BatchNorm statistics
-    follow ``fed.bn_statistics`` (:func:`rafl.federation.bn_statistics.deployment`)."""
+    federation has a held-out global test set (``fed.global_test``), on it too, its models renamed
+    ``m@global`` (:func:`rafl.federation.metric_keys.global_count`). The deployed models' BatchNorm
+    statistics follow ``fed.bn_statistics`` (:func:`rafl.federation.bn_statistics.deployment`)."""
     algo = fed.algorithm
     with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
         out = dict(algo.evaluate(state, ctx))
@@ -168,9 +163,9 @@ def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str,
         with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
             counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
         for key, value in counts.items():
-            model, dot, stat = key.rpartition(".")
-            if dot and stat in ("correct", "total"):
-                out[f"{model}{GLOBAL_SUFFIX}.{stat}"] = value
+            held_key = global_count(key)
+            if held_key is not None:
+                out[held_key] = value
     return out
 
 
@@ -356,4 +351,4 @@ def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[i
 
 __all__ = ["Federation", "LoaderFactory", "ClientModelFactory", "seed_of", "client_context", "naming_client",
            "load_or_init", "train_client", "evaluate_client", "InProcessClients", "PooledLoader", "initial_groups",
-           "evaluate_group", "evaluate_untrained", "POOLED_BATCH", "GLOBAL_SUFFIX", "evaluate_state"]
+           "evaluate_group", "evaluate_untrained", "POOLED_BATCH", "evaluate_state"]

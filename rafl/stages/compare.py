@@ -47,6 +47,7 @@ from rafl.federation.build import build_group_federation
 from rafl.federation.checks import check_public_pool, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Federation
 from rafl.federation.finetune import finetune_evaluate
+from rafl.federation.metric_keys import MODEL, NEW_CLIENTS, NEW_CLIENTS_FT
 from rafl.federation.payload import Payload
 from rafl.federation.run_config import load_run_config, without_unused_pool
 from rafl.federation.store import load_state
@@ -398,7 +399,7 @@ def with_new_clients(row: dict[str, Any], prep: Prepared | None, run_dir: Path, 
     if held is None:
         return row
     row = {**row, "new_clients": len(held["held_out"])}
-    for key, column in (("model.acc_mean", "new.acc_mean"), ("model.acc_ft_mean", "new-ft.acc_mean")):
+    for key, column in ((MODEL.acc_mean, NEW_CLIENTS.acc_mean), (MODEL.acc_ft_mean, NEW_CLIENTS_FT.acc_mean)):
         if key in held:
             row[column] = held[key]
     return row
@@ -558,7 +559,7 @@ def run_tuning(cfg: RunConfig, hparams: dict[str, dict[str, Any]], trials: dict[
                            resume=resume, finetune=False, validation=True)
         for r in rows:
             hist = read_history(folder / r["algorithm"])
-            vals = [h["model.acc_sample_weighted"] for h in hist if "model.acc_sample_weighted" in h][-3:]
+            vals = [h[MODEL.acc_sample_weighted] for h in hist if MODEL.acc_sample_weighted in h][-3:]
             record["trials"][r["algorithm"]].append({"hparams": hp_i[r["algorithm"]],
                                                      "val_acc": float(sum(vals) / len(vals)) if vals else None})
     picked = dict(hparams)

@@ -15,6 +15,7 @@ from rafl.errors import UserInputError
 from rafl.federation.bn_statistics import effective
 from rafl.federation.checks import DEPLOYMENT, check_resumable_here, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
+from rafl.federation.metric_keys import MODEL, is_client_accuracy
 from rafl.federation.new_clients import evaluate_new_clients, new_clients_summary
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore, load_state
@@ -89,9 +90,9 @@ def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, p
     rows = []
     for row in prep.clients_table:
         accs = summary["clients"].get(str(row["client"]), {})
-        rows.append({**row, **{k: v for k, v in accs.items() if k.endswith(".acc")}})
+        rows.append({**row, **{k: v for k, v in accs.items() if is_client_accuracy(k)}})
     summary["table"] = rows
-    acc_keys = sorted({k for r in rows for k in r if k.endswith(".acc")})  # model.acc, proto.acc, knowledge.acc, ...
+    acc_keys = sorted({k for r in rows for k in r if is_client_accuracy(k)})  # model.acc, proto.acc, knowledge.acc, ...
     summary["means"] = {k: float(np.mean([r[k] for r in rows if r.get(k) is not None]))
                         for k in ("macs_m", "params_m", *acc_keys)
                         if any(r.get(k) is not None for r in rows)}
@@ -152,7 +153,7 @@ def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, 
                                                         "rounds": int(ck["round"]),
                                                         "supernet": prep.extra.get("supernet"),
                                                         "acc_mean_over_clients": summary.get("final", {}).get(
-                                                            "model.acc_mean_over_clients")}}
+                                                            MODEL.acc_mean_over_clients)}}
     return save_supernet(run_dir, net, config=meta.get("config", {}), metrics=metrics)
 
 __all__ = ["BACKENDS", "NEW_CLIENTS", "export_federated_supernet", "run_engine", "run_prepared", "score_new_clients"]

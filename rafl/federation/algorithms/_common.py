@@ -11,6 +11,7 @@ from torch import nn
 from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import ClientContext
 from rafl.federation.algorithms.hparams import LocalTraining
+from rafl.federation.metric_keys import ModelKeys
 from rafl.federation.training import make_optimizer
 
 #: Local-training hyperparameters every method accepts, with their defaults (:class:`LocalTraining`).
@@ -59,5 +60,6 @@ def divergence_keys(hp: Mapping[str, Any], defaults: Mapping[str, Any], weight: 
 
 
 def eval_counts(name: str, correct: int, total: int) -> dict[str, float]:
-    """The evaluation contract's keys for model ``name``."""
-    return {f"{name}.correct": float(correct), f"{name}.total": float(total)}
+    """The evaluation contract's counts of model ``name`` (an :class:`Accuracy`'s prefix)."""
+    m = ModelKeys(name)
+    return {m.correct: float(correct), m.total: float(total)}

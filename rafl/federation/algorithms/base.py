@@ -36,6 +36,7 @@ from torch import nn
 from rafl.errors import UserInputError, allowed
 from rafl.federation.aggregation import AggregationRule, ClipBounds
 from rafl.federation.algorithms.hparams import Hyperparameters
+from rafl.federation.metric_keys import DEPLOYED_MODEL
 from rafl.federation.payload import Payload
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -76,7 +77,7 @@ class Accuracy:
 
 #: the accuracy of the model a client deploys (RaFL's specialized subnet, FedGH's extractor +
 #: global header, ...): every method reports it, and a run's headline numbers are its.
-DEPLOYED = Accuracy("model", "deployed model", "deployed model accuracy")
+DEPLOYED = Accuracy(DEPLOYED_MODEL, "deployed model", "deployed model accuracy")
 
 
 @dataclass(frozen=True)
