@@ -83,7 +83,7 @@ from rafl.federation.metric_keys import (
     client_accuracies,
     counted_models,
     is_count,
-    test_sizes,
+    totals,
 )
 from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.run_files import CHECKPOINT
@@ -583,7 +583,7 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
     clients = {}
     for cid, r in sorted(per_client.items()):
         clients[str(cid)] = client_accuracies(r)
-        sizes = test_sizes(r)
+        sizes = totals(r)
         clients[str(cid)][TEST_SAMPLES] = next((n for m, n in sizes.items() if not m.endswith(GLOBAL_SUFFIX)), 0)
         held = next((n for m, n in sizes.items() if m.endswith(GLOBAL_SUFFIX)), None)
         if held is not None:  # the held-out global test set's size (the same images for every client)

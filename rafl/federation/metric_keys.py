@@ -171,7 +171,7 @@ def global_count(key: str) -> str | None:
     return None
 
 
-def test_sizes(counts: Mapping[str, float]) -> dict[str, float]:
+def totals(counts: Mapping[str, float]) -> dict[str, float]:
     """Model name -> its test-set size (``m.total``) in one client's evaluation-contract ``counts``,
     in their order."""
     return {k[:-len(_TOTAL)]: v for k, v in counts.items() if k.endswith(_TOTAL)}
@@ -194,4 +194,4 @@ def client_accuracies(counts: Mapping[str, float]) -> dict[str, float | None]:
 
 __all__ = ["DEPLOYED_MODEL", "GLOBAL_SUFFIX", "GLOBAL_TEST_SAMPLES", "MODEL", "ModelKeys", "NEW_CLIENTS", "NEW_CLIENTS_FT",
            "TEST_SAMPLES", "client_accuracies", "counted_models", "evaluated_models", "global_count",
-           "is_client_accuracy", "is_count", "model_counts", "test_sizes"]
+           "is_client_accuracy", "is_count", "model_counts", "totals"]
