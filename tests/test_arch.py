@@ -12,7 +12,7 @@ def space():
     return SearchSpace()
 
 
-def totals(space):
+def test_sizes(space):
     assert space.n_blocks == 20
     assert space.num_subnets() == (9**2 + 9**3 + 9**4) ** 5 * 3
     assert space.encoding_size == 20 * 6 + 3
