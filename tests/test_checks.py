@@ -9,7 +9,7 @@ import pytest
 from rafl.config import read_run_config
 from rafl.data.sources import check_data_root
 from rafl.errors import UserInputError
-from rafl.federation.catalog import check_hyperparameter_names, check_method, method_catalog
+from rafl.federation.catalog import DEFAULT_ALGORITHMS, check_hyperparameter_names, check_method, method_catalog
 from rafl.stages.checks import check_resume_dir, precheck_run
 
 from conftest import SHARED_CIFAR10
@@ -27,6 +27,21 @@ def test_the_catalogue_read_from_the_source_is_the_registry():
     assert err.value.field == "algorithm.name"
     with pytest.raises(UserInputError, match=r"unknown hyperparameter\(s\) \['tauu'\] for 'fedtgp'; allowed: \[.*'tau'"):
         check_hyperparameter_names("fedtgp", {"tauu": 1, "lambda": 0.5})
+
+
+def test_rafl_compare_takes_its_default_methods_and_its_help_from_the_catalogue():
+    """``--algorithms``' default is :data:`DEFAULT_ALGORITHMS` (registered methods, each once), and
+    its help names every registered method."""
+    from click.testing import CliRunner
+
+    from rafl.cli import cli
+
+    assert set(DEFAULT_ALGORITHMS) <= set(method_catalog()) and len(set(DEFAULT_ALGORITHMS)) == len(DEFAULT_ALGORITHMS)
+    res = CliRunner().invoke(cli, ["compare", "--help"], terminal_width=1000)
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.strip().startswith("--algorithms"))
+    assert f"Comma-separated registered methods: {', '.join(method_catalog())}." in line
+    assert f"[default: {','.join(DEFAULT_ALGORITHMS)}]" in line
 
 
 @pytest.mark.parametrize(("sets", "field", "text"), [

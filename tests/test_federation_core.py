@@ -378,16 +378,17 @@ def test_evaluate_header_rules_shares_one_extractor_pass_and_restores_modes():
 
 
 def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path):
-    """NAS subnets fine-tune at LOCAL_DEFAULTS' lr; a model group (trained from scratch, cnn3-small
+    """NAS subnets fine-tune at SUBNET_LR; a model group (trained from scratch, cnn3-small
     without BatchNorm) at GROUP_LR, which it did not diverge at; an lr the user gives always wins
     (rafl federate and rafl compare alike)."""
-    from rafl.federation.algorithms._common import GROUP_LR, LOCAL_DEFAULTS
+    from rafl.federation.algorithms.hparams import GROUP_LR, SUBNET_LR, LocalTraining
     from rafl.federation.run_config import load_run_config
     from rafl.stages.compare import load_compare_config
 
-    assert load_run_config(None, ["algorithm.name=fd"]).algorithm.hparams()["lr"] == LOCAL_DEFAULTS["lr"]
+    assert LocalTraining.defaults()["lr"] == SUBNET_LR
+    assert load_run_config(None, ["algorithm.name=fd"]).algorithm.hparams()["lr"] == SUBNET_LR
     group = ["algorithm.name=fd", "clients.models=htfe-tiny"]
-    assert load_run_config(None, group).algorithm.hparams()["lr"] == GROUP_LR != LOCAL_DEFAULTS["lr"]
+    assert load_run_config(None, group).algorithm.hparams()["lr"] == GROUP_LR != SUBNET_LR
     assert load_run_config(None, [*group, "algorithm.lr=0.05"]).algorithm.hparams()["lr"] == 0.05
     f = tmp_path / "run.yaml"
     f.write_text("algorithm: {name: fd, fd: {lr: 0.03}}\nclients: {models: htfe-tiny}\n")
@@ -395,9 +396,9 @@ def test_a_model_group_trains_at_its_own_default_lr_unless_one_is_given(tmp_path
     _, hps = load_compare_config(None, ["algorithm.fd.lr=0.03"], ["fd", "standalone"])  # default models: a group
     assert hps["fd"]["lr"] == 0.03 and hps["standalone"]["lr"] == GROUP_LR
     _, hps = load_compare_config(None, [], ["fd", "standalone"], "nas")
-    assert hps["fd"]["lr"] == hps["standalone"]["lr"] == LOCAL_DEFAULTS["lr"]
+    assert hps["fd"]["lr"] == hps["standalone"]["lr"] == SUBNET_LR
     _, hps = load_compare_config(None, ["clients.models=nas"], ["fd"])  # the config's models, when --models is not given
-    assert hps["fd"]["lr"] == LOCAL_DEFAULTS["lr"]
+    assert hps["fd"]["lr"] == SUBNET_LR
 
 
 def test_a_model_group_carves_no_public_pool_that_nothing_uses():

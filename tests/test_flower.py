@@ -628,11 +628,11 @@ def test_a_node_whose_uploads_would_pass_the_reply_bound_gets_several_train_mess
     limits: list[int] = []
     real = flower_runner.FlowerClients._batches
 
-    def batches(self, kind, jobs):
-        limits.extend(self.upload_limits.get(cid) for cid, _ in jobs if kind == "train")
-        return real(self, kind, jobs)
+    def batches(kind, jobs, upload_limits):
+        limits.extend(upload_limits.get(cid) for cid, _ in jobs if kind == "train")
+        return real(kind, jobs, upload_limits)
 
-    monkeypatch.setattr(flower_runner.FlowerClients, "_batches", batches)
+    monkeypatch.setattr(flower_runner.FlowerClients, "_batches", staticmethod(batches))
     monkeypatch.setattr(flower_runner, "MAX_REPLY_BYTES", 1)  # every client alone exceeds it: one per message
     got = flower_app.run_on_grid(grid, prep, tmp_path / "msg", progress=False)
     assert _rows(tmp_path / "msg") == _rows(tmp_path / "ref") and got["final"] == ref["final"]
@@ -644,14 +644,12 @@ def test_a_node_whose_uploads_would_pass_the_reply_bound_gets_several_train_mess
 
 
 def test_reply_batches_fill_up_to_the_bound_in_job_order(monkeypatch):
-    from types import SimpleNamespace
-
     monkeypatch.setattr(flower_runner, "MAX_REPLY_BYTES", 100)
-    clients = SimpleNamespace(upload_limits={0: 40, 1: 40, 2: 40, 3: 150, 4: 10})
+    limits = {0: 40, 1: 40, 2: 40, 3: 150, 4: 10}
     jobs = [(cid, Payload()) for cid in range(5)]
-    got = flower_runner.FlowerClients._batches(clients, "train", jobs)
+    got = flower_runner.FlowerClients._batches("train", jobs, limits)
     assert [[cid for cid, _ in b] for b in got] == [[0, 1], [2], [3], [4]]  # a client alone may pass it
-    assert [[cid for cid, _ in b] for b in flower_runner.FlowerClients._batches(clients, "evaluate", jobs)] == [[0, 1, 2, 3, 4]]
+    assert [[cid for cid, _ in b] for b in flower_runner.FlowerClients._batches("evaluate", jobs, limits)] == [[0, 1, 2, 3, 4]]
 
 
 @pytest.mark.slow

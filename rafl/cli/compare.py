@@ -12,12 +12,21 @@ import click
 from rafl.cli import exit_interrupted
 from rafl.cli._types import data_root_option
 from rafl.cli.federate import FAILED_ROUNDS_EXIT
+from rafl.federation.catalog import DEFAULT_ALGORITHMS, method_catalog
+
+
+class _MethodsOption(click.Option):
+    """``--algorithms``, whose help lists every registered method
+    (:func:`rafl.federation.catalog.method_catalog`, read from the algorithms' source) when the help
+    is shown, not whenever the command runs."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        self.help = f"Comma-separated registered methods: {', '.join(method_catalog())}."
+        return super().get_help_record(ctx)
 
 
 @click.command("compare")
-@click.option("--algorithms", default="rafl,fedgh,fedtgp,fedproto,lg-fedavg,fd,standalone", show_default=True,
-              help="Comma-separated registered methods (rafl, fedgh, fedtgp, fedproto, lg-fedavg, fd, fml, "
-                   "fedkd, standalone, fedavg, heterofl, fedrolex, uniform, ...).")
+@click.option("--algorithms", cls=_MethodsOption, default=",".join(DEFAULT_ALGORITHMS), show_default=True)
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Run config YAML (the `rafl federate` format; its algorithm section holds shared "
                    "hyperparameters and per-method sub-sections, e.g. algorithm: {fedtgp: {server_epochs: 50}}).")

@@ -19,13 +19,14 @@ def print_table(summary: dict, run_dir: Path) -> None:
     from rich.table import Table
 
     from rafl.federation.algorithms import DEPLOYED, get_algorithm
+    from rafl.federation.metric_keys import MODEL, ModelKeys
     from rafl.reports.tables import binomial_se, fmt_bytes
 
     rows = summary["table"]
     group = any("model" in r for r in rows)  # clients.models: a model group (no profiles, no subnets)
     # the other accuracies the method reports (e.g. FedTGP's nearest prototype), in its order
     extra = [a for a in get_algorithm(summary["algorithm"]).accuracies
-             if a != DEPLOYED and any(r.get(f"{a.prefix}.acc") is not None for r in rows)]
+             if a != DEPLOYED and any(r.get(ModelKeys(a.prefix).acc) is not None for r in rows)]
     t = Table(title=f"{summary['algorithm']}: final round {summary['rounds']}, accuracy on each client's own test split")
     for col in ("client", "model", "params (M)", "train", "test") if group else \
             ("client", "profile", "MACs (M)", "params (M)", "train", "test"):
@@ -41,40 +42,40 @@ def print_table(summary: dict, run_dir: Path) -> None:
     var_sum, n_acc = 0.0, 0
     for r in rows:
         who = [r["model"]] if group else [r["profile"], f(r["macs_m"])]
-        acc = r.get("model.acc")
+        acc = r.get(MODEL.acc)
         se = None if acc is None else binomial_se(acc, int(r["n_test"]))
         if se is not None:
             var_sum, n_acc = var_sum + se ** 2, n_acc + 1
         t.add_row(str(r["client"]), *who, f(r["params_m"], 3), str(r["n_train"]), str(r["n_test"]),
-                  f(acc, 3), f(se, 3), *(f(r.get(f"{a.prefix}.acc"), 3) for a in extra))
+                  f(acc, 3), f(se, 3), *(f(r.get(ModelKeys(a.prefix).acc), 3) for a in extra))
     m = summary["means"]
     mean_se = (var_sum ** 0.5) / n_acc if n_acc else None  # of the mean over clients (independent clients)
     t.add_row("mean", *([""] if group else ["", f(m.get("macs_m"))]), f(m.get("params_m"), 3), "",
-              str(sum(int(r["n_test"]) for r in rows)), f(m.get("model.acc"), 3), f(mean_se, 3),
-              *(f(m.get(f"{a.prefix}.acc"), 3) for a in extra), style="bold")
+              str(sum(int(r["n_test"]) for r in rows)), f(m.get(MODEL.acc), 3), f(mean_se, 3),
+              *(f(m.get(ModelKeys(a.prefix).acc), 3) for a in extra), style="bold")
     con = Console(width=max(120, Console().width))  # every column header on one line
     con.print(t)
     fin = summary["final"]
-    blank = [str(r["client"]) for r in rows if r.get("model.acc") is None]
+    blank = [str(r["client"]) for r in rows if r.get(MODEL.acc) is None]
     if blank:
         con.print(f"-: no figure for client(s) {', '.join(blank)} ({len(blank)} of {len(rows)}): they have not trained "
                   "in any round yet (a round trains engine.clients_per_round of the clients), so they hold no model "
                   f"of their own; the means are over the {len(rows) - len(blank)} clients with a figure")
-    tests = [int(r["n_test"]) for r in rows if r.get("model.acc") is not None]
+    tests = [int(r["n_test"]) for r in rows if r.get(MODEL.acc) is not None]
     if tests:
         con.print(f"se = sqrt(p (1 - p) / test), the binomial standard error of an accuracy p over a client's "
                   f"test images ({min(tests)}..{max(tests)} here; one image moves it by 1/test, and 1.000 on 4 "
                   "images is 4 of 4, se 0); the mean's se is over all clients")
-    for prefix, label in ((a.prefix, a.meaning) for a in (DEPLOYED, *extra)):
-        if f"{prefix}.acc_sample_weighted" in fin:
-            con.print(f"{label}: mean over clients {fin[f'{prefix}.acc_mean_over_clients']:.3f}, "
-                      f"sample-weighted {fin[f'{prefix}.acc_sample_weighted']:.3f}, std over clients "
-                      f"{fin[f'{prefix}.acc_std_over_clients']:.3f}")
+    for keys, label in ((ModelKeys(a.prefix), a.meaning) for a in (DEPLOYED, *extra)):
+        if keys.acc_sample_weighted in fin:
+            con.print(f"{label}: mean over clients {fin[keys.acc_mean_over_clients]:.3f}, "
+                      f"sample-weighted {fin[keys.acc_sample_weighted]:.3f}, std over clients "
+                      f"{fin[keys.acc_std_over_clients]:.3f}")
     held = summary.get("new_clients")
-    if held and "model.acc_mean" in held:  # the new-clients protocol (clients.held_out_fraction)
-        ft = f", after one local fine-tune {held['model.acc_ft_mean']:.3f}" if "model.acc_ft_mean" in held else ""
+    if held and MODEL.acc_mean in held:  # the new-clients protocol (clients.held_out_fraction)
+        ft = f", after one local fine-tune {held[MODEL.acc_ft_mean]:.3f}" if MODEL.acc_ft_mean in held else ""
         con.print(f"new clients ({len(held['held_out'])} held out of training, each on its tier's final model): mean "
-                  f"over them {held['model.acc_mean']:.3f} as deployed{ft} (summary.json: new_clients)")
+                  f"over them {held[MODEL.acc_mean]:.3f} as deployed{ft} (summary.json: new_clients)")
     co = summary.get("co_mb_to_target")
     # in the unit that shows each amount: prototype uploads of 440 bytes printed as 0.000 MB
     con.print(f"communication: {fmt_bytes(summary['cum_mb'] * 1e6)} total (up {fmt_bytes(summary['cum_bytes_up'])}, "
@@ -193,26 +194,26 @@ def federate(config_path: Path | None, overrides: tuple[str, ...], data_root: Pa
 
         # the file, --set, every key and value but the method's hyperparameters, the fields that contradict each
         # other, the method's name, the profiles and the data root: checked before torch and the models load (a
-        # typo answers at once); the registry checks the hyperparameters below
-        precheck_run(config_path, overrides, data_root_given=data_root is not None, data=not show_config)
+        # typo answers at once); the registry checks the hyperparameters' values below, on the config read here
+        read = precheck_run(config_path, overrides, data_root_given=data_root is not None, data=not show_config)
     else:
         from rafl.stages.checks import check_resume_dir
 
         _check_resume_options(config_path, show_config)
         check_resume_dir(resume_dir)
-    from rafl.federation.run_config import load_run_config
+    from rafl.federation.run_config import resolve_algorithm
     from rafl.stages import federate as stage
 
     if show_config:
         from rafl.config import commented_config
 
-        click.echo(commented_config(load_run_config(config_path, overrides)), nl=False)
+        click.echo(commented_config(resolve_algorithm(*read)), nl=False)
         return
     try:
         if resume_dir is not None:
             summary, run_dir = stage.resume(resume_dir, overrides, progress=progress)
         else:
-            summary, run_dir = stage.start(load_run_config(config_path, overrides), out, progress=progress)
+            summary, run_dir = stage.start(resolve_algorithm(*read), out, progress=progress)
     except (KeyboardInterrupt, SystemExit) as err:  # the stage said what was kept and how to continue
         raise exit_interrupted(err) from None
     print_table(summary, run_dir)

@@ -173,7 +173,7 @@ def build_group_federation(dataset, partition, members: list[str], algorithm, *,
     channels, res = int(dataset.images.shape[1]), int(dataset.images.shape[-1])
     know = knowledge_model or KNOWLEDGE_MODEL
     names = [members[i % len(members)] for i in range(n)]
-    if getattr(algorithm, "one_model_for_all", False):  # uniform: the group's smallest member for everyone
+    if algorithm.one_model_for_all:  # uniform: the group's smallest member for everyone
         sizes = {m: sum(p.numel() for p in make_member(m, n_classes, feature_dim, channels, res).parameters())
                  for m in sorted(set(names))}
         names = [min(sizes, key=lambda m: (sizes[m], m))] * n

@@ -22,6 +22,10 @@ from rafl.errors import UserInputError, allowed
 #: the package whose modules register the methods (read as source, never imported here)
 ALGORITHMS_DIR = Path(__file__).resolve().parent / "algorithms"
 
+#: ``rafl compare``'s methods, in its table's order, when ``--algorithms`` is not given: RaFL, the
+#: heterogeneous-model methods it is compared with, and the no-communication floor (Standalone)
+DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
+
 
 def _classes() -> dict[str, ast.ClassDef]:
     """Every top-level class of the algorithm package's modules, by class name."""
@@ -143,4 +147,5 @@ def check_hyperparameter_names(method: str, given: Mapping[str, object]) -> None
         raise unknown_hyperparameters(unknown, check_method(method), keys)
 
 
-__all__ = ["check_hyperparameter_names", "check_method", "unknown_hyperparameters", "hyperparameter_names", "method_catalog", "method_names"]
+__all__ = ["DEFAULT_ALGORITHMS", "check_hyperparameter_names", "check_method", "unknown_hyperparameters",
+           "hyperparameter_names", "method_catalog", "method_names"]

@@ -17,7 +17,6 @@ import numpy as np
 from rafl.config import RunConfig
 from rafl.data import carve_public_pool
 from rafl.errors import UserInputError
-from rafl.federation.algorithms._common import needs_public_pool
 from rafl.io import safetensors_damage
 
 
@@ -68,7 +67,7 @@ def check_global_test(partition, pool: np.ndarray | None = None) -> None:
 def check_public_pool(algorithm, hparams: dict[str, Any], partition) -> None:
     """Raise UserInputError when ``algorithm`` (or its ``distill`` option) needs the server's
     public pool and ``partition`` carved none."""
-    if needs_public_pool(algorithm, hparams) and len(partition.public) == 0:
+    if algorithm.needs_public_pool(hparams) and len(partition.public) == 0:
         raise UserInputError(f"{algorithm.name} needs the server's public pool; set partition.public_fraction > 0",
                              field="partition.public_fraction")
 

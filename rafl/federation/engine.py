@@ -74,6 +74,17 @@ from rafl.errors import DivergedError, UserInputError, warn
 from rafl.federation.aggregation import AggregationRule, ClipBounds
 from rafl.federation.algorithms.base import ServerContext
 from rafl.federation.events import report
+from rafl.federation.metric_keys import (
+    GLOBAL_SUFFIX,
+    GLOBAL_TEST_SAMPLES,
+    MODEL,
+    TEST_SAMPLES,
+    ModelKeys,
+    client_accuracies,
+    counted_models,
+    is_count,
+    totals,
+)
 from rafl.federation.payload import CountedPayload, Payload
 from rafl.federation.run_files import CHECKPOINT
 from rafl.federation.runners import Federation, RunnerFactory
@@ -335,8 +346,8 @@ class Engine:
             row["time_s"], row["time_engine_s"] = times.total, times.engine
             self.times.append(times)
             report("round_end", round=rnd)
-            if "model.acc_mean_over_clients" in row:
-                bar.set_postfix(acc=f"{row['model.acc_mean_over_clients']:.3f}",
+            if MODEL.acc_mean_over_clients in row:
+                bar.set_postfix(acc=f"{row[MODEL.acc_mean_over_clients]:.3f}",
                                 comm=tqdm.format_sizeof(row["cum_mb"] * 1e6, "B", 1000))
         bar.close()
         if last_eval is None:  # resumed after the final round: re-evaluate from the checkpoint
@@ -387,9 +398,8 @@ class Engine:
         sampled = sample_clients(st.available, self.n_sampled, rng)
         failed = [cid for cid, u in zip(sampled, rng.random(len(sampled))) if u < cfg.dropout]
         jobs, limits, bytes_down = self._downloads(sampled, failed, st)
-        self.clients.upload_limits = limits  # a runner that receives wire bytes checks them unparsed
         report("round", round=rnd, rounds=cfg.rounds, clients=len(jobs))
-        results, lost, times.client_update = self.clients.train(rnd, jobs)
+        results, lost, times.client_update = self.clients.train(rnd, jobs, limits)
         report("trained", done=len(results))
         del jobs
         failed = failed + sorted(lost)
@@ -472,7 +482,7 @@ class Engine:
             evaluation = self._evaluate(rnd, st.broadcast)
             times.evaluate = time.perf_counter() - te
             row.update(evaluation[0])
-            acc = evaluation[0].get("model.acc_mean_over_clients")
+            acc = evaluation[0].get(MODEL.acc_mean_over_clients)
             if (cfg.target_accuracy is not None and counters["co_mb_to_target"] is None
                     and acc is not None and acc >= cfg.target_accuracy):
                 counters["co_mb_to_target"] = row["cum_mb"]
@@ -523,20 +533,19 @@ def summarize_eval(per_client: dict[int, dict[str, float]]) -> dict[str, float]:
     (population std of per-client accuracies). Clients with an empty test split are skipped.
     Other numeric keys are averaged over clients as ``key.mean``."""
     out: dict[str, float] = {}
-    models = sorted({k[:-len(".correct")] for r in per_client.values() for k in r if k.endswith(".correct")})
-    for m in models:
+    for m in map(ModelKeys, counted_models(k for r in per_client.values() for k in r)):
         accs, correct, total = [], 0.0, 0.0
         for r in per_client.values():
-            tot = r.get(f"{m}.total", 0.0)
+            tot = r.get(m.total, 0.0)
             if tot > 0:
-                accs.append(r[f"{m}.correct"] / tot)
-                correct += r[f"{m}.correct"]
+                accs.append(r[m.correct] / tot)
+                correct += r[m.correct]
                 total += tot
         if accs:
-            out[f"{m}.acc_mean_over_clients"] = float(np.mean(accs))
-            out[f"{m}.acc_sample_weighted"] = correct / total
-            out[f"{m}.acc_std_over_clients"] = float(np.std(accs))
-    extra = sorted({k for r in per_client.values() for k in r if not k.endswith((".correct", ".total"))})
+            out[m.acc_mean_over_clients] = float(np.mean(accs))
+            out[m.acc_sample_weighted] = correct / total
+            out[m.acc_std_over_clients] = float(np.std(accs))
+    extra = sorted({k for r in per_client.values() for k in r if not is_count(k)})
     for k in extra:
         vals = [r[k] for r in per_client.values() if k in r]
         out[f"{k}.mean"] = float(np.mean(vals))
@@ -553,16 +562,15 @@ def summarize_untrained(per_client: dict[int, dict[str, float]],
     out: dict[str, float] = {"eval.trained_clients": len(per_client),
                              "eval.untrained_clients": sum(len(g) for g, _ in groups)}
     counts = [c for _, c in groups]
-    models = sorted({k[:-len(".correct")] for c in counts for k in c if k.endswith(".correct")})
-    for m in models:
-        correct = sum(c.get(f"{m}.correct", 0.0) for c in counts)
-        total = sum(c.get(f"{m}.total", 0.0) for c in counts)
+    for m in map(ModelKeys, counted_models(k for c in counts for k in c)):
+        correct = sum(c.get(m.correct, 0.0) for c in counts)
+        total = sum(c.get(m.total, 0.0) for c in counts)
         if total > 0:
-            out[f"{m}.acc_untrained_sample_weighted"] = correct / total
-        correct += sum(r.get(f"{m}.correct", 0.0) for r in per_client.values())
-        total += sum(r.get(f"{m}.total", 0.0) for r in per_client.values())
+            out[m.acc_untrained_sample_weighted] = correct / total
+        correct += sum(r.get(m.correct, 0.0) for r in per_client.values())
+        total += sum(r.get(m.total, 0.0) for r in per_client.values())
         if total > 0:
-            out[f"{m}.acc_all_sample_weighted"] = correct / total
+            out[m.acc_all_sample_weighted] = correct / total
     return out
 
 
@@ -570,17 +578,16 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
                  cfg: EngineConfig) -> dict[str, Any]:
     """The run summary: final-round metrics (not best-round), best-round accuracy (named as such),
     communication totals, CO to target, failures, per-client final accuracies, timing."""
-    evals = [r for r in history if "model.acc_mean_over_clients" in r]
+    evals = [r for r in history if MODEL.acc_mean_over_clients in r]
     final = evals[-1] if evals else {}
     clients = {}
     for cid, r in sorted(per_client.items()):
-        clients[str(cid)] = {k[:-len(".correct")] + ".acc": (r[k] / r[k[:-len(".correct")] + ".total"]
-                                                              if r[k[:-len(".correct")] + ".total"] else None)
-                             for k in r if k.endswith(".correct")}
-        clients[str(cid)]["test_samples"] = next((v for k, v in r.items() if k.endswith(".total") and "@" not in k), 0)
-        held = next((v for k, v in r.items() if k.endswith("@global.total")), None)
+        clients[str(cid)] = client_accuracies(r)
+        sizes = totals(r)
+        clients[str(cid)][TEST_SAMPLES] = next((n for m, n in sizes.items() if not m.endswith(GLOBAL_SUFFIX)), 0)
+        held = next((n for m, n in sizes.items() if m.endswith(GLOBAL_SUFFIX)), None)
         if held is not None:  # the held-out global test set's size (the same images for every client)
-            clients[str(cid)]["global_test_samples"] = held
+            clients[str(cid)][GLOBAL_TEST_SAMPLES] = held
     part = [r["participated"] for r in history]
     tot = sum(r["time_s"] for r in history)
     eng = sum(r["time_engine_s"] for r in history)
@@ -588,7 +595,7 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         "algorithm": algorithm,
         "rounds": len(history),
         "final": {k: v for k, v in final.items() if ".acc_" in k},
-        "best_round_model_acc_mean_over_clients": max((r["model.acc_mean_over_clients"] for r in evals), default=None),
+        "best_round_model_acc_mean_over_clients": max((r[MODEL.acc_mean_over_clients] for r in evals), default=None),
         "cum_bytes_up": counters["cum_bytes_up"],
         "cum_bytes_down": counters["cum_bytes_down"],
         "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
@@ -615,13 +622,14 @@ def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
     """Which clients each figure of an evaluated ``row`` covers, in words (``summary.json``'s
     ``eval_coverage`` when some clients had not trained yet)."""
     trained, untrained = int(row.get("eval.trained_clients", 0)), int(row["eval.untrained_clients"])
+    m = ModelKeys("m")  # any model
     return {
-        "m.acc_mean_over_clients, m.acc_std_over_clients, m.acc_sample_weighted, clients":
+        f"{m.acc_mean_over_clients}, {m.acc_std_over_clients}, {m.acc_sample_weighted}, clients":
             f"the {trained} clients that have trained (their committed states, one evaluation each)",
-        "m.acc_untrained_sample_weighted":
+        m.acc_untrained_sample_weighted:
             f"the {untrained} clients that have not trained yet, pooled: one evaluation per architecture of the "
             "initial model of its first such client on all their test splits",
-        "m.acc_all_sample_weighted": f"all {trained + untrained} clients' test samples (both of the above)",
+        m.acc_all_sample_weighted: f"all {trained + untrained} clients' test samples (both of the above)",
     }
 
 

@@ -40,7 +40,7 @@ def finetune_evaluate(fed: Federation, seed: int, rnd: int, broadcast: Payload,
             training diverged (naming the client).
     """
     algo = fed.algorithm
-    if not getattr(algo, "global_model", False):
+    if not algo.global_model:
         raise UserInputError(f"{algo.name} deploys no global model, so it has no fine-tuned variant; allowed: "
                              "fedavg, fedprox, uniform, heterofl, fedrolex", field="--algorithms")
     out: dict[int, dict[str, float]] = {}

@@ -53,6 +53,7 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rafl.errors import UserInputError, warn
@@ -293,8 +294,6 @@ class FlowerClients(ClientRunner):
         self.grid, self.node_of, self.config_text = grid, node_of, config_text
         self.run_key, self.timeout = run_key, timeout
         self._unanswered: set[int] = set()  # joined nodes that did not answer the node-config query
-        #: ``client id -> largest upload in bytes`` of the round (set by the engine before :meth:`train`)
-        self.upload_limits: dict[int, int] = {}
         self._wire = {"down": 0, "up": 0, "eval_down": 0}  # payload bytes the messages carried (take_traffic)
 
     def _rejoined(self) -> None:
@@ -356,17 +355,19 @@ class FlowerClients(ClientRunner):
         return app.Message(app.RecordDict({**records, CONTROL: control}), dst_node_id=nid, message_type=kind,
                            group_id=str(rnd))
 
-    def _batches(self, kind: str, jobs: list[tuple[int, Payload]]) -> list[list[tuple[int, Payload]]]:
+    @staticmethod
+    def _batches(kind: str, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]) -> list[list[tuple[int, Payload]]]:
         """A node's jobs as the messages that carry them (in job order): one message, except for
         train messages whose clients' uploads could exceed :data:`MAX_REPLY_BYTES` together (each
-        client counted at its upload limit, ``engine.max_upload_mb``, or its broadcast's size), which
-        are split so that every reply stays under it (a client alone may exceed it)."""
+        client counted at its upload limit in ``limits``, ``engine.max_upload_mb``, or its
+        broadcast's size), which are split so that every reply stays under it (a client alone may
+        exceed it)."""
         if kind != TRAIN:  # evaluation replies carry a few metrics per client
             return [jobs]
         out: list[list[tuple[int, Payload]]] = [[]]
         size = 0
         for cid, payload in jobs:
-            nbytes = self.upload_limits.get(cid) or payload.nbytes()
+            nbytes = limits.get(cid) or payload.nbytes()
             if out[-1] and size + nbytes > MAX_REPLY_BYTES:
                 out.append([])
                 size = 0
@@ -374,7 +375,7 @@ class FlowerClients(ClientRunner):
             size += nbytes
         return out
 
-    def _replies(self, kind: str, rnd: int, jobs: list[tuple[int, Payload]]
+    def _replies(self, kind: str, rnd: int, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]
                  ) -> tuple[dict[int, Any], dict[int, str], dict[int, ClientError]]:
         """Exchange the messages of the nodes hosting clients of ``jobs`` (one per node, or more, see
         :meth:`_batches`; Flower's deployment starts a
@@ -393,7 +394,7 @@ class FlowerClients(ClientRunner):
         by_node: dict[int, list[tuple[int, Payload]]] = {}
         for cid, payload in jobs:
             by_node.setdefault(self.node_of[cid], []).append((cid, payload))
-        batches = {(nid, i): batch for nid, js in by_node.items() for i, batch in enumerate(self._batches(kind, js))}
+        batches = {(nid, i): batch for nid, js in by_node.items() for i, batch in enumerate(self._batches(kind, js, limits))}
         node_replies, node_lost = _exchange(
             self.grid, [(key, self._message(kind, key[0], rnd, js)) for key, js in batches.items()], self.timeout,
             self.stop)
@@ -434,10 +435,12 @@ class FlowerClients(ClientRunner):
             raise UserInputError(f"{kind} in round {rnd} failed: {why}{hint}", source=f"client {cid} (Simulation Runtime)")
         return replies, lost, errors
 
-    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]
+              ) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
         """Send every ``(client_id, broadcast)`` job to its node (one message per node, see :meth:`_batches`); returns
         the uploads in job order, the clients lost with the reason, and the wall seconds the
-        round's client steps took.
+        round's client steps took. A reply's upload is checked against its client's ``limits`` entry
+        before it is parsed.
 
         Raises:
             UserInputError: every client of the round lost without a reply or with a node error
@@ -447,7 +450,7 @@ class FlowerClients(ClientRunner):
             Stopped: the caller set ``stop``."""
         t0 = time.perf_counter()
         self._rejoined()
-        replies, lost, errors = self._replies(TRAIN, rnd, jobs)
+        replies, lost, errors = self._replies(TRAIN, rnd, jobs, limits)
         if jobs and not replies and not errors:
             cid, why = min(lost.items())
             raise UserInputError(f"round {rnd}: all {len(jobs)} sampled clients were lost (client {cid}: {why})",
@@ -460,7 +463,7 @@ class FlowerClients(ClientRunner):
                 self.store.pending[cid] = rnd  # the node wrote version rnd; committed with the checkpoint
                 try:  # the wire bytes are checked against the limit before they are parsed
                     uploads.append((cid, records_to_payload(replies[cid], f"client {cid}", f".{cid}",
-                                                            self.upload_limits.get(cid))))
+                                                            limits.get(cid))))
                 except UserInputError as err:  # refused: the engine counts it and discards the client's state
                     uploads.append((cid, RejectedUpload(err.message, _blob_size(replies[cid], f".{cid}"))))
                 up = uploads[-1][1]  # what its blob carried: the payload's bytes (a refused one: its size)
@@ -485,7 +488,7 @@ class FlowerClients(ClientRunner):
             UserInputError: no client evaluated at all.
             Stopped: the caller set ``stop``."""
         self._rejoined()
-        replies, lost, errors = self._replies(EVALUATE, rnd, [(cid, broadcast) for cid in ids])
+        replies, lost, errors = self._replies(EVALUATE, rnd, [(cid, broadcast) for cid in ids], {})
         lost.update({cid: f"{err.source}: {err.reason}" for cid, err in errors.items()})  # left out, not the run's end
         if ids and not replies:
             cid, why = min(lost.items())

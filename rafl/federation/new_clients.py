@@ -39,6 +39,7 @@ import torch
 
 from rafl import seeds
 from rafl.federation.algorithms.base import ClientInfo
+from rafl.federation.metric_keys import GLOBAL_SUFFIX, MODEL, TEST_SAMPLES, model_counts
 from rafl.federation.payload import Payload
 from rafl.federation.runners import Federation, client_context, evaluate_state, naming_client
 from rafl.federation.store import ClientStore
@@ -141,20 +142,22 @@ def new_clients_summary(result: dict[str, Any], held_out: list[int], table: list
     ``held_out``: the population ids of the held-out clients, in the order of ``new``'s clients;
     ``table``: their rows of the clients table (``profile``, ``n_train``, ``n_test``)."""
     clients: dict[str, dict[str, Any]] = {}
+    mean_of: dict[str, str] = {}  # a client's accuracy key -> the key of its mean over the clients
     for j, rec in result["clients"].items():
         row = {"profile": table[j].get("profile", table[j].get("model")), "donor": rec.get("donor"),
-               "n_train": table[j].get("n_train"), "test_samples": rec.get("model.total", 0)}
-        for tag, counts in (("", rec), ("_ft", rec.get("ft") or {})):
-            for key, value in counts.items():
-                if key.endswith(".correct") and "@" not in key:
-                    total = counts[key[:-len(".correct")] + ".total"]
-                    row[key[:-len(".correct")] + ".acc" + tag] = value / total if total else None
+               "n_train": table[j].get("n_train"), TEST_SAMPLES: rec.get(MODEL.total, 0)}
+        for fine_tuned, counts in ((False, rec), (True, rec.get("ft") or {})):
+            for m, correct, total in model_counts(counts):
+                if GLOBAL_SUFFIX not in m.model:
+                    key, mean_of_key = (m.acc_ft, m.acc_ft_mean) if fine_tuned else (m.acc, m.acc_mean)
+                    row[key] = correct / total if total else None
+                    mean_of[key] = mean_of_key
         clients[str(held_out[j])] = row
     means = {}
-    for key in sorted({k for r in clients.values() for k in r if ".acc" in k}):
+    for key in sorted(mean_of):
         vals = [r[key] for r in clients.values() if r.get(key) is not None]
         if vals:
-            means[f"{key}_mean"] = float(np.mean(vals))  # model.acc_mean, model.acc_ft_mean, proto.acc_mean, ...
+            means[mean_of[key]] = float(np.mean(vals))  # model.acc_mean, model.acc_ft_mean, proto.acc_mean, ...
     return {"held_out": list(held_out), **means, "clients": clients}
 
 

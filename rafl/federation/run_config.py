@@ -5,7 +5,7 @@ federation loads (:func:`load_run_config`).
 holds the method's name and hyperparameters as given; here the name is looked up in the registry
 (:func:`rafl.federation.algorithms.get_algorithm`) and the hyperparameters are checked by the
 method's own model (:meth:`Algorithm.check_hparams`), with a model group's own learning rate
-(:func:`~rafl.federation.algorithms._common.with_group_lr`) and no public pool where nothing uses
+(:func:`~rafl.federation.algorithms.hparams.with_group_lr`) and no public pool where nothing uses
 it (:func:`without_unused_pool`).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from rafl.config import AlgorithmConfig, ConfigSource, RunConfig, read_run_config
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
-from rafl.federation.algorithms._common import needs_public_pool, with_group_lr
+from rafl.federation.algorithms.hparams import with_group_lr
 
 
 def method_names() -> dict[str, str]:
@@ -70,7 +70,7 @@ def without_unused_pool(cfg: RunConfig, methods: Iterable[tuple[Any, dict[str, A
     otherwise be taken from the clients for nothing."""
     models = cfg.clients.models if models is None else models
     if (models.strip().lower() == "nas" or "public_fraction" in cfg.partition.model_fields_set
-            or any(needs_public_pool(cls, hp) for cls, hp in methods)):
+            or any(cls.needs_public_pool(hp) for cls, hp in methods)):
         return cfg
     return cfg.model_copy(update={"partition": cfg.partition.model_copy(update={"public_fraction": 0.0})})
 

@@ -8,10 +8,11 @@ here (one client after the other, in this process), :class:`rafl.federation.work
 and :func:`evaluate_client`, and for clients that never trained the shared evaluation per
 architecture (:func:`evaluate_untrained`). So the backends draw the same numbers.
 
-Every runner is a :class:`ClientRunner`: ``train(rnd, jobs)`` and ``evaluate(rnd, ids,
+Every runner is a :class:`ClientRunner`: ``train(rnd, jobs, limits)`` (``limits``: the round's
+upload limits, which a runner that receives wire bytes checks unparsed) and ``evaluate(rnd, ids,
 broadcast)``, plus hooks with defaults: ``evaluate_untrained`` (where
 :attr:`ClientRunner.shares_initial_evaluation`), ``where(cid)``, ``take_traffic()`` (a runner
-that sends messages), ``upload_limits`` (a runner that checks wire bytes unparsed) and ``close()``.
+that sends messages) and ``close()``.
 The engine gets one from a :data:`RunnerFactory`.
 """
 
@@ -21,7 +22,7 @@ import contextlib
 import dataclasses
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -31,6 +32,7 @@ from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, Loader, ServerContext
 from rafl.federation.bn_statistics import deployment, overrides
 from rafl.federation.events import report
+from rafl.federation.metric_keys import GLOBAL_SUFFIX, global_count
 from rafl.federation.payload import Payload
 from rafl.federation.screening import ClientError
 from rafl.federation.store import ClientStore
@@ -142,17 +144,11 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
     return upload, seconds
 
 
-#: the suffix of a model's name in the evaluation contract when it is scored on the held-out
-#: global test set (``model@global.correct``): the global-accuracy protocol beside the
-#: personalized one (the client's own test split, ``model.correct``)
-GLOBAL_SUFFIX = "@global"
-
-
 def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str, float]:
     """``evaluate`` of a prepared client state on the client's own test split, and, when the
-    federation has a held-out global test set (``fed.global_test``), on it too,
-    its models renamed ``m@global`` (:data:`GLOBAL_SUFFIX`). The deployed models' BatchNorm statistics
-    follow ``fed.bn_statistics`` (:func:`rafl.federation.bn_statistics.deployment`)."""
+    federation has a held-out global test set (``fed.global_test``), on it too, its models renamed
+    ``m@global`` (:func:`rafl.federation.metric_keys.global_count`). The deployed models' BatchNorm
+    statistics follow ``fed.bn_statistics`` (:func:`rafl.federation.bn_statistics.deployment`)."""
     algo = fed.algorithm
     with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
         out = dict(algo.evaluate(state, ctx))
@@ -161,9 +157,9 @@ def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str,
         with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
             counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
         for key, value in counts.items():
-            model, dot, stat = key.rpartition(".")
-            if dot and stat in ("correct", "total"):
-                out[f"{model}{GLOBAL_SUFFIX}.{stat}"] = value
+            held_key = global_count(key)
+            if held_key is not None:
+                out[held_key] = value
     return out
 
 
@@ -200,19 +196,16 @@ class ClientRunner(ABC):
     Class attributes:
         shares_initial_evaluation: :meth:`evaluate_untrained` evaluates clients that never trained
             together, one evaluation per model (else the engine evaluates them one by one).
-
-    Attributes:
-        upload_limits: ``client id -> largest upload in bytes`` the server accepts this round (set
-            by the engine before :meth:`train`; a runner receiving wire bytes checks them unparsed).
     """
 
     shares_initial_evaluation: ClassVar[bool] = False
-    upload_limits: dict[int, int]
 
     @abstractmethod
-    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> Trained:
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]) -> Trained:
         """``client_update`` of every ``(client_id, download)`` in ``jobs``; the new states are
-        pending versions of round ``rnd`` in the store."""
+        pending versions of round ``rnd`` in the store. ``limits``: ``client id -> largest upload in
+        bytes`` the server accepts this round (a runner that receives wire bytes checks them before
+        parsing; the engine's screening checks every upload again)."""
 
     @abstractmethod
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> Evaluated:
@@ -254,11 +247,12 @@ class InProcessClients(ClientRunner):
 
     def __init__(self, fed: Federation, store: ClientStore, seed: int):
         self.fed, self.store, self.seed = fed, store, seed
-        self.upload_limits = {}
         store.background = True
 
-    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
-        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs``.
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]
+              ) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+        """Run ``client_update`` for every ``(client_id, broadcast)`` in ``jobs`` (``limits``: unused
+        here, the uploads are objects in this process, which the engine's screening checks).
 
         Returns:
             ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order (a
@@ -351,4 +345,4 @@ def evaluate_untrained(fed, store: ClientStore, seed: int, rnd: int, ids: list[i
 
 __all__ = ["Federation", "LoaderFactory", "ClientModelFactory", "client_context", "naming_client",
            "load_or_init", "train_client", "evaluate_client", "InProcessClients", "PooledLoader", "initial_groups",
-           "evaluate_group", "evaluate_untrained", "POOLED_BATCH", "GLOBAL_SUFFIX", "evaluate_state"]
+           "evaluate_group", "evaluate_untrained", "POOLED_BATCH", "evaluate_state"]

@@ -484,9 +484,10 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, n_classes: int) ->
     return means, counts
 
 
-def make_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.05, momentum: float = 0.9,
+def make_optimizer(model: nn.Module, name: str = "sgd", *, lr: float, momentum: float = 0.9,
                    weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """The local optimizer: ``"sgd"`` (with momentum) or ``"adam"``.
+    """The local optimizer: ``"sgd"`` (with momentum) or ``"adam"``, at learning rate ``lr`` (the
+    method's hyperparameter; its default is :class:`rafl.federation.algorithms.hparams.LocalTraining`'s).
 
     Raises:
         ValueError: unknown name (configs validate this earlier with a UserInputError).

@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import wait
 from typing import Any, ClassVar
 
@@ -326,12 +326,9 @@ class WorkerClients(ClientRunner):
 
     def __init__(self, fed, store: ClientStore, seed: int, workers: int):
         self.fed, self.store, self.seed, self.n = fed, store, seed, int(workers)
-        self.upload_limits = {}
         self._ctx = multiprocessing.get_context("fork")
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop, self._workers, True)
-        #: client id -> the largest upload accepted (set by the engine every round): checked in the worker
-        self.upload_limits: dict[int, int] = {}
 
     # ------------------------------------------------------------------ pool
     def _spawn(self) -> _Worker:
@@ -358,9 +355,12 @@ class WorkerClients(ClientRunner):
         """Where client ``cid`` computes, as errors append it ("" : this machine)."""
         return ""
 
-    def _run(self, kind: str, rnd: int, jobs: list[tuple[Any, Payload]]) -> tuple[dict[int, Any], dict[int, str]]:
+    def _run(self, kind: str, rnd: int, jobs: list[tuple[Any, Payload]], limits: Mapping[int, int] | None = None
+             ) -> tuple[dict[int, Any], dict[int, str]]:
         """Run ``jobs`` (``(client id or group, download)``) on the workers, each job on the next
-        free worker, the largest (most samples) first. Returns ``(results by job index, failures by job index)``."""
+        free worker, the largest (most samples) first; ``limits`` (train jobs): ``client id -> the
+        largest upload accepted``, checked in the worker. Returns ``(results by job index, failures
+        by job index)``."""
         keys: dict[int, int] = {}
         blobs: dict[int, bytes] = {}
         for _, down in jobs:
@@ -380,14 +380,14 @@ class WorkerClients(ClientRunner):
                 self._drop(w)
         try:
             with _interrupt_flag() as interrupted:
-                self._loop(kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted)
+                self._loop(kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted, limits)
         except BaseException:
             _stop(self._workers, kill=True)  # Ctrl-C, or a method's error: stop every worker now
             self._workers.clear()
             raise
         return results, failed
 
-    def _loop(self, kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted) -> None:
+    def _loop(self, kind, rnd, jobs, keys, blobs, todo, results, failed, interrupted, limits) -> None:
         """Dispatch ``todo`` (job indices, last first) and collect until every job is done.
 
         A method's error raised in a job does not stop the loop at once: the jobs before it in job
@@ -416,7 +416,7 @@ class WorkerClients(ClientRunner):
                         w.sent.add(key)
                     ids = who if isinstance(who, list) else [who]
                     committed = {c: self.store.committed[c] for c in ids if c in self.store.committed}
-                    w.conn.send((kind, rnd, who, committed, key, self.upload_limits.get(who) if kind == "train" else None))
+                    w.conn.send((kind, rnd, who, committed, key, limits.get(who) if limits is not None else None))
                     w.job = (i,)
             busy = [w for w in self._workers if w.job is not None]
             ready = wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], timeout=0.5)
@@ -461,9 +461,11 @@ class WorkerClients(ClientRunner):
         raise exc
 
     # ------------------------------------------------------------------ runner interface
-    def train(self, rnd: int, jobs: list[tuple[int, Payload]]) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
+    def train(self, rnd: int, jobs: list[tuple[int, Payload]], limits: Mapping[int, int]
+              ) -> tuple[list[tuple[int, Payload]], dict[int, str], float]:
         """``client_update`` of every ``(client_id, download)`` in ``jobs`` on the workers; the new
-        states are pending versions of round ``rnd`` in the store.
+        states are pending versions of round ``rnd`` in the store. A worker checks an upload's bytes
+        against its client's ``limits`` entry before it is parsed.
 
         Returns:
             ``(uploads, failed, seconds)``: ``(client_id, upload)`` in job order for the clients
@@ -471,11 +473,11 @@ class WorkerClients(ClientRunner):
             step raised a UserInputError), the clients whose worker died with the reason, and the wall seconds
             of the parallel section (client computation and state I/O)."""
         t0 = time.perf_counter()
-        results, failed = self._run("train", rnd, jobs)
+        results, failed = self._run("train", rnd, jobs, limits)
         uploads = []
         for i, (cid, _) in enumerate(jobs):
             if i in results:
-                uploads.append((cid, decode_upload(results[i][0], f"client {cid}", self.upload_limits.get(cid))))
+                uploads.append((cid, decode_upload(results[i][0], f"client {cid}", limits.get(cid))))
                 if not isinstance(results[i][0], ClientError):
                     self.store.pending[cid] = rnd
         return uploads, {jobs[i][0]: why for i, why in failed.items()}, time.perf_counter() - t0

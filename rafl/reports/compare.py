@@ -17,7 +17,16 @@ import numpy as np
 
 from rafl.errors import UserInputError
 from rafl.federation.algorithms import ALGORITHMS, DEPLOYED, Accuracy, reported_accuracies
-from rafl.federation.runners import GLOBAL_SUFFIX
+from rafl.federation.metric_keys import (
+    DEPLOYED_MODEL,
+    GLOBAL_TEST_SAMPLES,
+    MODEL,
+    NEW_CLIENTS,
+    NEW_CLIENTS_FT,
+    TEST_SAMPLES,
+    ModelKeys,
+    client_accuracies,
+)
 from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from rafl.reports.tables import binomial_se
 
@@ -25,7 +34,7 @@ from rafl.reports.tables import binomial_se
 LAST_EVALS = 3
 
 
-def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]], model: str = "model"
+def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]], model: str = DEPLOYED_MODEL
                   ) -> dict[str, dict[str, float]]:
     """Final-round test accuracy per device tier (the clients of one device profile).
 
@@ -45,7 +54,7 @@ def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]
         if "profile" not in row:
             return {}
         rec = clients.get(str(row["client"]), {})
-        acc, n = rec.get(f"{model}.acc"), int(rec.get("test_samples", 0) or 0)
+        acc, n = rec.get(ModelKeys(model).acc), int(rec.get(TEST_SAMPLES, 0) or 0)
         if acc is not None and n > 0:
             by.setdefault(str(row["profile"]), []).append((float(acc), n))
     out = {}
@@ -58,7 +67,7 @@ def tier_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]
 
 
 def tier_global_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[str, Any]],
-                         model: str = "model") -> dict[str, dict[str, float]]:
+                         model: str = DEPLOYED_MODEL) -> dict[str, dict[str, float]]:
     """Final-round accuracy on the held-out global test set per device tier and ``"all"``.
 
     Args:
@@ -76,10 +85,10 @@ def tier_global_accuracy(clients: dict[str, dict[str, Any]], table: list[dict[st
     n = 0
     for row in table:
         rec = clients.get(str(row["client"]), {})
-        acc = rec.get(f"{model}{GLOBAL_SUFFIX}.acc")
+        acc = rec.get(ModelKeys(model).on_global.acc)
         if acc is None:
             continue
-        n = int(rec.get("global_test_samples", 0) or 0)
+        n = int(rec.get(GLOBAL_TEST_SAMPLES, 0) or 0)
         for tier in {str(row.get("profile", "all")), "all"}:
             by.setdefault(tier, []).append(float(acc))
     out = {}
@@ -132,23 +141,22 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     subnets and budgets): ``subnets``. ``mb_up_per_client_round`` / ``mb_down_per_client_round``:
     payload MB per participating client per round (mean over rounds).
     """
-    evals = [r for r in history if "model.acc_mean_over_clients" in r]
+    evals = [r for r in history if MODEL.acc_mean_over_clients in r]
     last = evals[-1] if evals else {}
     row: dict[str, Any] = {"algorithm": name}
     if summary.get("bn_statistics"):  # the deployed models' BN statistics rule (train.bn_statistics)
         row["bn_statistics"] = summary["bn_statistics"]
     for base in reported_accuracies():  # every accuracy a method may report: the deployed model's first
-        for model in (base, f"{base}{GLOBAL_SUFFIX}"):
-            if f"{model}.acc_mean_over_clients" in last:
-                row[f"{model}.acc_mean"] = float(last[f"{model}.acc_mean_over_clients"])
-                row[f"{model}.acc_std"] = float(last.get(f"{model}.acc_std_over_clients", float("nan")))
+        for m in (ModelKeys(base), ModelKeys(base).on_global):
+            if m.acc_mean_over_clients in last:
+                row[m.acc_mean] = float(last[m.acc_mean_over_clients])
+                row[m.acc_std] = float(last.get(m.acc_std_over_clients, float("nan")))
                 # all clients' test samples together (HtFLlib's / PFLlib's "Averaged Test Accuracy")
-                row[f"{model}.acc_pooled"] = float(last.get(f"{model}.acc_sample_weighted", float("nan")))
+                row[m.acc_pooled] = float(last.get(m.acc_sample_weighted, float("nan")))
                 # the mean of the last LAST_EVALS evaluated rounds: one round's figure swings with the
                 # round's sampled clients (global models move by +-3 points between rounds)
-                tail = [r[f"{model}.acc_mean_over_clients"] for r in evals[-LAST_EVALS:]
-                        if f"{model}.acc_mean_over_clients" in r]
-                row[f"{model}.acc_mean_last{LAST_EVALS}"] = float(np.mean(tail))
+                tail = [r[m.acc_mean_over_clients] for r in evals[-LAST_EVALS:] if m.acc_mean_over_clients in r]
+                row[m.acc_mean_last(LAST_EVALS)] = float(np.mean(tail))
     up = sum(r["bytes_up"] for r in history)
     down = sum(r["bytes_down"] for r in history)
     row.update({"mb_up": up / 1e6, "mb_down": down / 1e6, "mb_total": (up + down) / 1e6,
@@ -161,10 +169,9 @@ def summarize_run(name: str, summary: dict[str, Any], history: list[dict], wall_
     part = sum(r.get("participated", 0) for r in history)
     row["mb_up_per_client_round"] = up / part / 1e6 if part else 0.0
     row["mb_down_per_client_round"] = down / part / 1e6 if part else 0.0
-    if last and "model.acc_pooled" in row and not math.isnan(row["model.acc_pooled"]):
-        n = sum(int(c.get("test_samples", 0) or 0) for c in summary.get("clients", {}).values())
-        p = row["model.acc_pooled"]
-        row["model.acc_pooled_se"] = binomial_se(p, n)
+    if last and MODEL.acc_pooled in row and not math.isnan(row[MODEL.acc_pooled]):
+        n = sum(int(c.get(TEST_SAMPLES, 0) or 0) for c in summary.get("clients", {}).values())
+        row[MODEL.acc_pooled_se] = binomial_se(row[MODEL.acc_pooled], n)
     tiers = tier_accuracy(summary.get("clients", {}), table or [])
     if tiers:
         row["tiers"] = tiers
@@ -185,12 +192,10 @@ def finetuned_clients(per_client: dict[int, dict[str, float]]) -> dict[str, dict
     ``clients`` (``{"0": {"model.acc", "test_samples", "model@global.acc", "global_test_samples"}}``)."""
     out: dict[str, dict[str, Any]] = {}
     for cid, r in sorted(per_client.items()):
-        rec: dict[str, Any] = {k[:-len(".correct")] + ".acc": (r[k] / r[k[:-len(".correct")] + ".total"]
-                                                             if r[k[:-len(".correct")] + ".total"] else None)
-                               for k in r if k.endswith(".correct")}
-        rec["test_samples"] = r.get("model.total", 0)
-        if "model@global.total" in r:
-            rec["global_test_samples"] = r["model@global.total"]
+        rec: dict[str, Any] = client_accuracies(r)
+        rec[TEST_SAMPLES] = r.get(MODEL.total, 0)
+        if MODEL.on_global.total in r:
+            rec[GLOBAL_TEST_SAMPLES] = r[MODEL.on_global.total]
         out[str(cid)] = rec
     return out
 
@@ -203,25 +208,24 @@ def summarize_finetuned(base_row: dict[str, Any], clients: dict[str, dict[str, A
     method's plus ``seconds`` of fine-tuning."""
     name = base_row["algorithm"]
     row: dict[str, Any] = {"algorithm": f"{name}-ft", "finetuned_from": name}
-    for model in ("model", f"model{GLOBAL_SUFFIX}"):
-        accs = [c[f"{model}.acc"] for c in clients.values() if c.get(f"{model}.acc") is not None]
+    for m, key in ((MODEL, TEST_SAMPLES), (MODEL.on_global, GLOBAL_TEST_SAMPLES)):
+        accs = [c[m.acc] for c in clients.values() if c.get(m.acc) is not None]
         if not accs:
             continue
-        row[f"{model}.acc_mean"] = float(np.mean(accs))
-        row[f"{model}.acc_std"] = float(np.std(accs))
-        key = "test_samples" if model == "model" else "global_test_samples"
-        n = [int(c.get(key, 0) or 0) for c in clients.values() if c.get(f"{model}.acc") is not None]
-        row[f"{model}.acc_pooled"] = float(np.dot(accs, n) / sum(n)) if sum(n) else float("nan")
-    if "new-ft.acc_mean" in base_row:  # the new-clients protocol's fine-tuned figure is this row's
-        row["new.acc_mean"] = base_row["new-ft.acc_mean"]
+        row[m.acc_mean] = float(np.mean(accs))
+        row[m.acc_std] = float(np.std(accs))
+        n = [int(c.get(key, 0) or 0) for c in clients.values() if c.get(m.acc) is not None]
+        row[m.acc_pooled] = float(np.dot(accs, n) / sum(n)) if sum(n) else float("nan")
+    if NEW_CLIENTS_FT.acc_mean in base_row:  # the new-clients protocol's fine-tuned figure is this row's
+        row[NEW_CLIENTS.acc_mean] = base_row[NEW_CLIENTS_FT.acc_mean]
     for key in ("mb_up", "mb_down", "mb_total", "bytes_up_last_round", "rounds", "mb_up_per_client_round",
                 "mb_down_per_client_round", "subnets", "new_clients", "bn_statistics"):
         if key in base_row:
             row[key] = base_row[key]
     row["wall_s"] = float(base_row.get("wall_s", 0.0)) + float(seconds)
-    if "model.acc_pooled" in row:
-        n = sum(int(c.get("test_samples", 0) or 0) for c in clients.values())
-        row["model.acc_pooled_se"] = binomial_se(row["model.acc_pooled"], n)
+    if MODEL.acc_pooled in row:
+        n = sum(int(c.get(TEST_SAMPLES, 0) or 0) for c in clients.values())
+        row[MODEL.acc_pooled_se] = binomial_se(row[MODEL.acc_pooled], n)
     tiers = tier_accuracy(clients, table or [])
     if tiers:
         row["tiers"] = tiers
@@ -255,11 +259,11 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-_COLS = [("algorithm", "method"), ("model.acc_mean", "acc mean"), ("model.acc_std", "acc std"),
-         ("model.acc_pooled", "pooled acc"), (f"model.acc_mean_last{LAST_EVALS}", f"acc mean, last {LAST_EVALS} evals"),
-         (f"model{GLOBAL_SUFFIX}.acc_mean", "global acc mean"),
-         (f"model{GLOBAL_SUFFIX}.acc_mean_last{LAST_EVALS}", f"global acc mean, last {LAST_EVALS} evals"),
-         ("new.acc_mean", "new clients acc"), ("new-ft.acc_mean", "new clients acc, fine-tuned")]
+_COLS = [("algorithm", "method"), (MODEL.acc_mean, "acc mean"), (MODEL.acc_std, "acc std"),
+         (MODEL.acc_pooled, "pooled acc"), (MODEL.acc_mean_last(LAST_EVALS), f"acc mean, last {LAST_EVALS} evals"),
+         (MODEL.on_global.acc_mean, "global acc mean"),
+         (MODEL.on_global.acc_mean_last(LAST_EVALS), f"global acc mean, last {LAST_EVALS} evals"),
+         (NEW_CLIENTS.acc_mean, "new clients acc"), (NEW_CLIENTS_FT.acc_mean, "new clients acc, fine-tuned")]
 _COLS_AFTER = [("bn_statistics", "BN statistics"), ("mb_up", "MB up"), ("mb_down", "MB down"), ("mb_total", "MB total"), ("wall_s", "wall s"),
          ("settings", "non-default settings")]
 
@@ -322,9 +326,9 @@ def tier_tables(rows: list[dict[str, Any]]) -> list[str]:
              "|" + "---|" * (len(profs) + 5)]
     for r in tiered:
         t = r["tiers"]
-        overall = r.get("tiers_overall") or {"acc_mean": r.get("model.acc_mean", float("nan")),
-                                             "acc_pooled": r.get("model.acc_pooled", float("nan")),
-                                             "se": r.get("model.acc_pooled_se", float("nan"))}
+        overall = r.get("tiers_overall") or {"acc_mean": r.get(MODEL.acc_mean, float("nan")),
+                                             "acc_pooled": r.get(MODEL.acc_pooled, float("nan")),
+                                             "se": r.get(MODEL.acc_pooled_se, float("nan"))}
         cells = [acc(t.get(p)) + (f" ({t[p]['test_samples']})" if p in t else "") for p in profs]
         lines.append(f"| {r['algorithm']} | " + " | ".join(cells) + f" | {acc(overall)} | "
                      f"{_fmt(r.get('mb_up_per_client_round'), 'mb_up')} | {_fmt(r.get('mb_down_per_client_round'), 'mb_down')} | "
@@ -373,7 +377,7 @@ def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), layout="constrained")
     top = max((r.get("cum_mb", 0.0) for h in histories.values() for r in h), default=0.0)
     for name, hist in histories.items():
-        pts = [(r.get("cum_mb", 0.0), r["model.acc_mean_over_clients"]) for r in hist if "model.acc_mean_over_clients" in r]
+        pts = [(r.get("cum_mb", 0.0), r[MODEL.acc_mean_over_clients]) for r in hist if MODEL.acc_mean_over_clients in r]
         if not pts:
             continue
         if max(x for x, _ in pts) == 0 and top > 0:
@@ -424,15 +428,15 @@ def failed_round_notes(rows: list[dict[str, Any]]) -> list[str]:
 
 def write_table(out: Path, rows: list[dict[str, Any]], models: str) -> None:
     """``compare.md`` (markdown table), ``compare.csv`` and ``compare.json``, atomically."""
-    extra = [col for a in extra_accuracies(rows)
-             for col in ((f"{a.prefix}.acc_mean", a.column), (f"{a.prefix}{GLOBAL_SUFFIX}.acc_mean", f"global {a.column}"))]
+    extra = [col for a in extra_accuracies(rows) for m in [ModelKeys(a.prefix)]
+             for col in ((m.acc_mean, a.column), (m.on_global.acc_mean, f"global {a.column}"))]
     every = [*_COLS, *extra, *_COLS_AFTER]
     cols = [c for c in every if any(r.get(c[0]) not in (None, "") for r in rows)]
-    measured = any("model.acc_mean" in r for r in rows)
+    measured = any(MODEL.acc_mean in r for r in rows)
     protocols = ("Two protocols: personalized = each client's deployed model on its own (label-skewed) test split "
                  "(acc); global = the same models on the held-out balanced global test set (global acc). "
-                 if any(f"model{GLOBAL_SUFFIX}.acc_mean" in r for r in rows) else "")
-    if any("new.acc_mean" in r for r in rows):
+                 if any(MODEL.on_global.acc_mean in r for r in rows) else "")
+    if any(NEW_CLIENTS.acc_mean in r for r in rows):
         protocols += ("New clients = clients held out of training (clients.held_out_fraction), each deployed its "
                       "tier's final model (a global-model method's slice; a per-client method's trained client of the "
                       "same tier with the final broadcast) and scored on its own test split, with no training and "
@@ -475,13 +479,13 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     x = np.arange(len(rows))
     # constrained layout: it makes room for the legend placed outside the axes (below the plot)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(max(9, 1.8 * len(rows) + 5), 3.6), layout="constrained")
-    mean = np.array([r.get("model.acc_mean", 0) for r in rows], dtype=float)
-    std = np.array([r.get("model.acc_std", 0) for r in rows], dtype=float)
+    mean = np.array([r.get(MODEL.acc_mean, 0) for r in rows], dtype=float)
+    std = np.array([r.get(MODEL.acc_std, 0) for r in rows], dtype=float)
     # error bars clipped to the [0, 1] an accuracy lives in
     ax1.bar(x, mean, yerr=np.stack([np.minimum(std, mean), np.minimum(std, 1 - mean)]), capsize=3, color="tab:blue")
     for acc, marker in zip(extra_accuracies(rows), "D^sv<>p*"):  # e.g. FedProto's nearest-prototype accuracy
-        points = [(xi, r[f"{acc.prefix}.acc_mean"]) for xi, r in zip(x, rows)
-                  if r.get(f"{acc.prefix}.acc_mean") is not None]
+        key = ModelKeys(acc.prefix).acc_mean
+        points = [(xi, r[key]) for xi, r in zip(x, rows) if r.get(key) is not None]
         if points:
             ax1.scatter(*zip(*points), marker=marker, color="black", zorder=3, s=18, label=acc.name)
     if ax1.get_legend_handles_labels()[0]:

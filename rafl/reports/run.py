@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rafl.federation.algorithms import reported_accuracies
+from rafl.federation.metric_keys import ModelKeys, evaluated_models
 from rafl.io import atomic_write_json, atomic_write_text
 from rafl.reports.plots import new_figure, save_figure
 
@@ -69,11 +70,10 @@ def plot_metrics(run_dir: Path, history: list[dict], title: str = "") -> None:
     plot's title says what it shows, after ``title`` (the method and run, e.g. ``"rafl, run-1"``)."""
     from matplotlib.ticker import MaxNLocator  # matplotlib: heavy, loaded only when a run plots
 
-    evals = [r for r in history if any(k.endswith(".acc_mean_over_clients") for k in r)]
+    evals = [r for r in history if evaluated_models(r)]
     if not evals:
         return
-    models = sorted({k.split(".acc_mean_over_clients")[0] for r in evals for k in r
-                     if k.endswith(".acc_mean_over_clients")})
+    models = evaluated_models(k for r in evals for k in r)
     names = {p: a.name for p, a in reported_accuracies().items()}  # "deployed model", "knowledge network", ...
     for xkey, fname, xlabel in (("round", "accuracy_vs_round.png", "round"),
                                 ("cum_mb", "accuracy_vs_mb.png", "cumulative communication (MB, up + down)")):
@@ -81,8 +81,9 @@ def plot_metrics(run_dir: Path, history: list[dict], title: str = "") -> None:
         what = "client test accuracy by round" if xkey == "round" else "client test accuracy vs communication"
         ax.set_title(f"{title}: {what}" if title else what, fontsize=9)
         for m in models:
-            pts = [(r[xkey], r[f"{m}.acc_mean_over_clients"], r[f"{m}.acc_std_over_clients"]) for r in evals
-                   if f"{m}.acc_mean_over_clients" in r]
+            keys = ModelKeys(m)
+            pts = [(r[xkey], r[keys.acc_mean_over_clients], r[keys.acc_std_over_clients]) for r in evals
+                   if keys.acc_mean_over_clients in r]
             x, y, s = (np.array(v, dtype=float) for v in zip(*pts))
             ax.plot(x, y, marker="o", ms=3, label=f"{names.get(m, m)} (mean over clients, band = std)")
             ax.fill_between(x, np.clip(y - s, 0, 1), np.clip(y + s, 0, 1), alpha=0.15)  # accuracy lives in [0, 1]

@@ -39,12 +39,13 @@ from rafl.config import (
 )
 from rafl.errors import UserInputError, shown, warn
 from rafl.federation.algorithms import ALGORITHMS, get_algorithm
-from rafl.federation.algorithms._common import LOCAL_DEFAULTS, with_group_lr
+from rafl.federation.algorithms.hparams import LocalTraining, with_group_lr
 from rafl.federation.bn_statistics import apply_policy
 from rafl.federation.build import build_group_federation
 from rafl.federation.checks import check_public_pool, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Federation
 from rafl.federation.finetune import finetune_evaluate
+from rafl.federation.metric_keys import MODEL, NEW_CLIENTS, NEW_CLIENTS_FT
 from rafl.federation.payload import Payload
 from rafl.federation.run_config import load_run_config, without_unused_pool
 from rafl.federation.store import load_state
@@ -65,9 +66,6 @@ from rafl.reports.compare import (
 )
 from rafl.stages.prepare import Prepared, engine_config, load_data_and_partition, prepare
 from rafl.stages.runs import export_federated_supernet, run_engine, score_new_clients
-
-DEFAULT_ALGORITHMS = ("rafl", "fedgh", "fedtgp", "fedproto", "lg-fedavg", "fd", "standalone")
-
 
 # ---------------------------------------------------------------------- config
 #: the client models of ``rafl compare`` when neither ``--models`` nor the config's ``clients.models`` is given
@@ -103,7 +101,7 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
 
     ``models``: the client models (``--models``), or None for the config's ``clients.models`` if
     it sets one, else :data:`DEFAULT_MODELS`; for a model group a method's ``lr`` that nobody set
-    is :data:`rafl.federation.algorithms._common.GROUP_LR`.
+    is :data:`rafl.federation.algorithms.hparams.GROUP_LR`.
 
     The ``algorithm`` section (file or ``--set algorithm.key=value``) holds keys shared by the
     methods (e.g. ``local_epochs``, ``lr``: applied to every method that has them) and optional
@@ -233,7 +231,7 @@ def method_settings(name: str, hp: dict[str, Any], all_hparams: dict[str, dict[s
     others = all_hparams or {name: hp}
 
     def shared(key: str) -> bool:
-        return key in LOCAL_DEFAULTS and len({repr(h[key]) for h in others.values() if key in h}) <= 1
+        return key in LocalTraining.keys() and len({repr(h[key]) for h in others.values() if key in h}) <= 1
 
     defaults = get_algorithm(name).defaults
     return ", ".join(f"{k}={v}" for k, v in sorted(hp.items())
@@ -392,7 +390,7 @@ def with_new_clients(row: dict[str, Any], prep: Prepared | None, run_dir: Path, 
     if held is None:
         return row
     row = {**row, "new_clients": len(held["held_out"])}
-    for key, column in (("model.acc_mean", "new.acc_mean"), ("model.acc_ft_mean", "new-ft.acc_mean")):
+    for key, column in ((MODEL.acc_mean, NEW_CLIENTS.acc_mean), (MODEL.acc_ft_mean, NEW_CLIENTS_FT.acc_mean)):
         if key in held:
             row[column] = held[key]
     return row
@@ -553,7 +551,7 @@ def run_tuning(cfg: RunConfig, hparams: dict[str, dict[str, Any]], trials: dict[
                            resume=resume, finetune=False, validation=True)
         for r in rows:
             hist = read_history(folder / r["algorithm"])
-            vals = [h["model.acc_sample_weighted"] for h in hist if "model.acc_sample_weighted" in h][-3:]
+            vals = [h[MODEL.acc_sample_weighted] for h in hist if MODEL.acc_sample_weighted in h][-3:]
             record["trials"][r["algorithm"]].append({"hparams": hp_i[r["algorithm"]],
                                                      "val_acc": float(sum(vals) / len(vals)) if vals else None})
     picked = dict(hparams)
@@ -704,6 +702,6 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
     return cfg, hps, models, feature_dim
 
 
-__all__ = ["default_models", "DEFAULT_ALGORITHMS", "DEFAULT_MODELS", "load_compare_config", "load_compare_resume",
+__all__ = ["default_models", "DEFAULT_MODELS", "load_compare_config", "load_compare_resume",
            "method_settings", "run_compare", "with_settings", "parse_grid", "run_tuning", "validation_loaders",
            "TUNE_RECORD"]

@@ -235,7 +235,7 @@ def prepare(cfg: RunConfig, progress: bool = True, data: tuple[Any, Any] | None 
     val = (ds.images[torch.as_tensor(val_idx)], ds.labels[torch.as_tensor(val_idx)])
     search_calib = ds.images[torch.as_tensor(search_calib_idx)]
     calib = ds.images[torch.as_tensor(calibration_sample(public, CALIBRATION_IMAGES))]  # class-mixed, whatever the data's order
-    one_for_all = getattr(algo_cls, "one_model_for_all", False) or cfg.clients.subnets == "weakest"
+    one_for_all = algo_cls.one_model_for_all or cfg.clients.subnets == "weakest"
     arch_of = subnets_for_profiles(cfg, supernet, profiles, val, search_calib, supernet_id, progress=progress,
                                    common=one_for_all, known=known)
     del search_calib, val

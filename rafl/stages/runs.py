@@ -15,6 +15,7 @@ from rafl.errors import UserInputError
 from rafl.federation.bn_statistics import effective
 from rafl.federation.checks import DEPLOYMENT, check_resumable_here, check_same_clients
 from rafl.federation.engine import CHECKPOINT, Engine, EngineConfig, Federation
+from rafl.federation.metric_keys import MODEL, is_client_accuracy
 from rafl.federation.new_clients import evaluate_new_clients, new_clients_summary
 from rafl.federation.payload import Payload
 from rafl.federation.store import ClientStore, load_state
@@ -87,9 +88,9 @@ def run_prepared(prep: Prepared, run_dir: str | Path, *, resume: bool = False, p
     rows = []
     for row in prep.clients_table:
         accs = summary["clients"].get(str(row["client"]), {})
-        rows.append({**row, **{k: v for k, v in accs.items() if k.endswith(".acc")}})
+        rows.append({**row, **{k: v for k, v in accs.items() if is_client_accuracy(k)}})
     summary["table"] = rows
-    acc_keys = sorted({k for r in rows for k in r if k.endswith(".acc")})  # model.acc, proto.acc, knowledge.acc, ...
+    acc_keys = sorted({k for r in rows for k in r if is_client_accuracy(k)})  # model.acc, proto.acc, knowledge.acc, ...
     summary["means"] = {k: float(np.mean([r[k] for r in rows if r.get(k) is not None]))
                         for k in ("macs_m", "params_m", *acc_keys)
                         if any(r.get(k) is not None for r in rows)}
@@ -138,11 +139,11 @@ def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, 
     ``supernet.path: RUN_DIR`` then use it. It keeps the original supernet's training config (its
     data and public pool) and metrics, plus ``metrics.federated`` (method, rounds, source supernet).
     Returns the JSON path, or None."""
-    export = getattr(prep.federation.algorithm, "federated_supernet", None)
-    if export is None or prep.supernet_meta is None:
+    algorithm = prep.federation.algorithm
+    if not algorithm.exports_supernet or prep.supernet_meta is None:
         return None
     ck = load_state(Path(run_dir) / CHECKPOINT)
-    net = export(ck["server_state"], prep.federation.server)
+    net = algorithm.federated_supernet(ck["server_state"], prep.federation.server)
     if net is None:
         return None
     meta = prep.supernet_meta
@@ -150,7 +151,7 @@ def export_federated_supernet(prep: Prepared, run_dir: Path, summary: dict[str, 
                                                         "rounds": int(ck["round"]),
                                                         "supernet": prep.extra.get("supernet"),
                                                         "acc_mean_over_clients": summary.get("final", {}).get(
-                                                            "model.acc_mean_over_clients")}}
+                                                            MODEL.acc_mean_over_clients)}}
     return save_supernet(run_dir, net, config=meta.get("config", {}), metrics=metrics)
 
 __all__ = ["BACKENDS", "NEW_CLIENTS", "export_federated_supernet", "run_engine", "run_prepared", "score_new_clients"]

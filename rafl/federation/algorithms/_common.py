@@ -11,32 +11,12 @@ from torch import nn
 from rafl.errors import UserInputError
 from rafl.federation.algorithms.base import ClientContext
 from rafl.federation.algorithms.hparams import LocalTraining
+from rafl.federation.metric_keys import ModelKeys
 from rafl.federation.training import make_optimizer
 
 #: Local-training hyperparameters every method accepts, with their defaults (:class:`LocalTraining`).
 LOCAL_DEFAULTS: dict[str, Any] = LocalTraining.defaults()
 
-#: The local learning rate of a model group (``clients.models`` other than ``nas``: the htfe
-#: groups, zoo names, plug-ins) when none is given. LOCAL_DEFAULTS' 0.05 suits NAS subnets, which
-#: are fine-tuned from the supernet and have BatchNorm; a group trains from scratch and may have no
-#: BatchNorm (cnn3-small, cnn4-small): on digits pathological 2/10 with 20 htfe-tiny clients,
-#: Standalone and FD diverged at 0.05 (momentum 0.9) on 3/3 seeds (FD) and 1/3 (Standalone) within
-#: 10 rounds, and none did at 0.01 -- HtFLlib's default and that of ``bench/htfl_bench.py``.
-GROUP_LR = 0.01
-
-
-def needs_public_pool(cls: Any, hparams: dict[str, Any]) -> bool:
-    """Whether a method distils on the server's unlabeled public pool (FedDF, RaFL with ``distill``)."""
-    return bool(cls.uses_public_pool or hparams.get("distill"))
-
-
-def with_group_lr(hparams: dict[str, Any], given: Any, models: str) -> dict[str, Any]:
-    """``hparams`` with ``lr`` = :data:`GROUP_LR` when the clients are a model group (``models`` not
-    ``nas``), the method has a local ``lr`` and the user gave none (``given``: the keys set in the
-    config or with ``--set``); otherwise unchanged."""
-    if str(models).strip().lower() == "nas" or "lr" not in hparams or "lr" in set(given):
-        return hparams
-    return {**hparams, "lr": GROUP_LR}
 
 
 def build(client: ClientContext, weights: Mapping[str, torch.Tensor] | None = None, arch: Any = None) -> nn.Module:
@@ -80,5 +60,6 @@ def divergence_keys(hp: Mapping[str, Any], defaults: Mapping[str, Any], weight: 
 
 
 def eval_counts(name: str, correct: int, total: int) -> dict[str, float]:
-    """The evaluation contract's keys for model ``name``."""
-    return {f"{name}.correct": float(correct), f"{name}.total": float(total)}
+    """The evaluation contract's counts of model ``name`` (an :class:`Accuracy`'s prefix)."""
+    m = ModelKeys(name)
+    return {m.correct: float(correct), m.total: float(total)}

@@ -36,6 +36,7 @@ from torch import nn
 from rafl.errors import UserInputError, allowed
 from rafl.federation.aggregation import AggregationRule, ClipBounds
 from rafl.federation.algorithms.hparams import Hyperparameters
+from rafl.federation.metric_keys import DEPLOYED_MODEL
 from rafl.federation.payload import Payload
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -76,7 +77,7 @@ class Accuracy:
 
 #: the accuracy of the model a client deploys (RaFL's specialized subnet, FedGH's extractor +
 #: global header, ...): every method reports it, and a run's headline numbers are its.
-DEPLOYED = Accuracy("model", "deployed model", "deployed model accuracy")
+DEPLOYED = Accuracy(DEPLOYED_MODEL, "deployed model", "deployed model accuracy")
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,13 @@ class Algorithm(ABC):
             and keeps no client state; the fine-tuned variant (``<name>-ft``,
             :func:`rafl.federation.finetune.finetune_evaluate`) is then one more local step from
             the final broadcast, its upload evaluated as a broadcast.
+        one_model_for_all: True when every client deploys the same model, the one the weakest
+            client can run (Uniform): the pipeline searches one subnet that meets every profile's
+            budgets (:mod:`rafl.stages.prepare`), a model group gives everyone its smallest member
+            (:func:`rafl.federation.build.build_group_federation`).
+        exports_supernet: True when the server's global model may be a supernet's weights (HeteroFL
+            and FedRolex over NAS subnets): :meth:`federated_supernet` returns it, and the run writes
+            it into its run dir (:func:`rafl.stages.runs.export_federated_supernet`).
     """
 
     name: ClassVar[str] = ""
@@ -240,6 +248,8 @@ class Algorithm(ABC):
     static_models: ClassVar[bool] = False
     accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
     global_model: ClassVar[bool] = False
+    one_model_for_all: ClassVar[bool] = False
+    exports_supernet: ClassVar[bool] = False
     bn_statistics: ClassVar[str] = "client"
     uploads_bn_statistics: ClassVar[bool] = True
     bn_policy: str | None = None
@@ -251,12 +261,19 @@ class Algorithm(ABC):
     def __init__(self, **hparams: Any) -> None:
         self.hparams = self.check_hparams(hparams)
 
+    @classmethod
+    def needs_public_pool(cls, hparams: dict[str, Any]) -> bool:
+        """Whether the method with ``hparams`` distils on the server's unlabeled public pool: the
+        class says so (:attr:`uses_public_pool`: FedDF) or its ``distill`` hyperparameter is on
+        (RaFL Eqs. 8-9)."""
+        return bool(cls.uses_public_pool or hparams.get("distill"))
+
     def reads_public_pool(self) -> bool:
-        """Whether a server step of this instance reads ``ServerContext.public_images``: the class
-        says so (:attr:`uses_public_pool`), its ``distill`` hyperparameter is on (RaFL Eqs. 8-9), or
-        the run re-estimates deployed BN statistics on the pool (:attr:`bn_policy` ``server``). A run
-        whose method does not keeps no public-pool images in memory (``public_images`` None)."""
-        return bool(self.uses_public_pool or self.hparams.get("distill") or self.bn_policy == "server")
+        """Whether a server step of this instance reads ``ServerContext.public_images``: it distils
+        on the pool (:meth:`needs_public_pool`), or the run re-estimates deployed BN statistics on the
+        pool (:attr:`bn_policy` ``server``). A run whose method does not keeps no public-pool images
+        in memory (``public_images`` None)."""
+        return self.needs_public_pool(self.hparams) or self.bn_policy == "server"
 
     @classmethod
     def check_hparams(cls, hparams: dict[str, Any]) -> dict[str, Any]:
@@ -358,6 +375,11 @@ class Algorithm(ABC):
         """Hook run before :meth:`evaluate` on clients (default: state unchanged). Methods whose
         evaluated model depends on the latest broadcast (e.g. a global header) apply it here."""
         return state
+
+    def federated_supernet(self, server_state: State, server: ServerContext) -> nn.Module | None:
+        """The server's global model in ``server_state`` as a supernet in eval mode, or None when it is
+        not one (default; a method that can give one sets :attr:`exports_supernet`)."""
+        return None
 
 
 # ---------------------------------------------------------------------- registry

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Hyperparameters, Int, LocalTraining, bounded
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
@@ -124,7 +124,7 @@ class Centralized(Algorithm):
     def evaluate(self, state, client: ClientContext):
         weights = state.get("model")
         model = build(client, weights) if weights else build(client)
-        return eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
+        return eval_counts(DEPLOYED.prefix, *evaluate_accuracy(model, client.test_loader, device=client.device))
 
 
 __all__ = ["Centralized"]

@@ -30,7 +30,7 @@ import torch
 
 from rafl.federation.aggregation import clip_scales, payload_weights, server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, LocalTraining, bounded
 from rafl.federation.bn_statistics import own_bn, with_own_bn
 from rafl.federation.payload import Payload
@@ -93,7 +93,7 @@ class FedAvg(Algorithm):
 
     def evaluate(self, state, client: ClientContext):
         model = build(client, state["model"])
-        return eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
+        return eval_counts(DEPLOYED.prefix, *evaluate_accuracy(model, client.test_loader, device=client.device))
 
 
 class FedProxHparams(LocalTraining):

@@ -20,7 +20,7 @@ import torch
 from rafl.errors import UserInputError
 from rafl.federation.aggregation import clipped_states, payload_weights, robust_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Float, Hyperparameters, Int, LocalTraining, bounded
 from rafl.federation.payload import Payload
 from rafl.federation.training import distill_kl, evaluate_accuracy, make_optimizer, predict_logits, train_ce
@@ -123,5 +123,5 @@ class FedDF(Algorithm):
         return {"model": broadcast.state_dict()}
 
     def evaluate(self, state, client: ClientContext):
-        return eval_counts("model", *evaluate_accuracy(build(client, state["model"]), client.test_loader,
+        return eval_counts(DEPLOYED.prefix, *evaluate_accuracy(build(client, state["model"]), client.test_loader,
                                                        device=client.device))

@@ -263,7 +263,7 @@ class FedGH(Algorithm):
         deployed = acc["local"] if hp["deploy_header"] == "local" else \
             acc["prior"] if hp["label_prior"] == "local" else acc["global"]
         return {**eval_counts("prior", *acc["prior"]), **eval_counts("local", *acc["local"]),
-                **eval_counts("model", *deployed)}
+                **eval_counts(DEPLOYED.prefix, *deployed)}
 
 
 def _count_tensor(counts: dict[int, int], n_classes: int) -> torch.Tensor:

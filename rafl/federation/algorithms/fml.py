@@ -71,7 +71,7 @@ class PrivateAndSharedModel(Algorithm):
         return {**state, "global": broadcast.state_dict(PREFIX)}
 
     def evaluate(self, state, client: ClientContext):
-        out = eval_counts("model", *evaluate_accuracy(build(client, state["local"]), client.test_loader,
+        out = eval_counts(DEPLOYED.prefix, *evaluate_accuracy(build(client, state["local"]), client.test_loader,
                                                       device=client.device))
         if state.get("global"):
             meme = shared_model(client.make_model, client.space, self.hparams["knowledge_arch"])

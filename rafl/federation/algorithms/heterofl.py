@@ -92,7 +92,7 @@ import torch
 
 from rafl.errors import UserInputError
 from rafl.federation.algorithms._common import cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ClientInfo, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Algorithm, ClientContext, ClientInfo, ServerContext, register
 from rafl.federation.algorithms.hparams import Bool, Hyperparameters, LocalTraining, choice
 from rafl.federation.bn_statistics import own_bn, with_own_bn
 from rafl.federation.payload import Payload
@@ -171,6 +171,7 @@ class HeteroFL(Algorithm):
     #: FedRolex's rolling window instead of HeteroFL's fixed prefix
     rolling: ClassVar[bool] = False
     global_model: ClassVar[bool] = True
+    exports_supernet: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ layout
     def layout(self, server: ServerContext) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -405,7 +406,7 @@ class HeteroFL(Algorithm):
         carried = any(is_bn_stat(k) for k in state["model"])  # a broadcast under server statistics carries them
         if self.hparams["static_bn"] and not (self._server_bn and carried):
             recalibrate_local_bn(model, client.train_loader, device=client.device)
-        return eval_counts("model", *evaluate_accuracy(model, client.test_loader, device=client.device))
+        return eval_counts(DEPLOYED.prefix, *evaluate_accuracy(model, client.test_loader, device=client.device))
 
     # ------------------------------------------------------------------ the federated supernet
     def federated_supernet(self, server_state, server: ServerContext):

@@ -32,6 +32,18 @@ MAX_DIM = 4096
 #: the local optimizers of ``algorithm.optimizer`` (:func:`rafl.federation.training.make_optimizer`)
 OPTIMIZERS = ("sgd", "adam")
 
+#: The local learning rate of NAS subnets (``clients.models: nas``), every method's default
+#: ``algorithm.lr``: a subnet is fine-tuned from the trained supernet's weights and has BatchNorm.
+SUBNET_LR = 0.05
+
+#: The local learning rate of a model group (``clients.models`` other than ``nas``: the htfe
+#: groups, zoo names, plug-ins) when none is given (:func:`with_group_lr`): a group trains from
+#: scratch and may have no BatchNorm (cnn3-small, cnn4-small). On digits pathological 2/10 with 20
+#: htfe-tiny clients, Standalone and FD diverged at :data:`SUBNET_LR` (momentum 0.9) on 3/3 seeds (FD)
+#: and 1/3 (Standalone) within 10 rounds, and none did at 0.01 -- HtFLlib's default and that of
+#: ``bench/htfl_bench.py``.
+GROUP_LR = 0.01
+
 #: a field's ``json_schema_extra`` flag: a violated lower bound names the whole range too
 _WHOLE_RANGE = "rafl_whole_range"
 
@@ -174,10 +186,19 @@ class LocalTraining(Hyperparameters):
     """Local-training hyperparameters every method accepts."""
 
     local_epochs: Int = bounded(2, ge=1)
-    lr: Float = bounded(0.05, gt=0)
+    lr: Float = bounded(SUBNET_LR, gt=0)
     momentum: Float = bounded(0.9, ge=0, lt=1, description="a number in [0, 1)")
     weight_decay: Float = bounded(5e-4, ge=0)
     optimizer: Optimizer = "sgd"
+
+
+def with_group_lr(hparams: dict[str, Any], given: Any, models: str) -> dict[str, Any]:
+    """``hparams`` with ``lr`` = :data:`GROUP_LR` when the clients are a model group (``models`` not
+    ``nas``), the method has a local ``lr`` and the user gave none (``given``: the keys set in the
+    config or with ``--set``); otherwise unchanged."""
+    if str(models).strip().lower() == "nas" or "lr" not in hparams or "lr" in set(given):
+        return hparams
+    return {**hparams, "lr": GROUP_LR}
 
 
 def fraction(default: float) -> Any:
@@ -190,5 +211,5 @@ def width(default: int) -> Any:
     return bounded(default, ge=0, le=MAX_DIM, description=f"an integer in 0..{MAX_DIM} (0 = a default width)")
 
 
-__all__ = ["Bool", "Float", "Hyperparameters", "Int", "LocalTraining", "MAX_DIM", "OPTIMIZERS", "Optimizer", "Text",
-           "bounded", "choice", "fraction", "width"]
+__all__ = ["Bool", "Float", "GROUP_LR", "Hyperparameters", "Int", "LocalTraining", "MAX_DIM", "OPTIMIZERS", "Optimizer",
+           "SUBNET_LR", "Text", "bounded", "choice", "fraction", "width", "with_group_lr"]

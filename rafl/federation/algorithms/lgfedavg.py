@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from rafl.federation.aggregation import server_average
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Hyperparameters, LocalTraining
 from rafl.federation.headers import common_header, head_state, load_head
 from rafl.federation.payload import Payload
@@ -66,5 +66,5 @@ class LGFedAvg(Algorithm):
         return {"model": cpu_state(model)}
 
     def evaluate(self, state, client: ClientContext):
-        return eval_counts("model", *evaluate_accuracy(build(client, state["model"]), client.test_loader,
+        return eval_counts(DEPLOYED.prefix, *evaluate_accuracy(build(client, state["model"]), client.test_loader,
                                                        device=client.device))

@@ -177,7 +177,7 @@ class RaFL(Algorithm):
         return {**state, "knowledge": broadcast.state_dict(PREFIX)}
 
     def evaluate(self, state, client: ClientContext):
-        out = eval_counts("model", *evaluate_accuracy(build(client, state["local"]), client.test_loader,
+        out = eval_counts(DEPLOYED.prefix, *evaluate_accuracy(build(client, state["local"]), client.test_loader,
                                                       device=client.device))
         if "knowledge" in state:
             know = self._build_knowledge(client, state["knowledge"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rafl.federation.algorithms._common import build, cpu_state, eval_counts, optimizer_for
-from rafl.federation.algorithms.base import Algorithm, ClientContext, ServerContext, register
+from rafl.federation.algorithms.base import DEPLOYED, Algorithm, ClientContext, ServerContext, register
 from rafl.federation.algorithms.hparams import Hyperparameters, LocalTraining
 from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
@@ -39,5 +39,5 @@ class Standalone(Algorithm):
         return server_state, Payload()
 
     def evaluate(self, state, client: ClientContext):
-        return eval_counts("model", *evaluate_accuracy(build(client, state["model"]), client.test_loader,
+        return eval_counts(DEPLOYED.prefix, *evaluate_accuracy(build(client, state["model"]), client.test_loader,
                                                        device=client.device))

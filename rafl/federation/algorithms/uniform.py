@@ -29,5 +29,4 @@ class Uniform(FedAvg):
     """FedAvg on the one model that fits every client's device (module docstring)."""
 
     name: ClassVar[str] = "uniform"
-    #: the pipeline gives every client the same model (the weakest device's)
     one_model_for_all: ClassVar[bool] = True

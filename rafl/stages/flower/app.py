@@ -26,6 +26,7 @@ from rafl.federation.checks import deployment_of
 from rafl.federation.engine import Federation
 from rafl.federation.flower_runner import FlowerClients, Stopped, discover_nodes, warm_nodes
 from rafl.federation.flower_wire import one_line, whole_number
+from rafl.federation.metric_keys import MODEL
 from rafl.federation.run_config import load_run_config
 from rafl.federation.store import ClientStore
 from rafl.folders import RunFolder, check_creatable
@@ -255,8 +256,8 @@ def _make_server_app() -> Any:
             raise  # Flower logs the traceback after it (a SystemExit here would lose the streamed line)
         final = summary["final"]
         print(f"rafl: {summary['rounds']} rounds; model accuracy: mean over clients "
-              f"{final.get('model.acc_mean_over_clients', float('nan')):.3f}, sample-weighted "
-              f"{final.get('model.acc_sample_weighted', float('nan')):.3f}; {summary['cum_mb']:.2f} MB; "
+              f"{final.get(MODEL.acc_mean_over_clients, float('nan')):.3f}, sample-weighted "
+              f"{final.get(MODEL.acc_sample_weighted, float('nan')):.3f}; {summary['cum_mb']:.2f} MB; "
               f"run dir {run_dir}", flush=True)
 
     return sapp
