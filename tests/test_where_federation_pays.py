@@ -36,11 +36,24 @@ def test_cells_and_budget():
     assert [wfp.cell_clients(20000, p) for p in (90, 450, 1500)] == [300, 60, 18]
 
     class A:
-        grid, rounds, participation, local_epochs = "0.01,0.03", 10, 0.1, 1
+        grid, rounds, participation, local_epochs, lr_from = "0.01,0.03", 10, 0.1, 1, None
 
     # one cell, one trained method: 3 runs x 10 rounds x 8 sampled of 80 trained clients x 450 images
     assert wfp.budget([5000], [450], ["pretrained", "standalone"], A()) == pytest.approx(
         3 * 10 * 8 * 450 * wfp.SECONDS_PER_IMAGE_STEP / 3600)
+    # --lr-from 450: the 90-image cell runs once (40 sampled of 400 trained clients x 90 images)
+    A.lr_from = 450
+    assert wfp.budget([5000], [450, 90], ["pretrained", "standalone"], A()) == pytest.approx(
+        (3 * 10 * 8 * 450 + 10 * 40 * 90) * wfp.SECONDS_PER_IMAGE_STEP / 3600)
+
+
+def test_a_pick_at_the_edge_of_the_grid_extends_it_by_one_half_decade_step():
+    assert wfp.wider([0.01, 0.03, 0.1], 0.01) == [0.01, 0.03, 0.1, 0.003]
+    assert wfp.wider([0.01, 0.03, 0.1], 0.1) == [0.01, 0.03, 0.1, 0.3]
+    assert wfp.wider([0.01, 0.03, 0.1, 0.003], 0.003) == [0.01, 0.03, 0.1, 0.003, 0.001]
+    assert wfp.wider([0.01, 0.03, 0.1], 0.03) is None  # inside
+    assert wfp.wider([0.05], 0.05) is None  # one value: no edge to leave; not on the ladder either
+    assert wfp.wider([0.0001, 0.001], 0.0001) is None  # the ladder's end
 
 
 def test_a_cells_settings_give_local_epochs_to_the_trained_methods_only():
