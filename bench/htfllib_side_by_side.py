@@ -60,7 +60,8 @@ machine's load; ``alternate``: one after the other, the order swapped each repea
 * ``cpu s``: the process's CPU time (user + system, one thread) over the same span, less
   sensitive than wall time to the other jobs of a shared machine.
 * ``process s``: the whole process, start to exit (imports, data loading, everything).
-* peak RSS: of each process tree, sampled every 0.05 s from ``/proc`` (``round_speed._memory``).
+* peak RSS: of each process tree, sampled every 0.2 s from ``/proc`` (``round_speed._memory``), or the
+  kernel's exact peak of the process (``ru_maxrss`` from ``wait4``; neither side starts a child) if larger.
 
 Accuracy: the final round's, per client then averaged (``mean``), and pooled over all clients'
 test images (``pooled``: HtFLlib's "Averaged Test Accuracy"; rafl's ``acc_sample_weighted``).
@@ -122,10 +123,14 @@ def run_rafl(args) -> dict:
     torch.set_num_threads(1)
     cfg = load_run_config(None, rafl_overrides(args, args.method))
     prep = federate.prepare(cfg, progress=False)
+    prof = _profiler(args)
     with tempfile.TemporaryDirectory() as d:
         c0, t0 = time.process_time(), time.perf_counter()
+        if prof:
+            prof.enable()
         summary = federate.run(prep, Path(d) / "run", progress=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        _dump(args, prof)
         hist = [json.loads(line) for line in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines()]
     final = summary["final"]
     acc = {m: {"mean": final[f"{m}.acc_mean_over_clients"], "pooled": final[f"{m}.acc_sample_weighted"]}
@@ -134,6 +139,33 @@ def run_rafl(args) -> dict:
             "client_update_s": sum(r["time_client_update_s"] for r in hist),
             "evaluate_s": sum(r["time_evaluate_s"] for r in hist), "acc": acc,
             "threads": torch.get_num_threads()}
+
+
+def _profiler(args):
+    """A cProfile.Profile when ``--profile DIR`` is given (the timed span only), else None."""
+    if not args.profile:
+        return None
+    import cProfile
+
+    return cProfile.Profile()
+
+
+def _dump(args, prof) -> None:
+    """Write ``prof``'s stats as ``DIR/<variant>-<method>.prof`` and a text summary beside it."""
+    if prof is None:
+        return
+    import io
+    import pstats
+
+    prof.disable()
+    stem = Path(args.profile) / f"{args.variant}-{args.method}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    prof.dump_stats(str(stem) + ".prof")
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(60)
+    Path(str(stem) + ".txt").write_text(buf.getvalue())
 
 
 def rafl_member(name: str, num_classes: int, feature_dim: int):
@@ -209,8 +241,11 @@ def run_htfllib(args) -> dict:
         evals[-1]["end"], evals[-1]["cpu_end"] = time.perf_counter(), time.process_time()
         if len(evals) == args.rounds + 1:  # the evaluation after the R-th training
             raise _Done
+        if len(evals) == 1 and prof:
+            prof.enable()
         return out
 
+    prof = _profiler(args)
     serverbase.Server.test_metrics = counted_test_metrics
     serverbase.Server.evaluate = counted_evaluate
     t_setup = time.perf_counter()
@@ -222,6 +257,7 @@ def run_htfllib(args) -> dict:
     except _Done:
         pass
     server.save_results()
+    _dump(args, prof)
     wall, cpu = time.perf_counter() - evals[0]["end"], time.process_time() - evals[0]["cpu_end"]
     last = evals[-1]["clients"]
     trained = [(n, c) for n, c in last if n >= 1]
@@ -261,6 +297,8 @@ def spawn(args, variant: str, method: str, log: Path, cwd: Path | None = None) -
            "--rounds", str(args.rounds), "--limit-per-class", str(args.limit_per_class),
            "--feature-dim", str(args.feature_dim)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if args.profile:
+        cmd += ["--profile", str(args.profile)]
     if variant == "htfllib":
         cmd += ["--htfllib", str(args.htfllib), "--cwd", str(cwd)]
         # HtFLlib's load_item calls torch.load without weights_only, written for torch < 2.6 (which
@@ -275,29 +313,35 @@ def spawn(args, variant: str, method: str, log: Path, cwd: Path | None = None) -
 
 
 def run_together(args, jobs: list[tuple[str, str, Path, Path | None]]) -> list[dict]:
-    """Start ``jobs`` (variant, method, log, cwd) at once; sample every tree's memory until all
-    exit; each one's result with its peak RSS / PSS, process seconds and load average at start."""
+    """Start ``jobs`` (variant, method, log, cwd) at once; sample every tree's memory from ``/proc``
+    (``round_speed._memory``) every 0.2 s until all exit; each one's result with its peak RSS / PSS
+    (the sampled peak, or the kernel's exact peak RSS of the process, ``ru_maxrss``, if larger),
+    process seconds and CPU seconds (``wait4``) and the load average at its start."""
     load = f"{os.getloadavg()[0]:.1f}"
     procs = [spawn(args, v, m, log, cwd) for v, m, log, cwd in jobs]
     peak = [[0, 0] for _ in procs]
-    ended: list[float | None] = [None] * len(procs)
+    ended: list[tuple[float, int, object] | None] = [None] * len(procs)
     while any(e is None for e in ended):
         for i, (p, _) in enumerate(procs):
             if ended[i] is None:
-                if p.poll() is not None:
-                    ended[i] = time.perf_counter() - p.t0  # type: ignore[attr-defined]
+                pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    ended[i] = (time.perf_counter() - p.t0, os.waitstatus_to_exitcode(status), usage)  # type: ignore[attr-defined]
+                    p.returncode = ended[i][1]
                     continue
                 rss, pss = rs._memory(p.pid)
                 peak[i] = [max(peak[i][0], rss), max(peak[i][1], pss)]
-        time.sleep(0.05)
+        time.sleep(0.2)
     res = []
-    for (p, out), (variant, method, log, _), pk, secs in zip(procs, jobs, peak, ended):
-        if p.returncode != 0:
+    for (p, out), (variant, method, log, _), pk, (secs, code, usage) in zip(procs, jobs, peak, ended):
+        if code != 0:
             tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
-            raise SystemExit(f"{variant} {method} failed with exit code {p.returncode}:\n{tail}")
+            raise SystemExit(f"{variant} {method} failed with exit code {code}:\n{tail}")
         r = json.loads(out.read_text())
         out.unlink()
-        r.update(peak_rss_mb=pk[0] / 2**20, peak_pss_mb=pk[1] / 2**20, process_s=secs, load=load)
+        r.update(peak_rss_mb=max(pk[0] / 2**20, usage.ru_maxrss / 1024), sampled_rss_mb=pk[0] / 2**20,
+                 maxrss_mb=usage.ru_maxrss / 1024, peak_pss_mb=pk[1] / 2**20, process_s=secs,
+                 process_cpu_s=usage.ru_utime + usage.ru_stime, load=load)
         print(f"  {variant} {method}: " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                                                       for k, v in r.items()}), flush=True)
         res.append(r)
@@ -341,23 +385,26 @@ def med(runs: list[dict], key: str) -> float:
 
 
 def report(args, res: dict) -> str:
-    niceness = os.nice(0)
+    niceness = res.get("niceness", 0)
     cmd = ((f"nice -n {niceness} " if niceness else "") + "python bench/htfllib_side_by_side.py --htfllib PATH "
            f"--limit-per-class {args.limit_per_class} --clients {args.clients} --rounds {args.rounds} "
            f"--repeats {args.repeats} --methods {','.join(args.methods)} --mode {args.mode}"
            + (f" --repeats-others {args.repeats_others}" if args.repeats_others is not None else ""))
+    methods = [m for m in args.methods if m in res["methods"]]
     sz = res["sizes"]
     lines = [
         "# rafl vs HtFLlib, side by side: the same partition, model and hyperparameters",
         "",
-        f"Command: `{cmd}`",
+        f"Command: `{cmd}`" + ("" if res.get("complete", True) else
+                               f" -- interrupted: the methods it finished ({', '.join(methods)})"),
         "",
         f"Versions: rafl {res['rafl_version']} at {res['rafl_commit']}; HtFLlib (TsingZ0/HtFLlib) at "
         f"{res['htfllib_commit']}, its `system/` imported unchanged; torch {res['torch']}, h5py {res['h5py']}, "
-        f"Python {sys.version.split()[0]}.",
+        f"Python {res.get('python', '3')}.",
         "",
-        f"Machine: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), load average (1, 5, 15 min) "
-        f"{res['load_start']} at the start and {res['load_end']} at the end (other jobs on the machine add to it).",
+        f"Machine: {res.get('cores', '?')} cores, load average (1, 5, 15 min) {res['load_start']} at the start and "
+        f"{res['load_end']} at the end (other jobs on the machine add to it; wall seconds depend on them, CPU "
+        "seconds much less).",
         "",
         f"Scenario (`bench/round_speed.py`'s cnn4 scenario and partition code): CIFAR-10, {args.limit_per_class} "
         f"images per class of each split pooled, {args.clients} clients with 2 classes each (pathological), "
@@ -374,14 +421,15 @@ def report(args, res: dict) -> str:
         "model building); **HtFLlib** from the end of its round-0 evaluation to the end of `save_results()` "
         "(R trainings, server steps and evaluations, with its per-round re-reading of every client's `.npz` "
         "files and its `torch.save`/`torch.load` of every model through files; not the server's construction, "
-        "its `setup`). `cpu` is the process's CPU time over the same span, `process` the whole process.",
+        "its `setup`). `CPU` is the process's CPU time over the same span, `process` the whole process "
+        "(start to exit: imports, data loading, everything).",
         "",
         "| method (HtFLlib) | wall s rafl / HtFLlib | **wall rafl / HtFLlib** | CPU s rafl / HtFLlib | "
         "**CPU rafl / HtFLlib** | process s rafl / HtFLlib | peak RSS MB rafl / HtFLlib | **RSS rafl / HtFLlib** | "
         "accuracy rafl / HtFLlib (mean; pooled) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in args.methods:
+    for m in methods:
         r, h = res["methods"][m]["rafl"], res["methods"][m]["htfllib"]
         key = RAFL_ACC[m.partition("@")[0]]
         ra, ha = r[-1]["acc"][key], h[-1]["acc"]
@@ -391,20 +439,20 @@ def report(args, res: dict) -> str:
         lines.append(
             f"| {m} ({HTFL_ALGO[m.partition('@')[0]]}) | {med(r, 'wall_s'):.1f} / {med(h, 'wall_s'):.1f} | "
             f"**{statistics.median(wr):.2f}x** | {med(r, 'cpu_s'):.1f} / {med(h, 'cpu_s'):.1f} | "
-            f"**{statistics.median(cr):.2f}x** | {med(r, 'process_s'):.1f} / {med(h, 'process_s'):.1f} | "
+            f"**{statistics.median(cr):.2f}x** | {med(r, 'process_s'):.0f} / {med(h, 'process_s'):.0f} | "
             f"{rss_r:.0f} / {rss_h:.0f} | **{rss_r / rss_h:.2f}x** | "
             f"{key} {ra['mean']:.3f} / {ha['mean']:.3f}; {ra['pooled']:.3f} / {ha['pooled']:.3f} |")
     lines += [
         "",
         "Ratios: the median of the per-pair ratios (repeat i of rafl against repeat i of HtFLlib). Peak RSS: the "
-        "largest over the repeats. Accuracy: the last repeat's final round (every repeat of a side gives the same "
-        "numbers but HtFLlib's client order, which numpy draws unseeded); FedProto / FedTGP: the nearest global "
-        "prototype (`proto`), FedGH / Local: the model's head (rafl's `model`).",
+        "largest over the repeats. Accuracy: the last repeat's final round (the repeats of a side gave the same "
+        "numbers); FedProto / FedTGP: the nearest global prototype (`proto`), FedGH / Local: the model's head "
+        "(rafl's `model`).",
         "",
         "Every run (wall s / CPU s / peak RSS MB / load average at its start), rafl; HtFLlib:",
         "",
     ]
-    for m in args.methods:
+    for m in methods:
         r, h = res["methods"][m]["rafl"], res["methods"][m]["htfllib"]
 
         def runs(xs):
@@ -417,7 +465,7 @@ def report(args, res: dict) -> str:
         "",
         "rafl's other accuracies (final round, mean over clients): " + "; ".join(
             f"{m} " + ", ".join(f"{k} {v['mean']:.3f}" for k, v in res["methods"][m]["rafl"][-1]["acc"].items())
-            for m in args.methods) + ".",
+            for m in methods) + ".",
         "",
     ]
     return "\n".join(lines)
@@ -440,6 +488,9 @@ def main() -> None:
     ap.add_argument("--mode", choices=["pairs", "alternate"], default="pairs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "htfllib_side_by_side")
+    ap.add_argument("--profile", type=Path, default=None, help="cProfile each process's timed span into DIR "
+                    "(<variant>-<method>.prof and .txt; its times are the profiler's, not for the tables)")
+    ap.add_argument("--render", type=Path, default=None, help="write --out's .md from this .json again, run nothing")
     ap.add_argument("--variant", choices=["rafl", "htfllib"], help=argparse.SUPPRESS)
     ap.add_argument("--method", default="fedproto", help=argparse.SUPPRESS)
     ap.add_argument("--cwd", type=Path, help=argparse.SUPPRESS)
@@ -449,6 +500,9 @@ def main() -> None:
     if args.variant:
         out = {"rafl": run_rafl, "htfllib": run_htfllib}[args.variant](args)
         args.json.write_text(json.dumps(out))
+        return
+    if args.render:
+        render(args.render, args.out)
         return
     why = check_htfllib(args)
     if why:
@@ -462,9 +516,10 @@ def main() -> None:
 
     import rafl
 
-    res: dict = {"load_start": rs.load_now(), "methods": {}, "rafl_version": rafl.__version__,
-                 "rafl_commit": git_rev(ROOT, "rafl", "bench"),
-                 "htfllib_commit": git_rev(args.htfllib, "system/main.py", "system/flcore", "system/utils"), "torch": torch.__version__}
+    res: dict = {"load_start": rs.load_now(), "methods": {}, "rafl_version": rafl.__version__, "niceness": os.nice(0),
+                 "python": sys.version.split()[0], "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0))} usable)",
+                 "rafl_commit": git_rev(ROOT, "rafl", "bench"), "torch": torch.__version__,
+                 "htfllib_commit": git_rev(args.htfllib, "system/main.py", "system/flcore", "system/utils")}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = tmp / "data.pt"
@@ -487,13 +542,30 @@ def main() -> None:
                 for (variant, *_), r in zip(jobs, done):
                     runs[variant].append(r)
             res["methods"][m] = runs
-    res["h5py"] = res["methods"][args.methods[0]]["htfllib"][0]["h5py"]
-    res["load_end"] = rs.load_now()
-    text = report(args, res)
-    args.out.with_suffix(".md").write_text(text + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **res},
-                                                        indent=1) + "\n")
-    print(text)
+            res["load_end"] = rs.load_now()
+            write(args, res, complete=i == len(args.methods) - 1)  # what is done so far survives an interruption
+    print(args.out.with_suffix(".md").read_text())
+
+
+#: the arguments the report reads (written into the .json; ``--render`` reads them back)
+REPORT_ARGS = ("limit_per_class", "clients", "rounds", "repeats", "repeats_others", "methods", "mode", "model",
+               "feature_dim", "seed")
+
+
+def write(args, res: dict, complete: bool) -> None:
+    """``--out``'s .json (the arguments, every run's figures) and .md (:func:`report`)."""
+    res["h5py"] = res["methods"][next(iter(res["methods"]))]["htfllib"][0]["h5py"]
+    res["complete"] = complete
+    saved = {"args": {k: getattr(args, k) for k in REPORT_ARGS}, **res}
+    args.out.with_suffix(".json").write_text(json.dumps(saved, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(report(args, res) + "\n")
+
+
+def render(path: Path, out: Path) -> None:
+    """``--render JSON``: the .md of a .json this bench wrote, again (after a change to the report)."""
+    saved = json.loads(path.read_text())
+    args = types.SimpleNamespace(**saved.pop("args"), out=out)
+    out.with_suffix(".md").write_text(report(args, saved) + "\n")
 
 
 if __name__ == "__main__":
