@@ -11,8 +11,8 @@ holding them, added to the HtFLlib process's ``PYTHONPATH`` only).
 Scenario: ``bench/round_speed.py``'s cnn4 scenario, its own data and partition code
 (:func:`round_speed.overrides`, :func:`round_speed.write_data`): a CIFAR-10 subset
 (``--limit-per-class`` images per class of each split, pooled), ``--clients`` clients with 2 classes
-each (pathological), rafl's default split per client (train / val / test 0.8 / 0.1 / 0.1; a public
-pool of 30 % that neither side reads), batch 10, 1 local epoch, every client every round, every
+each (pathological), rafl's default split per client (train / val / test 0.8 / 0.1 / 0.1; the val
+split is read by neither side; no public pool), batch 10, 1 local epoch, every client every round, every
 client evaluated every round, ``--rounds`` rounds. The same partition is written in HtFLlib's format
 (``dataset/<name>/train/<id>.npz`` and ``test/<id>.npz``: ``np.savez_compressed(f, data={"x":
 float32 N x 3 x 32 x 32, "y": int64})``, as its ``dataset/generate_*.py`` write them) with rafl's
@@ -142,12 +142,13 @@ def run_rafl(args) -> dict:
 
 
 def _profiler(args):
-    """A cProfile.Profile when ``--profile DIR`` is given (the timed span only), else None."""
+    """A cProfile.Profile when ``--profile DIR`` is given (the timed span only), else None. Its clock
+    is the process's CPU time: on a shared machine wall-clock profiles mostly measure waiting."""
     if not args.profile:
         return None
     import cProfile
 
-    return cProfile.Profile()
+    return cProfile.Profile(time.process_time)
 
 
 def _dump(args, prof) -> None:
@@ -402,7 +403,7 @@ def report(args, res: dict) -> str:
         f"{res['htfllib_commit']}, its `system/` imported unchanged; torch {res['torch']}, h5py {res['h5py']}, "
         f"Python {res.get('python', '3')}.",
         "",
-        f"Machine: {res.get('cores', '?')} cores, load average (1, 5, 15 min) {res['load_start']} at the start and "
+        f"Machine: {res.get('cores', '?')}, load average (1, 5, 15 min) {res['load_start']} at the start and "
         f"{res['load_end']} at the end (other jobs on the machine add to it; wall seconds depend on them, CPU "
         "seconds much less).",
         "",
@@ -517,7 +518,7 @@ def main() -> None:
     import rafl
 
     res: dict = {"load_start": rs.load_now(), "methods": {}, "rafl_version": rafl.__version__, "niceness": os.nice(0),
-                 "python": sys.version.split()[0], "cores": f"{os.cpu_count()} ({len(os.sched_getaffinity(0))} usable)",
+                 "python": sys.version.split()[0], "cores": f"{os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable)",
                  "rafl_commit": git_rev(ROOT, "rafl", "bench"), "torch": torch.__version__,
                  "htfllib_commit": git_rev(args.htfllib, "system/main.py", "system/flcore", "system/utils")}
     with tempfile.TemporaryDirectory() as tmp:
