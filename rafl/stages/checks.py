@@ -176,5 +176,5 @@ def precheck_run(config_path: str | Path | None, overrides: Sequence[str], *, da
     return cfg, source
 
 
-__all__ = ["CONFIG", "FEDERATE_RUN", "SEARCH_OUTPUT", "check_data", "check_nas_config", "check_supernet_data", "check_resume_dir",
-           "is_compare_folder", "precheck_run"]
+__all__ = ["CONFIG", "FEDERATE_RUN", "SEARCH_OUTPUT", "check_data", "check_nas_config", "check_supernet_data",
+           "check_resume_dir", "is_compare_folder", "precheck_run"]

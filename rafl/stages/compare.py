@@ -351,8 +351,8 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             # a new run takes over an attempt that never completed round 1
             run = comparison.method(name, METHOD_RUN, resume=continuing)
             try:
-                if not continuing:
-                    group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}  # as federate's
+                if not continuing:  # clients.json as federate's
+                    group = {} if members == ["nas"] else {"models": models, "feature_dim": feature_dim}
                     atomic_write_json(run_dir / "clients.json", {"clients": table, **group})
                     atomic_write_json(run_dir / STARTED_WITH, started)
                 t0 = time.perf_counter()

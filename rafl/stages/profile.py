@@ -282,9 +282,10 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
 
     Raises:
         UserInputError: neither ``arch_text`` nor ``model_path``, both with a safetensors model,
-            ``out`` refused (:data:`PROFILE_REPORT`: a file, or a folder holding other files), a ``supernet_dir`` or ``width_mult``/
-            ``n_classes`` that contradict the space the arch file records, an arch outside the
-            space, or what :func:`load_space`, :func:`load_arch` and :func:`load_model` refuse.
+            ``out`` refused (:data:`PROFILE_REPORT`: a file, or a folder holding other files), a
+            ``supernet_dir`` or ``width_mult``/``n_classes`` that contradict the space the arch
+            file records, an arch outside the space, or what :func:`load_space`, :func:`load_arch`
+            and :func:`load_model` refuse.
     """
     if arch_text is None and model_path is None:
         raise UserInputError("give --arch ARCH (file or string) or --model SUBNET", field="--arch/--model")
