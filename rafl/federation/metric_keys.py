@@ -47,6 +47,18 @@ _MEAN_OVER_CLIENTS = ".acc_mean_over_clients"
 _ACC = ".acc"
 
 
+class _Key:
+    """A record key of a :class:`ModelKeys`: its model's name followed by ``suffix`` (read-only)."""
+
+    def __init__(self, suffix: str, doc: str | None = None):
+        self.suffix, self.__doc__ = suffix, doc
+
+    def __get__(self, keys: ModelKeys | None, owner: type) -> str:
+        if keys is None:
+            return self  # type: ignore[return-value]  # the class attribute itself (help, docs)
+        return keys.model + self.suffix
+
+
 @dataclass(frozen=True)
 class ModelKeys:
     """The record keys of one model (module docstring), e.g. ``ModelKeys("proto").acc ==
@@ -60,76 +72,28 @@ class ModelKeys:
         return ModelKeys(self.model + GLOBAL_SUFFIX)
 
     # the evaluation contract
-    @property
-    def correct(self) -> str:
-        return self.model + _CORRECT
-
-    @property
-    def total(self) -> str:
-        return self.model + _TOTAL
-
+    correct = _Key(_CORRECT)
+    total = _Key(_TOTAL)
     # a round's record
-    @property
-    def acc_mean_over_clients(self) -> str:
-        """The unweighted mean of the clients' accuracies."""
-        return self.model + _MEAN_OVER_CLIENTS
-
-    @property
-    def acc_sample_weighted(self) -> str:
-        """Sum correct / sum total over the clients."""
-        return f"{self.model}.acc_sample_weighted"
-
-    @property
-    def acc_std_over_clients(self) -> str:
-        """The population std of the clients' accuracies."""
-        return f"{self.model}.acc_std_over_clients"
-
-    @property
-    def acc_untrained_sample_weighted(self) -> str:
-        """Sum correct / sum total over the clients that have not trained yet."""
-        return f"{self.model}.acc_untrained_sample_weighted"
-
-    @property
-    def acc_all_sample_weighted(self) -> str:
-        """Sum correct / sum total over every client's test samples."""
-        return f"{self.model}.acc_all_sample_weighted"
-
+    acc_mean_over_clients = _Key(_MEAN_OVER_CLIENTS, "The unweighted mean of the clients' accuracies.")
+    acc_sample_weighted = _Key(".acc_sample_weighted", "Sum correct / sum total over the clients.")
+    acc_std_over_clients = _Key(".acc_std_over_clients", "The population std of the clients' accuracies.")
+    acc_untrained_sample_weighted = _Key(".acc_untrained_sample_weighted",
+                                         "Sum correct / sum total over the clients that have not trained yet.")
+    acc_all_sample_weighted = _Key(".acc_all_sample_weighted", "Sum correct / sum total over every client's test samples.")
     # one client
-    @property
-    def acc(self) -> str:
-        return self.model + _ACC
-
-    @property
-    def acc_ft(self) -> str:
-        """After one local fine-tune (the new-clients protocol)."""
-        return f"{self.model}.acc_ft"
-
+    acc = _Key(_ACC)
+    acc_ft = _Key(".acc_ft", "After one local fine-tune (the new-clients protocol).")
     # a comparison's row, the held-out clients' means
-    @property
-    def acc_mean(self) -> str:
-        return f"{self.model}.acc_mean"
-
-    @property
-    def acc_std(self) -> str:
-        return f"{self.model}.acc_std"
-
-    @property
-    def acc_pooled(self) -> str:
-        """Correct / test samples of all clients together."""
-        return f"{self.model}.acc_pooled"
-
-    @property
-    def acc_pooled_se(self) -> str:
-        """The binomial standard error of :attr:`acc_pooled`."""
-        return f"{self.model}.acc_pooled_se"
+    acc_mean = _Key(".acc_mean")
+    acc_std = _Key(".acc_std")
+    acc_pooled = _Key(".acc_pooled", "Correct / test samples of all clients together.")
+    acc_pooled_se = _Key(".acc_pooled_se", "The binomial standard error of :attr:`acc_pooled`.")
+    acc_ft_mean = _Key(".acc_ft_mean")
 
     def acc_mean_last(self, n: int) -> str:
         """The mean of the last ``n`` evaluated rounds' :attr:`acc_mean_over_clients`."""
         return f"{self.model}.acc_mean_last{n}"
-
-    @property
-    def acc_ft_mean(self) -> str:
-        return f"{self.model}.acc_ft_mean"
 
 
 #: the deployed model's keys (``model.acc``, ``model.acc_mean_over_clients``, ...)
