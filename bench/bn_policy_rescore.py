@@ -30,7 +30,8 @@ from rafl.federation.bn_statistics import apply_policy
 from rafl.federation.engine import Engine
 from rafl.models import resolve_models
 from rafl.reports.stats import format_points, paired_interval
-from rafl.stages.compare import _method_builder, load_compare_resume
+from rafl.stages.compare import load_compare_resume
+from rafl.stages.compare.methods import _method_builder
 from rafl.stages.prepare import engine_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -662,7 +662,7 @@ def test_a_second_run_into_the_same_out_stops_at_the_claim(tmp_path, monkeypatch
                                              r"appeared a moment ago\)"):
         claim_file(tmp_path / "a" / "config.yaml")
     # the race itself: the other run claims the folder after this one found it empty
-    import rafl.stages.compare as cmp
+    import rafl.stages.compare.methods as cmp
 
     out = tmp_path / "cmp"
     real = cmp.participation
