@@ -17,6 +17,12 @@ deterministic. State: client ``{}``; server ``{"models": {model_key: state_dict}
 None}``. Broadcast: model ``i`` of ``meta["keys"]`` (JSON list) as ``<i>.<key>``; a client downloads
 only its own tier's. Upload: ``images`` (n, C, H, W) float32 and ``labels`` (n,) int64 of the client's
 training split, meta ``n_samples``.
+
+Where each step lives: the upload of a client's training data :meth:`Centralized.client_update`; the
+server's training of each tier's model on the round's pooled data
+:meth:`Centralized.server_aggregate` (:func:`rafl.federation.training.train_ce`); the tier's model a
+client downloads :meth:`Centralized.client_broadcast`; evaluation
+:meth:`Centralized.prepare_evaluation` and :meth:`Centralized.evaluate`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ MSE to the target logits (the paper distils with a cross-entropy on them), and e
 one per-class average, its own logits included (the paper's Algorithm 1 gives device ``i`` the
 average of the *other* devices' logits, ``(sum_j z_j^c - z_i^c) / (M - 1)``; the two targets differ
 by the client's own share, ``1/M`` of the average).
+
+Where each step lives: local training with the distillation term and the mean logits
+:meth:`PrototypeFamily.client_update` (the term :meth:`FD.regularizer`); the upload's check
+:meth:`FD.check_upload`; the per-class average :meth:`FD.server_aggregate`
+(:meth:`PrototypeFamily.merge`); evaluation of the client's head :meth:`PrototypeFamily.evaluate`.
 """
 
 from __future__ import annotations

@@ -20,6 +20,13 @@ Client state is ``{}`` (the model is the global one); evaluation uses the latest
 ``train.bn_statistics: local`` (FedBN, Li et al., ICLR 2021, Alg. 1) the client state is ``{"bn": its
 BatchNorm layers}`` after its first training, put into every download it trains or is scored on
 (:func:`rafl.federation.bn_statistics.with_own_bn`).
+
+Where each step lives: local training :meth:`FedAvg.client_update` (:meth:`FedAvg._local_train`;
+FedProx's proximal term :meth:`FedProx._local_train`; FedNova's normalized update
+:meth:`FedNova.client_update`); the weighted average :meth:`FedAvg.server_aggregate`
+(:func:`rafl.federation.aggregation.server_average`; FedNova's step
+:meth:`FedNova.server_aggregate`); FedBN's own BN layers :meth:`FedAvg._start` and
+:meth:`FedAvg._kept`; evaluation :meth:`FedAvg.prepare_evaluation` and :meth:`FedAvg.evaluate`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ group's average on the unlabeled public pool: teacher = mean of the received mod
 (Eq. 2's ``(1/|S|) sum f(x; w_l)``), loss = ``KL(softmax(teacher/T) || softmax(student/T))``.
 Each client downloads only its group's model (tensor names ``"<group>/<key>"``, ``<group>`` a
 stable hash of the architecture). Evaluation uses the client's group model.
+
+Where each step lives: a client's group model :meth:`FedDF.client_broadcast`; local training
+:meth:`FedDF.client_update`; the group averages and the ensemble distillation
+:meth:`FedDF.server_aggregate` (:func:`rafl.federation.training.distill_kl`); evaluation
+:meth:`FedDF.prepare_evaluation` and :meth:`FedDF.evaluate`.
 """
 
 from __future__ import annotations

@@ -45,6 +45,14 @@ On CIFAR-10 Dirichlet 0.1 it turns FedGH's -3.26 points vs Standalone into +1.16
 Wire format: upload tensors ``lar.values (S, r) float32`` and ``lar.labels (S,) int32`` (no
 metadata); broadcast ``head.<key>`` tensors. The safetensors header (names, dtypes, shapes) is
 the only overhead over the formula; ``bench/htfl_bench.py`` prints both.
+
+Where each step lives: local training (step 1) and the LARs (step 2) :meth:`FedGH.client_update`
+(:func:`rafl.federation.training.train_ce`,
+:func:`rafl.federation.prototypes.local_class_averages`); the upload's check
+:meth:`FedGH.check_upload`; global header training (step 3) :meth:`FedGH.server_aggregate`
+(:func:`train_global_header`); the broadcast header replacing the client's (step 4) at the start of
+:meth:`FedGH.client_update` and before evaluation :meth:`FedGH.prepare_evaluation`; evaluation
+:meth:`FedGH.evaluate`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,12 @@ Reported: ``model`` (the mentor) and ``global`` (the mentee).
 As in HtFLlib's FedKD client (not in the paper), each model's gradient is clipped to norm
 ``max_grad_norm`` (10; 0 = off): the adaptive scale ``1 / (CE_t + CE_s)`` grows without bound as
 both models fit their data, and with it the distillation gradients.
+
+Where each step lives: adaptive mutual distillation (Eqs. 1-4) and the compressed upload
+:meth:`FedKD.client_update` (:func:`compress_update`, the energy threshold :meth:`FedKD._energy`);
+the upload's check :meth:`FedKD.check_upload`; the rebuilt updates averaged and added to the mentee
+:meth:`FedKD.server_aggregate` (:func:`decompress_update`); evaluation
+:meth:`PrivateAndSharedModel.prepare_evaluation` and :meth:`PrivateAndSharedModel.evaluate`.
 """
 
 from __future__ import annotations

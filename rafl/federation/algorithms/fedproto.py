@@ -20,6 +20,12 @@ Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients
   ``model`` is the deployed model that the run's headline numbers use (best round, CO to target,
   ``rafl compare``'s acc mean); the paper and HtFLlib's ``test_metrics`` report ``proto``, which
   is in every evaluated round's metrics and in compare's table beside it.
+
+Where each step lives: local training with the prototype term (Eq. 5) and the local prototypes
+(Eq. 4) :meth:`PrototypeFamily.client_update` (the term :meth:`FedProto.regularizer`); the upload's
+check :meth:`FedProto.check_upload`; the per-class aggregation (Eq. 6)
+:meth:`FedProto.server_aggregate` (:meth:`PrototypeFamily.merge`); evaluation of the head and the
+nearest prototype :meth:`PrototypeFamily.prepare_evaluation` and :meth:`PrototypeFamily.evaluate`.
 """
 
 from __future__ import annotations

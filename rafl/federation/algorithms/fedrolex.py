@@ -18,6 +18,11 @@ holders of each element, ``weighting``, ``static_bn``, ``scaler``, payloads and 
   The window no longer starts at OFA's most important channels after round 1.
 
 Evaluation uses the client's window of the next round (the slice it would download now).
+
+Where each step lives: the window, the one change,
+:func:`rafl.federation.algorithms.heterofl.index_map` with :attr:`FedRolex.rolling`
+(:func:`rafl.federation.weight_sharing.rolled`; NAS subnets: the shifts of
+:func:`rafl.federation.weight_sharing.nas_index_map`); every other step is :class:`HeteroFL`'s.
 """
 
 from __future__ import annotations

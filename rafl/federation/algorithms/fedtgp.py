@@ -24,6 +24,13 @@ Server: one learnable vector per class ``e_c`` passed through a shared two-layer
 3. broadcast ``hat P^c`` of every class uploaded so far.
 
 Reported per client: ``model`` (the client's head) and ``proto`` (nearest global prototype).
+
+Where each step lives: local training with the prototype term and the local prototypes
+:meth:`PrototypeFamily.client_update` (the term :meth:`FedTGP.regularizer`); the upload's check
+:meth:`FedTGP.check_upload`; the adaptive margin and the server's training of the trainable
+prototypes (steps 1-2) :meth:`FedTGP.server_aggregate` (:class:`TrainablePrototypes`,
+:func:`margin_contrastive_loss`), their broadcast (step 3) :meth:`FedTGP._broadcast`; evaluation
+:meth:`PrototypeFamily.prepare_evaluation` and :meth:`PrototypeFamily.evaluate`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ model group's ``"knowledge"`` model). Locally they learn from each other (Eqs. 1
 (:func:`rafl.federation.training.train_mutual`); only the meme model is uploaded and the server
 averages it weighted by ``n_k / sum n`` (FedAvg). Reported: ``model`` (private) and ``global`` (meme).
 Tensor names: ``global.<state_dict key>``.
+
+Where each step lives: mutual learning (Eqs. 1-2) and the meme model's upload
+:meth:`FML.client_update` (:func:`rafl.federation.training.train_mutual`); the average
+:meth:`FML.server_aggregate`; the shared model :func:`shared_model`, its first broadcast
+:meth:`PrivateAndSharedModel.init_server`; evaluation
+:meth:`PrivateAndSharedModel.prepare_evaluation` and :meth:`PrivateAndSharedModel.evaluate` (FedKD
+shares them).
 """
 
 from __future__ import annotations

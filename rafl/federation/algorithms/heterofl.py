@@ -80,6 +80,14 @@ client's trained ``state_dict`` (without BN statistics under ``static_bn``), met
 ``sbn_statistics: server`` the server state also holds ``"sbn"`` (model key -> BN statistics) and the
 broadcast carries them as ``sbn.<i>.<key>`` for model ``i`` of ``meta["sbn"]`` (JSON list); each
 client downloads only its own model's.
+
+Where each step lives: the global model's layout and first weights :meth:`HeteroFL.layout`; a
+client's slice of the broadcast :meth:`HeteroFL.client_broadcast` (:func:`index_map`); local
+training :meth:`HeteroFL.client_update`; the average over each element's holders (Eq. 3)
+:meth:`HeteroFL.server_aggregate` (:func:`rafl.federation.weight_sharing.masked_average`), static
+BN's server statistics :meth:`HeteroFL.server_bn_statistics`; evaluation
+:meth:`HeteroFL.prepare_evaluation` and :meth:`HeteroFL.evaluate`; the final global model as a
+supernet :meth:`HeteroFL.federated_supernet`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ trains its whole model with cross-entropy, and uploads its header with ``n_sampl
 server averages the headers weighted by ``n_k / sum n`` (FedAvg, McMahan et al. 2017, Alg. 1).
 
 Upload/broadcast tensors: ``head.<key>``.
+
+Where each step lives: the global header loaded and the whole model trained
+:meth:`LGFedAvg.client_update`; the header average :meth:`LGFedAvg.server_aggregate`; the global
+header loaded before evaluation :meth:`LGFedAvg.prepare_evaluation`; evaluation
+:meth:`LGFedAvg.evaluate`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ FedProto, AAAI 2022, Table 2). For model groups (no supernet) the deployed model
 initialized one, i.e. chance. Nothing is communicated: uploads and broadcasts are empty payloads
 (0 bytes); rounds only sample clients, so its curve is flat: the engine evaluates it once, after the
 last round (``static_models``).
+
+Where each step lives: the deployed subnet, cut from the supernet and BN-recalibrated on the pool,
+:meth:`rafl.supernet.bank.ModelBank.make` (the client's state :meth:`Standalone.init_client`); the
+client step that keeps it :meth:`Pretrained.client_update`; evaluation :meth:`Standalone.evaluate`,
+once, after the last round (``static_models``).
 """
 
 from __future__ import annotations

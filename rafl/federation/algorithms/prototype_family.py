@@ -24,6 +24,14 @@ Where the per-class means come from (``class_means``, :class:`ClassMeansHparams`
   mode: BN normalizes with each batch's statistics; the weights move between batches): what the
   official FedProto code and HtFLlib's FedProto and FD clients upload, and one pass over the data
   fewer. With BN frozen and the weights unchanged (learning rate 0) the two are the same numbers.
+
+Where each step lives: local training and the upload :meth:`PrototypeFamily.client_update`
+(:func:`rafl.federation.training.train_regularized`; the per-class means
+:func:`rafl.federation.prototypes.local_class_averages`, or with ``last_epoch``
+:class:`rafl.federation.prototypes.RunningClassMeans`); the per-class merge of FedProto and FD
+:meth:`PrototypeFamily.merge`; the global vectors kept for evaluation
+:meth:`PrototypeFamily.prepare_evaluation`; evaluation :meth:`PrototypeFamily.evaluate`; each
+method's regularizer, server step and upload check in its own module.
 """
 
 from __future__ import annotations

@@ -27,6 +27,13 @@ Reported per client: ``model`` = the specialized subnet (what the device deploys
 
 State: client ``{"local": state_dict of theta_l}``; server ``{"knowledge": state_dict}``.
 Payload tensor names: ``"knowledge.<state_dict key>"``; upload meta ``n_samples``.
+
+Where each step lives: the knowledge network :meth:`RaFL._knowledge`
+(:func:`resolve_knowledge_arch`, :func:`rafl.supernet.model.narrow_width`); deep mutual learning
+(Eqs. 3-6) and the upload :meth:`RaFL.client_update`
+(:func:`rafl.federation.training.train_mutual`); the average (Eq. 7) :meth:`RaFL.server_aggregate`,
+the optional distillation (Eqs. 8-9) :meth:`RaFL._distill`; evaluation
+:meth:`RaFL.prepare_evaluation` and :meth:`RaFL.evaluate`.
 """
 
 from __future__ import annotations

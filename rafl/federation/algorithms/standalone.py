@@ -3,6 +3,9 @@
 The lower baseline of RaFL's evaluation (Yu et al., Sec. V, "local training only"): each client
 keeps its specialized subnet and trains it with cross-entropy. Uploads and broadcasts are empty
 payloads (0 bytes).
+
+Where each step lives: local training :meth:`Standalone.client_update`; the server step, which
+passes nothing on, :meth:`Standalone.server_aggregate`; evaluation :meth:`Standalone.evaluate`.
 """
 
 from __future__ import annotations

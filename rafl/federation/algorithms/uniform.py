@@ -14,6 +14,12 @@ parameters; HeteroFL's narrowest rate for ``heterofl-cnn4``). Training and aggre
 
 Bad input: no subnet meets every profile's budgets (e.g. a profile no subnet fits) -- one error
 naming the profiles and the budgets violated, before round 1.
+
+Where each step lives: the one subnet :func:`rafl.search.federation_search.uniform_arch` (called by
+:func:`rafl.stages.prepare.prepare`), a model group's smallest member
+:func:`rafl.federation.build.build_group_federation`; local training, aggregation and evaluation
+:class:`FedAvg`'s (:meth:`FedAvg.client_update`, :meth:`FedAvg.server_aggregate`,
+:meth:`FedAvg.evaluate`).
 """
 
 from __future__ import annotations
