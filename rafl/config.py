@@ -249,7 +249,7 @@ class TrainSection(_Strict):
     def _device(cls, v: str) -> str:
         """A device torch can parse and this machine has (a CUDA device on a machine without one
         would otherwise fail mid-run with torch's "Found no NVIDIA driver")."""
-        import torch
+        import torch  # noqa: PLC0415 - a check module: torch only for a device other than cpu
 
         try:
             dev = torch.device(v)

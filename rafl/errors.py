@@ -7,6 +7,8 @@ Every check of user input (a file, a CLI option, a config field, a checkpoint, a
 
 from __future__ import annotations
 
+import reprlib
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -66,8 +68,6 @@ def warn(message: str) -> None:
     wants (e.g. clients without test data). Never for errors (those raise UserInputError). Each
     message is printed once per command (``compare`` prepares the data once per method);
     :func:`reset_warnings` starts a new command."""
-    import sys
-
     if message in _WARNED:
         return
     _WARNED.add(message)
@@ -82,8 +82,6 @@ def reset_warnings() -> None:
 def brief(value: object, limit: int = 120) -> str:
     """A bounded ``repr(value)`` for an error message (:mod:`reprlib`: long strings, lists and
     mappings are cut with ``...``; a value of a hostile file is never printed whole)."""
-    import reprlib
-
     r = reprlib.Repr()
     r.maxstring, r.maxother, r.maxlevel = 60, 60, 3
     r.maxlist = r.maxtuple = r.maxdict = r.maxset = 8

@@ -8,6 +8,7 @@ file under the final name.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -360,8 +361,6 @@ def lock_dir(path: str | Path, field: str = "--out") -> int:
 
     Raises:
         UserInputError: another live process holds the lock, naming ``field``."""
-    import fcntl
-
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -293,7 +293,8 @@ def load_digits(resolution: int = 32, limit_per_class: int | None = None) -> Dat
         :class:`Dataset` with 1,797 samples (fewer with ``limit_per_class``), 10 classes "0".."9",
         every ``origin == "train"``; mean/std computed on the resized images (the same for all 3 channels).
     """
-    from sklearn.datasets import load_digits as _sk_digits
+    # scikit-learn (and scipy under it): heavy, loaded only for the digits dataset
+    from sklearn.datasets import load_digits as _sk_digits  # noqa: PLC0415
 
     bunch = _sk_digits()
     labels = bunch.target.astype(np.int64)

@@ -70,6 +70,7 @@ against the dataset when the file is loaded with ``n_samples``.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Sequence
@@ -612,8 +613,6 @@ def _balanced_dirichlet(pool: np.ndarray, labels: np.ndarray, n_clients: int, al
         one sorted int64 index array per client, of ``floor(N/n)`` or ``ceil(N/n)`` samples, pairwise
         disjoint and together exactly ``pool``; ``{"pool_draws": int}``.
     """
-    import bisect
-
     n = len(pool)
     pool_labels = labels[pool]
     per_class = [rng.permutation(pool[pool_labels == c]) for c in range(n_classes)]

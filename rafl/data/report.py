@@ -6,6 +6,8 @@ import io
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from rafl.data.partition import Partition
 from rafl.io import atomic_write_bytes
@@ -30,9 +32,6 @@ def _classes_text(held: list[int], classes: list[str], width: int = 40) -> str:
 def print_partition_table(part: Partition, labels: np.ndarray, classes: list[str], max_rows: int = 100,
                           console=None) -> list[dict]:
     """Print the per-client table (samples per split, classes held) with rich; returns the rows."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     rows = client_rows(part, labels, len(classes))
     meta = part.meta
@@ -67,10 +66,12 @@ def plot_class_heatmap(counts: np.ndarray, classes: list[str], path: str | Path,
         classes: class names (column labels when there are at most 30).
         path: the PNG file.
     """
-    import matplotlib
+    # matplotlib: heavy, and its backend is chosen (Agg: no display) before pyplot loads, not as a side
+    # effect of importing this module
+    import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     n_clients, n_classes = counts.shape
     fig_w = min(16, 3 + 0.35 * n_classes)

@@ -9,6 +9,7 @@ Every check raises :class:`~rafl.errors.UserInputError` naming the field or file
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,6 @@ def check_checkpoint_readable(run_dir: str | Path, field: str = "--resume") -> N
         damage = f"cannot be read ({err.strerror})"
     if damage is None:
         return
-    import shlex
 
     done = completed_rounds(run_dir)
     again = (f"rafl federate --config {shlex.quote(str(run_dir / 'config.yaml'))} --out "

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
 from rafl.errors import UserInputError
 from rafl.federation.payload import Payload
 
@@ -33,7 +35,7 @@ QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
 
 def _flwr():
     try:
-        from flwr import app
+        from flwr import app  # noqa: PLC0415 - flwr is optional (rafl[flower]): without it, this error
     except ImportError:  # pragma: no cover - depends on the environment
         raise UserInputError("the Flower backend needs flwr: pip install 'rafl[flower]'",
                              field="engine.backend") from None
@@ -55,8 +57,6 @@ def payload_to_records(payload: Payload, slot: str = "") -> dict[str, Any]:
 
 def _blob_records(blob: bytes, slot: str) -> dict[str, Any]:
     """:func:`payload_to_records` of an already serialized payload."""
-    import numpy as np
-
     app = _flwr()
     return {PAYLOAD + slot: app.ArrayRecord({BLOB: app.Array(np.frombuffer(blob, dtype=np.uint8))})}
 

@@ -29,11 +29,16 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import functools
+import json
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
+from ofa.imagenet_classification.elastic_nn.modules.dynamic_layers import adjust_bn_according_to_idx
+from ofa.imagenet_classification.elastic_nn.modules.dynamic_op import DynamicSeparableConv2d, sub_filter_start_end
 from torch import nn
 
 from rafl.errors import UserInputError
@@ -211,10 +216,6 @@ def prefix_index_map(local: Mapping[str, torch.Tensor], global_state: Mapping[st
 @contextlib.contextmanager
 def _no_kernel_transform():
     """ofa's elastic kernel as a plain centre crop (the transformation matrices switched off)."""
-    from ofa.imagenet_classification.elastic_nn.modules.dynamic_op import (
-        DynamicSeparableConv2d,
-    )
-
     saved = DynamicSeparableConv2d.KERNEL_TRANSFORM_MODE
     DynamicSeparableConv2d.KERNEL_TRANSFORM_MODE = None
     try:
@@ -233,10 +234,6 @@ def roll_middle_channels(layer: nn.Module, shift: int) -> None:
     becomes old channel ``(j + shift) mod M`` in every tensor that has that dimension -- the
     tensors ofa's own ``re_organize_middle_weights`` reorders (inverted bottleneck, depthwise
     conv and their BNs, SE reduce/expand, point-wise projection)."""
-    from ofa.imagenet_classification.elastic_nn.modules.dynamic_layers import (
-        adjust_bn_according_to_idx,
-    )
-
     m = layer.depth_conv.conv.conv.weight.shape[0]
     idx = rolled(m, m, shift % m)
     sel = torch.index_select
@@ -254,8 +251,6 @@ def roll_middle_channels(layer: nn.Module, shift: int) -> None:
 
 
 def _space_key(space) -> str:
-    import json
-
     return json.dumps(space.to_dict(), sort_keys=True)
 
 
@@ -264,8 +259,6 @@ def _probe(space_key: str):
     """``(net, keys, offsets)``: a float64 supernet of the space whose floating tensors ``keys`` (the
     kernel matrices excepted) hold their elements' positions ``offsets[i] + 0..numel-1`` in one
     numbering of all of them."""
-    import json
-
     space = SearchSpace.from_dict(json.loads(space_key))
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -287,9 +280,6 @@ def _probe(space_key: str):
 
 @functools.lru_cache(maxsize=256)
 def _nas_map(space_key: str, arch_string: str, shifts: tuple[int, ...]) -> tuple[tuple[str, str, tuple[int, ...], bytes], ...]:
-    import copy
-    import json
-
     space = SearchSpace.from_dict(json.loads(space_key))
     probe, gkeys, offsets = _probe(space_key)
     if any(shifts):
@@ -341,8 +331,6 @@ def nas_index_map(space, arch, shifts: Sequence[int] | None = None) -> IndexMap:
     :func:`fold_kernel_transforms` writes their effect into the kernels once, before federating, so
     that this map is also ofa's extraction (with the matrices) of the folded supernet.
     """
-    import numpy as np
-
     key = _space_key(space)
     n_blocks = len(_probe(key)[0].blocks) - 1
     sh = tuple(int(s) for s in (shifts or [0] * n_blocks))
@@ -385,10 +373,6 @@ def fold_kernel_transforms(supernet, smallest: Sequence[int] | None = None) -> d
     Returns:
         a new state dict (CPU tensors).
     """
-    from ofa.imagenet_classification.elastic_nn.modules.dynamic_op import (
-        sub_filter_start_end,
-    )
-
     state = {k: v.detach().cpu().clone() for k, v in supernet.state_dict().items()}
     with torch.no_grad():
         for bi, block in enumerate(supernet.blocks[1:], start=1):

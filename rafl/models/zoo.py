@@ -113,7 +113,7 @@ def small_image_variant(model: nn.Module) -> nn.Module:
 
 def _torchvision(builder: str, **kwargs) -> Callable[[], tuple[nn.Module, int]]:
     def make() -> tuple[nn.Module, int]:
-        import torchvision.models as tvm
+        import torchvision.models as tvm  # noqa: PLC0415 - seconds more than torch; only for a torchvision model
 
         model = small_image_variant(getattr(tvm, builder)(weights=None, **kwargs))
         if hasattr(model, "fc") and isinstance(model.fc, nn.Linear):        # resnet, googlenet, shufflenet

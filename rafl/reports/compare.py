@@ -28,6 +28,7 @@ from rafl.federation.metric_keys import (
     client_accuracies,
 )
 from rafl.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from rafl.reports.plots import pyplot
 from rafl.reports.tables import binomial_se
 
 #: evaluated rounds averaged in the ``acc_mean_last3`` columns
@@ -369,11 +370,7 @@ def plot_accuracy_vs_mb(path: Path, histories: dict[str, list[dict[str, Any]]]) 
     communicated (payload up + down, all clients), one line per method (PNG, atomic); a log MB
     axis when the methods' traffic spans more than 20x. A method that communicates nothing
     (standalone) is a horizontal line at its final accuracy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), layout="constrained")
     top = max((r.get("cum_mb", 0.0) for h in histories.values() for r in h), default=0.0)
     for name, hist in histories.items():
@@ -470,11 +467,7 @@ def plot_compare(path: Path, rows: list[dict[str, Any]]) -> None:
     """Bar charts of the table's columns per method (PNG, atomic): accuracy (mean +- std over
     clients, with each other accuracy a method reports as a marker, e.g. the nearest prototype; its legend
     below the plot, outside the axes), MB communicated, and wall time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = [r["algorithm"] for r in rows]
     x = np.arange(len(rows))
     # constrained layout: it makes room for the legend placed outside the axes (below the plot)

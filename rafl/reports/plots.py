@@ -8,7 +8,18 @@ from pathlib import Path
 
 from rafl.io import atomic_write_bytes
 
-__all__ = ["new_figure", "save_figure", "bar_panels"]
+__all__ = ["new_figure", "save_figure", "bar_panels", "pyplot"]
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display needed), imported on first use:
+    matplotlib is heavy, and a run holds it only once it plots (docs/design.md, "Layers")."""
+    import matplotlib  # noqa: PLC0415 - heavy, loaded only when something is plotted
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - as above
+
+    return plt
 
 
 def new_figure(n_panels: int = 1, width: float = 6.0, height: float = 3.2):
@@ -17,23 +28,16 @@ def new_figure(n_panels: int = 1, width: float = 6.0, height: float = 3.2):
     Returns:
         ``(fig, axes)`` with ``axes`` a list of length ``n_panels``.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(n_panels, 1, figsize=(width, height * n_panels), squeeze=False)
+    fig, axes = pyplot().subplots(n_panels, 1, figsize=(width, height * n_panels), squeeze=False)
     return fig, [ax for ax in axes[:, 0]]
 
 
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     """Render ``fig`` to PNG and write it atomically to ``path``; closes the figure."""
-    import matplotlib.pyplot as plt
-
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
+    pyplot().close(fig)
     atomic_write_bytes(path, buf.getvalue())
     return Path(path)
 

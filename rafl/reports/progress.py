@@ -17,9 +17,12 @@ one line says what the rounds should take and how to make them shorter.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any, TextIO
+
+from tqdm.auto import tqdm
 
 from rafl.federation.events import listening
 
@@ -171,16 +174,12 @@ class RoundProgress:
                 f"first batches), so about {fmt_seconds(per_round * rounds)} for the {rounds} round"
                 f"{'s' if rounds != 1 else ''} to run, plus evaluation; {SHORTER}")
         if self.terminal:
-            from tqdm.auto import tqdm
-
             tqdm.write(line, file=self.stream)
         else:
             self.stream.write(line + "\n")
             self.stream.flush()
 
     def _open_bar(self) -> None:
-        from tqdm.auto import tqdm
-
         self._close_bar()
         self.bar = tqdm(total=self.clients, desc=f"round {self.round} clients", position=1, leave=False,
                         file=self.stream, dynamic_ncols=True)
@@ -214,8 +213,6 @@ class RoundProgress:
 def round_progress(enabled: bool = True, **kwargs: Any):
     """Context manager: a :class:`RoundProgress` listening for the block when ``enabled`` (the
     commands' ``--progress``), its bar removed at the end however the block ends."""
-    import contextlib
-
     @contextlib.contextmanager
     def _cm():
         if not enabled:

@@ -68,7 +68,7 @@ def plot_metrics(run_dir: Path, history: list[dict], title: str = "") -> None:
     """``accuracy_vs_round.png`` and ``accuracy_vs_mb.png`` (every evaluated model, mean over
     clients with a +-std band), written atomically; nothing when no round was evaluated. Each
     plot's title says what it shows, after ``title`` (the method and run, e.g. ``"rafl, run-1"``)."""
-    from matplotlib.ticker import MaxNLocator  # matplotlib: heavy, loaded only when a run plots
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 - matplotlib: heavy, loaded only when a run plots
 
     evals = [r for r in history if evaluated_models(r)]
     if not evals:

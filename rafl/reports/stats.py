@@ -32,7 +32,8 @@ def t_factor(n: int, coverage: float = COVERAGE) -> float:
         raise ValueError(f"a t interval needs at least 2 measurements, got {n}")
     if not 0 < coverage < 1:
         raise ValueError(f"coverage must be in (0, 1), got {coverage}")
-    from scipy.stats import t  # scipy.stats: heavy (~60 MB resident), loaded only when an interval is computed
+    # scipy.stats: heavy (~60 MB resident), loaded only when an interval is computed
+    from scipy.stats import t  # noqa: PLC0415
 
     return float(t.ppf(0.5 + coverage / 2, n - 1))
 

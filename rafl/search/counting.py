@@ -4,6 +4,7 @@ against and the profiling report prints."""
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from typing import Any
 
@@ -21,7 +22,7 @@ def count_fvcore(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, dict[str,
     with warnings.catch_warnings():  # torch.jit deprecation notices from fvcore's import and tracer
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
-        from fvcore.nn import FlopCountAnalysis
+        from fvcore.nn import FlopCountAnalysis  # noqa: PLC0415 - under the filter: its import warns; heavy
 
         fca = FlopCountAnalysis(model, x).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
         per_module = {k: dict(v) for k, v in fca.by_module_and_operator().items()}
@@ -32,9 +33,7 @@ def count_thop(model: nn.Module, x: torch.Tensor) -> tuple[float, dict[str, Any]
     """thop's total ops and its per-child tree ``{name: (ops, params, children)}``.
 
     thop is run on a deep copy (it leaves ``total_ops`` buffers on the modules it profiles)."""
-    import logging
-
-    from thop import profile
+    from thop import profile  # noqa: PLC0415 - thop: loaded only when a report cross-checks a count
 
     logging.getLogger().setLevel(logging.WARNING)
     clone = copy.deepcopy(model).eval()

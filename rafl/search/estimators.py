@@ -8,6 +8,8 @@ server's pool-train part, accuracy on the server's validation split.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
 import os
 import signal
@@ -64,8 +66,6 @@ def check_eval_data(val_data: tuple[Tensor, Tensor], calib_data: Tensor, n_class
 
 def tensor_fingerprint(*tensors: Tensor) -> str:
     """SHA-256 (hex, 16 chars) of the bytes of ``tensors`` (their dtype and shape included)."""
-    import hashlib
-
     h = hashlib.sha256()
     for x in tensors:
         x = x.detach().cpu().contiguous()
@@ -77,8 +77,6 @@ def tensor_fingerprint(*tensors: Tensor) -> str:
 def supernet_fingerprint(supernet) -> str:
     """SHA-256 (hex, 16 chars) of a supernet's search space and every tensor of its state dict:
     the key of the per-supernet measurement cache (another checkpoint, another key)."""
-    import hashlib
-
     state = supernet.state_dict()
     h = hashlib.sha256(repr(supernet.space).encode())
     h.update(tensor_fingerprint(*(state[k] for k in sorted(state))).encode())
@@ -149,8 +147,6 @@ class MeasuredAccuracy:
 
     # ------------------------------------------------------------------ disk cache
     def _load_cache(self) -> None:
-        import json
-
         try:
             data = json.loads(self.cache_path.read_text())
             acc = data["accuracy"]

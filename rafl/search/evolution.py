@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from rafl import seeds
@@ -341,11 +343,6 @@ def evolve(space: SearchSpace, score_fn: ScoreFn, cost_fn: CostFn, limits: dict[
 def _single_threaded_blas() -> Iterator[None]:
     """numpy's BLAS on one thread for the block: the search's matrices are tiny (an MLP on ~100
     encodings), and extra BLAS threads only add overhead (many times more on a shared machine)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn
-        yield
-        return
     with threadpool_limits(1, user_api="blas"):
         yield
 
@@ -727,8 +724,6 @@ def search_subnets(supernet, profiles: Sequence, val_data, calib_data, config: S
             profile whose budgets no subnet of the space meets (naming each violated budget and
             the smallest value reachable), or predictor samples to measure with no data.
     """
-    import torch
-
     config = config or SearchConfig()
     if val_data is None and data_fn is None:
         raise ValueError("search_subnets needs val_data and calib_data, or data_fn")

@@ -25,7 +25,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+import torch
 import yaml
+from tqdm import tqdm
 
 from rafl import seeds
 from rafl.errors import UserInputError, brief, shown, yaml_error_detail
@@ -153,8 +156,6 @@ def fit_network_correction(layer_sums, measured) -> tuple[float, float, str]:
     Raises:
         ValueError: no networks, or a layer sum or latency that is not > 0.
     """
-    import numpy as np
-
     s, y = np.asarray(layer_sums, dtype=float), np.asarray(measured, dtype=float)
     if s.size == 0 or s.shape != y.shape or not (np.all(s > 0) and np.all(y > 0)):
         raise ValueError("fit_network_correction needs as many layer sums as latencies, all > 0")
@@ -171,9 +172,6 @@ def fit_network_correction(layer_sums, measured) -> tuple[float, float, str]:
 
 def _time_round_robin(modules, warmup: int, repeats: int, now, statistic: str, progress: bool, desc: str
                       ) -> list[float]:
-    import torch
-    from tqdm import tqdm
-
     times: list[list[float]] = [[] for _ in modules]
     with torch.inference_mode():
         for rnd in tqdm(range(warmup + repeats), desc=desc, unit="round", disable=not progress):
@@ -198,8 +196,6 @@ def measure_latency_ms(module, x, *, warmup: int = 5, repeats: int = 20, clock: 
     Returns:
         the ``repeats`` latencies in milliseconds (take the median / p90).
     """
-    import torch
-
     if clock not in CLOCKS:
         raise UserInputError(f"is {clock!r}, allowed: {', '.join(CLOCKS)}", field="clock")
     now = time.perf_counter if clock == "wall" else time.thread_time
@@ -245,9 +241,6 @@ def build_latency_lut(specs: Iterable[UnitSpec], out: str | Path, *, threads: in
     Raises:
         UserInputError: an unknown ``clock`` or ``statistic``.
     """
-    import torch
-    from tqdm import tqdm
-
     if clock not in CLOCKS:
         raise UserInputError(f"is {clock!r}, allowed: {', '.join(CLOCKS)}", field="clock")
     if statistic not in STATISTICS:

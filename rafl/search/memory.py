@@ -127,7 +127,7 @@ def fx_peak_memory(model: nn.Module, input_shape: tuple[int, ...], *, hold_input
     gm.train(was_training)
 
     nodes = [n for n in gm.graph.nodes]
-    import networkx as nx  # networkx: ~10 MB resident, loaded only when a peak is estimated
+    import networkx as nx  # noqa: PLC0415 - networkx: ~10 MB resident, loaded only when a peak is estimated
 
     graph = nx.DiGraph()
     for step, n in enumerate(nodes):

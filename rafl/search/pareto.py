@@ -7,12 +7,23 @@ accuracy-vs-MACs trade-off curves of OFA, Cai et al. 2020, Fig. 1 / Fig. 9).
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rafl.io import atomic_write_bytes, atomic_write_json
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no display), imported on first use: only the plots need it."""
+    import matplotlib  # noqa: PLC0415 - heavy (~0.5 s), loaded only when a search plots
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - as above
+
+    return plt
 
 
 def pareto_front(accuracy: np.ndarray, cost: np.ndarray) -> np.ndarray:
@@ -63,11 +74,7 @@ def save_fronts(directory: str | Path, accuracy: np.ndarray, costs: dict[str, np
         accuracy_source: what ``accuracy`` is (``"predictor"`` or ``"measured"``), recorded.
     Returns the JSON document written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     directory = Path(directory)
     axes_keys = [k for k in ("latency_ms", "macs_m") if k in costs]
     doc: dict[str, Any] = {"accuracy_source": accuracy_source, "n_evaluated": int(len(accuracy)),
@@ -97,7 +104,6 @@ def save_fronts(directory: str | Path, accuracy: np.ndarray, costs: dict[str, np
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    import io
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -121,13 +127,7 @@ def save_picks_plot(path: str | Path, picks: dict[str, dict[str, Any]], title: s
     labelled with its value. Measured accuracy is a filled marker, predicted a hollow one, joined
     by a thin line.
     """
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     names = list(picks)
     lat = np.array([float(picks[n]["latency_ms"]) for n in names])
     acc = np.array([float(picks[n]["accuracy"]) for n in names])

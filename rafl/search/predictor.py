@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from rafl import seeds
@@ -152,17 +154,14 @@ class AccuracyPredictor(nn.Module):
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         """Save weights + shape as safetensors (atomic)."""
-        from safetensors.torch import save
-
         meta = {"n_inputs": str(self.n_inputs), "hidden": str(self.hidden), "n_layers": str(self.n_layers),
                 "extra": json.dumps(extra or {})}
-        atomic_write_bytes(path, save({k: v.contiguous() for k, v in self.state_dict().items()}, metadata=meta))
+        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        atomic_write_bytes(path, save_safetensors(state, metadata=meta))
 
     @classmethod
     def load(cls, path: str | Path) -> AccuracyPredictor:
         """Inverse of :meth:`save`. Raises UserInputError on a missing or malformed file."""
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise UserInputError("no such predictor file", source=path)
@@ -180,7 +179,7 @@ class AccuracyPredictor(nn.Module):
 
 def kendall_tau(predicted: np.ndarray, measured: np.ndarray) -> float:
     """Kendall's tau-b rank correlation (scipy.stats.kendalltau); ``nan`` if undefined."""
-    from scipy.stats import kendalltau  # scipy.stats: heavy (~60 MB resident), loaded only when tau is computed
+    from scipy.stats import kendalltau  # noqa: PLC0415 - scipy.stats: heavy (~60 MB resident), loaded only for tau
 
     if len(predicted) < 3 or np.ptp(measured) == 0:
         return float("nan")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import torch
+from ofa.utils.layers import IdentityLayer, ResidualBlock, set_layer_from_config
 from torch import nn
 
 from rafl.supernet.arch import ArchConfig, SearchSpace, make_divisible, network_layout
@@ -280,8 +281,6 @@ def build_unit_module(spec: UnitSpec):
     ``conv`` -> ``ConvLayer``; ``gap_conv`` -> OFA's ``mean(3).mean(2)`` pooling + ``ConvLayer``;
     ``linear`` -> ``LinearLayer`` (input ``(B, C)``). Used to measure memory and latency per unit.
     """
-    from ofa.utils.layers import IdentityLayer, ResidualBlock, set_layer_from_config
-
     layer = set_layer_from_config(spec.ofa_config())
     if spec.kind == "mbconv":
         shortcut = IdentityLayer(spec.cin, spec.cin) if spec.residual else None

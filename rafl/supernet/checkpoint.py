@@ -13,6 +13,8 @@ describes weights that are not completely on disk.
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +79,6 @@ def check_meta(meta: Any, path: str | Path) -> dict[str, Any]:
 
     Raises:
         UserInputError: naming the file and the field."""
-    import math
-    import re
-
     if not isinstance(meta, dict):
         raise UserInputError("expected a JSON object at the top level", source=path)
     if not isinstance(meta.get("search_space"), dict):

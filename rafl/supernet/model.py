@@ -37,6 +37,7 @@ Active-subnet state
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from collections.abc import Iterable, Iterator
 
@@ -348,8 +349,6 @@ def narrow_width(subnet: Subnet, width: float) -> Subnet:
     Raises:
         UserInputError: ``width`` outside ``(0, 1]`` (field ``knowledge_width``).
     """
-    import copy
-
     if isinstance(width, bool) or not 0 < float(width) <= 1:
         raise UserInputError(f"is {width}; allowed: a fraction in (0, 1]", field="knowledge_width")
     out = copy.deepcopy(subnet)

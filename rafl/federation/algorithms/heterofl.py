@@ -96,6 +96,7 @@ import functools
 import json
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from rafl.errors import UserInputError
@@ -135,8 +136,6 @@ def is_bn_stat(key: str) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _sliced_map(layout_json: str, model_key: str, round_: int | None) -> tuple[tuple[str, tuple[int, ...], bytes], ...]:
-    import numpy as np
-
     layout = json.loads(layout_json)
     local = {k: torch.empty(tuple(s)) for k, s in layout["shapes"][model_key].items()}
     glob = {k: torch.empty(tuple(s)) for k, s in layout["shapes"][layout["global"]].items()}
@@ -146,8 +145,6 @@ def _sliced_map(layout_json: str, model_key: str, round_: int | None) -> tuple[t
 
 def index_map(layout_json: str, info: ClientInfo, round_: int, rolling: bool) -> IndexMap:
     """Client ``info``'s slice of the global model in round ``round_`` (FedRolex's window when ``rolling``)."""
-    import numpy as np
-
     layout = json.loads(layout_json)
     if layout["kind"] == "nas":
         space = SearchSpace.from_dict(layout["space"])
