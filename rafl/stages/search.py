@@ -56,15 +56,14 @@ from rafl.search.profile import load_profile
 from rafl.stages.checks import SEARCH_OUTPUT
 from rafl.supernet import extract_subnet, load_supernet, quickstart_supernet, recalibrate_bn, subnet_from_arch
 from rafl.supernet.arch import ArchConfig, SearchSpace
+from rafl.supernet.calibration import load_calibration, save_calibration
 from rafl.supernet.checkpoint import load_meta
 from rafl.supernet.model import prepare_input
 from rafl.supernet.pretrained import (
     CALIBRATION_NAME,
     MEASUREMENTS_NAME,
-    load_calibration,
     measured_alike,
     resolve_supernet,
-    save_calibration,
     supernet_measurements,
 )
 from rafl.supernet.server_data import calibration_sample, server_split

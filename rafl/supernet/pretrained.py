@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # annotations only: the shipped-name checks run before torch 
     import torch
 
 from rafl.errors import UserInputError, allowed
-from rafl.io import atomic_write_bytes
 
 PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "pretrained"
 
@@ -31,6 +30,7 @@ PRETRAINED_DIR = Path(__file__).resolve().parents[1] / "pretrained"
 MEASUREMENTS_NAME = "measurements.json"
 
 #: the BN-calibration images of those measurements (stored uint8 pixels), beside them
+#: (:mod:`rafl.supernet.calibration` writes and reads them)
 CALIBRATION_NAME = "calibration.safetensors"
 
 #: name -> SHA-256 of its ``supernet.safetensors`` (the shipped bytes).
@@ -78,47 +78,6 @@ def pretrained_path(name: str) -> Path:
 def resolve_supernet(value: str | Path) -> Path:
     """A supernet reference as a path: a shipped name -> its checked folder; anything else as given."""
     return pretrained_path(value) if is_pretrained_name(value) else Path(value)
-
-
-def save_calibration(path: str | Path, pixels: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
-    """Write BN-calibration images as stored pixels ``(M, C, H, W)`` uint8 (or float32 in [0, 1])
-    with their normalization (``mean``, ``std`` per channel) in the metadata; read by
-    :func:`load_calibration`. A file already holding the same pixels and normalization is left
-    as it is: safetensors writes its metadata in no fixed order, so a rewrite would change the
-    bytes (and the SHA-256 a measurements file records) without changing the content."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save  # torch loads here, not when a shipped name is checked
-
-    meta = {"format": "rafl-calibration/1", "mean": json.dumps(list(mean)), "std": json.dumps(list(std))}
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            if fh.metadata() == meta and torch.equal(fh.get_tensor("pixels"), pixels):
-                return
-    except (OSError, SafetensorError):
-        pass  # no file yet, or not a readable one: write it
-    atomic_write_bytes(path, save({"pixels": pixels.contiguous()}, metadata=meta))
-
-
-def load_calibration(path: str | Path) -> torch.Tensor:
-    """The normalized float32 images ``(M, C, H, W)`` of a :func:`save_calibration` file (normalized
-    as :class:`rafl.data.Images` does: bit for bit the images the measurements used).
-
-    Raises:
-        UserInputError: a missing or malformed file.
-    """
-    from safetensors import SafetensorError, safe_open  # torch loads here, not when a shipped name is checked
-
-    from rafl.data.datasets import Images
-
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            pixels = fh.get_tensor("pixels")
-        images = Images(pixels, tuple(json.loads(meta["mean"])), tuple(json.loads(meta["std"])))
-    except (OSError, KeyError, ValueError, SafetensorError) as err:
-        raise UserInputError(f"not a rafl calibration file ({err.__class__.__name__}: {err})", source=path) from None
-    return images[...]
 
 
 def supernet_measurements(folder: str | Path) -> dict | None:
@@ -180,5 +139,5 @@ def half_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["CALIBRATION_NAME", "MEASUREMENTS_NAME", "PRETRAINED", "PRETRAINED_DIR", "PRETRAINED_MEASUREMENTS",
-           "half_state", "is_pretrained_name", "measured_alike", "load_calibration", "pretrained_path", "resolve_supernet",
-           "save_calibration", "supernet_measurements"]
+           "half_state", "is_pretrained_name", "measured_alike", "pretrained_path", "resolve_supernet",
+           "supernet_measurements"]
