@@ -45,18 +45,19 @@ def data(dataset: str, data_root: Path | None, clients: int | None, scheme: str,
     (client id -> train/val/test index lists, the public pool, meta) and OUT/class_heatmap.png
     (clients x classes sample counts). Reuse the split anywhere with --partition file:OUT/partition.json.
     """
-    from rafl.stages import data as stage
+    from rafl.stages.data_checks import SHAPING_OPTIONS, check_options
 
-    # ---- validate every option before touching data or disk
+    # ---- validate every option before touching data or disk (and before torch loads)
     ctx = click.get_current_context()
-    given = [param for param in stage.SHAPING_OPTIONS
+    given = [param for param in SHAPING_OPTIONS
              if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE]
-    clients, split = stage.check_options(dataset, scheme, data_root=data_root, clients=clients, k=k, alpha=alpha,
-                                         min_samples=min_samples, public_fraction=public_fraction,
-                                         public_seed=public_seed, split_text=split_text, seed=seed, out=out,
-                                         given=given)
+    clients, split = check_options(dataset, scheme, data_root=data_root, clients=clients, k=k, alpha=alpha,
+                                   min_samples=min_samples, public_fraction=public_fraction, public_seed=public_seed,
+                                   split_text=split_text, seed=seed, out=out, given=given)
 
     # ---- load and partition (raise UserInputError on bad data; nothing is written yet)
+    from rafl.stages import data as stage
+
     made = stage.partition_dataset(dataset, scheme, clients, seed, split, data_root=data_root, k=k, alpha=alpha,
                                    min_samples=min_samples, public_fraction=public_fraction, public_seed=public_seed,
                                    resolution=resolution, limit_per_class=limit_per_class, progress=not quiet)
