@@ -79,8 +79,10 @@ def test_every_option_a_message_names_exists_on_its_command():
     checked = 0
     for file in sorted((ROOT / "rafl").rglob("*.py")):
         module = ".".join(file.relative_to(ROOT).with_suffix("").parts)
-        # a command's stage (rafl.stages.profile for rafl.cli.profile, ...) speaks for that command
-        cli = {f"rafl.stages.{n}": f"rafl.cli.{n}" for n in ("profile", "supernet", "data")}.get(module, module)
+        # a command's stage and its checks (rafl.stages.profile and rafl.stages.profile_checks for
+        # rafl.cli.profile, ...) speak for that command
+        cli = {f"rafl.stages.{n}{part}": f"rafl.cli.{n}" for n in ("profile", "supernet", "data")
+               for part in ("", "_checks")}.get(module, module)
         own = set().union(*(opts[p] for p, (m, _) in cmds.items() if m == cli))
         for line, text in _messages(ast.parse(file.read_text())):
             for m in OPTION.finditer(text):

@@ -69,8 +69,9 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
     rafl profile --build-lut --device-profile pi4 --out pi4-lut.yaml
     """
     from rafl.search.profile import load_profile
-    from rafl.stages import profile as stage
+    from rafl.stages.profile_checks import check_lut_suffix, check_report
 
+    # every check below runs before torch loads (a typo answers at once); the work module after them
     prof = load_profile(device_profile)  # bad profile: exit 2 before any work
     ctx = click.get_current_context()
     given = {name: value for name, value in (("width_mult", width_mult), ("n_classes", n_classes))
@@ -79,6 +80,9 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
         if arch_text or model_path:
             raise UserInputError("--build-lut measures every layer of the space; drop --arch/--model",
                                  field="--build-lut")
+        check_lut_suffix(out)
+        from rafl.stages import profile as stage
+
         res = stage.build_lut(prof, out, supernet_dir=supernet_dir, threads=threads, warmup=warmup, repeats=repeats,
                               clock=clock, statistic=statistic, calibrate=calibrate, progress=not quiet,
                               say=lambda line: click.echo(line, err=True), **given)
@@ -91,6 +95,9 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
         if res.warning:
             click.echo(f"warning: network_correction: {res.warning}", err=True)
         return
+
+    check_report(out, arch_text=arch_text, model_path=model_path, supernet_dir=supernet_dir, **given)
+    from rafl.stages import profile as stage
 
     res = stage.profile_subnet(prof, out, arch_text=arch_text, model_path=model_path, supernet_dir=supernet_dir,
                                batch_size=batch_size, threads=threads, warmup=warmup, repeats=repeats,
