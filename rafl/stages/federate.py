@@ -27,7 +27,7 @@ def run(prep: Prepared, run_dir: str | Path, *, resume: bool = False, progress: 
     (:func:`rafl.stages.runs.run_prepared`)."""
     if prep.cfg.engine.backend == "flower":
         # flwr (grpc, cryptography, protobuf: ~30 MB resident) is loaded only for the Flower backend
-        from rafl.stages.flower.simulation import simulate
+        from rafl.stages.flower.simulation import simulate  # noqa: PLC0415
 
         return simulate(prep, Path(run_dir), resume=resume, progress=progress)
     return run_prepared(prep, run_dir, resume=resume, progress=progress)

@@ -40,6 +40,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as save_safetensors
 
 from rafl import seeds
 from rafl.data import load_dataset
@@ -140,12 +143,10 @@ def server_eval_data(meta_config: dict[str, Any] | None, space: SearchSpace, pro
 # ---------------------------------------------------------------------- subnet files
 def save_subnet_weights(path: str | Path, subnet, space: SearchSpace) -> None:
     """Write a subnet's state dict as safetensors with ``arch`` and ``search_space`` metadata."""
-    from safetensors.torch import save
-
     state = {k: v.detach().cpu().contiguous() for k, v in subnet.state_dict().items()}
     meta = {"format": "rafl-subnet/1", "arch": json.dumps(subnet.arch.to_dict()),
             "search_space": json.dumps(space.to_dict())}
-    atomic_write_bytes(path, save(state, metadata=meta))
+    atomic_write_bytes(path, save_safetensors(state, metadata=meta))
 
 
 def load_searched_subnet(path: str | Path):
@@ -154,8 +155,6 @@ def load_searched_subnet(path: str | Path):
     Raises:
         UserInputError: missing or malformed file, or tensors that do not fit the stored arch.
     """
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     path = path / SUBNET_WEIGHTS if path.is_dir() else path
     if not path.is_file():
@@ -202,7 +201,7 @@ def export_onnx(subnet, path: str | Path, sample: torch.Tensor | None = None, in
         RuntimeError: the exported model fails the checker or disagrees with PyTorch by more than
             1e-3 relative to the largest logit.
     """
-    import onnx
+    import onnx  # noqa: PLC0415 - heavy, loaded only when a subnet is exported (not by rafl profile)
 
     r = subnet.arch.r
     subnet = subnet.eval()
@@ -223,7 +222,7 @@ def export_onnx(subnet, path: str | Path, sample: torch.Tensor | None = None, in
                              "input": f"images (B, 3, {r}, {r}) float32, normalized, resized to {r} px",
                              "output": "logits (B, n_classes)"}
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # noqa: PLC0415 - heavy, loaded only to check an export
     except ImportError:  # pragma: no cover - onnxruntime is a dependency
         check["onnxruntime"] = "not installed (checked with onnx only)"
     else:
@@ -576,8 +575,6 @@ def write_subnet_yaml(path: str | Path, arch: ArchConfig, space: SearchSpace, su
     """``subnet.yaml``: the arch (``arch``, ``string``, as :meth:`ArchConfig.save` writes; read
     back by :meth:`ArchConfig.load`) plus the ``search_space`` it belongs to and the ``supernet``
     folder it came from, so that ``rafl profile --arch subnet.yaml`` profiles it in its own space."""
-    import yaml
-
     atomic_write_text(path, yaml.safe_dump({"arch": arch.to_dict(), "string": arch.to_string(space),
                                             "search_space": space.to_dict(), "supernet": supernet},
                                            sort_keys=False))

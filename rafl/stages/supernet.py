@@ -5,8 +5,9 @@ describe a trained one (:func:`describe`).
 config file, the options given (only those not None) and, with ``resume``, the run folder's own
 ``config.json``; it checks the run folder before anything is written and calls
 :func:`rafl.supernet.train.train_supernet`. Errors name the command's options (``--out``,
-``--resume``, ...). torch-heavy names are imported inside the functions, as the command did, so
-``rafl`` itself stays light to import.
+``--resume``, ...). This is a work module (it imports torch): what ``rafl supernet train``
+answers before torch loads (a new run's data root) is :func:`rafl.stages.checks.check_supernet_data`,
+which the command calls before it imports this module.
 """
 
 from __future__ import annotations
@@ -16,7 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rafl.errors import UserInputError
+from rafl.folders import RunFolder
+from rafl.io import load_yaml
+from rafl.search.cost import check_training_memory
+from rafl.supernet.arch import SearchSpace
+from rafl.supernet.checkpoint import load_meta, load_supernet
+from rafl.supernet.presets import preset_path
+from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
+from rafl.supernet.quickstart import supernet_path
+from rafl.supernet.train import (
+    CONFIG_NAME,
+    MAX_RESOLUTION,
+    SUPERNET_RUN,
+    TrainConfig,
+    holds_supernet_run,
+    train_supernet,
+)
 
 
 @dataclass
@@ -38,7 +57,6 @@ def parse_resolutions(text: str | None, option: str = "--resolutions") -> tuple[
     """
     if text is None:
         return None
-    from rafl.supernet.train import MAX_RESOLUTION
 
     try:
         values = tuple(int(v) for v in text.replace(" ", "").split(","))  # an empty item ("12,,14") is an error
@@ -73,13 +91,6 @@ def train(out: Path | None, *, dataset: str | None = None, data_root: Path | Non
             :func:`~rafl.supernet.train.train_supernet` refuses (a new run that diverged is
             removed first: its checkpoints cannot be resumed with another learning rate).
     """
-    import yaml
-
-    from rafl.folders import RunFolder
-    from rafl.io import load_yaml
-    from rafl.search.cost import check_training_memory
-    from rafl.supernet.train import CONFIG_NAME, SUPERNET_RUN, TrainConfig, holds_supernet_run, train_supernet
-
     # paths are recorded absolute (config.json), so --resume works from any folder: --data-root
     # against the current folder, a config file's data_root against the file's folder
     options = {"dataset": dataset, "data_root": None if data_root is None else str(data_root.expanduser().resolve()),
@@ -90,8 +101,6 @@ def train(out: Path | None, *, dataset: str | None = None, data_root: Path | Non
         raise UserInputError("cannot be combined with --resume (the run folder's config.json is used)",
                              field="--config")
     if preset is not None:
-        from rafl.supernet.presets import preset_path
-
         if resume is not None:
             raise UserInputError("cannot be combined with --resume (the run folder's config.json is used)",
                                  field="--preset")
@@ -160,11 +169,6 @@ def describe(path: str | Path, field: str | None = None) -> SupernetInfo:
         UserInputError: an unknown or altered shipped supernet, a path without a
             ``supernet.json`` written by ``rafl supernet train``, or weights that fail the checks.
     """
-    from rafl.supernet.arch import SearchSpace
-    from rafl.supernet.checkpoint import load_meta, load_supernet
-    from rafl.supernet.pretrained import is_pretrained_name, pretrained_path
-    from rafl.supernet.quickstart import supernet_path
-
     if is_pretrained_name(str(path)):
         path = pretrained_path(str(path))
     path = supernet_path(path, field)  # `quickstart`: the cached quickstart supernet's folder

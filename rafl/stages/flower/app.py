@@ -232,7 +232,7 @@ def write_app(folder: str | Path, *, config: str | Path | None = None, out: str 
 
 
 def _make_server_app() -> Any:
-    from flwr.serverapp import ServerApp
+    from flwr.serverapp import ServerApp  # noqa: PLC0415 - flwr: optional (rafl[flower])
 
     sapp = ServerApp()
 

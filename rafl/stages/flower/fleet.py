@@ -8,6 +8,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -78,8 +83,6 @@ class LocalFleet:
 
     def __init__(self, n_nodes: int, workdir: str | Path, state_dir: str | Path | None = None,
                  isolation: str = "fork", poll_interval_s: float | None = POLL_INTERVAL_S):
-        import sys
-
         if n_nodes < 1:
             raise UserInputError(f"is {n_nodes}; allowed: >= 1", field="n_nodes")
         if isolation not in self.ISOLATIONS:
@@ -98,21 +101,15 @@ class LocalFleet:
 
     @staticmethod
     def _free_port() -> int:
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             return int(sock.getsockname()[1])
 
     def _program(self, name: str) -> str:
         """``name`` beside this Python, else from PATH."""
-        import shutil
-
         return shutil.which(name, path=self.env["PATH"]) or str(self.bindir / name)
 
     def _start(self, args: list[str], log: str) -> None:
-        import subprocess
-
         with (self.workdir / log).open("w") as fh:
             self.procs.append(subprocess.Popen([self._program(args[0]), *args[1:]], stdout=fh,
                                                stderr=subprocess.STDOUT, env=self.env, start_new_session=True))
@@ -120,8 +117,6 @@ class LocalFleet:
     def _wait_for(self, port: int, log: str, timeout: float = 180.0) -> None:
         """Block until 127.0.0.1:``port`` accepts connections (RuntimeError naming ``log`` if the
         process exits or ``timeout`` seconds pass)."""
-        import socket
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.procs[-1].poll() is not None:
@@ -164,8 +159,6 @@ class LocalFleet:
         """``flwr run APP_DIR rafl-local --stream`` (blocks until the run ends, at most ``timeout``
         seconds: ``subprocess.TimeoutExpired``), then the run's final status from the SuperLink
         (:class:`FleetRun`: check ``.completed``, not the exit status)."""
-        import subprocess
-
         extra = ["--run-config", run_config] if run_config else []
         proc = subprocess.run([self._program("flwr"), "run", str(app_dir), self.CONNECTION, "--stream", *extra],
                               capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
@@ -178,8 +171,6 @@ class LocalFleet:
         """``(status, status details)`` of run ``run_id`` as the SuperLink records it (``flwr ls
         --run-id ID --format json``), e.g. ``("finished:failed", "ServerApp failed with exception:
         ...")``. Raises RuntimeError when ``flwr ls`` fails or does not know the run."""
-        import subprocess
-
         ls = subprocess.run([self._program("flwr"), "ls", self.CONNECTION, "--run-id", str(run_id), "--format",
                              "json"], capture_output=True, text=True, timeout=120, env=self.env, check=False)
         try:
@@ -211,8 +202,6 @@ def descendants(pids: list[int]) -> list[int]:
     """Every live process below ``pids`` (``ps``: Linux and macOS). The SuperExec starts the
     ServerApp and ClientApps in process groups of their own, so stopping our groups alone can
     leave them behind (a failed run's ServerApp stayed)."""
-    import subprocess
-
     try:
         out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
@@ -234,9 +223,6 @@ def stop_process_trees(procs: list[Any]) -> None:
     """SIGTERM the process groups of ``procs`` (``subprocess.Popen`` objects started with
     ``start_new_session=True``) and every process below them (SIGKILL after 20 s), and wait
     until they are gone (bounded)."""
-    import signal
-    import subprocess
-
     below = descendants([p.pid for p in procs])
     for proc in procs:
         try:

@@ -34,6 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from rafl.config import RunConfig
 from rafl.errors import UserInputError
 from rafl.federation import flower_wire as w
@@ -226,9 +229,6 @@ def _parse_run_config(config_text: str) -> Any:
 
     Raises:
         UserInputError: a run config that is not YAML or not valid (field ``config``)."""
-    import yaml
-    from pydantic import ValidationError
-
     try:
         return RunConfig.model_validate(load_yaml(config_text))
     except yaml.YAMLError as err:
@@ -416,7 +416,7 @@ def _make_client_app(own: dict[str, str] | None = None) -> Any:
     """rafl's ClientApp: the node-config / warm / ready / commit / discard queries and the two client steps.
     ``own``: trust settings (node-config keys) under the node config's own, for nodes that are
     the user's own process (:func:`own_node_config`); None on a SuperNode."""
-    from flwr.clientapp import ClientApp
+    from flwr.clientapp import ClientApp  # noqa: PLC0415 - flwr: optional (rafl[flower])
 
     capp = ClientApp()
 

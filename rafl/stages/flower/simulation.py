@@ -45,8 +45,9 @@ def _interruptible_ray_backend(stop: threading.Event, quiet: logging.Filter) -> 
     exits. ``stop`` is set first, so the ServerApp abandons the round instead of counting the
     killed clients as failed, and Flower's log of those errors is muted (``quiet``). A run that
     ends normally or with an error is torn down exactly as by Flower."""
-    import ray
-    from flwr.server.superlink.fleet.vce.backend import raybackend
+    # ray, flwr: optional (rafl[flower]), and imported after simulate() set Ray's signal switch
+    import ray  # noqa: PLC0415
+    from flwr.server.superlink.fleet.vce.backend import raybackend  # noqa: PLC0415
 
     class RayBackend(raybackend.RayBackend):
         def init_ray(self, *args: Any, **kwargs: Any) -> None:
@@ -98,11 +99,12 @@ def simulate(prep: Any, run_dir: Path, *, resume: bool = False, progress: bool =
     # once, when it is first imported: set it before Flower imports Ray.
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     _flwr()  # a clear error without rafl[flower]
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
+    # flwr, ray: optional, and Ray reads the switch above when Flower first imports it
+    from flwr.serverapp import ServerApp  # noqa: PLC0415
+    from flwr.simulation import run_simulation  # noqa: PLC0415
 
     try:
-        from flwr.server.superlink.fleet.vce.backend import raybackend
+        from flwr.server.superlink.fleet.vce.backend import raybackend  # noqa: PLC0415
     except ImportError:  # pragma: no cover - no ray: run_simulation says what to install
         raybackend = None
 

@@ -30,6 +30,7 @@ each SuperNode, or by hand: ``rafl flower-superexec --runtime-api-address 127.0.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import select
 import signal
@@ -40,7 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rafl.errors import UserInputError
+from rafl.stages.flower import app  # noqa: F401 - the ClientApp and everything it imports, once, before the forks
 from rafl.stages.flower import node as flower_node
 
 #: how often this process asks the SuperNode for a new task, in seconds (Flower's default is 1 s):
@@ -71,7 +75,7 @@ class ForkExecutor:
     def get_eligible_capacity(self, supported_task_types: set[Any], *, insecure: bool = False,
                               root_certificates_path: str | None = None) -> tuple[set[Any], set[str]]:
         """Only ClientApp tasks (a SuperNode's); no capacity limit."""
-        from flwr.supercore.constant import TaskType
+        from flwr.supercore.constant import TaskType  # noqa: PLC0415 - flwr: optional (rafl[flower])
 
         del insecure, root_certificates_path
         return {t for t in supported_task_types if t == TaskType.CLIENT_APP}, set()
@@ -84,7 +88,7 @@ class ForkExecutor:
     def launch(self, spec: Any) -> Any:
         """Fork a child that runs the task ``spec`` (an ``ExecutionSpec``) with Flower's
         ``run_clientapp``; returns ``LaunchResult.accepted()`` (``failed`` when fork fails)."""
-        from flwr.supercore.superexec.executor import LaunchResult
+        from flwr.supercore.superexec.executor import LaunchResult  # noqa: PLC0415 - as above
 
         read_end, write_end = os.pipe()
         try:
@@ -160,8 +164,9 @@ def _child(spec: Any, report_fd: int) -> None:
     """Run one ClientApp task in this forked child and exit with its status (never returns)."""
     code = 1
     try:
-        from flwr.supercore.tls import validate_and_resolve_root_certificates
-        from flwr.supernode.runtime.run_clientapp import run_clientapp
+        # flwr: optional (rafl[flower]); run_clientapp looked up here, where a test replaces it
+        from flwr.supercore.tls import validate_and_resolve_root_certificates  # noqa: PLC0415
+        from flwr.supernode.runtime.run_clientapp import run_clientapp  # noqa: PLC0415
 
         for sig in (signal.SIGINT, signal.SIGTERM):  # the parent's handlers stop the parent's loop
             signal.signal(sig, signal.SIG_DFL)
@@ -197,18 +202,12 @@ def run(runtime_api_address: str, *, insecure: bool, root_certificates: str | No
     Raises:
         UserInputError: this platform cannot fork.
     """
-    import multiprocessing
-
     if "fork" not in multiprocessing.get_all_start_methods():
         raise UserInputError("needs fork (Linux, macOS); use Flower's subprocess isolation on this platform",
                              field="rafl flower-superexec")
-    import torch
-
     torch.set_num_threads(1)  # see the module docstring: no thread pool for the children to inherit
-    import flwr.supercore.superexec.run_superexec as superexec
-    from flwr.supercore.auth import load_superexec_auth_secret
-
-    from rafl.stages.flower import app  # noqa: F401 - the ClientApp and everything it imports, once
+    import flwr.supercore.superexec.run_superexec as superexec  # noqa: PLC0415 - flwr: optional (rafl[flower])
+    from flwr.supercore.auth import load_superexec_auth_secret  # noqa: PLC0415
 
     executor = ForkExecutor(warm=flower_node.warm)
     # flwr 1.42 builds its executor from a type name (subprocess, kubernetes) and takes no instance:

@@ -81,7 +81,7 @@ def patch_poll(poll_interval_s: float) -> types.ModuleType:
             ``time`` (another flwr than 1.42): nothing is changed.
     """
     interval = check_poll_interval(poll_interval_s)
-    import flwr.supernode.start_client_internal as loop
+    import flwr.supernode.start_client_internal as loop  # noqa: PLC0415 - flwr: optional (rafl[flower])
 
     if not isinstance(getattr(loop, "time", None), (types.ModuleType, PollClock)):
         raise RuntimeError("flwr.supernode.start_client_internal has no module-level `time` (not flwr 1.42's "
@@ -104,7 +104,7 @@ def run(args: Sequence[str], poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -
         RuntimeError: see :func:`patch_poll`.
     """
     patch_poll(poll_interval_s)
-    from flwr.supernode.cli.flower_supernode import flower_supernode
+    from flwr.supernode.cli.flower_supernode import flower_supernode  # noqa: PLC0415 - as above
 
     # Flower's own signal handling, as under `flower-supernode`: its handler puts back the handler it
     # found, so the rafl CLI's SIGTERM handler (SystemExit) would run on a second SIGTERM inside
