@@ -31,7 +31,7 @@ from rafl.federation.engine import Engine
 from rafl.models import resolve_models
 from rafl.reports.stats import format_points, paired_interval
 from rafl.stages.compare import load_compare_resume
-from rafl.stages.compare.methods import _method_builder
+from rafl.stages.compare.methods import method_builder
 from rafl.stages.prepare import engine_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def rescore(folder: Path) -> dict:
         torch.set_num_threads(cfg.train.threads)
     policy = cfg.train.bn_statistics
     cfg.train.bn_statistics = "server"  # built so that the server's pool is kept (a run keeps only what it reads)
-    fed, _, _ = _method_builder(cfg, hparams, resolve_models(models), feature_dim, False, False)(method)
+    fed, _, _ = method_builder(cfg, hparams, resolve_models(models), feature_dim, False, False)(method)
     own = policy if policy is not None else fed.algorithm.deployed_bn_statistics()
     ecfg = engine_config(cfg)
     ecfg.workers = 1

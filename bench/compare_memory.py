@@ -4,7 +4,7 @@
 it writes anything. Each method used to load its own copy of the images and every method's
 federation (its clients' models, the supernet) stayed in memory until its turn. Now the methods
 share one copy of the images (:func:`rafl.stages.prepare.prepare`'s ``data``) and each is built
-to be checked, dropped, and built again for its run (``rafl.stages.compare.methods._method_builder``).
+to be checked, dropped, and built again for its run (``rafl.stages.compare.methods.method_builder``).
 This script prepares ``--methods`` on a NAS scenario both ways, each variant in its own process
 (back to back, ``--repeats`` times in alternating order), and prints the peak RSS of each and
 their ratio.
@@ -40,7 +40,7 @@ def variant(config: str, methods: list[str], data_root: str | None, now: bool) -
     from rafl.config import AlgorithmConfig
     from rafl.federation.run_config import load_run_config
     from rafl.models import resolve_models
-    from rafl.stages.compare.methods import _method_builder
+    from rafl.stages.compare.methods import method_builder
     from rafl.stages.prepare import prepare
 
     torch.set_num_threads(1)
@@ -49,7 +49,7 @@ def variant(config: str, methods: list[str], data_root: str | None, now: bool) -
     t0 = time.perf_counter()
     if now:
         hparams = {m: {} for m in methods}
-        build = _method_builder(cfg, hparams, resolve_models(cfg.clients.models), cfg.clients.feature_dim, False,
+        build = method_builder(cfg, hparams, resolve_models(cfg.clients.models), cfg.clients.feature_dim, False,
                                 False)
         built = {}
         for name in methods:  # the check pass

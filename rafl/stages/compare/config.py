@@ -152,14 +152,14 @@ def load_compare_config(path: str | Path | None, overrides: list[str] | tuple[st
                 message += f" (for {cls.name})" if len(classes) > 1 else ""
             raise UserInputError(message, source=blame(field, set_keys, source), field=field) from None
     tmp = yaml.safe_dump({**data, "algorithm": {"name": "standalone"}})
-    cfg = _validate(tmp, rest, source, Path(path).parent if path is not None else Path.cwd())
+    cfg = validate_compare_config(tmp, rest, source, Path(path).parent if path is not None else Path.cwd())
     if models is None:
         models = cfg.clients.models if "models" in cfg.clients.model_fields_set else DEFAULT_MODELS
     hps = {name: with_group_lr(hp, given[name], models) for name, hp in hps.items()}
     return without_unused_pool(cfg, [(get_algorithm(n), hp) for n, hp in hps.items()], models), hps
 
 
-def _validate(text: str, overrides: list[str], source: str, base: Path) -> RunConfig:
+def validate_compare_config(text: str, overrides: list[str], source: str, base: Path) -> RunConfig:
     """Validate a config text through :func:`rafl.federation.run_config.load_run_config` (its errors name
     ``source``; relative paths in it are taken against ``base``, those of ``--set`` against the
     current folder)."""

@@ -17,7 +17,7 @@ from rafl.io import atomic_write_json
 from rafl.reports.compare import FINETUNED, finetuned_clients, summarize_finetuned
 
 
-def _finetuned_row(fed: Federation, seed: int, rounds: int, run_dir: Path, base_row: dict[str, Any],
+def finetuned_row(fed: Federation, seed: int, rounds: int, run_dir: Path, base_row: dict[str, Any],
                    table: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``<method>-ft`` row of a finished global-model method: the final broadcast (its
     checkpoint) fine-tuned and scored on every client (:func:`rafl.federation.finetune.finetune_evaluate`),

@@ -1,5 +1,5 @@
 """The method runs of a comparison (:func:`run_compare`): every method built and checked on one
-partition and seed before anything is written (:func:`_method_builder`), then run through the
+partition and seed before anything is written (:func:`method_builder`), then run through the
 engine in its own run dir ``OUT/<method>/`` (new, continued or kept on ``--resume``), its row
 scored (the new clients, the fine-tuned variant) and the table and plots written. With
 ``validation`` the clients' validation splits stand in for their test splits
@@ -36,8 +36,8 @@ from rafl.reports.compare import (
     write_table,
 )
 from rafl.stages.compare.config import with_settings
-from rafl.stages.compare.finetune import _finetuned_row
-from rafl.stages.compare.resume import METHOD_RUN, STARTED_WITH, _check_started_with, _previous_rows
+from rafl.stages.compare.finetune import finetuned_row
+from rafl.stages.compare.resume import METHOD_RUN, STARTED_WITH, check_started_with, previous_rows
 from rafl.stages.prepare import Prepared, engine_config, load_data_and_partition, prepare
 from rafl.stages.runs import export_federated_supernet, run_engine, score_new_clients
 
@@ -86,7 +86,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     cfg.clients.models, cfg.clients.feature_dim = models, feature_dim
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    build = _method_builder(cfg, hparams, members, feature_dim, progress, validation)
+    build = method_builder(cfg, hparams, members, feature_dim, progress, validation)
     tables: dict[str, list] = {}
     subnets: dict[str, dict[str, Any]] = {}  # nas: {method: {profile: arch, source, budgets}}
     built: dict[str, tuple[Federation, list, Any]] = {}  # the first method's, kept for its run
@@ -107,7 +107,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
     # a second live compare or --resume of the same folder is refused, a dead one's folder resumes; a
     # compare started together into the same --out stops at the claim of config.yaml: one error, not a mix
     with Comparison.open(out, resume=resume, field="--resume" if resume else "--out") as comparison:
-        previous: dict[str, dict[str, Any]] = _previous_rows(out) if resume else {}
+        previous: dict[str, dict[str, Any]] = previous_rows(out) if resume else {}
         shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
         if not resume:
             atomic_write_yaml(out / COMPARISON_RECORD, {**shared, "algorithms": hparams})
@@ -126,7 +126,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             done = previous.get(name) if run_dir.is_dir() else None  # its run dir removed: rerun it (the hints say so)
             continuing = resume and (run_dir / CHECKPOINT).is_file()
             if done is not None or continuing:
-                _check_started_with(run_dir, started, get_algorithm(name).defaults)
+                check_started_with(run_dir, started, get_algorithm(name).defaults)
                 check_same_clients(run_dir, table, cfg.partition.scheme)
                 completed = len(read_history(run_dir))
                 if completed > ecfg.rounds:
@@ -135,7 +135,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             if done is not None and done.get("rounds") == ecfg.rounds:
                 rows.append(with_new_clients(done, prep, run_dir, ecfg.rounds, validation))
                 if finetune and fed.algorithm.global_model:
-                    rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, done, table))
+                    rows.append(finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, done, table))
                 continue
             earlier_s = sum(r.get("time_s", 0.0) for r in read_history(run_dir)) if continuing else 0.0
             # a new run takes over an attempt that never completed round 1
@@ -160,7 +160,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
             rows.append(with_new_clients(summarize_run(name, summary, read_history(run_dir), wall, table,
                                                        subnets.get(name)), prep, run_dir, ecfg.rounds, validation))
             if finetune and fed.algorithm.global_model:
-                rows.append(_finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, rows[-1], table))
+                rows.append(finetuned_row(fed, cfg.seed, ecfg.rounds, run_dir, rows[-1], table))
             write_table(out, with_settings(rows, hparams), models)
         rows = with_settings(rows, hparams)
         if members == ["nas"]:
@@ -186,7 +186,7 @@ def with_new_clients(row: dict[str, Any], prep: Prepared | None, run_dir: Path, 
     return row
 
 
-def _method_builder(cfg: RunConfig, hparams: dict[str, dict[str, Any]], members: list[str], feature_dim: int,
+def method_builder(cfg: RunConfig, hparams: dict[str, dict[str, Any]], members: list[str], feature_dim: int,
                     progress: bool, validation: bool):
     """``build(name) -> (federation, clients table, Prepared or None)`` of one method of a comparison:
     :func:`prepare` for NAS subnets, :func:`build_group_federation` for a model group. Every method

@@ -18,7 +18,7 @@ from rafl.federation.engine import CHECKPOINT
 from rafl.folders import COMPARISON_RECORD, Comparison, RunKind
 from rafl.models import resolve_models
 from rafl.models.plugin import is_plugin_spec, load_factory
-from rafl.stages.compare.config import _validate
+from rafl.stages.compare.config import validate_compare_config
 
 #: a method's run dir keeps the settings it was started with (compared on ``--resume``)
 STARTED_WITH = "compare_started_with.json"
@@ -33,7 +33,7 @@ METHOD_RUN = RunKind(
     taken="already holds a method's run that completed a round; rafl compare --resume continues it")
 
 
-def _previous_rows(out: Path) -> dict[str, dict[str, Any]]:
+def previous_rows(out: Path) -> dict[str, dict[str, Any]]:
     """The rows of ``out/compare.json`` by method ({} when there is none yet).
 
     Raises:
@@ -52,7 +52,7 @@ def _previous_rows(out: Path) -> dict[str, dict[str, Any]]:
                              "method that has no checkpoint", source=path) from None
 
 
-def _check_started_with(run_dir: Path, started: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
+def check_started_with(run_dir: Path, started: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
     """Refuse to resume a method whose run was started with other settings (an edited config.yaml);
     ``started`` is JSON-normalized like the file. A hyperparameter the method gained after the run
     started (absent from the file) counts as unchanged when it is at its default in ``defaults``:
@@ -109,5 +109,5 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
                                  field=f"algorithms.{name}" + (f".{key}" if key else "")) from None
     # rafl writes this record's paths absolute (rafl.config.absolute_paths); in a record written
     # before it did, a relative path meant the current folder
-    cfg = _validate(yaml.safe_dump({**data, "algorithm": {"name": "standalone"}}), [], str(path), Path.cwd())
+    cfg = validate_compare_config(yaml.safe_dump({**data, "algorithm": {"name": "standalone"}}), [], str(path), Path.cwd())
     return cfg, hps, models, feature_dim
