@@ -8,9 +8,10 @@ figures (:class:`ModelKeys`) are, by the record that holds them:
 - the evaluation contract (:meth:`Algorithm.evaluate <rafl.federation.algorithms.base.Algorithm.evaluate>`,
   one client): ``m.correct``, ``m.total``;
 - a round's record (``metrics.jsonl``, ``metrics.csv``, ``summary.json``'s ``final``:
-  :func:`rafl.federation.engine.summarize_eval`): ``m.acc_mean_over_clients``,
-  ``m.acc_sample_weighted``, ``m.acc_std_over_clients``, and where some clients have not trained
-  yet ``m.acc_untrained_sample_weighted``, ``m.acc_all_sample_weighted``;
+  :class:`rafl.federation.round_record.ModelAccuracy`, whose attributes are these names,
+  :data:`ROUND_FIGURES`): ``m.acc_mean_over_clients``, ``m.acc_sample_weighted``,
+  ``m.acc_std_over_clients``, and where some clients have not trained yet
+  ``m.acc_untrained_sample_weighted``, ``m.acc_all_sample_weighted``;
 - one client's accuracy (``summary.json``'s ``clients``, the per-client table, ``new_clients``):
   ``m.acc``, with :data:`TEST_SAMPLES` / :data:`GLOBAL_TEST_SAMPLES`; after a local fine-tune
   ``m.acc_ft``;
@@ -96,6 +97,10 @@ class ModelKeys:
         return f"{self.model}.acc_mean_last{n}"
 
 
+#: a round record's figures of one model, as :class:`ModelKeys` attribute names
+ROUND_FIGURES = ("acc_mean_over_clients", "acc_sample_weighted", "acc_std_over_clients",
+                 "acc_untrained_sample_weighted", "acc_all_sample_weighted")
+
 #: the deployed model's keys (``model.acc``, ``model.acc_mean_over_clients``, ...)
 MODEL = ModelKeys(DEPLOYED_MODEL)
 #: a comparison row's figure of the held-out clients (the new-clients protocol) as deployed,
@@ -114,6 +119,17 @@ def evaluated_models(record: Iterable[str]) -> list[str]:
     """The models with a ``m.acc_mean_over_clients`` among a round record's keys, sorted ([] for a
     round that was not evaluated)."""
     return sorted({k[:-len(_MEAN_OVER_CLIENTS)] for k in record if k.endswith(_MEAN_OVER_CLIENTS)})
+
+
+def round_figure(key: str) -> tuple[str, str] | None:
+    """``(model, figure)`` of a round record's accuracy key, ``figure`` one of :data:`ROUND_FIGURES`
+    (``"proto@global.acc_sample_weighted"`` -> ``("proto@global", "acc_sample_weighted")``); None
+    for any other key."""
+    for figure in ROUND_FIGURES:
+        suffix = vars(ModelKeys)[figure].suffix
+        if key.endswith(suffix) and len(key) > len(suffix):
+            return key[:-len(suffix)], figure
+    return None
 
 
 def is_client_accuracy(key: str) -> bool:
@@ -157,5 +173,5 @@ def client_accuracies(counts: Mapping[str, float]) -> dict[str, float | None]:
 
 
 __all__ = ["DEPLOYED_MODEL", "GLOBAL_SUFFIX", "GLOBAL_TEST_SAMPLES", "MODEL", "ModelKeys", "NEW_CLIENTS", "NEW_CLIENTS_FT",
-           "TEST_SAMPLES", "client_accuracies", "counted_models", "evaluated_models", "global_count",
-           "is_client_accuracy", "is_count", "model_counts", "totals"]
+           "ROUND_FIGURES", "TEST_SAMPLES", "client_accuracies", "counted_models", "evaluated_models", "global_count",
+           "is_client_accuracy", "is_count", "model_counts", "round_figure", "totals"]
