@@ -67,7 +67,7 @@ def test_compare_row_pools_the_clients_test_samples():
     from rafl.reports.compare import summarize_run
 
     per_client = {0: {"model.correct": 0.0, "model.total": 2.0}, 1: {"model.correct": 90.0, "model.total": 100.0}}
-    history = [{**summarize_eval(per_client), "bytes_up": 10, "bytes_down": 20}]
+    history = [{**summarize_eval(per_client).as_row(), "bytes_up": 10, "bytes_down": 20}]
     row = summarize_run("fedgh", {}, history, wall_s=1.0)
     assert row["model.acc_mean"] == pytest.approx((0.0 + 0.9) / 2)
     assert row["model.acc_pooled"] == pytest.approx(90 / 102)

@@ -141,7 +141,9 @@ def test_prototype_accuracy_without_prototypes_is_not_measured():
     assert evaluate_prototype_accuracy(model, loader, {}) == (0, 0)
     assert evaluate_prototype_accuracy(model, loader, {1: torch.zeros(2)}) == (2, 3)
     summary = summarize_eval({0: {"model.correct": 1.0, "model.total": 3.0, "proto.correct": 0.0, "proto.total": 0.0}})
-    assert "model.acc_mean_over_clients" in summary and not any(k.startswith("proto.") for k in summary)
+    assert list(summary.accuracies) == ["model"]
+    row = summary.as_row()
+    assert "model.acc_mean_over_clients" in row and not any(k.startswith("proto.") for k in row)
 
 
 def test_nearest_prototype_and_weighted_average():

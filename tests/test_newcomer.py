@@ -274,6 +274,7 @@ def test_supernet_info_prints_whole_arch_strings_on_a_narrow_terminal():
 
 
 def test_every_plot_has_a_title(tmp_path, monkeypatch):
+    from rafl.federation.round_record import ModelAccuracy, RoundEvaluation, RoundRecord
     from rafl.reports import compare, run
 
     titles = []
@@ -284,8 +285,10 @@ def test_every_plot_has_a_title(tmp_path, monkeypatch):
         return real(fig, path, **kw)
 
     monkeypatch.setattr(run, "save_figure", keep)
-    history = [{"round": r, "cum_mb": 0.5 * r, "model.acc_mean_over_clients": 0.1 * r,
-                "model.acc_std_over_clients": 0.01} for r in (1, 2)]
+    history = [RoundRecord(round=r, sampled=2, failed=0, bytes_up=0, bytes_down=0, cum_bytes_up=0,
+                           cum_bytes_down=500_000 * r,
+                           evaluation=RoundEvaluation({"model": ModelAccuracy(0.1 * r, 0.1 * r, 0.01)}))
+               for r in (1, 2)]
     run.RunReport(tmp_path).run_done(history, {"algorithm": "fedgh"})
     assert titles == [f"fedgh, {tmp_path.name}: client test accuracy by round",
                       f"fedgh, {tmp_path.name}: client test accuracy vs communication"]
@@ -294,7 +297,8 @@ def test_every_plot_has_a_title(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: seen.append(
         fig._suptitle.get_text() if fig._suptitle else fig.axes[0].get_title()))
-    compare.plot_accuracy_vs_mb(tmp_path / "c.png", {"rafl": history, "fedgh": history})
+    rows = [record.as_row() for record in history]
+    compare.plot_accuracy_vs_mb(tmp_path / "c.png", {"rafl": rows, "fedgh": rows})
     compare.plot_compare(tmp_path / "p.png", [{"algorithm": "rafl", "model.acc_mean": 0.5, "model.acc_std": 0.1,
                                                "mb_total": 1.0, "mb_up": 0.5, "mb_down": 0.5, "wall_s": 3.0}])
     assert seen == ["rafl, fedgh: client test accuracy vs communication",

@@ -41,9 +41,11 @@ server steps and knows no algorithm by name. One round ``t``:
    cost: every client's copy of a broadcast counts). A runner that sends messages (Flower) also
    reports the bytes its messages carried (``wire_bytes_down``/``_up``/``_eval_down``,
    ``cum_wire_mb``: a broadcast the clients of one node share travels once to that node).
-8. The round's record (a ``dict``, one line of ``metrics.jsonl``) is appended to the history and
-   handed to every :class:`RunObserver` (:class:`rafl.reports.run.RunReport` writes the metrics
-   files), then ``checkpoint.safetensors`` (server state, broadcast, available set, committed
+8. The round's record (a :class:`~rafl.federation.round_record.RoundRecord`: its counters, its
+   evaluation's accuracies by model name, its seconds; :meth:`~rafl.federation.round_record.RoundRecord.as_row`
+   is its line of ``metrics.jsonl``) is appended to the history and handed to every
+   :class:`RunObserver` (:class:`rafl.reports.run.RunReport` writes the metrics files), then
+   ``checkpoint.safetensors`` (server state, broadcast, available set, committed
    client-state versions, counters, metrics so far) is written atomically. After the last round
    the observers get the history and the summary (:func:`make_summary`). The engine itself writes
    only ``clients/`` and the checkpoint.
@@ -77,7 +79,6 @@ from rafl.federation.events import report
 from rafl.federation.metric_keys import (
     GLOBAL_SUFFIX,
     GLOBAL_TEST_SAMPLES,
-    MODEL,
     TEST_SAMPLES,
     ModelKeys,
     client_accuracies,
@@ -86,6 +87,7 @@ from rafl.federation.metric_keys import (
     totals,
 )
 from rafl.federation.payload import CountedPayload, Payload
+from rafl.federation.round_record import ModelAccuracy, RoundEvaluation, RoundRecord
 from rafl.federation.run_files import CHECKPOINT
 from rafl.federation.runners import Federation, RunnerFactory
 from rafl.federation.screening import ClientError, UploadPolicy, screen_uploads
@@ -143,32 +145,34 @@ class RunState:
     server_state: Any
     broadcast: Payload
     available: list[int]
-    history: list[dict[str, Any]]
+    history: list[RoundRecord]
     counters: dict[str, Any]
 
 
 @dataclass
 class RoundResult:
-    """One round as :meth:`Engine._round` returns it: its record (one line of ``metrics.jsonl``,
-    timing still to add), its :class:`RoundTimes` and, in an evaluated round, the evaluation's
-    ``(summary, per-client counts)``."""
+    """One round as :meth:`Engine._round` returns it: its record (its seconds still to add), its
+    :class:`RoundTimes` and, in an evaluated round, every evaluated client's evaluation-contract
+    counts (client id -> ``m.correct`` / ``m.total`` / ...)."""
 
-    row: dict[str, Any]
+    record: RoundRecord
     times: RoundTimes
-    evaluation: tuple[dict[str, Any], dict[int, dict[str, float]]] | None = None
+    client_counts: dict[int, dict[str, float]] | None = None
 
 
 class RunObserver(Protocol):
-    """Who records a run: the engine hands it every round's record and the summary
-    (:class:`rafl.reports.run.RunReport` writes the run dir's metrics files, summary and plots).
-    Called in the engine's thread; an exception propagates into the run."""
+    """Who records a run: the engine hands it every round's record
+    (:class:`~rafl.federation.round_record.RoundRecord`; ``as_row()`` is its line of
+    ``metrics.jsonl``) and the summary (:class:`rafl.reports.run.RunReport` writes the run dir's
+    metrics files, summary and plots). Called in the engine's thread; an exception propagates into
+    the run."""
 
-    def round_done(self, history: list[dict[str, Any]]) -> None:
+    def round_done(self, history: list[RoundRecord]) -> None:
         """After every completed round, before its checkpoint: the records of all rounds so far
         (resumed ones included; the last is this round's, its ``time_s`` / ``time_engine_s``
         without the observers' and the checkpoint's time)."""
 
-    def run_done(self, history: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    def run_done(self, history: list[RoundRecord], summary: dict[str, Any]) -> None:
         """After the last round (also when a resumed run had none left): every round's record,
         with complete timing, and :func:`make_summary`'s summary."""
 
@@ -228,7 +232,7 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoint
     def _checkpoint(self, rnd: int, server_state: Any, broadcast: Payload, available: list[int],
-                    history: list[dict], counters: dict) -> None:
+                    history: list[RoundRecord], counters: dict) -> None:
         committed = self.store.commit()
         save_state(self.run_dir / CHECKPOINT, {
             "round": rnd,
@@ -237,7 +241,7 @@ class Engine:
             "broadcast_meta": json.dumps(dict(broadcast.meta)),
             "available": list(available),
             "committed": {str(k): v for k, v in committed.items()},
-            "history": json.dumps(history),
+            "history": json.dumps([record.as_row() for record in history]),
             "counters": json.dumps(counters),
             "config": json.dumps(self.cfg.model_dump(mode="json")),
             "n_clients": len(self.fed.clients),
@@ -258,7 +262,9 @@ class Engine:
         return ck
 
     # ------------------------------------------------------------------ evaluation
-    def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
+    def _evaluate(self, rnd: int, broadcast: Payload) -> tuple[RoundEvaluation, dict[int, dict[str, float]]]:
+        """Evaluate the clients ``engine.eval_clients`` names on their test splits: what the round
+        measured, and each client's evaluation-contract counts (the clients evaluated one by one)."""
         ids = list(range(len(self.fed.clients))) if self.cfg.eval_clients == "all" else sorted(self.store.committed)
         untrained = [cid for cid in ids if not self.store.has(cid)]
         shared = (bool(untrained) and self.fed.algorithm.shared_initial_evaluation
@@ -266,16 +272,15 @@ class Engine:
         if shared:  # clients that never trained: one evaluation per architecture, not one each
             ids = [cid for cid in ids if self.store.has(cid)]
         per_client, lost = self.clients.evaluate(rnd, ids, broadcast)
-        summary: dict[str, Any] = summarize_eval(per_client)
+        evaluation = summarize_eval(per_client)
         if shared:
             groups, lost_untrained = self.clients.evaluate_untrained(rnd, untrained, broadcast)
-            summary.update(summarize_untrained(per_client, groups))
+            summarize_untrained(evaluation, per_client, groups)
             lost.update(lost_untrained)
-        if lost:  # a Flower node that failed or timed out: its clients are left out of this round's accuracies
-            summary["eval_lost"] = {str(cid): why for cid, why in sorted(lost.items())}
-        return summary, per_client
+        evaluation.lost = dict(lost)  # a Flower node that failed or timed out: its clients are in no accuracy
+        return evaluation, per_client
 
-    def _count_wire(self, row: dict[str, Any], counters: dict[str, Any]) -> None:
+    def _count_wire(self, record: RoundRecord, counters: dict[str, Any]) -> None:
         """A runner that sends messages (Flower) reports the bytes they carried (``take_traffic``):
         the round's ``wire_bytes_down`` / ``wire_bytes_up`` (training: a broadcast several clients of
         a node share counted once per node) and ``wire_bytes_eval_down`` (evaluation), and
@@ -285,9 +290,10 @@ class Engine:
         if sent is None:
             return
         for key in ("down", "up", "eval_down"):
-            row[f"wire_bytes_{key}"] = int(sent[key])
             counters[f"cum_wire_bytes_{key}"] = counters.get(f"cum_wire_bytes_{key}", 0) + int(sent[key])
-        row["cum_wire_mb"] = (counters["cum_wire_bytes_down"] + counters["cum_wire_bytes_up"]) / 1e6
+        record.wire_bytes_down, record.wire_bytes_up = int(sent["down"]), int(sent["up"])
+        record.wire_bytes_eval_down = int(sent["eval_down"])
+        record.cum_wire_mb = (counters["cum_wire_bytes_down"] + counters["cum_wire_bytes_up"]) / 1e6
 
     # ------------------------------------------------------------------ main loop
     def run(self, resume: bool = False) -> dict[str, Any]:
@@ -310,7 +316,8 @@ class Engine:
             self.store.cleanup()
             return RunState(server_state=ck["server_state"],
                             broadcast=Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"])),
-                            available=[int(v) for v in ck["available"]], history=json.loads(ck["history"]),
+                            available=[int(v) for v in ck["available"]],
+                            history=[RoundRecord.from_row(row) for row in json.loads(ck["history"])],
                             counters=json.loads(ck["counters"])), int(ck["round"]) + 1
         torch.manual_seed(self.seeds.server(0))
         server_state, broadcast = algo.init_server(self._server_ctx(0))
@@ -325,34 +332,33 @@ class Engine:
         st, start = self._start(resume)
         bar = tqdm(range(start, cfg.rounds + 1), desc=f"{algo.name} rounds", disable=not self.progress,
                    initial=start - 1, total=cfg.rounds)
-        last_eval: tuple[dict, dict] | None = None
+        last_counts: dict[int, dict[str, float]] | None = None
         for rnd in bar:
             t0 = time.perf_counter()
             done = self._round(rnd, st)
-            times, row = done.times, done.row
-            if done.evaluation is not None:
-                last_eval = done.evaluation
-            self._count_wire(row, st.counters)
+            times, record = done.times, done.record
+            if done.client_counts is not None:
+                last_counts = done.client_counts
+            self._count_wire(record, st.counters)
             times.total = time.perf_counter() - t0
-            row.update({"time_s": times.total, "time_client_update_s": times.client_update,
-                        "time_aggregate_s": times.aggregate, "time_evaluate_s": times.evaluate,
-                        "time_engine_s": times.engine})
-            st.history.append(row)
+            record.time_s, record.time_client_update_s = times.total, times.client_update
+            record.time_aggregate_s, record.time_evaluate_s = times.aggregate, times.evaluate
+            st.history.append(record)
             tw = time.perf_counter()
             for observer in self.observers:  # e.g. metrics.jsonl: on disk before the round's checkpoint
                 observer.round_done(st.history)
             self._checkpoint(rnd, st.server_state, st.broadcast, st.available, st.history, st.counters)
             times.total += time.perf_counter() - tw
-            row["time_s"], row["time_engine_s"] = times.total, times.engine
+            record.time_s = times.total  # and so its time_engine_s
             self.times.append(times)
             report("round_end", round=rnd)
-            if MODEL.acc_mean_over_clients in row:
-                bar.set_postfix(acc=f"{row[MODEL.acc_mean_over_clients]:.3f}",
-                                comm=tqdm.format_sizeof(row["cum_mb"] * 1e6, "B", 1000))
+            acc = record.mean_accuracy()
+            if acc is not None:
+                bar.set_postfix(acc=f"{acc:.3f}", comm=tqdm.format_sizeof(record.cum_mb * 1e6, "B", 1000))
         bar.close()
-        if last_eval is None:  # resumed after the final round: re-evaluate from the checkpoint
-            last_eval = self._evaluate(cfg.rounds, st.broadcast)
-        summary = make_summary(algo.name, st.history, st.counters, last_eval[1], cfg)
+        if last_counts is None:  # resumed after the final round: re-evaluate from the checkpoint
+            last_counts = self._evaluate(cfg.rounds, st.broadcast)[1]
+        summary = make_summary(algo.name, st.history, st.counters, last_counts, cfg)
         for observer in self.observers:
             observer.run_done(st.history, summary)
         return summary
@@ -456,38 +462,24 @@ class Engine:
         counters["cum_bytes_up"] += bytes_up
         counters["cum_bytes_down"] += bytes_down
         counters["failures"] += len(failed)
-        row: dict[str, Any] = {
-            "round": rnd, "sampled": len(sampled), "failed": len(failed),
-            "participated": len(sampled) - len(failed),
-            "bytes_up": bytes_up, "bytes_down": bytes_down,
-            "cum_bytes_up": counters["cum_bytes_up"], "cum_bytes_down": counters["cum_bytes_down"],
-            "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
-            "bytes_up_per_client": bytes_up / max(1, len(sampled) - len(failed)),
-            "rejected": len(screened.rejected),
-        }
-        if screened.rejected:  # uploads the server refused, with the reason (rafl.federation.screening)
-            row["rejected_reasons"] = {str(cid): why for cid, why in sorted(screened.rejected.items())}
-            row["bytes_rejected"] = screened.bytes_rejected
-        if screened.claims_overridden:  # clients whose own n_samples claim the registered count replaced
-            row["n_samples_overridden"] = screened.claims_overridden
-        if round_failed:
-            row["round_failed"] = True
-        if lost:  # clients a runner lost (a Flower node's error or timeout), with the reason
-            row["lost"] = {str(cid): why for cid, why in sorted(lost.items())}
-        evaluation = None
+        record = RoundRecord(
+            round=rnd, sampled=len(sampled), failed=len(failed), bytes_up=bytes_up, bytes_down=bytes_down,
+            cum_bytes_up=counters["cum_bytes_up"], cum_bytes_down=counters["cum_bytes_down"],
+            rejected_reasons=dict(screened.rejected), bytes_rejected=screened.bytes_rejected,
+            n_samples_overridden=list(screened.claims_overridden), round_failed=round_failed, lost=dict(lost))
+        client_counts = None
         if (rnd % cfg.eval_every == 0 and not fed.algorithm.static_models) or rnd == cfg.rounds:
             self.store.commit()  # evaluation reads this round's states
             te = time.perf_counter()
             report("evaluate", clients=len(fed.clients) if cfg.eval_clients == "all" else len(self.store.committed))
-            evaluation = self._evaluate(rnd, st.broadcast)
+            record.evaluation, client_counts = self._evaluate(rnd, st.broadcast)
             times.evaluate = time.perf_counter() - te
-            row.update(evaluation[0])
-            acc = evaluation[0].get(MODEL.acc_mean_over_clients)
+            acc = record.mean_accuracy()
             if (cfg.target_accuracy is not None and counters["co_mb_to_target"] is None
                     and acc is not None and acc >= cfg.target_accuracy):
-                counters["co_mb_to_target"] = row["cum_mb"]
+                counters["co_mb_to_target"] = record.cum_mb
                 counters["co_round"] = rnd
-        return RoundResult(row=row, times=times, evaluation=evaluation)
+        return RoundResult(record=record, times=times, client_counts=client_counts)
 
 
 def unusable_state(broadcast: Payload) -> str | None:
@@ -526,13 +518,14 @@ def failed_round_reason(rnd: int, uploaded: int, valid: int, needed: int, reject
 
 
 # ---------------------------------------------------------------------- metrics
-def summarize_eval(per_client: dict[int, dict[str, float]]) -> dict[str, float]:
-    """Per model ``m`` (keys ``m.correct``/``m.total`` of the evaluation contract):
-    ``m.acc_mean_over_clients`` (unweighted mean of per-client accuracies),
-    ``m.acc_sample_weighted`` (sum correct / sum total) and ``m.acc_std_over_clients``
-    (population std of per-client accuracies). Clients with an empty test split are skipped.
-    Other numeric keys are averaged over clients as ``key.mean``."""
-    out: dict[str, float] = {}
+def summarize_eval(per_client: dict[int, dict[str, float]]) -> RoundEvaluation:
+    """What an evaluation of the clients one by one measured, per model ``m`` (keys
+    ``m.correct``/``m.total`` of the evaluation contract): the unweighted mean of the clients'
+    accuracies, the sample-weighted accuracy (sum correct / sum total) and the population std of
+    the clients' accuracies (:class:`~rafl.federation.round_record.ModelAccuracy`). Clients with an
+    empty test split are skipped; a model no client could score has no figures. Other numeric keys
+    are averaged over the clients that report them (``means``)."""
+    out = RoundEvaluation()
     for m in map(ModelKeys, counted_models(k for r in per_client.values() for k in r)):
         accs, correct, total = [], 0.0, 0.0
         for r in per_client.values():
@@ -542,44 +535,47 @@ def summarize_eval(per_client: dict[int, dict[str, float]]) -> dict[str, float]:
                 correct += r[m.correct]
                 total += tot
         if accs:
-            out[m.acc_mean_over_clients] = float(np.mean(accs))
-            out[m.acc_sample_weighted] = correct / total
-            out[m.acc_std_over_clients] = float(np.std(accs))
+            out.accuracies[m.model] = ModelAccuracy(acc_mean_over_clients=float(np.mean(accs)),
+                                                    acc_sample_weighted=correct / total,
+                                                    acc_std_over_clients=float(np.std(accs)))
     extra = sorted({k for r in per_client.values() for k in r if not is_count(k)})
     for k in extra:
         vals = [r[k] for r in per_client.values() if k in r]
-        out[f"{k}.mean"] = float(np.mean(vals))
+        out.means[k] = float(np.mean(vals))
     return out
 
 
-def summarize_untrained(per_client: dict[int, dict[str, float]],
-                        groups: list[tuple[list[int], dict[str, float]]]) -> dict[str, float]:
-    """A round's figures of the shared evaluation, per model ``m`` of the evaluation contract:
-    ``m.acc_untrained_sample_weighted`` (sum correct / sum total over the groups of clients that
-    have not trained) and ``m.acc_all_sample_weighted`` (with the clients evaluated one by one,
-    ``per_client``, added: every client's test samples); ``eval.trained_clients`` and
-    ``eval.untrained_clients`` count the clients behind each."""
-    out: dict[str, float] = {"eval.trained_clients": len(per_client),
-                             "eval.untrained_clients": sum(len(g) for g, _ in groups)}
+def summarize_untrained(evaluation: RoundEvaluation, per_client: dict[int, dict[str, float]],
+                        groups: list[tuple[list[int], dict[str, float]]]) -> None:
+    """Adds to ``evaluation`` the figures of the shared evaluation of the clients that have not
+    trained (``groups``: their ids and pooled counts), per model of the evaluation contract:
+    ``acc_untrained_sample_weighted`` (sum correct / sum total over those groups) and
+    ``acc_all_sample_weighted`` (with the clients evaluated one by one, ``per_client``, added:
+    every client's test samples); ``trained_clients`` and ``untrained_clients`` count the clients
+    behind each."""
+    evaluation.trained_clients = len(per_client)
+    evaluation.untrained_clients = sum(len(g) for g, _ in groups)
     counts = [c for _, c in groups]
     for m in map(ModelKeys, counted_models(k for c in counts for k in c)):
+        acc = evaluation.accuracies.get(m.model, ModelAccuracy())
         correct = sum(c.get(m.correct, 0.0) for c in counts)
         total = sum(c.get(m.total, 0.0) for c in counts)
         if total > 0:
-            out[m.acc_untrained_sample_weighted] = correct / total
+            acc.acc_untrained_sample_weighted = correct / total
         correct += sum(r.get(m.correct, 0.0) for r in per_client.values())
         total += sum(r.get(m.total, 0.0) for r in per_client.values())
         if total > 0:
-            out[m.acc_all_sample_weighted] = correct / total
-    return out
+            acc.acc_all_sample_weighted = correct / total
+        if acc != ModelAccuracy():
+            evaluation.accuracies[m.model] = acc
 
 
-def make_summary(algorithm: str, history: list[dict], counters: dict, per_client: dict[int, dict[str, float]],
-                 cfg: EngineConfig) -> dict[str, Any]:
+def make_summary(algorithm: str, history: list[RoundRecord], counters: dict,
+                 per_client: dict[int, dict[str, float]], cfg: EngineConfig) -> dict[str, Any]:
     """The run summary: final-round metrics (not best-round), best-round accuracy (named as such),
     communication totals, CO to target, failures, per-client final accuracies, timing."""
-    evals = [r for r in history if MODEL.acc_mean_over_clients in r]
-    final = evals[-1] if evals else {}
+    evals = [r for r in history if r.mean_accuracy() is not None]
+    final = evals[-1].evaluation if evals else None
     clients = {}
     for cid, r in sorted(per_client.items()):
         clients[str(cid)] = client_accuracies(r)
@@ -588,14 +584,14 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         held = next((n for m, n in sizes.items() if m.endswith(GLOBAL_SUFFIX)), None)
         if held is not None:  # the held-out global test set's size (the same images for every client)
             clients[str(cid)][GLOBAL_TEST_SAMPLES] = held
-    part = [r["participated"] for r in history]
-    tot = sum(r["time_s"] for r in history)
-    eng = sum(r["time_engine_s"] for r in history)
+    part = [r.participated for r in history]
+    tot = sum(r.time_s for r in history)
+    eng = sum(r.time_engine_s for r in history)
     return {
         "algorithm": algorithm,
         "rounds": len(history),
-        "final": {k: v for k, v in final.items() if ".acc_" in k},
-        "best_round_model_acc_mean_over_clients": max((r[MODEL.acc_mean_over_clients] for r in evals), default=None),
+        "final": final.accuracy_row() if final is not None else {},
+        "best_round_model_acc_mean_over_clients": max((r.mean_accuracy() for r in evals), default=None),
         "cum_bytes_up": counters["cum_bytes_up"],
         "cum_bytes_down": counters["cum_bytes_down"],
         "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
@@ -614,14 +610,15 @@ def make_summary(algorithm: str, history: list[dict], counters: dict, per_client
         "clients": clients,
         "time_s": tot,
         "engine_overhead_share": eng / tot if tot > 0 else 0.0,
-        **({"eval_coverage": eval_coverage(final)} if "eval.untrained_clients" in final else {}),
+        **({"eval_coverage": eval_coverage(final)} if final is not None and final.untrained_clients is not None
+           else {}),
     }
 
 
-def eval_coverage(row: dict[str, Any]) -> dict[str, str]:
-    """Which clients each figure of an evaluated ``row`` covers, in words (``summary.json``'s
-    ``eval_coverage`` when some clients had not trained yet)."""
-    trained, untrained = int(row.get("eval.trained_clients", 0)), int(row["eval.untrained_clients"])
+def eval_coverage(evaluation: RoundEvaluation) -> dict[str, str]:
+    """Which clients each figure of an ``evaluation`` that evaluated the clients that had not
+    trained together covers, in words (``summary.json``'s ``eval_coverage``)."""
+    trained, untrained = int(evaluation.trained_clients or 0), int(evaluation.untrained_clients or 0)
     m = ModelKeys("m")  # any model
     return {
         f"{m.acc_mean_over_clients}, {m.acc_std_over_clients}, {m.acc_sample_weighted}, clients":
