@@ -24,9 +24,9 @@ A row's keys, in this order (the attribute of the same name holds each value):
 - the round's seconds (:data:`TIMES`): ``time_s``, ``time_client_update_s``,
   ``time_aggregate_s``, ``time_evaluate_s``, ``time_engine_s``.
 
-A model ``m`` is named as an :class:`~rafl.federation.algorithms.base.Accuracy` of the method
-declares it (its prefix: ``model``, ``proto``, ``knowledge``, ...), with ``@global`` when scored on
-the held-out global test set; the keys are :class:`~rafl.federation.metric_keys.ModelKeys`'.
+A model ``m`` is named by the prefix of the :class:`~rafl.federation.algorithms.base.Accuracy`
+the method declares for it (``model``, ``proto``, ``knowledge``, ...), with ``@global`` when scored
+on the held-out global test set; its keys are :class:`~rafl.federation.metric_keys.ModelKeys`'.
 This module imports no torch.
 """
 
@@ -69,6 +69,7 @@ def _by_client(reasons: Mapping[int, str]) -> dict[str, str]:
 
 
 def _from_by_client(reasons: Mapping[str, str]) -> dict[int, str]:
+    """A row's ``client id -> reason`` (ids as strings) as a record holds it."""
     return {int(cid): str(why) for cid, why in reasons.items()}
 
 
