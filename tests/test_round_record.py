@@ -174,3 +174,13 @@ def test_a_run_writes_its_records_rows_and_a_resumed_run_reads_them_back(tiny, t
     assert [no_times(x) for x in again] == [no_times(x) for x in lines]
     # the resumed round's record: the checkpoint's row (written before the round's final timing)
     assert no_times(again[0]) == no_times(first[0])
+    # a checkpoint whose history holds a key no round record has: one line naming the checkpoint, nothing run
+    from rafl.errors import UserInputError
+    from rafl.federation.store import load_state, save_state
+
+    ck = load_state(tmp_path / "b" / "checkpoint.safetensors")
+    ck["history"] = json.dumps([{**json.loads(again[0]), "foreign": 1}])
+    save_state(tmp_path / "b" / "checkpoint.safetensors", ck)
+    with pytest.raises(UserInputError, match=r"checkpoint\.safetensors: history: 'foreign' is no key .*allowed: a "
+                                             r"checkpoint this rafl version wrote"):
+        Engine(fed(), EngineConfig(rounds=3, clients_per_round=2, seed=0), tmp_path / "b", progress=False).run(resume=True)

@@ -312,12 +312,17 @@ class Engine:
             for folder in (self.run_dir, self.run_dir / "clients"):  # what a kill -9 mid-write left behind
                 remove_orphaned_tmp(folder)
             ck = self._load_checkpoint()
+            try:
+                history = [RoundRecord.from_row(row) for row in json.loads(ck["history"])]
+            except ValueError as err:  # a checkpoint another rafl version wrote, or edited by hand
+                raise UserInputError(f"{err}; allowed: a checkpoint this rafl version wrote",
+                                     source=self.run_dir / CHECKPOINT, field="history") from None
             self.store.committed = {int(k): int(v) for k, v in ck["committed"].items()}
             self.store.cleanup()
             return RunState(server_state=ck["server_state"],
                             broadcast=Payload(ck["broadcast_tensors"], json.loads(ck["broadcast_meta"])),
                             available=[int(v) for v in ck["available"]],
-                            history=[RoundRecord.from_row(row) for row in json.loads(ck["history"])],
+                            history=history,
                             counters=json.loads(ck["counters"])), int(ck["round"]) + 1
         torch.manual_seed(self.seeds.server(0))
         server_state, broadcast = algo.init_server(self._server_ctx(0))
