@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -144,29 +145,72 @@ def train_client(fed: Federation, store: ClientStore, ctx: ClientContext, down: 
     return upload, seconds
 
 
-def evaluate_state(fed: Federation, state: Any, ctx: ClientContext) -> dict[str, float]:
+def deployed_fingerprint(fed: Federation, state: Any, ctx: ClientContext) -> tuple[str, str] | None:
+    """``(model_key, SHA-256 of the prepared state's tensors and values)``: equal for two clients whose
+    global-test-set counts are equal (:attr:`~rafl.federation.algorithms.base.Algorithm.evaluates_state_only`),
+    or None where they may differ: a method that reads more than the state, BN statistics re-estimated on
+    each client's own data (``train.bn_statistics: client``), or a state holding what is not a tensor,
+    number, string or container of them."""
+    algo = fed.algorithm
+    if not algo.evaluates_state_only or (overrides(algo, fed.bn_statistics) and fed.bn_statistics == "client"):
+        return None
+    digest = hashlib.sha256()
+
+    def feed(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            digest.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            return True
+        if value is None or isinstance(value, (bool, int, float, str)):
+            digest.update(f"V{type(value).__name__}{value!r}".encode())
+            return True
+        if isinstance(value, Mapping):
+            digest.update(f"M{len(value)}".encode())
+            return all(feed(k) and feed(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            digest.update(f"L{len(value)}".encode())
+            return all(feed(v) for v in value)
+        return False
+
+    return (ctx.info.model_key, digest.hexdigest()) if feed(state) else None
+
+
+def evaluate_state(fed: Federation, state: Any, ctx: ClientContext,
+                   shared: dict[tuple[str, str], dict[str, float]] | None = None) -> dict[str, float]:
     """``evaluate`` of a prepared client state on the client's own test split, and, when the
     federation has a held-out global test set (``fed.global_test``), on it too, its models renamed
     ``m@global`` (:func:`rafl.federation.metric_keys.global_count`). The deployed models' BatchNorm
-    statistics follow ``fed.bn_statistics`` (:func:`rafl.federation.bn_statistics.deployment`)."""
+    statistics follow ``fed.bn_statistics`` (:func:`rafl.federation.bn_statistics.deployment`).
+
+    ``shared``: the global-test-set counts already scored in this evaluation, by
+    :func:`deployed_fingerprint`; a client whose deployed model is there reuses them (the same
+    numbers: the same weights, statistics and images), one that is not adds its own. None: every
+    client is scored."""
     algo = fed.algorithm
     with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
         out = dict(algo.evaluate(state, ctx))
     held = fed.global_test
     if held is not None:
-        with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
-            counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
-        for key, value in counts.items():
-            held_key = global_count(key)
+        key = deployed_fingerprint(fed, state, ctx) if shared is not None else None
+        counts = shared.get(key) if key is not None else None
+        if counts is None:
+            with deployment(fed.bn_statistics, algo, ctx.train_loader, fed.server.public_images, ctx.device):
+                counts = algo.evaluate(state, dataclasses.replace(ctx, test_loader=held))
+            if key is not None:
+                shared[key] = dict(counts)
+        for key_, value in counts.items():
+            held_key = global_count(key_)
             if held_key is not None:
                 out[held_key] = value
     return out
 
 
-def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload) -> dict[str, float]:
+def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, broadcast: Payload,
+                    shared: dict[tuple[str, str], dict[str, float]] | None = None) -> dict[str, float]:
     """Evaluate the client's committed state (``prepare_evaluation`` with its view of
-    ``broadcast``, then ``evaluate``, :func:`evaluate_state`): the evaluation contract's
-    ``m.correct``/``m.total`` (and ``m@global.*`` with a global test set).
+    ``broadcast``, then ``evaluate``, :func:`evaluate_state`, ``shared`` as there): the evaluation
+    contract's ``m.correct``/``m.total`` (and ``m@global.*`` with a global test set).
 
     Raises:
         UserInputError: from the method (e.g. a stored state that does not fit the model), naming
@@ -176,7 +220,7 @@ def evaluate_client(fed: Federation, store: ClientStore, ctx: ClientContext, bro
     with naming_client(ctx):
         state = load_or_init(fed, store, ctx)
         state = algo.prepare_evaluation(state, algo.client_broadcast(broadcast, ctx.info), ctx)
-        return evaluate_state(fed, state, ctx)
+        return evaluate_state(fed, state, ctx, shared)
 
 
 #: ``(client id, upload)`` pairs in job order, the clients lost with the reason, and the seconds of
@@ -274,8 +318,9 @@ class InProcessClients(ClientRunner):
     def evaluate(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[dict[int, dict[str, float]], dict[int, str]]:
         """The evaluation contract's counts of every client in ``ids`` (committed states), and the
         clients that could not be evaluated with the reason (never any here)."""
-        return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast)
-                for cid in ids}, {}
+        shared: dict[tuple[str, str], dict[str, float]] = {}  # one global-set scoring per deployed model
+        return {cid: evaluate_client(self.fed, self.store, client_context(self.fed, self.seed, cid, rnd), broadcast,
+                                     shared) for cid in ids}, {}
 
     def evaluate_untrained(self, rnd: int, ids: list[int], broadcast: Payload) -> tuple[list, dict[int, str]]:
         """The shared evaluation of clients without a state (:func:`evaluate_untrained`)."""

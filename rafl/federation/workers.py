@@ -180,6 +180,8 @@ def _serve(conn, fed, store_dir: str, seed: int) -> None:
     """A worker's jobs from ``conn`` until ``None`` or the pipe closes (:func:`_worker_main`)."""
     store = ClientStore(store_dir)
     downloads: dict[int, Payload] = {}
+    shared_round: int | None = None
+    shared: dict[tuple[str, str], dict[str, float]] = {}
     while True:
         try:
             msg = conn.recv()
@@ -205,7 +207,9 @@ def _serve(conn, fed, store_dir: str, seed: int) -> None:
                 except UserInputError as err:  # this client's failure (no state saved), not the run's
                     result = (ClientError.of(err), 0.0)
             elif kind == "evaluate":
-                result = evaluate_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key])
+                if shared_round != rnd:  # one global-set scoring per deployed model and round
+                    shared_round, shared = rnd, {}
+                result = evaluate_client(fed, store, client_context(fed, seed, cid, rnd), downloads[key], shared)
             else:  # "initial": cid is a group of never-trained clients
                 result = evaluate_group(fed, store, seed, rnd, cid, downloads[key])
             conn.send(("ok", result))

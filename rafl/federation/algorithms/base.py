@@ -211,6 +211,11 @@ class Algorithm(ABC):
             an initial state depend on the client only through its model (``model_key``) and its
             test split; the engine then evaluates the clients that have not trained yet together,
             one evaluation per model (:mod:`rafl.federation.workers`). False: one by one.
+        evaluates_state_only: True when :meth:`evaluate` of a prepared state depends on the client
+            only through its model (``model_key``) and the loader it scores: clients whose deployed
+            states are equal tensor for tensor get the same counts on the global test set, which the
+            engine then scores once per distinct deployed model and round (:func:`rafl.federation.runners.evaluate_state`;
+            not under ``train.bn_statistics: client``, whose statistics come from each client's data).
         static_models: True when no client's deployed model changes over the rounds (the
             no-training floor): the engine evaluates once, after the last round, whatever
             ``engine.eval_every`` says (its curve is flat; its last-3 figure is its final one).
@@ -245,6 +250,7 @@ class Algorithm(ABC):
     requires_homogeneous: ClassVar[bool] = False
     uses_public_pool: ClassVar[bool] = False
     shared_initial_evaluation: ClassVar[bool] = True
+    evaluates_state_only: ClassVar[bool] = False
     static_models: ClassVar[bool] = False
     accuracies: ClassVar[tuple[Accuracy, ...]] = (DEPLOYED,)
     global_model: ClassVar[bool] = False

@@ -49,6 +49,7 @@ class FedAvg(Algorithm):
     """FedAvg (McMahan et al. 2017, Alg. 1). Server state ``{"global": state_dict}``."""
 
     name: ClassVar[str] = "fedavg"
+    evaluates_state_only: ClassVar[bool] = True
     hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
     requires_homogeneous: ClassVar[bool] = True
     global_model: ClassVar[bool] = True

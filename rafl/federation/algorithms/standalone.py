@@ -24,6 +24,7 @@ class Standalone(Algorithm):
     """Local training only. Client state: ``{"model": state_dict}``."""
 
     name: ClassVar[str] = "standalone"
+    evaluates_state_only: ClassVar[bool] = True
     hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
 
     def init_server(self, server: ServerContext):
