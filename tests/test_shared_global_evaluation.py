@@ -30,6 +30,7 @@ def _config(method: str, train: dict | None = None) -> RunConfig:
     ("fedavg", {"bn_statistics": "server"}, 1),   # one global model, the pool's statistics: one scoring
     ("fedavg", {}, 1),                              # FedAvg's own rule (averaged statistics)
     ("fedavg", {"bn_statistics": "client"}, 4),     # each client's own statistics: each scored
+    ("centralized", {}, 1),                         # one model per tier, cnn4-small: one tier, one scoring
     ("standalone", {}, 4),                          # cnn4-small: every client its own initial draw, so no two alike
     ("fedproto", {}, 4),                            # a method that reads more than the state: never shared
 ])

@@ -54,6 +54,8 @@ class Centralized(Algorithm):
     hparams_model: ClassVar[type[Hyperparameters]] = CentralizedHparams
     #: the deployed statistics: re-estimated on the pooled client data
     bn_statistics: ClassVar[str] = "pooled"
+    #: a client deploys its tier's model as broadcast: clients of one tier score alike on the global set
+    evaluates_state_only: ClassVar[bool] = True
 
     def _server_model(self, server: ServerContext, info: ClientInfo) -> torch.nn.Module:
         if info.arch is not None:
