@@ -20,8 +20,8 @@ grid extends that method's grid by the next half-decade value (:data:`LADDER`, a
 
 Resumable: the comparisons are ``bench/fair_headline.py``'s (:func:`fair_headline.compare`): a finished
 cell-method (``compare.json``) is skipped, an interrupted one resumes with the same command. Before it
-starts it prints its CPU budget estimate (image-steps x :data:`SECONDS_PER_IMAGE_STEP`, an assumed rate
-to calibrate on the first finished cell) and refuses bad input (one line, exit 2, nothing written).
+starts it prints its CPU budget estimate (:func:`budget`: training image-steps and global-set scorings at
+rates measured on the 450-image cell) and refuses bad input (one line, exit 2, nothing written).
 
 Writes ``bench/results/where_federation_pays.md`` / ``.json`` / ``.png``: per cell and method the mean over
 clients in each protocol, and the paired gain over the floor and over standalone (points, mean over the
@@ -64,9 +64,19 @@ NULL_CELL = (20000, 1500)
 TRAIN_SHARE = 0.9
 #: the smallest client partition.min_samples allows (the config's)
 MIN_SAMPLES = 20
-#: assumed CPU seconds per image-step (forward + backward of one 32 px image on a small subnet, one
-#: core), for the budget estimate only; calibrate it on the first finished cell's wall_s
-SECONDS_PER_IMAGE_STEP = 0.004
+#: CPU seconds per image-step of local training on one core, measured: the 450-image cell's final runs
+#: (``where_federation_pays_runs/pool5000-pc450``, ``time_client_update_s`` over the sampled clients'
+#: training images: standalone 0.008, FedAvg 0.005, FedGH 0.018, RaFL+kw1 0.019), their mean
+SECONDS_PER_IMAGE_STEP = 0.013
+#: CPU seconds to score one deployed model on the global test set (5,000 images) and a client's own split,
+#: measured in the same cell: standalone's 632 s of evaluation over 2 evaluations of 100 clients
+SECONDS_PER_SCORING = 3.2
+#: methods whose clients of one device tier deploy one model (the global set is scored once per tier
+#: and evaluation: ``Algorithm.evaluates_state_only``), and the config's tiers
+SHARED_MODELS = ("pretrained", "uniform+sbn", "centralized")
+TIERS = 3
+#: the config's ``engine.eval_every``: evaluations happen every this many rounds (the floor's once)
+EVAL_EVERY = 10
 #: the learning rates a grid is extended with, in half-decade steps, when a pick sits at its edge
 LADDER = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 #: how many times one method's grid may be extended in one cell
@@ -129,21 +139,33 @@ def check_args(args) -> tuple[list[int], list[int], list[str]]:
             if need > POOLS[pool][2]:
                 die(f"cell (pool {pool}, {p} per client): {n} clients x partition.min_samples {MIN_SAMPLES} = {need} > "
                     f"{POOLS[pool][2]} client images; allowed: --per-client >= {MIN_SAMPLES}")
+    if args.from_dir is None and not args.data_root.exists():
+        die(f"--data-root {args.data_root}: no such file or folder; allowed: CIFAR-10's folder or its "
+            "cifar10-jpeg.tar.gz (docs/data.md)")
     return pools, per, methods
 
 
 def budget(pools: list[int], per: list[int], methods: list[str], args) -> float:
-    """Estimated CPU hours: per cell and trained method, (trials + final run) x rounds x sampled clients x
-    images x local epochs image-steps (the floor trains nothing), x :data:`SECONDS_PER_IMAGE_STEP`."""
-    steps = 0.0
+    """Estimated CPU hours: per cell and method, (trials + final run) x [rounds x sampled clients x images
+    x local epochs image-steps x :data:`SECONDS_PER_IMAGE_STEP` (the floor trains nothing) + evaluations
+    x distinct deployed models x :data:`SECONDS_PER_SCORING`] (one model per tier for
+    :data:`SHARED_MODELS`, one per client otherwise; ``rounds // EVAL_EVERY`` evaluations, the floor's
+    one). Both rates were measured on the 450-image cell; the estimate counts cells already finished."""
+    seconds = 0.0
     for pool in pools:
         for p in per:
             trials = 1 if args.lr_from is not None and args.lr_from != p else len(args.grid.split(",")) + 1
             n = cell_clients(pool, p)
             sampled = max(1, round(n * (1 - 0.2) * args.participation))
-            trained = sum(1 for m in methods if m != "pretrained")
-            steps += trained * trials * args.rounds * sampled * p * args.local_epochs
-    return steps * SECONDS_PER_IMAGE_STEP / 3600
+            for m in methods:
+                models = TIERS if m in SHARED_MODELS else n
+                if m == "pretrained":
+                    seconds += models * SECONDS_PER_SCORING
+                    continue
+                train = args.rounds * sampled * p * args.local_epochs * SECONDS_PER_IMAGE_STEP
+                scoring = max(1, args.rounds // EVAL_EVERY) * models * SECONDS_PER_SCORING
+                seconds += trials * (train + scoring)
+    return seconds / 3600
 
 
 def cell_dir(out: Path, pool: int, per: int, method: str) -> Path:
@@ -376,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     hours = budget(pools, per, methods, args)
     print(f"budget estimate: {hours:.1f} CPU hours ({len(pools) * len(per)} cells x {len(methods)} methods, "
           f"{len(args.grid.split(','))} lr trials + the final run each, {args.rounds} rounds; "
-          f"{SECONDS_PER_IMAGE_STEP} s per image-step assumed); about {hours / max(1, args.jobs):.1f} h wall with "
-          f"--jobs {args.jobs}", flush=True)
+          f"{SECONDS_PER_IMAGE_STEP} s per image-step, {SECONDS_PER_SCORING} s per scoring, measured); "
+          f"about {hours / max(1, args.jobs):.1f} h wall with --jobs {args.jobs}", flush=True)
     jobs = [(pool, p, m) for pool in pools for p in per for m in methods]
     failed: list[str] = []
     start = time.time()

@@ -23,6 +23,7 @@ import where_federation_pays as wfp  # noqa: E402
     (["--methods", "standalone,uniform"], "pretrained and standalone must be in it"),
     (["--methods", "pretrained,standalone,rafl+wide"], "unknown variant 'wide'"),
     (["--participation", "0"], "allowed: rounds >= 1, participation in (0, 1]"),
+    (["--data-root", "/nonexistent/cifar10"], "--data-root /nonexistent/cifar10: no such file or folder"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, argv, match):
     res = subprocess.run([sys.executable, str(REPO / "bench" / "where_federation_pays.py"), "--out", str(tmp_path / "o"),
@@ -38,13 +39,18 @@ def test_cells_and_budget():
     class A:
         grid, rounds, participation, local_epochs, lr_from = "0.01,0.03", 10, 0.1, 1, None
 
-    # one cell, one trained method: 3 runs x 10 rounds x 8 sampled of 80 trained clients x 450 images
+    step, score = wfp.SECONDS_PER_IMAGE_STEP, wfp.SECONDS_PER_SCORING
+    # one cell: 3 runs x (10 rounds x 8 sampled of 80 trained clients x 450 images + one evaluation of 100
+    # clients' own models); the floor: one evaluation of its 3 tiers' models
     assert wfp.budget([5000], [450], ["pretrained", "standalone"], A()) == pytest.approx(
-        3 * 10 * 8 * 450 * wfp.SECONDS_PER_IMAGE_STEP / 3600)
-    # --lr-from 450: the 90-image cell runs once (40 sampled of 400 trained clients x 90 images)
+        (3 * (10 * 8 * 450 * step + 100 * score) + 3 * score) / 3600)
+    # --lr-from 450: the 90-image cell runs once (40 sampled of 400 trained clients x 90 images, 500 models)
     A.lr_from = 450
     assert wfp.budget([5000], [450, 90], ["pretrained", "standalone"], A()) == pytest.approx(
-        (3 * 10 * 8 * 450 + 10 * 40 * 90) * wfp.SECONDS_PER_IMAGE_STEP / 3600)
+        (3 * (10 * 8 * 450 * step + 100 * score) + 10 * 40 * 90 * step + 500 * score + 2 * 3 * score) / 3600)
+    # a method whose clients of a tier deploy one model: 3 scorings an evaluation
+    A.lr_from = None
+    assert wfp.budget([5000], [450], ["uniform+sbn"], A()) == pytest.approx(3 * (10 * 8 * 450 * step + 3 * score) / 3600)
 
 
 def test_a_pick_at_the_edge_of_the_grid_extends_it_by_one_half_decade_step():
