@@ -84,7 +84,7 @@ def main() -> None:
     (out / "metrics.json").write_text(json.dumps(packed_meta["metrics"], indent=1))
 
     lines = [f"# Pretrained supernet `{args.name}` (bench/pack_pretrained.py)", "",
-             f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; "
+             f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s); "
              f"test: {meta['metrics'].get('test_source')}; BN recalibrated on {cfg.recal_batches} pool-train batches", "",
              "| subnet | arch | test acc float32 (training run) | test acc float16 (shipped) |", "|---|---|---|---|"]
     for w in ("smallest", "middle", "largest"):
