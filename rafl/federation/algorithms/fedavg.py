@@ -6,6 +6,13 @@ with a UserInputError saying so).
 
 * FedAvg -- McMahan et al., "Communication-Efficient Learning of Deep Networks from
   Decentralized Data", AISTATS 2017, Alg. 1: ``w <- sum_l (n_l / n) w_l``.
+* Server momentum (FedAvgM) -- Hsu et al., "Measuring the Effects of Non-Identical Data Distribution
+  for Federated Visual Classification", arXiv:1909.06335, 2019, Sec. 3; the server's SGD of FedOpt,
+  Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Alg. 1: with the round's averaged update
+  ``Delta^t = sum_l (n_l / n) w_l - w^t``, ``v^t = beta v^{t-1} + Delta^t`` and ``w^{t+1} = w^t + eta_s v^t``
+  (``algorithm.server_momentum`` beta in [0, 1), ``algorithm.server_lr`` eta_s > 0) on the model's
+  parameters; buffers (BatchNorm statistics) are averaged as in FedAvg. beta = 0 and eta_s = 1 (the
+  defaults) are FedAvg itself, bit for bit.
 * FedProx -- Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020, Eq. 2:
   local objective ``F_l(w) + mu/2 ||w - w^t||^2``; aggregation as FedAvg.
 * FedNova -- Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous
@@ -16,7 +23,8 @@ with a UserInputError saying so).
   ``tau_eff = sum_l p_l ||a_l||_1`` and ``p_l = n_l / n``. Buffers (BatchNorm statistics) are
   averaged as in FedAvg.
 
-Client state is ``{}`` (the model is the global one); evaluation uses the latest global model. Under
+Client state is ``{}`` (the model is the global one); server state ``{"global": state_dict}``, and
+``"velocity"`` (the parameters' ``v^t``) when ``server_momentum`` > 0; evaluation uses the latest global model. Under
 ``train.bn_statistics: local`` (FedBN, Li et al., ICLR 2021, Alg. 1) the client state is ``{"bn": its
 BatchNorm layers}`` after its first training, put into every download it trains or is scored on
 (:func:`rafl.federation.bn_statistics.with_own_bn`).
@@ -24,7 +32,8 @@ BatchNorm layers}`` after its first training, put into every download it trains 
 Where each step lives: local training :meth:`FedAvg.client_update` (:meth:`FedAvg._local_train`;
 FedProx's proximal term :meth:`FedProx._local_train`; FedNova's normalized update
 :meth:`FedNova.client_update`); the weighted average :meth:`FedAvg.server_aggregate`
-(:func:`rafl.federation.aggregation.server_average`; FedNova's step
+(:func:`rafl.federation.aggregation.server_average`; the server's momentum step
+:meth:`FedAvg._server_step`; FedNova's step
 :meth:`FedNova.server_aggregate`); FedBN's own BN layers :meth:`FedAvg._start` and
 :meth:`FedAvg._kept`; evaluation :meth:`FedAvg.prepare_evaluation` and :meth:`FedAvg.evaluate`.
 """
@@ -44,13 +53,22 @@ from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
 
 
+class FedAvgHparams(LocalTraining):
+    """FedAvg's hyperparameters: local training, and the server's step on the round's averaged update
+    (FedAvgM; module docstring). The defaults are plain FedAvg."""
+
+    server_lr: Float = bounded(1.0, gt=0)  # eta_s
+    server_momentum: Float = bounded(0.0, ge=0, lt=1, description="a number in [0, 1)")  # beta
+
+
 @register
 class FedAvg(Algorithm):
-    """FedAvg (McMahan et al. 2017, Alg. 1). Server state ``{"global": state_dict}``."""
+    """FedAvg (McMahan et al. 2017, Alg. 1), with FedAvgM's server momentum as an option. Server state
+    ``{"global": state_dict}`` (and ``"velocity"``: module docstring)."""
 
     name: ClassVar[str] = "fedavg"
     evaluates_state_only: ClassVar[bool] = True
-    hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
+    hparams_model: ClassVar[type[Hyperparameters]] = FedAvgHparams
     requires_homogeneous: ClassVar[bool] = True
     global_model: ClassVar[bool] = True
     bn_statistics: ClassVar[str] = "averaged"
@@ -91,7 +109,29 @@ class FedAvg(Algorithm):
         if not uploads:
             return server_state, Payload.from_state_dict(server_state["global"])
         new = server_average([u.tensors for u in uploads], uploads, server, reference=server_state["global"])
-        return {"global": new}, Payload.from_state_dict(new)
+        state = self._server_step(server_state, new, server, int(uploads[0].meta["client_id"]))
+        return state, Payload.from_state_dict(state["global"])
+
+    def _server_step(self, server_state, average: dict[str, torch.Tensor], server: ServerContext,
+                     client_id: int) -> dict:
+        """The next server state from the round's average: the average itself (FedAvg), or with
+        ``server_lr`` != 1 or ``server_momentum`` > 0 FedAvgM's step on the parameters
+        (``v^t = beta v^{t-1} + (average - w^t)``, ``w^{t+1} = w^t + eta_s v^t``; module docstring);
+        buffers take the average."""
+        lr, beta = float(self.hparams.get("server_lr", 1.0)), float(self.hparams.get("server_momentum", 0.0))
+        if lr == 1.0 and beta == 0.0:
+            return {"global": average}
+        old, velocity = server_state["global"], server_state.get("velocity", {})
+        params = {k for k, _ in server.make_model(client_id=client_id).named_parameters()}
+        new, moved = {}, {}
+        for k, v in average.items():
+            if k not in params:
+                new[k] = v
+                continue
+            step = v.float() - old[k].float()
+            moved[k] = beta * velocity[k] + step if k in velocity else step
+            new[k] = (old[k].float() + lr * moved[k]).to(old[k].dtype)
+        return {"global": new, "velocity": moved} if beta > 0 else {"global": new}
 
     def upload_spec(self, server_state, client: ClientInfo):
         return {k: tuple(v.shape) for k, v in server_state["global"].items()}
@@ -104,7 +144,7 @@ class FedAvg(Algorithm):
         return eval_counts(DEPLOYED.prefix, *evaluate_accuracy(model, client.test_loader, device=client.device))
 
 
-class FedProxHparams(LocalTraining):
+class FedProxHparams(FedAvgHparams):
     """FedProx's hyperparameters (Li et al., MLSys 2020, Eq. 2)."""
 
     mu: Float = bounded(0.01, ge=0)  # weight of the proximal term (mu / 2) ||w - w_t||^2
@@ -138,6 +178,8 @@ class FedNova(FedAvg):
     """FedNova (Wang et al. 2020): normalized averaging of the clients' updates (see module doc)."""
 
     name: ClassVar[str] = "fednova"
+    #: its own server step (tau_eff): no server momentum
+    hparams_model: ClassVar[type[Hyperparameters]] = LocalTraining
     #: its upload is a normalized update, not a model: no fine-tuned variant from it
     global_model: ClassVar[bool] = False
 
