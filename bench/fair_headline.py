@@ -95,8 +95,8 @@ def compare(args, out: Path, methods: str, extra: list[str]) -> None:
 
     def command(device_sets: list[str]) -> list[str]:
         cmd = [sys.executable, "-m", "rafl", "compare", "--no-progress"]
-        if (out / "config.yaml").is_file():
-            return cmd + ["--resume", str(out)]
+        if (out / "config.yaml").is_file():  # --no-finetune again: a record written before it kept the flag
+            return cmd + ["--resume", str(out), *(["--no-finetune"] if "--no-finetune" in extra else [])]
         config = getattr(args, "config", CONFIG)  # bench/where_federation_pays.py runs another config
         return cmd + ["--config", str(config.relative_to(ROOT)), "--data-root", str(args.data_root), "--out",
                       str(out), "--algorithms", methods, *extra, *(SMOKE if args.smoke else []), *sets, *device_sets]

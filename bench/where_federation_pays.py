@@ -9,7 +9,8 @@ Cells: pool size {5,000 (``cifar10-proxy5k``, ``partition.public_fraction 0.1``)
 ``clients.n`` = the cell's clients: the clients' images (the train split outside the pool and the test
 split outside the 5,000 global test images, 90 % of each client's share for training) over the images
 per client. One seed per cell (``--seed``). Methods (``--methods``): ``pretrained`` (the floor),
-``standalone``, ``uniform+sbn`` (FedAvg, ``train.bn_statistics=server``), the HtFL method ``--htfl``
+``standalone``, ``uniform+sbn`` (FedAvg, ``train.bn_statistics=server``; ``uniform+sbn+m``: with FedAvgM's server
+momentum 0.9), ``centralized`` (the ceiling, on request), the HtFL method ``--htfl``
 (default fedgh, the fair headline's best), ``rafl+kw1`` (RaFL, knowledge network at full width). Every
 method but the floor is tuned on the clients' validation splits over ``--grid`` (``rafl compare --tune``,
 as ``bench/fair_headline.py``); with ``--lr-from PER_CLIENT`` only that images-per-client cell of each pool
@@ -73,7 +74,7 @@ SECONDS_PER_IMAGE_STEP = 0.013
 SECONDS_PER_SCORING = 3.2
 #: methods whose clients of one device tier deploy one model (the global set is scored once per tier
 #: and evaluation: ``Algorithm.evaluates_state_only``), and the config's tiers
-SHARED_MODELS = ("pretrained", "uniform+sbn", "centralized")
+SHARED_MODELS = ("pretrained", "uniform+sbn", "uniform+sbn+m", "centralized")
 TIERS = 3
 #: the config's ``engine.eval_every``: evaluations happen every this many rounds (the floor's once)
 EVAL_EVERY = 10
@@ -82,7 +83,9 @@ LADDER = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 #: how many times one method's grid may be extended in one cell
 MAX_EXTENSIONS = 2
 #: ``--methods`` entries beyond fair_headline's METHOD+VARIANT: their --set arguments
-MAP_VARIANTS = {"uniform+sbn": ("uniform", ["--set", "train.bn_statistics=server"])}
+MAP_VARIANTS = {"uniform+sbn": ("uniform", ["--set", "train.bn_statistics=server"]),
+                # FedAvgM (Hsu et al. 2019): server momentum 0.9, the paper's usual value, server lr 1
+                "uniform+sbn+m": ("uniform", ["--set", "train.bn_statistics=server", "--set", "algorithm.server_momentum=0.9"])}
 PROTOCOLS = (("model.acc", "personalized"), ("model@global.acc", "global"), ("new", "new clients"))
 
 
@@ -124,7 +127,7 @@ def check_args(args) -> tuple[list[int], list[int], list[str]]:
             continue
         algorithm, _, variant = m.partition("+")
         if variant and variant not in fh.VARIANTS:
-            die(f"--methods: unknown variant {variant!r} in {m!r}; allowed: {', '.join([*fh.VARIANTS, 'uniform+sbn'])}")
+            die(f"--methods: unknown variant {variant!r} in {m!r}; allowed: {', '.join([*fh.VARIANTS, *MAP_VARIANTS])}")
     if "pretrained" not in methods or "standalone" not in methods:
         die("--methods: the map's references pretrained and standalone must be in it")
     if args.lr_from is not None and args.lr_from not in per:

@@ -760,3 +760,25 @@ def test_a_shared_key_only_unselected_methods_have_is_theirs_in_a_file_and_a_sli
                                        "--out", str(tmp_path / "no")])
         assert res.exit_code == 2 and "no selected method accepts" in res.output, res.output
         assert not (tmp_path / "no").exists()
+
+
+def test_resume_keeps_no_finetune(tmp_path):
+    """--no-finetune is recorded in the comparison's config.yaml: --resume makes no -ft rows either; a record
+    written before it held the key makes them (as the comparison did then); a bad value is one line."""
+    tiny = [a if a != "cnn4-small,cnn3-small" else "cnn4-small" for a in TINY]
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(cli, ["compare", "--algorithms", "fedavg", *tiny, "--no-finetune", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    record = yaml.safe_load((out / "config.yaml").read_text())
+    assert record["finetune"] is False
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert [r["algorithm"] for r in json.loads((out / "compare.json").read_text())["rows"]] == ["fedavg"]
+    (out / "config.yaml").write_text(yaml.safe_dump({**record, "finetune": "no"}))
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 2 and "config.yaml: finetune: is 'no'; allowed: true or false" in res.output, res.output
+    del record["finetune"]
+    (out / "config.yaml").write_text(yaml.safe_dump(record))
+    res = CliRunner().invoke(cli, ["compare", "--resume", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert [r["algorithm"] for r in json.loads((out / "compare.json").read_text())["rows"]] == ["fedavg", "fedavg-ft"]

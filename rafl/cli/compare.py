@@ -53,7 +53,7 @@ class _MethodsOption(click.Option):
                    "grid. Interrupted: run the same command again.")
 @click.option("--no-finetune", is_flag=True,
               help="No fine-tuned rows (<method>-ft: a global-model method's final model fine-tuned locally for "
-                   "its local_epochs on every client, then scored).")
+                   "its local_epochs on every client, then scored). Recorded in OUT/config.yaml: --resume keeps it.")
 @click.option("--quiet", "--no-progress", "quiet", is_flag=True, help="No progress bars.")
 def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...], data_root: Path | None, models: str,
             feature_dim: int, out: Path | None, resume_dir: Path | None, tune: tuple[str, ...], no_finetune: bool,
@@ -75,6 +75,7 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
         load_compare_config,
         load_compare_resume,
         parse_grid,
+        recorded_finetune,
         run_compare,
         run_tuning,
     )
@@ -89,9 +90,10 @@ def compare(algorithms: str, config_path: Path | None, overrides: tuple[str, ...
             raise UserInputError(f"cannot be combined with {', '.join(given)} (the folder's config.yaml is used)",
                                  field="--resume")
         cfg, hparams, models, feature_dim = load_compare_resume(resume_dir)
+        finetune = recorded_finetune(resume_dir) and not no_finetune  # as started, unless --no-finetune now
         with _say_how_to_resume(resume_dir):
             rows = run_compare(cfg, hparams, resume_dir, models=models, feature_dim=feature_dim,
-                               progress=not quiet, resume=True, finetune=not no_finetune)
+                               progress=not quiet, resume=True, finetune=finetune)
         out = resume_dir
     else:
         names = [a.strip().lower() for a in algorithms.split(",") if a.strip()]

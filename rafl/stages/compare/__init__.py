@@ -39,9 +39,9 @@ from rafl.stages.compare.config import (
     with_settings,
 )
 from rafl.stages.compare.methods import run_compare, validation_loaders
-from rafl.stages.compare.resume import METHOD_RUN, load_compare_resume
+from rafl.stages.compare.resume import METHOD_RUN, load_compare_resume, recorded_finetune
 from rafl.stages.compare.tuning import parse_grid, run_tuning
 
-__all__ = ["default_models", "DEFAULT_MODELS", "load_compare_config", "load_compare_resume",
+__all__ = ["default_models", "DEFAULT_MODELS", "load_compare_config", "load_compare_resume", "recorded_finetune",
            "method_settings", "run_compare", "with_settings", "parse_grid", "run_tuning", "validation_loaders",
            "TUNE_RECORD", "METHOD_RUN"]

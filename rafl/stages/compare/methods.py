@@ -110,7 +110,7 @@ def run_compare(cfg: RunConfig, hparams: dict[str, dict[str, Any]], out: str | P
         previous: dict[str, dict[str, Any]] = previous_rows(out) if resume else {}
         shared = {**cfg.resolved(), "algorithm": None, "models": models, "feature_dim": feature_dim}
         if not resume:
-            atomic_write_yaml(out / COMPARISON_RECORD, {**shared, "algorithms": hparams})
+            atomic_write_yaml(out / COMPARISON_RECORD, {**shared, "algorithms": hparams, "finetune": bool(finetune)})
         rows = []
         for name, table in tables.items():
             fed, _, prep = built.pop(name) if name in built else build(name)

@@ -1,7 +1,7 @@
 """What ``rafl compare --resume`` checks: the settings each method's run started with
 (:data:`STARTED_WITH`), a method's run dir as an output folder (:data:`METHOD_RUN`), the rows
 already in ``compare.json``, and the comparison's own ``config.yaml`` read back
-(:func:`load_compare_resume`)."""
+(:func:`load_compare_resume`, :func:`recorded_finetune`)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,20 @@ def check_started_with(run_dir: Path, started: dict[str, Any], defaults: dict[st
                              "restore them, or remove the method's run dir to rerun it", source=run_dir)
 
 
+def recorded_finetune(out: str | Path) -> bool:
+    """Whether the comparison in ``out`` makes the fine-tuned rows: its ``config.yaml``'s ``finetune``
+    (``rafl compare --no-finetune`` records false), true in a record written before it held the key.
+
+    Raises:
+        UserInputError: ``finetune`` is not true or false.
+    """
+    path = Path(out) / COMPARISON_RECORD
+    value = read_config_file(path).get("finetune", True)
+    if not isinstance(value, bool):
+        raise UserInputError(f"is {shown(value)}; allowed: true or false", source=path, field="finetune")
+    return value
+
+
 def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str, Any]], str, int]:
     """``(cfg, hparams, models, feature_dim)`` of the comparison in ``out`` (its ``config.yaml``).
 
@@ -99,6 +113,7 @@ def load_compare_resume(out: str | Path) -> tuple[RunConfig, dict[str, dict[str,
     if isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1:
         raise UserInputError(f"is {shown(feature_dim)}; allowed: an integer >= 1", source=path, field="feature_dim")
     data.pop("algorithm", None)
+    data.pop("finetune", None)  # recorded_finetune's
     hps = {}
     for name, hp in algorithms.items():
         try:
