@@ -153,7 +153,7 @@ def budget(pools: list[int], per: list[int], methods: list[str], args) -> float:
     x local epochs image-steps x :data:`SECONDS_PER_IMAGE_STEP` (the floor trains nothing) + evaluations
     x distinct deployed models x :data:`SECONDS_PER_SCORING`] (one model per tier for
     :data:`SHARED_MODELS`, one per client otherwise; ``rounds // EVAL_EVERY`` evaluations, the floor's
-    one). Both rates were measured on the 450-image cell; the estimate counts cells already finished."""
+    one). Both rates were measured on the 450-image cell; cell-methods finished in ``args.out`` count nothing."""
     seconds = 0.0
     for pool in pools:
         for p in per:
@@ -161,6 +161,9 @@ def budget(pools: list[int], per: list[int], methods: list[str], args) -> float:
             n = cell_clients(pool, p)
             sampled = max(1, round(n * (1 - 0.2) * args.participation))
             for m in methods:
+                out = getattr(args, "out", None)
+                if out is not None and (cell_dir(out, pool, p, m) / "compare.json").is_file():
+                    continue  # finished
                 models = TIERS if m in SHARED_MODELS else n
                 if m == "pretrained":
                     seconds += models * SECONDS_PER_SCORING

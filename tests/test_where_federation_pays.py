@@ -32,7 +32,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, argv, match):
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
 
 
-def test_cells_and_budget():
+def test_cells_and_budget(tmp_path):
     assert [wfp.cell_clients(5000, p) for p in (90, 450, 1500)] == [500, 100, 30]
     assert [wfp.cell_clients(20000, p) for p in (90, 450, 1500)] == [300, 60, 18]
 
@@ -51,6 +51,12 @@ def test_cells_and_budget():
     # a method whose clients of a tier deploy one model: 3 scorings an evaluation
     A.lr_from = None
     assert wfp.budget([5000], [450], ["uniform+sbn"], A()) == pytest.approx(3 * (10 * 8 * 450 * step + 3 * score) / 3600)
+
+    # a cell-method finished in --out counts nothing
+    A.out = tmp_path
+    (tmp_path / "pool5000-pc450" / "uniform+sbn").mkdir(parents=True)
+    (tmp_path / "pool5000-pc450" / "uniform+sbn" / "compare.json").write_text("{}")
+    assert wfp.budget([5000], [450], ["uniform+sbn"], A()) == 0
 
 
 def test_a_pick_at_the_edge_of_the_grid_extends_it_by_one_half_decade_step():
