@@ -12,7 +12,8 @@ protocol on the client's test split and the global protocol on the held-out bala
 paired differences over clients with the 95 % Student's t half-width (:mod:`rafl.reports.stats`).
 
 Run: ``python bench/bn_policy_rescore.py runs/where-federation-pays/pool5000-pc90/standalone ...``
-(one or more ``rafl compare`` folders, one method each, finished); writes
+(one or more ``rafl compare`` folders, one method each, finished; ``--max-clients N`` scores a seeded
+sample of N trained clients, for the 500-client cells); writes
 ``bench/results/bn_policy_rescore.md`` / ``.json`` (``--results``) and prints the table.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -40,9 +42,12 @@ POLICIES = ("client", "server")
 PROTOCOLS = (("model", "personalized"), ("model@global", "global"))
 
 
-def rescore(folder: Path) -> dict:
+def rescore(folder: Path, max_clients: int | None = None) -> dict:
     """``{"method", "own", "round", "clients", "acc": {policy: {protocol: {client: accuracy}}}}`` of the
-    one-method comparison in ``folder`` (its final round's client states, re-evaluated per policy)."""
+    one-method comparison in ``folder`` (its final round's client states, re-evaluated per policy);
+    ``max_clients``: at most this many of the clients that trained, drawn without replacement by
+    ``random.Random(0)`` (the same ones under every policy), else every client the engine evaluates
+    one by one."""
     cfg, hparams, models, feature_dim = load_compare_resume(folder)
     if len(hparams) != 1:
         raise SystemExit(f"{folder}: holds {len(hparams)} methods; allowed: a one-method rafl compare folder")
@@ -63,7 +68,12 @@ def rescore(folder: Path) -> dict:
         for policy in POLICIES:
             apply_policy(fed, policy)
             t0 = time.time()
-            _, per_client = engine._evaluate(rnd, state.broadcast)
+            if max_clients is None:
+                _, per_client = engine._evaluate(rnd, state.broadcast)
+            else:
+                trained = [cid for cid in range(len(fed.clients)) if engine.store.has(cid)]
+                ids = sorted(random.Random(0).sample(trained, min(max_clients, len(trained))))
+                per_client, _ = engine.clients.evaluate(rnd, ids, state.broadcast)
             acc[policy] = {name: {str(c): r[f"{key}.correct"] / r[f"{key}.total"] for c, r in per_client.items()
                                   if r.get(f"{key}.total")} for key, name in PROTOCOLS}
             print(f"  {folder.name} under {policy}: {len(per_client)} clients in {time.time() - t0:.0f} s", flush=True)
@@ -77,7 +87,8 @@ def render(results: list[dict], command: str) -> str:
              f"Command: `{command}`. Each run's final client states re-scored under `train.bn_statistics` "
              "`client` (re-estimated on the client's own training split) and `server` (on the server pool's 512 "
              "calibration images); the weights are the run's, only the statistics differ. Mean accuracy over the "
-             "clients the engine evaluates one by one (trained clients); difference server − client paired over "
+             "clients the engine evaluates one by one (trained clients; with --max-clients N, N of them drawn with "
+             "seed 0); difference server − client paired over "
              "them, points, ± the 95 % Student's t half-width; `*` where it excludes 0.", "",
              "| run | method | own rule | clients | personalized: client | server | server − client | "
              "global: client | server | server − client |", "|" + "---|" * 10]
@@ -98,13 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", type=Path, nargs="+", help="finished one-method rafl compare folders")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--max-clients", type=int, default=None, metavar="N",
+                    help="score N of the trained clients (drawn with seed 0; every global scoring costs ~3 s)")
     args = ap.parse_args(argv)
+    if args.max_clients is not None and args.max_clients < 2:
+        print(f"error: --max-clients {args.max_clients}; allowed: an integer >= 2 (a t interval)", file=sys.stderr)
+        return 2
     missing = [str(f) for f in args.folders if not (f / "compare.json").is_file()]
     if missing:
         print(f"error: not a finished rafl compare folder (no compare.json): {', '.join(missing)}", file=sys.stderr)
         return 2
     command = "python bench/bn_policy_rescore.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = [rescore(f) for f in args.folders]
+    results = [rescore(f, args.max_clients) for f in args.folders]
     text = render(results, command)
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "bn_policy_rescore.md").write_text(text)
