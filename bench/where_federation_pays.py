@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -421,8 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     phases = ([[j for j in jobs if j[1] == args.lr_from], [j for j in jobs if j[1] != args.lr_from]]
               if args.lr_from is not None else [jobs])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for phase in phases:
-            list(pool.map(job, phase))
+        try:
+            for phase in phases:
+                list(pool.map(job, phase))
+        except KeyboardInterrupt:  # as bench/fair_headline.py: the comparisons got the same SIGINT and stop
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            fh.STOPPING = True
+            print("interrupted: every unfinished comparison resumes with the same command", flush=True)
+            pool.shutdown(wait=True, cancel_futures=True)
+            return 130
     print(render(summarize(args.out, pools, per, methods), args.results, command))
     print(f"{len(jobs) - len(failed)} of {len(jobs)} comparisons finished in {(time.time() - start) / 3600:.1f} h",
           flush=True)
