@@ -63,8 +63,8 @@ class FedAvgHparams(LocalTraining):
 
 @register
 class FedAvg(Algorithm):
-    """FedAvg (McMahan et al. 2017, Alg. 1), with FedAvgM's server momentum as an option. Server state
-    ``{"global": state_dict}`` (and ``"velocity"``: module docstring)."""
+    """FedAvg (McMahan et al. 2017, Alg. 1). Server state ``{"global": state_dict}`` (and ``"velocity"``
+    under FedAvgM's server momentum, an option: module docstring)."""
 
     name: ClassVar[str] = "fedavg"
     evaluates_state_only: ClassVar[bool] = True
