@@ -53,6 +53,12 @@ from rafl.federation.payload import Payload
 from rafl.federation.training import evaluate_accuracy, train_ce
 
 
+def parameter_keys(server: ServerContext, client_id: int) -> set[str]:
+    """The state-dict keys of the global model's parameters (the rest are buffers: BatchNorm statistics),
+    from a model built for ``client_id``: what the server steps (FedAvgM, FedNova) move."""
+    return {k for k, _ in server.make_model(client_id=client_id).named_parameters()}
+
+
 class FedAvgHparams(LocalTraining):
     """FedAvg's hyperparameters: local training, and the server's step on the round's averaged update
     (FedAvgM; module docstring). The defaults are plain FedAvg."""
@@ -122,7 +128,7 @@ class FedAvg(Algorithm):
         if lr == 1.0 and beta == 0.0:
             return {"global": average}
         old, velocity = server_state["global"], server_state.get("velocity", {})
-        params = {k for k, _ in server.make_model(client_id=client_id).named_parameters()}
+        params = parameter_keys(server, client_id)
         new, moved = {}, {}
         for k, v in average.items():
             if k not in params:
@@ -203,8 +209,7 @@ class FedNova(FedAvg):
             return server_state, Payload.from_state_dict(server_state["global"])
         p = payload_weights(uploads)
         old = server_state["global"]
-        model = server.make_model(client_id=int(uploads[0].meta["client_id"]))
-        params = {k for k, _ in model.named_parameters()}
+        params = parameter_keys(server, int(uploads[0].meta["client_id"]))
         a_norms = [float(u.meta["a_norm"]) for u in uploads]
         rule = getattr(server, "aggregation", None)
         if rule is not None and rule.name != "mean":  # a claimed a_norm scales the step: bounded like the updates
