@@ -180,9 +180,11 @@ def cell_dir(out: Path, pool: int, per: int, method: str) -> Path:
 
 
 def cell_sets(pool: int, per: int, args, method: str) -> list[str]:
-    """The cell's ``--set`` arguments for ``method`` (the floor trains nothing: no local epochs)."""
+    """The cell's ``--set`` arguments for ``method`` (the floor trains nothing: no local epochs). Every
+    row starts from each method's own BatchNorm rule (``train.bn_statistics=null``, over the config's
+    ``server``): a row that re-estimates on the pool says so in its variant (``uniform+sbn``)."""
     supernet, fraction, _ = POOLS[pool]
-    sets = [f"supernet={supernet}", f"partition.public_fraction={fraction}", f"clients.n={cell_clients(pool, per)}",
+    sets = ["train.bn_statistics=null", f"supernet={supernet}", f"partition.public_fraction={fraction}", f"clients.n={cell_clients(pool, per)}",
             f"engine.rounds={args.rounds}", f"engine.clients_per_round={args.participation}",
             f"partition.alpha={args.alpha}", f"seed={args.seed}"]
     if method != "pretrained":

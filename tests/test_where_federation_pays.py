@@ -78,6 +78,23 @@ def test_a_cells_settings_give_local_epochs_to_the_trained_methods_only():
     assert "supernet=cifar10-proxy5k" in floor and "clients.n=500" in floor
 
 
+
+def test_the_maps_rows_keep_each_methods_own_bn_rule_over_the_configs_server_statistics():
+    """The cross-device config deploys with the server pool's BN statistics (its measured choice for ~90-image
+    clients); the map's rows start from each method's own rule and only `uniform+sbn` re-estimates on the pool,
+    so the shipped cells' rules stay what their tables say."""
+    from rafl.federation.run_config import load_run_config
+
+    class A:
+        rounds, participation, alpha, seed, local_epochs, htfl = 20, 0.1, 0.1, 0, 1, "fedgh"
+
+    assert load_run_config(wfp.CONFIG).train.bn_statistics == "server"
+    for method, rule in (("pretrained", None), ("standalone", None), ("fedgh", None), ("rafl+kw1", None),
+                         ("uniform+sbn", "server")):
+        args = [*wfp.cell_sets(5000, 90, A(), method), *wfp.method_sets(method, "fedgh")[1]]
+        sets = [args[i + 1] for i in range(0, len(args), 2) if args[i] == "--set"]
+        assert load_run_config(wfp.CONFIG, sets).train.bn_statistics == rule, method
+
 def _fake(out, pool, per, method, accs, new):
     folder = wfp.cell_dir(out, pool, per, method)
     (folder / method.partition("+")[0]).mkdir(parents=True)
