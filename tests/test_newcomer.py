@@ -168,6 +168,8 @@ BAD_INPUT = [
     ["compare", "--out", "{tmp}/run", "--tune", "lr=0.01,0.1"],
     ["data", "--out", "{tmp}/run"],
     ["search", "--device-profile", "pi4", "--out", "{tmp}/run"],
+    # --build-lut over an existing file that is not a LUT (answered after torch loaded)
+    ["profile", "--build-lut", "--device-profile", "pi4", "--out", "{tmp}/bad.yaml"],
 ]
 
 

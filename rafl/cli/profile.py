@@ -69,7 +69,7 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
     rafl profile --build-lut --device-profile pi4 --out pi4-lut.yaml
     """
     from rafl.search.profile import load_profile
-    from rafl.stages.profile_checks import check_lut_suffix, check_report
+    from rafl.stages.profile_checks import check_lut_out, check_report
 
     # every check below runs before torch loads (a typo answers at once); the work module after them
     prof = load_profile(device_profile)  # bad profile: exit 2 before any work
@@ -80,7 +80,7 @@ def profile(device_profile: str, arch_text: str | None, model_path: Path | None,
         if arch_text or model_path:
             raise UserInputError("--build-lut measures every layer of the space; drop --arch/--model",
                                  field="--build-lut")
-        check_lut_suffix(out)
+        check_lut_out(out)
         from rafl.stages import profile as stage
 
         res = stage.build_lut(prof, out, supernet_dir=supernet_dir, threads=threads, warmup=warmup, repeats=repeats,

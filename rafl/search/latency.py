@@ -33,7 +33,7 @@ from tqdm import tqdm
 from rafl import seeds
 from rafl.errors import UserInputError, brief, shown, yaml_error_detail
 from rafl.io import atomic_write_yaml, load_yaml, read_text_file
-from rafl.search.profile import DeviceProfile
+from rafl.search.profile import LUT_FORMAT, DeviceProfile
 from rafl.search.units import UnitSpec, arch_units, build_unit_module, unit_input_shape
 from rafl.supernet import build_supernet, extract_subnet
 
@@ -41,7 +41,6 @@ __all__ = ["roofline_latency_ms", "unit_energy_mj", "load_latency_lut", "build_l
            "measure_latency_ms", "LUT_FORMAT", "CLOCKS", "STATISTICS", "latency_lut_correction",
            "fit_network_correction"]
 
-LUT_FORMAT = "rafl-latency-lut/1"
 
 
 def roofline_latency_ms(spec: UnitSpec, profile: DeviceProfile, bytes_per_element: int = 4) -> float:

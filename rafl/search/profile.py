@@ -40,6 +40,10 @@ from rafl.errors import UserInputError, shown, yaml_error_detail
 from rafl.io import load_yaml, read_text_file
 from rafl.schema import NoBoolNumbers
 
+#: the format tag of a latency LUT file (``format:``), written by
+#: :func:`rafl.search.latency.build_latency_lut` and checked by every reader
+LUT_FORMAT = "rafl-latency-lut/1"
+
 __all__ = ["Budgets", "DeviceProfile", "load_profile", "list_profiles", "profiles_dir"]
 
 

@@ -23,12 +23,12 @@ from rafl.errors import UserInputError, load_error_detail
 from rafl.io import load_yaml
 from rafl.reports.profile_report import write_profile_report
 from rafl.search.cost import Cost
-from rafl.search.latency import build_latency_lut, latency_lut_correction, load_latency_lut
+from rafl.search.latency import build_latency_lut, latency_lut_correction
 from rafl.search.units import fixed_units, slot_units
 from rafl.stages.profile_checks import (
     PROFILE_REPORT,
     arch_space,
-    check_lut_suffix,
+    check_lut_out,
     check_model_path,
     check_report,
     default_space,
@@ -124,26 +124,6 @@ def load_model(path: Path, arch_text: str | None, space, hint: str | None = None
     return sub.eval(), sub.arch, sub.space
 
 
-def is_latency_lut(path: Path) -> bool:
-    """Whether ``path`` is a file that :func:`rafl.search.latency.load_latency_lut` reads."""
-    try:
-        return path.is_file() and isinstance(load_latency_lut(path), dict)
-    except UserInputError:
-        return False
-
-
-def check_lut_out(out: Path) -> None:
-    """``out`` can take a latency LUT: a ``.yaml``/``.yml`` path that is new or an earlier LUT.
-
-    Raises:
-        UserInputError: (field ``--out``) another suffix, or an existing file that is not a LUT.
-    """
-    check_lut_suffix(out)
-    if out.exists() and not is_latency_lut(out):  # a rebuilt LUT replaces the old one, nothing else
-        raise UserInputError("exists and is not a latency LUT (--build-lut replaces only an earlier LUT); "
-                             "choose another --out", source=out, field="--out")
-
-
 def build_lut(prof, out: Path, *, supernet_dir: str | Path | None = None, width_mult: float | None = None,
               n_classes: int | None = None, threads: int = 1, warmup: int = 5, repeats: int = 20,
               clock: str = "wall", statistic: str = "median", calibrate: int = 20, progress: bool = True,
@@ -157,7 +137,7 @@ def build_lut(prof, out: Path, *, supernet_dir: str | Path | None = None, width_
     federate`` use by default), which ``say`` notes.
 
     Raises:
-        UserInputError: ``out`` refused (:func:`check_lut_out`), or what :func:`load_space` refuses.
+        UserInputError: ``out`` refused (:func:`rafl.stages.profile_checks.check_lut_out`), or what :func:`load_space` refuses.
     """
     check_lut_out(out)
     if supernet_dir is None and width_mult is None and n_classes is None:
@@ -221,5 +201,5 @@ def profile_subnet(prof, out: Path, *, arch_text: str | None = None, model_path:
     return ProfileResult(arch=arch, space=space, profile=prof, doc=doc, cost=cost)
 
 
-__all__ = ["LutResult", "ProfileResult", "build_lut", "check_lut_out", "is_latency_lut", "load_model", "load_space",
+__all__ = ["LutResult", "ProfileResult", "build_lut", "load_model", "load_space",
            "profile_subnet"]

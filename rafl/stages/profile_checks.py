@@ -2,7 +2,7 @@
 
 A report's request (:func:`check_report`: an arch or a model, the report folder, and -- without
 ``--supernet`` -- the search space, the arch in it and a model file that is there), a LUT's
-output path (:func:`check_lut_suffix`), and the pieces the work module (:mod:`rafl.stages.profile`)
+output path (:func:`check_lut_out`), and the pieces the work module (:mod:`rafl.stages.profile`)
 calls again with a supernet's space: the space an arch file records (:func:`recorded_space`,
 :func:`arch_space`) and the arch itself (:func:`load_arch`). A supernet's space comes with its
 weights, so with ``--supernet`` the rest is checked once torch has loaded.
@@ -20,6 +20,7 @@ import yaml
 from rafl.errors import UserInputError
 from rafl.folders import OnceKind
 from rafl.io import load_yaml, read_json_file, read_text_file
+from rafl.search.profile import LUT_FORMAT
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
 #: the files a report folder holds (a folder holding anything else is refused as ``--out``)
@@ -177,18 +178,28 @@ def check_report(out: Path, *, arch_text: str | None = None, model_path: Path | 
         check_model_path(model_path)
 
 
-def check_lut_suffix(out: Path) -> None:
-    """``out`` names a LUT file (``.yaml``/``.yml``); :func:`rafl.stages.profile.check_lut_out`
-    also checks that an existing one is a LUT (read with torch's modules loaded).
+def check_lut_out(out: Path) -> None:
+    """``out`` can take a latency LUT: a ``.yaml``/``.yml`` path that is new or an earlier LUT (a YAML
+    mapping tagged ``format: rafl-latency-lut/1``, :data:`rafl.search.profile.LUT_FORMAT`); a rebuilt LUT
+    replaces only an earlier one.
 
     Raises:
-        UserInputError: (field ``--out``) another suffix.
+        UserInputError: (field ``--out``) another suffix, a folder, or an existing file that is not a LUT.
     """
     if out.suffix not in (".yaml", ".yml"):
         raise UserInputError("with --build-lut, --out is the LUT file and must end in .yaml/.yml",
                              source=out, field="--out")
+    if not out.exists():
+        return
+    try:
+        data = load_yaml(read_text_file(out), out) if out.is_file() else None
+    except (UserInputError, yaml.YAMLError):  # not YAML, or over a limit: not a LUT either
+        data = None
+    if not isinstance(data, dict) or data.get("format") != LUT_FORMAT:
+        raise UserInputError("exists and is not a latency LUT (--build-lut replaces only an earlier LUT); "
+                             "choose another --out", source=out, field="--out")
 
 
 __all__ = ["DEFAULT_N_CLASSES", "DEFAULT_WIDTH_MULT", "PROFILE_REPORT", "REPORT_FILES", "arch_space",
-           "check_lut_suffix", "check_model_path", "check_report", "default_space", "load_arch", "recorded_space",
+           "check_lut_out", "check_model_path", "check_report", "default_space", "load_arch", "recorded_space",
            "space_note"]
