@@ -55,8 +55,9 @@ from rafl.reports.stats import Interval, format_points, paired_interval  # noqa:
 
 ROOT = fh.ROOT
 CONFIG = ROOT / "examples" / "cifar10-cross-device-500.yaml"
-#: pool size -> (supernet, partition.public_fraction, client images: train outside the pool + test outside the global set)
-POOLS = {5000: ("cifar10-proxy5k", 0.1, 45_000 + 5_000), 20000: ("cifar10", 0.5, 25_000 + 5_000)}
+#: pool size -> (supernet, partition.public_fraction, client images: train outside the pool + test outside the global
+#: set, the supernet's server-val size: ``search.val_samples``, so the search reads the measurements shipped with it)
+POOLS = {5000: ("cifar10-proxy5k", 0.1, 45_000 + 5_000, 1000), 20000: ("cifar10", 0.5, 25_000 + 5_000, 5000)}
 PER_CLIENT = (90, 450, 1500)
 HTFL = ("fedgh", "fedtgp", "fedproto")
 #: the cell the fair headline measured (20 clients x ~1,500 images, the shipped 20,000-image pool): no method
@@ -183,8 +184,9 @@ def cell_sets(pool: int, per: int, args, method: str) -> list[str]:
     """The cell's ``--set`` arguments for ``method`` (the floor trains nothing: no local epochs). Every
     row starts from each method's own BatchNorm rule (``train.bn_statistics=null``, over the config's
     ``server``): a row that re-estimates on the pool says so in its variant (``uniform+sbn``)."""
-    supernet, fraction, _ = POOLS[pool]
-    sets = ["train.bn_statistics=null", f"supernet={supernet}", f"partition.public_fraction={fraction}", f"clients.n={cell_clients(pool, per)}",
+    supernet, fraction, _, server_val = POOLS[pool]
+    sets = ["train.bn_statistics=null", f"supernet={supernet}", f"partition.public_fraction={fraction}",
+            f"search.val_samples={server_val}", f"clients.n={cell_clients(pool, per)}",
             f"engine.rounds={args.rounds}", f"engine.clients_per_round={args.participation}",
             f"partition.alpha={args.alpha}", f"seed={args.seed}"]
     if method != "pretrained":

@@ -76,6 +76,8 @@ def test_a_cells_settings_give_local_epochs_to_the_trained_methods_only():
     floor, trained = wfp.cell_sets(5000, 90, A(), "pretrained"), wfp.cell_sets(5000, 90, A(), "standalone")
     assert "algorithm.local_epochs=1" not in floor and "algorithm.local_epochs=1" in trained
     assert "supernet=cifar10-proxy5k" in floor and "clients.n=500" in floor
+    # each pool's search reads the measurements shipped with its supernet: its whole server-val
+    assert "search.val_samples=1000" in floor and "search.val_samples=5000" in wfp.cell_sets(20000, 450, A(), "pretrained")
 
 
 
