@@ -24,7 +24,7 @@ from rafl.federation.round_record import (
 
 #: every optional part of a row, in the order the engine writes them
 FULL = ('{"round": 2, "sampled": 3, "failed": 1, "participated": 2, "bytes_up": 1331216, "bytes_down": 1996776, '
-        '"cum_bytes_up": 2662432, "cum_bytes_down": 3993552, "cum_mb": 6.655984, "bytes_up_per_client": 665608.0, '
+        '"cum_bytes_up": 2662432, "cum_bytes_down": 3993552, "cum_mb": 6.655984, "bytes_up_per_client": 1331216.0, '
         '"rejected": 1, "rejected_reasons": {"1": "payload from client 1: payload.meta.extra: not allowed"}, '
         '"bytes_rejected": 651299, "n_samples_overridden": [0], "round_failed": true, '
         '"lost": {"2": "node 7 timed out"}, '
@@ -68,7 +68,7 @@ def test_the_record_holds_the_counters_and_the_accuracies_by_model_name():
     assert (record.round, record.sampled, record.failed, record.participated, record.rejected) == (2, 3, 1, 2, 1)
     assert record.rejected_reasons == {1: "payload from client 1: payload.meta.extra: not allowed"}
     assert record.lost == {2: "node 7 timed out"} and record.round_failed and record.n_samples_overridden == [0]
-    assert record.cum_mb == pytest.approx(6.655984) and record.bytes_up_per_client == 665608.0
+    assert record.cum_mb == pytest.approx(6.655984) and record.bytes_up_per_client == 1331216.0
     assert record.time_engine_s == 0.05582168099863338
     ev = record.evaluation
     assert list(ev.accuracies) == ["model", "model@global"] and ev.means == {"model.loss": 0.25}
@@ -96,9 +96,12 @@ def test_a_record_built_by_its_fields_writes_the_row_in_order():
                          "proto.acc_mean_over_clients", "proto.acc_sample_weighted", "proto.acc_std_over_clients",
                          "a.loss.mean", "z.loss.mean", *TIMES]
     assert list(row["rejected_reasons"]) == ["3", "12"] and list(row["lost"]) == ["2", "9"]
-    assert (row["participated"], row["rejected"], row["cum_mb"], row["bytes_up_per_client"]) == (4, 2, 7e-05, 2.5)
+    # bytes_up counts the 2 accepted uploads (the refused ones are bytes_rejected): 10 / 2
+    assert (row["participated"], row["rejected"], row["cum_mb"], row["bytes_up_per_client"]) == (4, 2, 7e-05, 5.0)
     assert row["time_engine_s"] == 1.25
     assert RoundRecord.from_row(row).as_row() == row
+    # a row that divided the accepted bytes by every upload (2.5) still loads: a run folder resumes
+    assert RoundRecord.from_row({**row, "bytes_up_per_client": 2.5}).bytes_up_per_client == 5.0
 
 
 def test_a_row_that_is_no_round_record_is_refused():

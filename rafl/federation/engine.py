@@ -589,7 +589,7 @@ def make_summary(algorithm: str, history: list[RoundRecord], counters: dict,
         held = next((n for m, n in sizes.items() if m.endswith(GLOBAL_SUFFIX)), None)
         if held is not None:  # the held-out global test set's size (the same images for every client)
             clients[str(cid)][GLOBAL_TEST_SAMPLES] = held
-    part = [r.participated for r in history]
+    accepted = sum(r.accepted for r in history)  # cum_bytes_up counts the accepted uploads only
     tot = sum(r.time_s for r in history)
     eng = sum(r.time_engine_s for r in history)
     return {
@@ -600,7 +600,7 @@ def make_summary(algorithm: str, history: list[RoundRecord], counters: dict,
         "cum_bytes_up": counters["cum_bytes_up"],
         "cum_bytes_down": counters["cum_bytes_down"],
         "cum_mb": (counters["cum_bytes_up"] + counters["cum_bytes_down"]) / 1e6,
-        "mean_bytes_up_per_client_per_round": (counters["cum_bytes_up"] / sum(part)) if sum(part) else 0.0,
+        "mean_bytes_up_per_client_per_round": (counters["cum_bytes_up"] / accepted) if accepted else 0.0,
         **({"cum_wire_bytes_down": counters["cum_wire_bytes_down"], "cum_wire_bytes_up": counters["cum_wire_bytes_up"],
             "cum_wire_bytes_eval_down": counters["cum_wire_bytes_eval_down"],
             "cum_wire_mb": (counters["cum_wire_bytes_down"] + counters["cum_wire_bytes_up"]) / 1e6}

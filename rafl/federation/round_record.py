@@ -249,9 +249,15 @@ class RoundRecord:
         return (self.cum_bytes_up + self.cum_bytes_down) / 1e6
 
     @property
+    def accepted(self) -> int:
+        """The uploads the server accepted: :attr:`participated` - :attr:`rejected`."""
+        return self.participated - self.rejected
+
+    @property
     def bytes_up_per_client(self) -> float:
-        """:attr:`bytes_up` / :attr:`participated` (at least 1)."""
-        return self.bytes_up / max(1, self.participated)
+        """:attr:`bytes_up` (the accepted uploads' bytes) / :attr:`accepted` (at least 1); a refused
+        upload's bytes are in ``bytes_rejected``, not here."""
+        return self.bytes_up / max(1, self.accepted)
 
     @property
     def time_engine_s(self) -> float:
@@ -311,6 +317,8 @@ class RoundRecord:
             raise ValueError(f"a round's row without {', '.join(missing)}")
         record = cls(**kwargs, evaluation=RoundEvaluation.from_row(rest) if rest else None)
         for name, value in derived.items():
+            if name == "bytes_up_per_client" and value == record.bytes_up / max(1, record.participated):
+                continue  # a row written while this divided by every upload, refused ones included
             if getattr(record, name) != value:
                 raise ValueError(f"{name} is {value!r} in the row, but {getattr(record, name)!r} from its other values")
         return record
