@@ -76,7 +76,7 @@ SECONDS_PER_IMAGE_STEP = 0.013
 SECONDS_PER_SCORING = 3.2
 #: methods whose clients of one device tier deploy one model (the global set is scored once per tier
 #: and evaluation: ``Algorithm.evaluates_state_only``), and the config's tiers
-SHARED_MODELS = ("pretrained", "uniform+sbn", "uniform+sbn+m", "centralized")
+SHARED_MODELS = ("pretrained", "uniform+sbn", "uniform+sbn+m", "uniform+sbn+mean", "centralized")
 TIERS = 3
 #: the config's ``engine.eval_every``: evaluations happen every this many rounds (the floor's once)
 EVAL_EVERY = 10
@@ -87,7 +87,11 @@ MAX_EXTENSIONS = 2
 #: ``--methods`` entries beyond fair_headline's METHOD+VARIANT: their --set arguments
 MAP_VARIANTS = {"uniform+sbn": ("uniform", ["--set", "train.bn_statistics=server"]),
                 # FedAvgM (Hsu et al. 2019): server momentum 0.9, the paper's usual value, server lr 1
-                "uniform+sbn+m": ("uniform", ["--set", "train.bn_statistics=server", "--set", "algorithm.server_momentum=0.9"])}
+                "uniform+sbn+m": ("uniform", ["--set", "train.bn_statistics=server", "--set", "algorithm.server_momentum=0.9"]),
+                # the published aggregation rule (sample-weighted mean, McMahan et al. 2017) beside the default
+                # norm_clip every other row runs under (issue 56, item 7)
+                "uniform+sbn+mean": ("uniform", ["--set", "train.bn_statistics=server", "--set", "engine.aggregation=mean"]),
+                "fedgh+mean": ("fedgh", ["--set", "engine.aggregation=mean"])}
 PROTOCOLS = (("model.acc", "personalized"), ("model@global.acc", "global"), ("new", "new clients"))
 
 
@@ -288,7 +292,10 @@ def summarize(out: Path, pools: list[int], per: list[int], methods: list[str]) -
             for m, s in got.items():
                 if s is None:
                     continue
-                rec = {"mean": {k: (sum(v.values()) / len(v) if v else None) for k, v in s.items()}}
+                folder = cell_dir(out, pool, p, m)
+                row = json.loads((folder / "compare.json").read_text())["rows"][0]
+                rec = {"mean": {k: (sum(v.values()) / len(v) if v else None) for k, v in s.items()},
+                       "aggregation": fh.aggregation_rule(folder), "bn_statistics": row.get("bn_statistics", "-")}
                 for ref in ("pretrained", "standalone"):
                     if m == ref or got.get(ref) is None:
                         continue
@@ -319,16 +326,17 @@ def render(result: dict, results: Path, command: str) -> str:
              "over the clients both methods scored, in points: mean ± the 95 % Student's t half-width over the clients "
              "(t(0.975, n−1) × SE); `*` where the interval excludes 0. The (20,000, 1,500) cell is the fair headline's "
              "null result: no trained method beat the floor there.", "", "![gain per cell](where_federation_pays.png)", "",
-             "| pool | images / client | clients | method | personalized | global | new clients | vs floor: pers. | global "
-             "| new | vs standalone: pers. | global | new |", "|" + "---|" * 13]
+             "| pool | images / client | clients | method | aggregation | BN statistics | personalized | global | new clients "
+             "| vs floor: pers. | global | new | vs standalone: pers. | global | new |", "|" + "---|" * 15]
     for cell in result["cells"]:
         tag = " (null result)" if cell["null_result"] else ""
         for m, rec in cell["methods"].items():
             means = [f"{rec['mean'][k]:.3f}" if rec["mean"].get(k) is not None else "-" for k, _ in PROTOCOLS]
             gains = [_points((rec.get(f"vs_{ref}") or {}).get(k)) for ref in ("pretrained", "standalone")
                      for k, _ in PROTOCOLS]
+            rules = [rec.get("aggregation", "-"), rec.get("bn_statistics", "-")]
             lines.append(f"| {cell['pool']:,}{tag} | {cell['per_client']} | {cell['clients']} | {m} | "
-                         + " | ".join(means + gains) + " |")
+                         + " | ".join(rules + means + gains) + " |")
     text = "\n".join(lines) + "\n"
     (results / "where_federation_pays.md").write_text(text)
     (results / "where_federation_pays.json").write_text(json.dumps({**result, "command": command}, indent=2) + "\n")

@@ -101,7 +101,9 @@ def _fake(out, pool, per, method, accs, new):
     folder = wfp.cell_dir(out, pool, per, method)
     (folder / method.partition("+")[0]).mkdir(parents=True)
     alg = method.partition("+")[0]
-    (folder / "compare.json").write_text(json.dumps({"rows": [{"algorithm": alg}]}))
+    (folder / "compare.json").write_text(json.dumps({"rows": [{"algorithm": alg, "bn_statistics": "client"}]}))
+    if method == "fedgh":  # the comparison's recorded config: the rule it aggregated with
+        (folder / "config.yaml").write_text("engine:\n  aggregation: mean\n")
     clients = {str(i): {"model.acc": a, "model@global.acc": a - 0.1} for i, a in enumerate(accs)}
     (folder / alg / "summary.json").write_text(json.dumps({"clients": clients}))
     held = {str(10 + i): {"model.acc": a} for i, a in enumerate(new)}
@@ -125,5 +127,6 @@ def test_summary_and_figure_from_a_fake_result_set(tmp_path):
     new = cell["methods"]["fedgh"]["vs_standalone"]["new"]
     assert new[0] == pytest.approx(28.5) and new[2] == 2
     md = (results / "where_federation_pays.md").read_text()
-    assert "null result" in md and "| fedgh |" in md and "+28.5 ±" in md
+    assert "null result" in md and "| fedgh | mean | client |" in md and "| standalone | norm_clip | client |" in md
+    assert "+28.5 ±" in md and cell["methods"]["fedgh"]["aggregation"] == "mean"
     assert (results / "where_federation_pays.png").stat().st_size > 0
