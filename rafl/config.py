@@ -241,8 +241,9 @@ class TrainSection(_Strict):
     bn_statistics: Literal["client", "server", "local"] | None = Field(
         None, description="client, server, local or null: where the BatchNorm statistics of every deployed model come "
         "from -- re-estimated on the client's own training split (client), on the server's public pool (server), or "
-        "FedBN's local BN layers, never averaged (local); null: the method's own rule (averaged for fedavg, uniform, "
-        "heterofl, fedrolex; client for standalone, fedgh, fedtgp, fedproto, rafl; server for pretrained)")
+        "FedBN's local BN layers, never averaged (local); null: the method's own rule (averaged for fedavg, fedprox, "
+        "fednova, uniform, heterofl, fedrolex, feddf; client for standalone, fedgh, fedtgp, fedproto, rafl; server "
+        "for pretrained; pooled for centralized)")
 
     @field_validator("device")
     @classmethod

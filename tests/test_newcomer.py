@@ -170,6 +170,7 @@ BAD_INPUT = [
     ["search", "--device-profile", "pi4", "--out", "{tmp}/run"],
     # --build-lut over an existing file that is not a LUT (answered after torch loaded)
     ["profile", "--build-lut", "--device-profile", "pi4", "--out", "{tmp}/bad.yaml"],
+    ["profile", "--build-lut", "--device-profile", "pi4", "--out", "{tmp}/bad.yaml/lut.yaml"],  # parent: a file
 ]
 
 

@@ -10,6 +10,7 @@ import yaml
 from click.testing import CliRunner
 
 from rafl.cli import cli
+from rafl.errors import UserInputError
 from rafl.supernet.arch import SearchSpace
 
 SPACE = SearchSpace(width_mult=0.25)
@@ -290,3 +291,23 @@ def test_search_subnet_yaml_carries_its_space_else_the_error_says_pass_supernet(
                 str(tmp_path / "o"), "--no-measure"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "o" / "cost_report.json").read_text())["search_space"] == space.to_dict()
+
+
+def test_a_lut_out_that_cannot_take_a_lut_is_refused_before_any_measuring(tmp_path):
+    """Binary bytes, a folder, a parent that is a file: each one error naming --out (no traceback, no
+    minutes of measuring first); a new path (any case of the suffix) and an earlier LUT pass."""
+    from rafl.search.profile import LUT_FORMAT
+    from rafl.stages.profile_checks import check_lut_out
+
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(128, 256)))
+    (tmp_path / "folder.yaml").mkdir()
+    (tmp_path / "file").write_text("x\n")
+    for out, says in ((tmp_path / "binary.yaml", "is not a latency LUT"), (tmp_path / "folder.yaml", "is a folder"),
+                      (tmp_path / "file" / "lut.yaml", "is a file"), (tmp_path / "lut.txt", "must end in .yaml")):
+        with pytest.raises(UserInputError, match=says) as err:
+            check_lut_out(out)
+        assert err.value.field == "--out"
+    (tmp_path / "old.yaml").write_text(f"format: {LUT_FORMAT}\nentries: {{}}\n")
+    for out in (tmp_path / "old.yaml", tmp_path / "new" / "LUT.YAML"):
+        check_lut_out(out)
+    assert not (tmp_path / "new").exists()  # nothing made by the check

@@ -19,7 +19,7 @@ import yaml
 
 from rafl.errors import UserInputError
 from rafl.folders import OnceKind
-from rafl.io import load_yaml, read_json_file, read_text_file
+from rafl.io import check_output_dir, load_yaml, read_json_file, read_text_file
 from rafl.search.profile import LUT_FORMAT
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -180,20 +180,25 @@ def check_report(out: Path, *, arch_text: str | None = None, model_path: Path | 
 
 def check_lut_out(out: Path) -> None:
     """``out`` can take a latency LUT: a ``.yaml``/``.yml`` path that is new or an earlier LUT (a YAML
-    mapping tagged ``format: rafl-latency-lut/1``, :data:`rafl.search.profile.LUT_FORMAT`); a rebuilt LUT
-    replaces only an earlier one.
+    mapping tagged ``format: rafl-latency-lut/1``, :data:`rafl.search.profile.LUT_FORMAT`), in a folder
+    that exists or can be made; a rebuilt LUT replaces only an earlier one.
 
     Raises:
-        UserInputError: (field ``--out``) another suffix, a folder, or an existing file that is not a LUT.
+        UserInputError: (field ``--out``) another suffix, a folder, an existing file that is not a LUT,
+            or a parent that is a file or does not accept new files.
     """
-    if out.suffix not in (".yaml", ".yml"):
+    if out.suffix.lower() not in (".yaml", ".yml"):
         raise UserInputError("with --build-lut, --out is the LUT file and must end in .yaml/.yml",
                              source=out, field="--out")
+    if out.is_dir():
+        raise UserInputError("is a folder; with --build-lut, --out is the LUT file (a .yaml/.yml path)",
+                             source=out, field="--out")
+    check_output_dir(out.parent, "--out")
     if not out.exists():
         return
     try:
-        data = load_yaml(read_text_file(out), out) if out.is_file() else None
-    except (UserInputError, yaml.YAMLError):  # not YAML, or over a limit: not a LUT either
+        data = load_yaml(read_text_file(out), out)
+    except (UserInputError, yaml.YAMLError, UnicodeDecodeError):  # unreadable, not YAML, not text: not a LUT
         data = None
     if not isinstance(data, dict) or data.get("format") != LUT_FORMAT:
         raise UserInputError("exists and is not a latency LUT (--build-lut replaces only an earlier LUT); "
