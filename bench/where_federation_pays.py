@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fair_headline as fh  # noqa: E402
 
+from rafl.federation.catalog import method_catalog  # noqa: E402
 from rafl.reports.stats import Interval, format_points, paired_interval  # noqa: E402
 
 ROOT = fh.ROOT
@@ -67,6 +68,8 @@ NULL_CELL = (20000, 1500)
 TRAIN_SHARE = 0.9
 #: the smallest client partition.min_samples allows (the config's)
 MIN_SAMPLES = 20
+#: the fewest clients a cell may have: with 20 % held out, at least one new client and four that train
+MIN_CLIENTS = 5
 #: CPU seconds per image-step of local training on one core, measured: the 450-image cell's final runs
 #: (``where_federation_pays_runs/pool5000-pc450``, ``time_client_update_s`` over the sampled clients'
 #: training images: standalone 0.008, FedAvg 0.005, FedGH 0.018, RaFL+kw1 0.019), their mean
@@ -128,12 +131,21 @@ def check_args(args) -> tuple[list[int], list[int], list[str]]:
     if args.htfl not in HTFL:
         die(f"--htfl: {args.htfl!r}; allowed: {', '.join(HTFL)}")
     methods = [m.strip() for m in args.methods.replace("HTFL", args.htfl).split(",") if m.strip()]
+    catalog = method_catalog()  # the registered methods and their hyperparameters, read without torch
     for m in methods:
         if m in MAP_VARIANTS:
             continue
         algorithm, _, variant = m.partition("+")
+        if algorithm not in catalog:
+            die(f"--methods: unknown algorithm {algorithm!r} in {m!r}; allowed: {', '.join(catalog)}, or one of "
+                f"{', '.join(MAP_VARIANTS)}")
         if variant and variant not in fh.VARIANTS:
-            die(f"--methods: unknown variant {variant!r} in {m!r}; allowed: {', '.join([*fh.VARIANTS, *MAP_VARIANTS])}")
+            die(f"--methods: unknown variant {variant!r} in {m!r}; allowed: METHOD+VARIANT with VARIANT one of "
+                f"{', '.join(fh.VARIANTS)}, or one of {', '.join(MAP_VARIANTS)}")
+        missing = [k for k in fh.VARIANTS.get(variant, {}) if k not in catalog[algorithm]]
+        if missing:
+            die(f"--methods: {m!r}: {algorithm} has no hyperparameter {', '.join(missing)}; allowed: the variant "
+                f"on a method that has it ({', '.join(f'{v}: {sorted(h)}' for v, h in fh.VARIANTS.items())})")
     if "pretrained" not in methods or "standalone" not in methods:
         die("--methods: the map's references pretrained and standalone must be in it")
     if args.lr_from is not None and args.lr_from not in per:
@@ -141,9 +153,25 @@ def check_args(args) -> tuple[list[int], list[int], list[str]]:
     if args.rounds < 1 or not 0 < args.participation <= 1:
         die(f"--rounds {args.rounds} / --participation {args.participation}: allowed: rounds >= 1, participation "
             "in (0, 1]")
+    if not (math.isfinite(args.alpha) and args.alpha > 0) or args.local_epochs < 1:
+        die(f"--alpha {args.alpha} / --local-epochs {args.local_epochs}: allowed: alpha a finite number > 0, "
+            "local epochs >= 1")
+    try:
+        grid = [float(v) for v in args.grid.split(",")]
+    except ValueError:
+        grid = []
+    if not grid or not all(math.isfinite(v) and v > 0 for v in grid):
+        die(f"--grid {args.grid!r}: allowed: comma-separated learning rates, each a finite number > 0")
+    for kv in args.set:
+        if "=" not in kv or not kv.partition("=")[0].strip():
+            die(f"--set {kv!r}: allowed: KEY=VALUE (a run-config key, as rafl compare --set)")
     for pool in pools:
         for p in per:
             n = cell_clients(pool, p)
+            if n < MIN_CLIENTS:
+                most = POOLS[pool][2] * TRAIN_SHARE // MIN_CLIENTS
+                die(f"cell (pool {pool}, {p} per client): {n} client(s); allowed: --per-client <= {most:g} "
+                    f"({MIN_CLIENTS} clients or more: 20 % of them are new clients)")
             need = n * MIN_SAMPLES
             if need > POOLS[pool][2]:
                 die(f"cell (pool {pool}, {p} per client): {n} clients x partition.min_samples {MIN_SAMPLES} = {need} > "
@@ -280,6 +308,18 @@ def scores(folder: Path) -> dict[str, dict[str, float]] | None:
             "new": new_clients(folder, row)}
 
 
+#: methods whose server merges no uploads: their rows have no aggregation rule
+NO_AGGREGATION = ("pretrained", "standalone")
+
+
+def aggregation(folder: Path, algorithm: str) -> str:
+    """The aggregation rule the comparison in ``folder`` ran under (``engine.aggregation`` of its
+    ``config.yaml``), ``-`` for a method that aggregates nothing, ``unknown`` without a config."""
+    if algorithm in NO_AGGREGATION:
+        return "-"
+    return fh.aggregation_rule(folder) if (folder / "config.yaml").is_file() else "unknown"
+
+
 def summarize(out: Path, pools: list[int], per: list[int], methods: list[str]) -> dict:
     """The map's JSON: per cell, method and protocol the mean over clients and the paired gains (points,
     ``[mean, half-width, n]``) over the floor and over standalone."""
@@ -295,7 +335,8 @@ def summarize(out: Path, pools: list[int], per: list[int], methods: list[str]) -
                 folder = cell_dir(out, pool, p, m)
                 row = json.loads((folder / "compare.json").read_text())["rows"][0]
                 rec = {"mean": {k: (sum(v.values()) / len(v) if v else None) for k, v in s.items()},
-                       "aggregation": fh.aggregation_rule(folder), "bn_statistics": row.get("bn_statistics", "-")}
+                       "aggregation": aggregation(folder, row["algorithm"]),
+                       "bn_statistics": row.get("bn_statistics", "-")}
                 for ref in ("pretrained", "standalone"):
                     if m == ref or got.get(ref) is None:
                         continue
@@ -412,7 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/where_federation_pays.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.from_dir is not None:
         args.out = args.from_dir
-        print(render(summarize(args.out, pools, per, methods), args.results, command))
+        result = summarize(args.out, pools, per, methods)
+        if not any(cell["methods"] for cell in result["cells"]):
+            die(f"--from {args.from_dir}: no finished comparison of these cells and methods (a folder of "
+                "pool*-pc*/METHOD/compare.json, as --out writes); nothing written")
+        print(render(result, args.results, command))
         return 0
     hours = budget(pools, per, methods, args)
     print(f"budget estimate: {hours:.1f} CPU hours ({len(pools) * len(per)} cells x {len(methods)} methods, "

@@ -24,6 +24,15 @@ import where_federation_pays as wfp  # noqa: E402
     (["--methods", "pretrained,standalone,rafl+wide"], "unknown variant 'wide'"),
     (["--participation", "0"], "allowed: rounds >= 1, participation in (0, 1]"),
     (["--data-root", "/nonexistent/cifar10"], "--data-root /nonexistent/cifar10: no such file or folder"),
+    (["--methods", "pretrained,standalone,fedgx"], "unknown algorithm 'fedgx'"),
+    (["--methods", "pretrained,standalone,fedgh+kw1"], "'fedgh+kw1': fedgh has no hyperparameter knowledge_width"),
+    (["--alpha", "nan"], "allowed: alpha a finite number > 0"),
+    (["--local-epochs", "0"], "local epochs >= 1"),
+    (["--grid", "abc"], "--grid 'abc': allowed: comma-separated learning rates"),
+    (["--grid", "0.01,-1"], "each a finite number > 0"),
+    (["--set", "bogus"], "--set 'bogus': allowed: KEY=VALUE"),
+    (["--per-client", "30000"], "allowed: --per-client <= 9000"),
+    (["--from", "/nonexistent/runs"], "--from /nonexistent/runs: no finished comparison"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, argv, match):
     res = subprocess.run([sys.executable, str(REPO / "bench" / "where_federation_pays.py"), "--out", str(tmp_path / "o"),
@@ -127,6 +136,6 @@ def test_summary_and_figure_from_a_fake_result_set(tmp_path):
     new = cell["methods"]["fedgh"]["vs_standalone"]["new"]
     assert new[0] == pytest.approx(28.5) and new[2] == 2
     md = (results / "where_federation_pays.md").read_text()
-    assert "null result" in md and "| fedgh | mean | client |" in md and "| standalone | norm_clip | client |" in md
+    assert "null result" in md and "| fedgh | mean | client |" in md and "| standalone | - | client |" in md
     assert "+28.5 ±" in md and cell["methods"]["fedgh"]["aggregation"] == "mean"
     assert (results / "where_federation_pays.png").stat().st_size > 0
