@@ -297,6 +297,16 @@ class RunConfig(_Strict):
                              f"out 1..{max(c.n - 1, 0)} of the {c.n} clients")
         return self
 
+    @model_validator(mode="after")
+    def _server_statistics_need_a_pool(self) -> RunConfig:
+        """``train.bn_statistics: server`` re-estimates on the server's public pool: a run without one
+        is refused here, before any data is read (the run would refuse it after building)."""
+        if self.train.bn_statistics == "server" and self.partition.public_fraction == 0:
+            raise ValueError("train.bn_statistics is server (statistics re-estimated on the server's public pool) "
+                             "and partition.public_fraction is 0 (no pool); allowed: train.bn_statistics client, "
+                             "local or null, or partition.public_fraction > 0")
+        return self
+
     def resolved(self) -> dict[str, Any]:
         """Plain dict with every default filled in (what ``config.yaml`` holds)."""
         out = self.model_dump(mode="json")

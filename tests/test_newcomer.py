@@ -159,6 +159,8 @@ BAD_INPUT = [
     ["federate", "--set", "partition.scheme=pathological"],
     ["federate", "--set", "partition.public_fraction=0"],
     ["federate", "--set", "data.dataset=cifar10"],
+    # server BN statistics without a server pool (refused after the data and the federation were built)
+    ["federate", "--set", "partition.public_fraction=0", "--set", "train.bn_statistics=server"],
     ["compare", "--out", "{tmp}/c", "--algorithms", "rafl,fedx"],
     ["compare", "--out", "{tmp}/c", "--set", "engine.backend=flower"],
     ["profile", "--device-profile", "pi4", "--arch", "r32_k9e9", "--out", "{tmp}/c"],
