@@ -365,3 +365,16 @@ def test_compare_with_workers_stops_on_sigterm_and_says_how_to_resume(tmp_path, 
     assert err.rstrip().endswith(f"interrupted: finished methods and complete rounds are kept in {out}; continue "
                                  f"with: rafl compare --resume {out}"), err
     assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+
+
+def test_the_commands_that_take_a_shipped_supernet_name_every_one():
+    """`rafl search --supernet`, `rafl profile --supernet` and `rafl supernet info` list every shipped
+    supernet's name (the cross-device examples use cifar10-proxy5k)."""
+    from rafl.cli import cli
+    from rafl.supernet.pretrained import PRETRAINED
+
+    for path in ("search", "profile", "supernet info"):
+        cmd = _commands()[path][1]
+        with click.Context(cmd, info_name=f"rafl {path}", parent=click.Context(cli, info_name="rafl")) as ctx:
+            text = " ".join(cmd.get_help(ctx).split())
+        assert all(name in text for name in PRETRAINED), (path, text)

@@ -22,7 +22,7 @@ from rafl.supernet.arch import N_CLASSES_MAX, N_CLASSES_MIN, WIDTH_MULT_MAX, WID
                    ".pt state dict together with --arch.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
               help="Supernet folder, `quickstart` (the cached quickstart supernet) or a shipped one by name: "
-                   "cifar10. Its search space (and "
+                   "cifar10 or cifar10-proxy5k. Its search space (and "
                    "weights) are used. --build-lut without it (and without --width-mult/--n-classes) measures "
                    "the quickstart supernet's space.")
 @click.option("--width-mult", type=FiniteFloatRange(min=WIDTH_MULT_MIN, max=WIDTH_MULT_MAX), default=1.0,
@@ -44,7 +44,7 @@ from rafl.supernet.arch import N_CLASSES_MAX, N_CLASSES_MIN, WIDTH_MULT_MAX, WID
               help="torch threads while measuring latency.")
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True, help="Untimed warm-up runs.")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Timed repeats at batch 1 (median and p90 reported; the LUT keeps the median); the "
+              help="Timed repeats at batch 1 (median and p90 reported; the LUT keeps the --statistic); the "
                    "training-batch measurement uses half as many (at least 3) and half the warm-up.")
 @click.option("--clock", type=click.Choice(["wall", "thread"]), default="wall", show_default=True,
               help="LUT timing clock: wall clock (a quiet device), or the thread's CPU time (a shared, "

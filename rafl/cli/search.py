@@ -38,7 +38,7 @@ def _check_data(supernet_dir: Path, data_root: Path | None) -> None:
               help="Shipped profile name (pi4, jetson-nano, ...; or its file name pi4.yaml, from any folder) or a YAML "
                    "path; repeat for several.")
 @click.option("--supernet", "supernet_dir", type=click.Path(path_type=Path), default=None,
-              help="Supernet folder from `rafl supernet train`, or a shipped one by name: cifar10 "
+              help="Supernet folder from `rafl supernet train`, or a shipped one by name: cifar10 or cifar10-proxy5k "
                    "[default: the quickstart supernet on digits, trained once and cached].")
 @data_root_option("The dataset the supernet was trained on: its server validation split scores the subnets "
                   "(replaces the data root recorded in the supernet's training config).")

@@ -96,7 +96,7 @@ def info(path: Path) -> None:
     """Describe a trained supernet: search space, feature width D, size, metrics.
 
     PATH is a `rafl supernet train` run folder (or its supernet.json), or the name of a shipped
-    supernet (cifar10).
+    supernet (cifar10, cifar10-proxy5k).
     """
     from rich.console import Console
     from rich.table import Table
