@@ -246,6 +246,22 @@ def tuned_grid(folder: Path) -> list[float]:
     return [float(t["hparams"]["lr"]) for t in trials]
 
 
+def tried_grid(folder: Path, grid: list[float]) -> list[float]:
+    """``grid`` followed by the learning rates an interrupted tuning in ``folder`` had tried beyond it
+    (its ``tune/trial*/config.yaml``, in trial order): a resumed tuning starts from the grid it reached."""
+    import yaml  # only a resumed tuning reads trial configs
+
+    out = list(grid)
+    trials = sorted((folder / "tune").glob("trial*/config.yaml"), key=lambda f: int(f.parent.name[5:] or 0))
+    for path in trials:
+        algorithms = (yaml.safe_load(path.read_text()) or {}).get("algorithms") or {}
+        for hp in algorithms.values():
+            lr = float(hp["lr"]) if isinstance(hp, dict) and "lr" in hp else None
+            if lr is not None and not any(math.isclose(lr, v) for v in out):
+                out.append(lr)
+    return out
+
+
 def wider(grid: list[float], pick: float) -> list[float] | None:
     """``grid`` with the next :data:`LADDER` value beyond ``pick`` appended when ``pick`` is the grid's
     lowest or highest value (and the ladder goes on), else None: the pick is inside the grid."""
@@ -274,12 +290,17 @@ def run_cell(args, pool: int, per: int, method: str) -> None:
         lr = picked_lr(cell_dir(args.out, pool, args.lr_from, method))
         fh.compare(args, folder, algorithm, ["--set", f"algorithm.lr={lr}", *rest])
         return
-    grid = [float(v) for v in args.grid.split(",")]
-    for _ in range(MAX_EXTENSIONS + 1):
+    start = [float(v) for v in args.grid.split(",")]
+    grid = tried_grid(folder, start)
+    while True:
         fh.compare(args, folder, algorithm, ["--tune", "lr=" + ",".join(f"{v:g}" for v in grid), *rest])
         grid = tuned_grid(folder)
         grown = wider(grid, picked_lr(folder))
         if grown is None:
+            return
+        if len(grid) - len(start) >= MAX_EXTENSIONS:  # the final run at the edge pick stays
+            print(f"  {folder}: pick {picked_lr(folder):g} at the edge of {grid} after {MAX_EXTENSIONS} extensions; "
+                  "kept", flush=True)
             return
         print(f"  {folder}: pick {picked_lr(folder):g} at the edge of {grid}; the grid extended to {grown}", flush=True)
         for item in folder.iterdir():  # the final run is made again at the new pick; the trials stay

@@ -139,3 +139,43 @@ def test_summary_and_figure_from_a_fake_result_set(tmp_path):
     assert "null result" in md and "| fedgh | mean | client |" in md and "| standalone | - | client |" in md
     assert "+28.5 ±" in md and cell["methods"]["fedgh"]["aggregation"] == "mean"
     assert (results / "where_federation_pays.png").stat().st_size > 0
+
+
+def test_a_tuning_at_the_grids_edge_extends_it_at_most_twice_and_keeps_its_last_final_run(tmp_path, monkeypatch):
+    """A pick always at the low edge: the grid grows by 0.003 and 0.001, and the third tuning's final
+    run stays (it was deleted with nothing run after it); a resumed folder starts from the grid its
+    trials reached, not from --grid."""
+    calls = []
+
+    def compare(args, folder, algorithm, extra):
+        grid = [float(v) for v in extra[extra.index("--tune") + 1].removeprefix("lr=").split(",")]
+        calls.append(grid)
+        for i, lr in enumerate(grid):
+            trial = folder / "tune" / f"trial{i}"
+            trial.mkdir(parents=True, exist_ok=True)
+            (trial / "config.yaml").write_text(f"algorithms:\n  {algorithm}:\n    lr: {lr}\n")
+        pick = grid.index(min(grid))
+        (folder / "tune.json").write_text(json.dumps({"picked": {algorithm: {"trial": pick}},
+                                                      "trials": {algorithm: [{"hparams": {"lr": v}} for v in grid]}}))
+        (folder / "compare.json").write_text("{}")
+
+    monkeypatch.setattr(wfp.fh, "compare", compare)
+
+    class A:
+        out, grid, lr_from, htfl = tmp_path, "0.01,0.03,0.1", None, "fedgh"
+        rounds, participation, alpha, seed, local_epochs = 20, 0.1, 0.1, 0, 1
+
+    wfp.run_cell(A(), 5000, 450, "standalone")
+    assert calls == [[0.01, 0.03, 0.1], [0.01, 0.03, 0.1, 0.003], [0.01, 0.03, 0.1, 0.003, 0.001]]
+    folder = wfp.cell_dir(tmp_path, 5000, 450, "standalone")
+    assert (folder / "compare.json").is_file() and wfp.picked_lr(folder) == 0.001
+    # interrupted after the first extension's trials: the resumed tuning starts from the 4-value grid
+    (folder / "compare.json").unlink()
+    (folder / "tune.json").unlink()
+    for trial in ("trial4",):
+        for f in (folder / "tune" / trial).iterdir():
+            f.unlink()
+        (folder / "tune" / trial).rmdir()
+    calls.clear()
+    wfp.run_cell(A(), 5000, 450, "standalone")
+    assert calls[0] == [0.01, 0.03, 0.1, 0.003] and len(calls) == 2
