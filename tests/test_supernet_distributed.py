@@ -72,12 +72,15 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch(tmp_path):
         # BatchNorm's running statistics are float32 sums over N*H*W terms taken in another order
         # (the native kernel on 8 rows vs two shards of 4 summed): their rounding error scales with
         # the statistic (running_var up to ~5 here), so they are compared relative to their size.
-        # Here the largest gap is 1.9e-6; on another CPU's kernels it exceeded 1e-5 absolute on a
-        # running_var of 4.8 (equal to 4 decimals). Weights agree to ~1e-7.
+        # Here the largest gap is 1.9e-6; on other CPUs' kernels it exceeded 1e-5 absolute on a
+        # running_var of 4.8 and 2.7e-5 on one of about 1.6. A float32 sum of n = 8 x 32 x 32 terms in
+        # another order differs by up to ~n x eps (5e-4) relative, by ~sqrt(n) x eps (5e-6) typically,
+        # compounded over the steps' running averages: 1e-4 relative bounds that; a wrong reduction
+        # (a missing shard, a mean over the wrong count) is off by tens of percent. Weights agree to ~1e-7.
         stat = key.endswith(("running_mean", "running_var"))
         x, y = a[key].double(), b[key].double()
         gap = (x - y).abs().max().item() if x.numel() else 0.0
-        assert torch.allclose(x, y, atol=1e-5, rtol=1e-5 if stat else 0), f"{key}: largest gap {gap:.3g}"
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-4 if stat else 0), f"{key}: largest gap {gap:.3g}"
     m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
     m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
     for p1, p2 in zip(m1["phases"], m2["phases"], strict=True):  # global loss and accuracy, summed over ranks

@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 from rafl.errors import UserInputError
-from rafl.folders import OnceKind
-from rafl.io import check_output_dir, load_yaml, read_json_file, read_text_file
+from rafl.folders import OnceKind, check_creatable
+from rafl.io import load_yaml, read_json_file, read_text_file
 from rafl.search.profile import LUT_FORMAT
 from rafl.supernet.arch import ArchConfig, SearchSpace
 
@@ -193,7 +193,7 @@ def check_lut_out(out: Path) -> None:
     if out.is_dir():
         raise UserInputError("is a folder; with --build-lut, --out is the LUT file (a .yaml/.yml path)",
                              source=out, field="--out")
-    check_output_dir(out.parent, "--out")
+    check_creatable(out.parent, "--out")
     if not out.exists():
         return
     try:
